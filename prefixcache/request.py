@@ -109,3 +109,23 @@ class StreamDelta:
     new_logprobs: list[dict[int, float]] | None = None
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
+    # Set on the first delta when the request asked for an explanation of its hit or miss.
+    cache_info: CacheExplanation | None = None
+
+
+@dataclass(frozen=True)
+class CacheExplanation:
+    """Why a prompt hit or missed the prefix cache, computed when it was admitted.
+
+    reason is one of: "full_hit" (every full block cached), "no_prior_request" (nothing with this
+    prefix was ever cached in the namespace), "evicted" (it was cached, then evicted),
+    "diverged" (an earlier prompt shared the first ``first_uncached_position`` tokens, then
+    differed), "other_namespace" (the blocks exist, but under another namespace),
+    "partial_block" (only the tail, shorter than a block, is uncached: it is never cached),
+    "caching_disabled".
+    """
+
+    cached_tokens: int
+    first_uncached_position: int
+    reason: str
+    diverged_at: int | None = None
