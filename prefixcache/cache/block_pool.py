@@ -1,0 +1,203 @@
+"""Block pool: ref counts, the free list, and LRU eviction of cached blocks (DESIGN.md §4).
+
+    free ──allocate──▶ in use (ref ≥ 1) ──last ref released──▶ cached (ref 0, LRU) ──evict──▶ free
+                              ▲                                   │
+                              └──── cache hit (acquire): ref 0 → 1, leaves the LRU ──┘
+
+Every block is in exactly one of: ``_free`` (ref 0, no key), ``_lru`` (ref 0, key, evictable),
+``_pinned_idle`` (ref 0, key, pinned until a deadline), or in use (ref ≥ 1). Allocation takes
+free blocks first and evicts from the front of the LRU only when none are left. Releasing a
+block table walks it backwards, so among blocks freed together the tail of a sequence is evicted
+before its head (its head is the part other requests are most likely to share).
+
+Pure Python, no tensors: block ids index the KV tensors owned by ``kv/pool.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from prefixcache.cache.hashing import BlockHash
+from prefixcache.cache.prefix_index import PrefixIndex, PrefixMatch
+
+
+@dataclass(frozen=True)
+class PoolCounts:
+    free: int
+    cached: int
+    in_use: int
+    pinned: int
+    total: int
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, max_pinned_blocks: int | None = None):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_pinned_blocks = num_blocks if max_pinned_blocks is None else max_pinned_blocks
+        self.index = PrefixIndex(block_size)
+        self._ref = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._lru: OrderedDict[int, None] = OrderedDict()  # front = evicted first
+        self._pinned_until: dict[int, float] = {}  # block id -> deadline (time.monotonic)
+        self._pinned_idle: set[int] = set()
+        self.evicted_blocks = 0
+
+    # ---- queries ----------------------------------------------------------------------------
+    def counts(self) -> PoolCounts:
+        cached = len(self._lru) + len(self._pinned_idle)
+        free = len(self._free)
+        return PoolCounts(
+            free, cached, self.num_blocks - free - cached, len(self._pinned_until), self.num_blocks
+        )
+
+    @property
+    def num_allocatable(self) -> int:
+        """Blocks an allocation can take now: free ones plus evictable cached ones."""
+        return len(self._free) + len(self._lru)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def match(self, keys: Sequence[BlockHash], token_ids: Sequence[int], root: BlockHash) -> PrefixMatch:
+        """Cached leading blocks of a prompt. Does not modify the pool; acquire before allocating."""
+        return self.index.match(keys, token_ids, root)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def acquire(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on cached or in-use blocks (a cache hit)."""
+        for b in block_ids:
+            if self._ref[b] == 0:
+                if b in self._lru:
+                    del self._lru[b]
+                elif b in self._pinned_idle:
+                    self._pinned_idle.remove(b)
+                else:
+                    raise AssertionError(f"acquire of block {b} that is free (not cached)")
+            self._ref[b] += 1
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` fresh blocks with ref 1, or None (and no change) if fewer can be had."""
+        if n > self.num_allocatable:
+            return None
+        out: list[int] = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.popleft()
+            else:
+                b, _ = self._lru.popitem(last=False)
+                self.index.remove_block(b, evicted=True)
+                self.evicted_blocks += 1
+            self._ref[b] = 1
+            out.append(b)
+        return out
+
+    def register(
+        self,
+        block_id: int,
+        key: BlockHash,
+        parent: BlockHash,
+        token_ids: Sequence[int],
+        namespace: str | None,
+    ) -> int:
+        """Make a full, computed, in-use block findable by its key. Returns the block holding it."""
+        assert self._ref[block_id] >= 1, "only in-use blocks are registered"
+        return self.index.insert(key, block_id, parent, token_ids, namespace)
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block; walks backwards so the tail is evicted first."""
+        for b in reversed(block_ids):
+            assert self._ref[b] > 0, f"release of block {b} with ref 0"
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._park(b)
+
+    def _park(self, b: int) -> None:
+        if self.index.key_of(b) is None:
+            self._free.append(b)
+        elif b in self._pinned_until:
+            self._pinned_idle.add(b)
+        else:
+            self._lru[b] = None
+
+    # ---- pins, invalidation -----------------------------------------------------------------
+    def pin(self, block_ids: Sequence[int], ttl_seconds: float | None, now: float | None = None) -> int:
+        """Keep cached blocks from eviction until the TTL ends (None: until unpinned).
+
+        Raises ValueError if the pin budget would be exceeded. Returns the number pinned.
+        """
+        now = time.monotonic() if now is None else now
+        new = [b for b in dict.fromkeys(block_ids) if b not in self._pinned_until]
+        if len(self._pinned_until) + len(new) > self.max_pinned_blocks:
+            raise ValueError(
+                f"pin budget exceeded: {len(self._pinned_until)} pinned + {len(new)} new > "
+                f"{self.max_pinned_blocks} blocks allowed"
+            )
+        deadline = float("inf") if ttl_seconds is None else now + ttl_seconds
+        for b in dict.fromkeys(block_ids):
+            if self.index.key_of(b) is None:
+                raise ValueError(f"block {b} holds no cached content and cannot be pinned")
+            self._pinned_until[b] = max(deadline, self._pinned_until.get(b, 0.0))
+            if b in self._lru:
+                del self._lru[b]
+                self._pinned_idle.add(b)
+        return len(new)
+
+    def expire_pins(self, now: float | None = None) -> int:
+        """Unpin blocks whose deadline passed; idle ones become evictable (most recent end)."""
+        now = time.monotonic() if now is None else now
+        expired = [b for b, t in self._pinned_until.items() if t <= now]
+        for b in expired:
+            self._unpin(b)
+        return len(expired)
+
+    def _unpin(self, b: int) -> None:
+        del self._pinned_until[b]
+        if b in self._pinned_idle:
+            self._pinned_idle.remove(b)
+            self._lru[b] = None
+
+    def invalidate(self, namespace: str | None, all_namespaces: bool = False) -> int:
+        """Drop cached content of a namespace (or all). In-use blocks lose their key now and
+        return to the free list when released. Returns the number of blocks dropped."""
+        blocks = self.index.all_blocks() if all_namespaces else self.index.blocks_in_namespace(namespace)
+        for b in blocks:
+            if b in self._pinned_until:
+                self._unpin(b)
+            self.index.remove_block(b, evicted=False)
+            if self._ref[b] == 0:
+                del self._lru[b]
+                self._free.append(b)
+        return len(blocks)
+
+    # ---- invariants -------------------------------------------------------------------------
+    def check_integrity(self, live_block_tables: Iterable[Sequence[int]] | None = None) -> None:
+        """free + cached + in use == total; sets disjoint; ref counts match live block tables."""
+        free, lru, idle = set(self._free), set(self._lru), self._pinned_idle
+        assert len(free) == len(self._free), "duplicate in free list"
+        assert not (free & lru) and not (free & idle) and not (lru & idle), "block in two lists"
+        in_use = {b for b in range(self.num_blocks) if self._ref[b] > 0}
+        assert not (in_use & (free | lru | idle)), "referenced block is parked"
+        assert len(free) + len(lru) + len(idle) + len(in_use) == self.num_blocks, "blocks lost"
+        for b in free:
+            assert self.index.key_of(b) is None, f"free block {b} still indexed"
+        for b in lru | idle:
+            assert self.index.key_of(b) is not None, f"cached block {b} has no key"
+        for b in idle:
+            assert b in self._pinned_until, f"pinned-idle block {b} is not pinned"
+        assert len(self._pinned_until) <= self.max_pinned_blocks, "pin budget exceeded"
+        self.index.check_integrity()
+        if live_block_tables is not None:
+            expected = [0] * self.num_blocks
+            for table in live_block_tables:
+                for b in table:
+                    expected[b] += 1
+            for b in range(self.num_blocks):
+                assert expected[b] == self._ref[b], (
+                    f"block {b}: ref {self._ref[b]} but {expected[b]} live references"
+                )

@@ -1,0 +1,136 @@
+"""Content-addressed index: block key -> block id, with the facts needed to explain a miss.
+
+Contracts:
+- ``match`` does not modify the index. The caller must ``acquire`` the returned block ids in the
+  block pool before the next allocation, or they may be evicted and reused.
+- A hit compares the stored token ids and parent key, so a hash collision can never serve the
+  KV of different tokens (the check costs a tuple compare per block).
+- Evicted keys are remembered (bounded) only to tell "evicted" from "never seen" in explanations.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prefixcache.cache.hashing import BlockHash
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    block_id: int
+    parent: BlockHash
+    token_ids: tuple[int, ...]
+    namespace: str | None
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Leading full blocks of a prompt that are cached, in order."""
+
+    block_ids: list[int]
+    num_tokens: int
+
+
+class PrefixIndex:
+    def __init__(self, block_size: int, evicted_memory: int = 65536) -> None:
+        self.block_size = block_size
+        self._entries: dict[BlockHash, IndexEntry] = {}
+        self._key_of_block: dict[int, BlockHash] = {}
+        # parent key -> child keys; lets an explanation find where a prompt diverged.
+        self._children: dict[BlockHash, set[BlockHash]] = {}
+        self._evicted: OrderedDict[BlockHash, None] = OrderedDict()
+        self._evicted_memory = evicted_memory
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: BlockHash) -> bool:
+        return key in self._entries
+
+    def key_of(self, block_id: int) -> BlockHash | None:
+        return self._key_of_block.get(block_id)
+
+    def entry(self, key: BlockHash) -> IndexEntry | None:
+        return self._entries.get(key)
+
+    def namespace_of(self, block_id: int) -> str | None:
+        key = self._key_of_block.get(block_id)
+        return None if key is None else self._entries[key].namespace
+
+    def match(
+        self, keys: Sequence[BlockHash], token_ids: Sequence[int], root: BlockHash
+    ) -> PrefixMatch:
+        """Longest run of leading blocks whose key and stored tokens both match. No side effects."""
+        b = self.block_size
+        ids: list[int] = []
+        parent = root
+        for i, key in enumerate(keys):
+            e = self._entries.get(key)
+            if e is None or e.parent != parent or e.token_ids != tuple(token_ids[i * b : (i + 1) * b]):
+                break
+            ids.append(e.block_id)
+            parent = key
+        return PrefixMatch(ids, len(ids) * b)
+
+    def insert(
+        self,
+        key: BlockHash,
+        block_id: int,
+        parent: BlockHash,
+        token_ids: Sequence[int],
+        namespace: str | None,
+    ) -> int:
+        """Record that ``block_id`` holds the KV named by ``key``; returns the block that does.
+
+        If another block already holds this key (two requests computed the same block at once),
+        the existing one stays the cached copy and its id is returned; ``block_id`` stays private.
+        """
+        existing = self._entries.get(key)
+        if existing is not None:
+            return existing.block_id
+        assert block_id not in self._key_of_block, f"block {block_id} already indexed"
+        self._entries[key] = IndexEntry(block_id, parent, tuple(token_ids), namespace)
+        self._key_of_block[block_id] = key
+        self._children.setdefault(parent, set()).add(key)
+        self._evicted.pop(key, None)
+        return block_id
+
+    def remove_block(self, block_id: int, evicted: bool) -> BlockHash | None:
+        """Forget the key a block holds (eviction or invalidation). Returns the key, if any."""
+        key = self._key_of_block.pop(block_id, None)
+        if key is None:
+            return None
+        e = self._entries.pop(key)
+        kids = self._children.get(e.parent)
+        if kids is not None:
+            kids.discard(key)
+            if not kids:
+                del self._children[e.parent]
+        if evicted:
+            self._evicted[key] = None
+            if len(self._evicted) > self._evicted_memory:
+                self._evicted.popitem(last=False)
+        return key
+
+    def blocks_in_namespace(self, namespace: str | None) -> list[int]:
+        return [e.block_id for e in self._entries.values() if e.namespace == namespace]
+
+    def all_blocks(self) -> list[int]:
+        return list(self._key_of_block)
+
+    def was_evicted(self, key: BlockHash) -> bool:
+        return key in self._evicted
+
+    def children(self, parent: BlockHash) -> list[IndexEntry]:
+        return [self._entries[k] for k in self._children.get(parent, ())]
+
+    def check_integrity(self) -> None:
+        assert len(self._entries) == len(self._key_of_block), "entry/block maps differ in size"
+        for key, e in self._entries.items():
+            assert self._key_of_block.get(e.block_id) == key, f"block {e.block_id} maps elsewhere"
+            assert len(e.token_ids) == self.block_size, "indexed block is not full"
+            assert key in self._children.get(e.parent, ()), "child link missing"
+        n_links = sum(len(v) for v in self._children.values())
+        assert n_links == len(self._entries), "dangling child links"

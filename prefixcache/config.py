@@ -1,0 +1,83 @@
+"""Frozen configuration dataclasses, validated at construction."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1 << 10,
+    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
+    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
+}  # fmt: skip
+
+SCHEDULING_POLICIES = ("fcfs", "lpm")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """'2GiB' -> 2147483648; plain numbers are bytes. Raises ValueError naming the value."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"memory size must be positive, got {value}")
+        return int(value)
+    m = _SIZE_RE.match(str(value))
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise ValueError(f"cannot parse memory size {value!r}; use e.g. '2GiB', '512MiB' or bytes")
+    n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if n <= 0:
+        raise ValueError(f"memory size must be positive, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | Path | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
+    kv_cache_memory: str | int | None = None  # None: a share of available memory, capped
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # None: the model's context length
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    scheduling_policy: str = "fcfs"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "cpu"
+    seed: int = 0
+    max_waiting_requests: int = 256
+    pin_budget_fraction: float = 0.25  # share of the pool pinned blocks may hold
+    # lpm starvation guard: a waiting request older than this many steps goes first.
+    lpm_max_wait_steps: int = 64
+    # Above this many waiting requests lpm falls back to fcfs (SGLang does the same: sorting a
+    # long queue by prefix match costs more than it saves).
+    lpm_max_queue: int = 128
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_memory is not None:
+            parse_bytes(self.kv_cache_memory)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if not (0 <= self.pin_budget_fraction <= 1):
+            raise ValueError(f"pin_budget_fraction must be in [0, 1], got {self.pin_budget_fraction}")
+        if self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")

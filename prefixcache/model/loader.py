@@ -1,0 +1,218 @@
+"""Load Llama-family weights and configuration from a GGUF file or a Hugging Face directory.
+
+Both paths end in the same place: a ``ModelConfig`` and a dict of float tensors under Hugging
+Face names (``model.layers.N.self_attn.q_proj.weight`` ...), so ``llama.py`` knows one layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from prefixcache.model.paths import ModelNotFoundError, resolve_model_path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture or format is not one this engine runs; the message names it."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    rope_scaling: dict | None = field(default=None, hash=False, compare=False)
+    name: str = "model"
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass
+class LoadedWeights:
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]  # float32, Hugging Face names
+    source: Path
+    # sha256 over the weight bytes as stored (no dequantization needed to key them).
+    weights_digest: str
+
+
+# ---- Hugging Face directory -----------------------------------------------------------------
+def _config_from_hf(cfg: dict, name: str) -> ModelConfig:
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else cfg.get("model_type", "<none>")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if arch == "MistralForCausalLM" and cfg.get("sliding_window"):
+        # Only correct while every prompt fits in the window; we refuse rather than be wrong.
+        if cfg.get("sliding_window") < cfg.get("max_position_embeddings", 0):
+            raise UnsupportedModelError("Mistral with a sliding window is not supported")
+    heads = cfg["num_attention_heads"]
+    return ModelConfig(
+        architecture="Qwen2ForCausalLM" if arch == "Qwen2ForCausalLM" else "LlamaForCausalLM",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=cfg.get("rope_theta", 10000.0),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        rope_scaling=cfg.get("rope_scaling"),
+        name=name,
+    )
+
+
+def _load_hf_dir(path: Path) -> LoadedWeights:
+    from safetensors import safe_open
+
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ModelNotFoundError(f"invalid config.json in {path}: {e}") from e
+    config = _config_from_hf(cfg, path.name)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors files in model directory {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    digest = hashlib.sha256()
+    for f in files:  # sharded or not: every shard holds disjoint names
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sorted(sf.keys()):
+                t = sf.get_tensor(k)
+                digest.update(k.encode())
+                digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+                digest.update(str(tuple(t.shape)).encode())
+                tensors[k] = t.float()
+    return LoadedWeights(config, tensors, path, digest.hexdigest())
+
+
+# ---- GGUF -----------------------------------------------------------------------------------
+def _reverse_rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter interleaves the two rotary halves of each q/k head; undo it so the
+    weights use Hugging Face's rotate-half convention."""
+    out = w.shape[0]
+    return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def _load_gguf(path: Path) -> LoadedWeights:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - the gguf package raises many kinds
+        raise ModelNotFoundError(f"cannot read GGUF file {path}: {e}") from e
+    arch = _gguf_field(reader, "general.architecture", "<none>")
+    if arch not in _GGUF_ARCH:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(_GGUF_ARCH)}"
+        )
+
+    def g(key, default=None):
+        return _gguf_field(reader, f"{arch}.{key}", default)
+
+    heads = int(g("attention.head_count"))
+    kv_heads = int(g("attention.head_count_kv", heads))
+    hidden = int(g("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    tokens_field = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = int(g("vocab_size", len(tokens_field.data) if tokens_field else 0))
+    rope_scaling = None
+    if g("rope.scaling.type") not in (None, "none"):
+        rope_scaling = {
+            "type": g("rope.scaling.type"),
+            "factor": g("rope.scaling.factor", 1.0),
+            "original_max_position_embeddings": g("rope.scaling.original_context_length"),
+        }
+    config = ModelConfig(
+        architecture=_GGUF_ARCH[arch],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(g("feed_forward_length")),
+        num_layers=int(g("block_count")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(g("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(g("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias=arch == "qwen2",
+        rope_scaling=rope_scaling,
+        name=path.stem,
+    )
+    rename = {
+        "token_embd": "model.embed_tokens",
+        "output_norm": "model.norm",
+        "output": "lm_head",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+    tensors: dict[str, torch.Tensor] = {}
+    digest = hashlib.sha256()
+    for t in reader.tensors:
+        digest.update(t.name.encode())
+        digest.update(np.ascontiguousarray(t.data).tobytes())
+        if t.name == "rope_freqs.weight":  # llama3-style frequency factors
+            tensors["rope_freqs"] = torch.from_numpy(np.array(t.data, dtype=np.float32))
+            continue
+        arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            layer, base, kind = parts[1], parts[2], parts[3]
+            hf = f"model.layers.{layer}.{rename[base]}.{kind}"
+        else:
+            hf = f"{rename[parts[0]]}.{parts[1]}"
+        if arch in ("llama", "mistral") and parts[0] == "blk":
+            if parts[2] == "attn_q":
+                arr = _reverse_rope_permute(arr, heads)
+            elif parts[2] == "attn_k":
+                arr = _reverse_rope_permute(arr, kv_heads)
+        tensors[hf] = torch.from_numpy(np.ascontiguousarray(arr))
+    return LoadedWeights(config, tensors, path, digest.hexdigest())
+
+
+def load_weights(model: str | Path | None) -> LoadedWeights:
+    """Weights and config from a GGUF file or a HF directory; ``None`` = the default model."""
+    path = resolve_model_path(model)
+    return _load_hf_dir(path) if path.is_dir() else _load_gguf(path)

@@ -1,0 +1,82 @@
+"""Model runner: turns a scheduled batch into tensors, runs the model, returns logits.
+
+It sees sequences only through what the scheduler hands it (token ids, computed counts, block
+tables); it never sees queues or decides what runs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from prefixcache.kv.pool import KVCache, KVLayout
+from prefixcache.model.attention import build_metadata
+from prefixcache.model.llama import LlamaModel
+from prefixcache.model.loader import LoadedWeights
+from prefixcache.scheduler import ScheduledSeq
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "float16" and device.type == "cpu":
+        raise ValueError("dtype float16 is supported on CUDA only; use float32 or bfloat16 on CPU")
+    return DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        weights: LoadedWeights,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        layout: KVLayout,
+    ):
+        self.config = weights.config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = layout.block_size
+        model = LlamaModel(weights.config, max_model_len, weights.tensors.get("rope_freqs"))
+        model.load(weights.tensors)
+        # Parameters take the compute dtype; the rotary tables stay float32 for accuracy.
+        for p in model.parameters():
+            p.data = p.data.to(device=device, dtype=dtype)
+        model.rotary.to(device)
+        self.model = model.eval()
+        self.kv = KVCache(weights.config, layout, dtype, device)
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        """Run one step; returns float32 logits [N, vocab] for the sequences that sample, in
+        batch order."""
+        ids: list[int] = []
+        pos: list[int] = []
+        logits_rows: list[int] = []
+        for s in batch:
+            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            ids.extend(seq.all_token_ids[start : start + n])
+            pos.extend(range(start, start + n))
+            if s.samples:
+                logits_rows.append(len(ids) - 1)
+        meta = build_metadata(
+            [s.seq.block_table for s in batch],
+            [s.seq.num_computed_tokens for s in batch],
+            [s.num_new_tokens for s in batch],
+            self.block_size,
+            self.device,
+        )
+        dev = self.device
+        return self.model(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            self.kv.k,
+            self.kv.v,
+            meta,
+            torch.tensor(logits_rows, dtype=torch.long, device=dev),
+        )

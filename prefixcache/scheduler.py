@@ -1,0 +1,173 @@
+"""Continuous batching with chunked prefill, cache-aware admission and preemption.
+
+Each step builds one flat batch under ``max_num_batched_tokens``:
+1. running sequences first, in arrival order: a decode token each, or the next chunk of an
+   unfinished prefill. When a block cannot be had, the newest running sequence is preempted
+   (its blocks are released, its computed blocks stay cached, so resuming is mostly hits);
+2. then waiting sequences, in policy order, while ``max_num_seqs`` and the budget allow. A
+   request is admitted when its *uncached* blocks fit: cached blocks are memory already paid for.
+
+In-batch sharing: when a waiting request's next uncached block is being computed right now by
+another request (its key is "pending"), the request waits instead of computing it again; it is
+admitted as the blocks land (they are registered after every chunk) and then hits on them.
+
+The scheduler never touches tensors; the engine runs the batch it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prefixcache.cache.hashing import BlockHash
+from prefixcache.cache.manager import KVCacheManager
+from prefixcache.config import EngineConfig
+from prefixcache.request import RequestStatus
+from prefixcache.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the end of the sequence's tokens, so a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass
+class SchedulerCounters:
+    num_preemptions: int = 0
+    num_steps: int = 0
+    batched_tokens: int = 0
+    computed_prompt_tokens: int = 0  # prefill tokens actually run through the model
+    deferred_for_sharing: int = 0  # admissions postponed because another request computes it
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.counters = SchedulerCounters()
+        self.step_index = 0
+
+    # ---- queue operations ----------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = RequestStatus.WAITING
+        seq.arrival_step = self.step_index
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and free its blocks (finish or abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def live_block_tables(self) -> list[list[int]]:
+        return [s.block_table for s in self.running] + [s.block_table for s in self.waiting]
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.step_index += 1
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self._schedule_running(out, budget)
+        budget -= out.num_batched_tokens
+        if not out.preempted:  # out of memory this step: admit nobody new
+            self._schedule_waiting(out, budget)
+        self.counters.num_steps += 1
+        self.counters.batched_tokens += out.num_batched_tokens
+        for s in out.scheduled:
+            prompt_left = s.seq.num_prompt_tokens - s.seq.num_computed_tokens
+            self.counters.computed_prompt_tokens += max(0, min(s.num_new_tokens, prompt_left))
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+                continue
+            # ``seq`` itself was preempted (it was the newest); nothing after it remains.
+            break
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        out.scheduled[:] = [s for s in out.scheduled if s.seq is not seq]
+        self.kv.free(seq)
+        seq.status = RequestStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        self.waiting.append(seq)
+        out.preempted.append(seq)
+
+    def _pending_keys(self) -> set[BlockHash]:
+        """Keys of prompt blocks that running prefills have not computed yet."""
+        pending: set[BlockHash] = set()
+        for seq in self.running:
+            if seq.is_prefilling:
+                self.kv.extend_keys(seq, seq.num_tokens - 1)
+                pending.update(seq.block_keys[seq.num_computed_tokens // self.kv.block_size :])
+        return pending
+
+    def _order_waiting(self) -> list[Sequence]:
+        by_arrival = sorted(self.waiting, key=lambda s: (s.priority, s.metrics.arrival_time))
+        cfg = self.config
+        if cfg.scheduling_policy == "fcfs" or len(self.waiting) > cfg.lpm_max_queue:
+            return by_arrival
+        # lpm: longest cached prefix first; starvation guard: requests that waited too long
+        # go first, in arrival order.
+        starved = [s for s in by_arrival if self.step_index - s.arrival_step > cfg.lpm_max_wait_steps]
+        rest = [s for s in by_arrival if s not in starved]
+        rest.sort(key=lambda s: (s.priority, -self.kv.match(s).num_tokens, s.metrics.arrival_time))
+        return starved + rest
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if budget <= 0 or not self.waiting:
+            return
+        pending = self._pending_keys() if self.kv.enable_caching else set()
+        for seq in self._order_waiting():
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            m = self.kv.match(seq)
+            nb = len(m.block_ids)
+            if nb < len(seq.block_keys) and seq.block_keys[nb] in pending:
+                self.counters.deferred_for_sharing += 1
+                continue  # another request is computing this block right now
+            n = min(seq.num_tokens - m.num_tokens, budget)
+            if not self.kv.admit(seq, m, n):
+                break  # no room: later arrivals must not overtake
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            seq.status = RequestStatus.RUNNING
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            if self.kv.enable_caching:
+                pending.update(seq.block_keys[nb:])

@@ -1,0 +1,64 @@
+"""Sequence: the engine's mutable state of one request (tokens, block table, progress).
+
+Plain data, no torch. The scheduler and the KV cache manager change it; the model runner only
+reads the token ids, positions and block table it is handed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prefixcache.cache.hashing import BlockHash
+from prefixcache.request import CacheExplanation, RequestMetrics, RequestStatus, SamplingParams
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    root: BlockHash  # parent of block 0: model fingerprint + namespace
+    namespace: str | None = None
+    priority: int = 0
+    prompt: str | None = None
+    explain: bool = False
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    arrival_step: int = 0  # engine step at arrival; the lpm starvation guard counts from it
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_keys: list[BlockHash] = field(default_factory=list)  # keys of full blocks, in order
+    num_registered_blocks: int = 0  # leading blocks of block_table findable in the index
+    num_computed_tokens: int = 0  # tokens whose KV is in the blocks of block_table
+    num_cached_tokens: int | None = None  # tokens served from cache at first admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cache_info: CacheExplanation | None = None
+    # Text bookkeeping for stop strings and streaming (owned by the output processor).
+    text: str = ""
+    num_streamed_tokens: int = 0
+    num_streamed_chars: int = 0
+    detok: object | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Still computing prompt (or, after preemption, recomputing) tokens before sampling."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
