@@ -64,6 +64,10 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
 
+    def is_evictable(self, block_id: int) -> bool:
+        """Cached, unreferenced and unpinned: counted in ``num_allocatable``."""
+        return block_id in self._lru
+
     def match(self, keys: Sequence[BlockHash], token_ids: Sequence[int], root: BlockHash) -> PrefixMatch:
         """Cached leading blocks of a prompt. Does not modify the pool; acquire before allocating."""
         return self.index.match(keys, token_ids, root)

@@ -84,9 +84,9 @@ class KVCacheManager:
 
     def num_new_blocks_for_admission(self, seq: Sequence, m: PrefixMatch, num_new_tokens: int) -> int:
         """Allocatable blocks an admission with this match would consume (hits on evictable
-        blocks take them out of the LRU, so they count too)."""
+        blocks take them out of the LRU, so they count too; pinned ones are not allocatable)."""
         fresh = blocks_needed(m.num_tokens + num_new_tokens, self.block_size) - len(m.block_ids)
-        idle_hits = sum(1 for b in m.block_ids if self.pool.ref_count(b) == 0)
+        idle_hits = sum(1 for b in m.block_ids if self.pool.is_evictable(b))
         return fresh + idle_hits
 
     def admit(self, seq: Sequence, m: PrefixMatch, num_new_tokens: int) -> bool:
