@@ -163,6 +163,9 @@ class KVCacheManager:
             reason = "full_hit" if cached == usable else "partial_block"
             return CacheExplanation(cached, cached, reason)
         i = len(m.block_ids)
+        # This exact block was cached before: the precise answer, even if a sibling diverges.
+        if self.pool.index.was_evicted(keys[i]):
+            return CacheExplanation(cached, cached, "evicted")
         parent = keys[i - 1] if i else root
         nxt = token_ids[i * b : (i + 1) * b]
         best = -1
@@ -173,10 +176,9 @@ class KVCacheManager:
                     break
                 common += 1
             best = max(best, common)
-        if best >= 0:
+        # Sharing no token at all with any cached prompt is not a divergence.
+        if best > 0 or (best == 0 and i > 0):
             return CacheExplanation(cached, cached, "diverged", diverged_at=cached + best)
-        if self.pool.index.was_evicted(keys[i]):
-            return CacheExplanation(cached, cached, "evicted")
         for ns in other_namespaces:
             if ns == namespace:
                 continue
