@@ -136,6 +136,9 @@ class BlockPool:
         Raises ValueError if the pin budget would be exceeded. Returns the number pinned.
         """
         now = time.monotonic() if now is None else now
+        for b in block_ids:  # validate all before pinning any: a failed call changes nothing
+            if self.index.key_of(b) is None:
+                raise ValueError(f"block {b} holds no cached content and cannot be pinned")
         new = [b for b in dict.fromkeys(block_ids) if b not in self._pinned_until]
         if len(self._pinned_until) + len(new) > self.max_pinned_blocks:
             raise ValueError(
@@ -144,8 +147,6 @@ class BlockPool:
             )
         deadline = float("inf") if ttl_seconds is None else now + ttl_seconds
         for b in dict.fromkeys(block_ids):
-            if self.index.key_of(b) is None:
-                raise ValueError(f"block {b} holds no cached content and cannot be pinned")
             self._pinned_until[b] = max(deadline, self._pinned_until.get(b, 0.0))
             if b in self._lru:
                 del self._lru[b]
