@@ -1,0 +1,554 @@
+"""KV cache manager (no torch): matching, admission, commit/dedup, explanations, and a randomized
+run that checks the pool's invariants and the cold == warm property at the block level after
+every operation.
+
+The "model" here is a shadow dict: block id -> the token ids written into its slots. A sequence
+"computes" a token by writing it into its block table, exactly where the runner would write its
+KV. A hit is correct iff the shadow content of every hit block equals the prompt slice it stands
+for; that is cold == warm for the cache core.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from prefixcache.cache.block_pool import BlockPool
+from prefixcache.cache.manager import KVCacheManager, blocks_needed
+from prefixcache.request import SamplingParams
+from prefixcache.sequence import Sequence
+
+B = 16
+FP = "test-model-fingerprint"
+REASONS = {
+    "full_hit",
+    "partial_block",
+    "no_prior_request",
+    "diverged",
+    "evicted",
+    "other_namespace",
+    "caching_disabled",
+}
+
+
+def _tokens(n: int, seed: int, lo: int = 1, hi: int = 500) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(lo, hi) for _ in range(n)]
+
+
+def _next_token(tokens: list[int]) -> int:
+    """Deterministic "greedy decoding": the same context always yields the same token."""
+    return 1000 + (sum(tokens[-5:]) * 7 + len(tokens)) % 97
+
+
+class Sim:
+    """A manager, its pool and the shadow KV; plays the scheduler and the model runner."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, max_pinned: int | None = None):
+        self.pool = BlockPool(num_blocks, B, max_pinned_blocks=max_pinned)
+        self.mgr = KVCacheManager(self.pool, FP, enable_caching=enable_caching)
+        self.shadow: dict[int, list[int | None]] = {}
+        self.live: list[Sequence] = []
+        self.n = 0
+        self.dedups = 0  # blocks swapped for an already cached copy at commit
+
+    def seq(self, prompt: list[int], ns: str | None = None, max_tokens: int = 16) -> Sequence:
+        self.n += 1
+        return Sequence(
+            f"r{self.n}",
+            list(prompt),
+            SamplingParams(max_tokens=max_tokens, temperature=0),
+            root=self.mgr.root(ns),
+            namespace=ns,
+        )
+
+    # -- checks ------------------------------------------------------------------------------
+    def check(self) -> None:
+        self.pool.check_integrity([s.block_table for s in self.live])
+        for s in self.live:
+            self.check_kv(s)
+        # Every block the index serves holds exactly the tokens it is indexed under.
+        idx = self.pool.index
+        for blk in idx.all_blocks():
+            assert self.shadow[blk] == list(idx.entry(idx.key_of(blk)).token_ids), blk
+
+    def check_kv(self, s: Sequence) -> None:
+        """Every computed position of a live sequence reads the token it stands for."""
+        toks = s.all_token_ids
+        assert s.num_computed_tokens <= s.num_tokens
+        assert len(s.block_table) >= blocks_needed(s.num_computed_tokens, B)
+        for pos in range(s.num_computed_tokens):
+            blk = s.block_table[pos // B]
+            assert self.shadow[blk][pos % B] == toks[pos], (
+                f"{s.request_id}: position {pos} in block {blk} holds "
+                f"{self.shadow[blk][pos % B]}, expected {toks[pos]}"
+            )
+
+    def check_match(self, s: Sequence, m) -> None:
+        toks = s.all_token_ids
+        assert m.num_tokens <= s.num_tokens - 1, "match must leave the last token to compute"
+        assert m.num_tokens == len(m.block_ids) * B
+        assert len(set(m.block_ids)) == len(m.block_ids)
+        for i, blk in enumerate(m.block_ids):
+            assert self.shadow[blk] == toks[i * B : (i + 1) * B], f"hit block {blk} holds other KV"
+
+    # -- engine actions ----------------------------------------------------------------------
+    def admit(self, s: Sequence, num_new: int | None = None) -> bool:
+        m = self.mgr.match(s)
+        self.check_match(s, m)
+        if not s.output_token_ids:
+            assert self.mgr.lookup(s.prompt_token_ids, s.namespace) == m.num_tokens
+        remaining = s.num_tokens - m.num_tokens
+        n = remaining if num_new is None else min(num_new, remaining)
+        before = (self.pool.counts(), list(self.pool._lru), self.pool.evicted_blocks)
+        if not self.mgr.admit(s, m, n):
+            assert not s.block_table
+            assert (self.pool.counts(), list(self.pool._lru), self.pool.evicted_blocks) == before
+            return False
+        assert s.block_table[: len(m.block_ids)] == m.block_ids
+        assert s.num_computed_tokens == m.num_tokens
+        self.live.append(s)
+        self.run(s, n)
+        return True
+
+    def compute(self, s: Sequence, n: int) -> None:
+        toks = s.all_token_ids
+        c = s.num_computed_tokens
+        assert c + n <= s.num_tokens
+        for pos in range(c, c + n):
+            blk = s.block_table[pos // B]
+            # Never write into a block another sequence reads or the index serves.
+            assert self.pool.ref_count(blk) == 1, f"write into shared block {blk}"
+            assert self.pool.index.key_of(blk) is None, f"write into cached block {blk}"
+            slot = self.shadow.setdefault(blk, [None] * B)
+            if pos % B == 0:
+                slot[:] = [None] * B  # a reused block: its old content is garbage
+            slot[pos % B] = toks[pos]
+        s.num_computed_tokens += n
+
+    def run(self, s: Sequence, n: int) -> None:
+        """One step of ``s`` over ``n`` tokens whose slots are allocated: compute, sample, commit."""
+        self.compute(s, n)
+        if s.num_computed_tokens == s.num_tokens:
+            s.output_token_ids.append(_next_token(s.all_token_ids))
+        before = list(s.block_table)
+        self.mgr.commit(s)
+        assert len(s.block_table) == len(before)
+        self.dedups += sum(1 for x, y in zip(before, s.block_table) if x != y)
+
+    def step(self, s: Sequence, n: int) -> bool:
+        n = min(n, s.num_tokens - s.num_computed_tokens)
+        if not self.mgr.allocate_slots(s, n):
+            return False
+        self.run(s, n)
+        return True
+
+    def free(self, s: Sequence) -> None:
+        self.live.remove(s)
+        self.mgr.free(s)
+
+    def serve(self, prompt: list[int], ns: str | None = None, decode: int = 0) -> Sequence:
+        """Admit, prefill, decode ``decode`` tokens, free. Returns the finished sequence."""
+        s = self.seq(prompt, ns)
+        assert self.admit(s)
+        for _ in range(decode):
+            assert self.step(s, 1)
+        self.check()
+        self.free(s)
+        self.check()
+        return s
+
+
+# ---- block math in simple cases ------------------------------------------------------------------
+SHARED = [k * B + d for k in (1, 2, 3) for d in (-1, 0, 1)]
+
+
+@pytest.mark.parametrize("shared", SHARED)
+@pytest.mark.parametrize("tails", [(0, 0), (0, 1), (0, 20), (1, 0), (5, 1), (5, 20), (1, 1)])
+def test_num_cached_tokens_block_math(shared, tails):
+    base = _tokens(80, seed=1)
+    t1, t2 = tails
+    p1 = base[:shared] + _tokens(t1, seed=2, lo=600, hi=700)
+    p2 = base[:shared] + _tokens(t2, seed=3, lo=700, hi=800)  # differs from p1 right after
+    sim = Sim(64)
+    first = sim.serve(p1)
+    assert first.num_cached_tokens == 0
+    common = shared if p1 != p2 else len(p2)
+    expect = (min(common, len(p2) - 1) // B) * B
+    assert sim.mgr.lookup(p2, None) == expect
+    second = sim.serve(p2)
+    assert second.num_cached_tokens == expect
+    assert sim.mgr.hit_tokens == expect
+    assert sim.mgr.query_tokens == len(p1) + len(p2)
+
+
+@pytest.mark.parametrize("n", [B - 1, B, B + 1, 2 * B, 2 * B + 1, 3 * B])
+def test_identical_prompt_caps_at_len_minus_one(n):
+    sim = Sim(32)
+    p = _tokens(n, seed=5)
+    sim.serve(p)
+    s = sim.serve(p)
+    assert s.num_cached_tokens == ((n - 1) // B) * B
+    assert s.num_cached_tokens < n
+
+
+def test_next_turn_hits_on_previous_answer():
+    sim = Sim(32)
+    p1 = _tokens(20, seed=1)
+    s1 = sim.serve(p1, decode=30)
+    assert len(s1.output_token_ids) == 31
+    # The last sampled token was never computed; the KV of the first 50 tokens was.
+    p2 = p1 + s1.output_token_ids[:30] + _tokens(5, seed=9, lo=600, hi=700)
+    assert sim.mgr.lookup(p2, None) == 48
+    s2 = sim.serve(p2)
+    assert s2.num_cached_tokens == 48
+
+
+def test_chunked_prefill_registers_blocks_as_they_complete():
+    sim = Sim(32)
+    p = _tokens(70, seed=1)
+    a = sim.seq(p)
+    assert sim.admit(a, num_new=20)
+    assert sim.mgr.lookup(p, None) == 16  # one full block so far, already a hit for others
+    assert sim.step(a, 20)
+    assert sim.mgr.lookup(p, None) == 32
+    b = sim.seq(p)
+    assert sim.admit(b, num_new=10)
+    assert b.num_cached_tokens == 32
+    assert b.block_table[:2] == a.block_table[:2]
+    assert sim.pool.ref_count(a.block_table[0]) == 2
+    sim.check()
+
+
+# ---- dedup -------------------------------------------------------------------------------------
+def test_two_sequences_computing_the_same_block_share_it_after_commit():
+    sim = Sim(16)
+    p = _tokens(40, seed=1)
+    a, b = sim.seq(p), sim.seq(p)
+    ma, mb = sim.mgr.match(a), sim.mgr.match(b)
+    assert ma.num_tokens == mb.num_tokens == 0
+    assert sim.mgr.admit(a, ma, 40) and sim.mgr.admit(b, mb, 40)
+    sim.live += [a, b]
+    assert not set(a.block_table) & set(b.block_table)
+    assert sim.pool.counts().in_use == 6
+    sim.compute(a, 40)
+    sim.compute(b, 40)
+    sim.mgr.commit(a)
+    sim.mgr.commit(b)
+    assert b.block_table[:2] == a.block_table[:2]
+    assert b.block_table[2] != a.block_table[2]  # the partial tail stays private
+    assert [sim.pool.ref_count(x) for x in a.block_table] == [2, 2, 1]
+    c = sim.pool.counts()
+    assert (c.in_use, c.free, c.cached) == (4, 12, 0)
+    sim.check()
+    sim.free(a)
+    sim.free(b)
+    sim.check()
+    assert sim.pool.counts().cached == 2
+
+
+def test_fully_cached_prompt_recomputes_last_block_privately_then_shares():
+    sim = Sim(16)
+    p = _tokens(32, seed=1)
+    sim.serve(p)
+    cached = sim.mgr.match(sim.seq(p + [1])).block_ids
+    assert len(cached) == 2
+    b = sim.seq(p)
+    m = sim.mgr.match(b)
+    assert m.block_ids == cached[:1]  # the last token is always computed
+    assert sim.admit(b)  # Sim.compute asserts it never wrote into the cached block 1
+    # Block 1 was computed into a private block and then swapped for the cached copy.
+    assert b.block_table == cached
+    c = sim.pool.counts()
+    assert (c.in_use, c.cached, c.free) == (2, 0, 14)
+    sim.check()
+
+
+# ---- admission -------------------------------------------------------------------------------
+def test_admit_is_all_or_nothing():
+    sim = Sim(4)
+    held = sim.seq(_tokens(33, seed=1))
+    assert sim.admit(held)  # 3 blocks
+    big = sim.seq(_tokens(40, seed=2))
+    assert not sim.admit(big)
+    sim.check()
+    assert sim.mgr.query_tokens == 33  # a refused admission is not counted
+
+
+def test_admission_with_pinned_hits():
+    # Pinned idle blocks are not allocatable, so a hit on them must not be charged as if it took
+    # an evictable block out of the LRU.
+    sim = Sim(10, max_pinned=4)
+    sys_prompt = _tokens(4 * B, seed=1)
+    sim.serve(sys_prompt + [7])
+    hits = sim.mgr.match(sim.seq(sys_prompt + [8])).block_ids
+    assert len(hits) == 4
+    sim.pool.pin(hits, ttl_seconds=None, now=0.0)
+    assert sim.pool.num_allocatable == 6
+    s = sim.seq(sys_prompt + _tokens(80, seed=2))  # 4 hits + 5 new blocks
+    assert sim.admit(s)
+    assert s.num_cached_tokens == 4 * B
+    sim.check()
+
+
+def test_preempted_sequence_readmits_with_its_own_blocks():
+    sim = Sim(16)
+    p = _tokens(40, seed=1)
+    s = sim.seq(p, max_tokens=64)
+    assert sim.admit(s)
+    for _ in range(20):
+        assert sim.step(s, 1)
+    assert (s.num_tokens, s.num_computed_tokens) == (61, 60)
+    table = list(s.block_table)
+    sim.free(s)  # preemption: computed full blocks stay cached
+    sim.check()
+    assert sim.pool.counts().cached == 3
+    assert sim.admit(s, num_new=1)
+    assert s.block_table[:3] == table[:3]
+    assert s.num_computed_tokens == 49  # 3 blocks from cache + 1 recomputed
+    assert s.num_cached_tokens == 0  # what the user sees is decided at first admission
+    sim.check()
+
+
+# ---- caching disabled --------------------------------------------------------------------------
+def test_caching_disabled_never_hits_and_registers_nothing():
+    sim = Sim(16, enable_caching=False)
+    p = _tokens(40, seed=1)
+    sim.serve(p, decode=5)
+    s = sim.serve(p)
+    assert s.num_cached_tokens == 0
+    assert len(sim.pool.index) == 0
+    assert sim.pool.counts().free == 16
+    assert sim.mgr.lookup(p, None) == 0
+    e = sim.mgr.explain(p, None, [])
+    assert (e.reason, e.cached_tokens) == ("caching_disabled", 0)
+
+
+# ---- explanations ------------------------------------------------------------------------------
+def _explain(sim: Sim, prompt: list[int], ns: str | None = None, others=("a", "b", None)):
+    before = (sim.pool.counts(), list(sim.pool._lru), len(sim.pool.index))
+    e = sim.mgr.explain(prompt, ns, list(others))
+    assert (sim.pool.counts(), list(sim.pool._lru), len(sim.pool.index)) == before  # no effects
+    assert e.reason in REASONS
+    assert e.cached_tokens == sim.mgr.lookup(prompt, ns)
+    return e
+
+
+def test_explain_full_hit():
+    sim = Sim(16)
+    p = _tokens(33, seed=1)
+    sim.serve(p)
+    e = _explain(sim, p)
+    assert (e.reason, e.cached_tokens, e.diverged_at) == ("full_hit", 32, None)
+
+
+def test_explain_partial_block():
+    sim = Sim(16)
+    p = _tokens(40, seed=1)
+    sim.serve(p)
+    e = _explain(sim, p)
+    assert (e.reason, e.cached_tokens) == ("partial_block", 32)
+
+
+def test_explain_no_prior_request_on_empty_cache():
+    sim = Sim(16)
+    e = _explain(sim, _tokens(40, seed=1))
+    assert (e.reason, e.cached_tokens) == ("no_prior_request", 0)
+
+
+def test_explain_no_prior_request_with_unrelated_prompts_cached():
+    sim = Sim(16)
+    sim.serve(_tokens(40, seed=1, lo=1, hi=100))
+    e = _explain(sim, _tokens(40, seed=2, lo=200, hi=300))
+    assert (e.reason, e.cached_tokens) == ("no_prior_request", 0)
+
+
+@pytest.mark.parametrize("at", [0, 5, 15, 16, 17, 37, 47])
+def test_explain_diverged_at_exact_token(at):
+    sim = Sim(16)
+    base = _tokens(64, seed=1)
+    sim.serve(base[:48])
+    p = base[:at] + [t + 1000 for t in base[at:]] + [1]  # 4 full blocks to compare
+    e = _explain(sim, p)
+    if at == 0:
+        # Nothing shared at all: no earlier prompt with this prefix.
+        assert (e.reason, e.cached_tokens) == ("no_prior_request", 0)
+        return
+    assert e.reason == "diverged"
+    assert e.diverged_at == at
+    assert e.cached_tokens == (at // B) * B
+
+
+def test_explain_evicted():
+    sim = Sim(4)
+    p = _tokens(40, seed=1)
+    sim.serve(p)
+    assert sim.pool.allocate(4) is not None  # evicts everything
+    e = _explain(sim, p)
+    assert (e.reason, e.cached_tokens) == ("evicted", 0)
+
+
+def test_explain_evicted_tail_while_a_sibling_is_cached():
+    # p's second block was evicted; q shares p's first block and is still cached. The exact
+    # prefix of p was cached before: that is the reason, not a divergence from q.
+    sim = Sim(5)
+    base = _tokens(48, seed=1)
+    p = base + [1]
+    q = base[:20] + [t + 1000 for t in base[20:]] + [1]
+    sim.serve(p)
+    sim.serve(q)
+    assert sim.pool.allocate(2) is not None  # evicts the tail of p: blocks 2 then 1
+    assert sim.mgr.lookup(q, None) == 48
+    e = _explain(sim, p)
+    assert (e.reason, e.cached_tokens) == ("evicted", 16)
+
+
+def test_explain_other_namespace():
+    sim = Sim(16)
+    p = _tokens(40, seed=1)
+    sim.serve(p, ns="a")
+    e = _explain(sim, p, ns="b", others=("a", "b"))
+    assert (e.reason, e.cached_tokens) == ("other_namespace", 0)
+    assert sim.mgr.lookup(p, "a") == 32
+    # Namespaces never share: serving it in "b" computes everything.
+    assert sim.serve(p, ns="b").num_cached_tokens == 0
+
+
+def test_explain_caching_disabled():
+    sim = Sim(16, enable_caching=False)
+    e = sim.mgr.explain(_tokens(40, seed=1), None, [])
+    assert e.reason == "caching_disabled"
+
+
+# ---- randomized operations -----------------------------------------------------------------------
+NAMESPACES = (None, None, None, "t1")
+
+
+def _prompt_source(rng: random.Random):
+    bases = [_tokens(64, seed=100 + f) for f in range(3)]
+    suffixes = [[], [901], [902, 903, 904, 905, 906], _tokens(17, seed=7, lo=600, hi=700)]
+    history: list[list[int]] = []
+
+    def make() -> list[int]:
+        if history and rng.random() < 0.25:
+            return list(rng.choice(history))
+        k = rng.choice((1, 2, 3))
+        length = k * B + rng.choice((-1, 0, 1))
+        if rng.random() < 0.7:
+            suffix = rng.choice(suffixes)
+        else:
+            suffix = [rng.randrange(600, 620) for _ in range(rng.randint(1, 10))]
+        p = bases[rng.randrange(3)][:length] + suffix
+        history.append(p)
+        return p
+
+    return make, history
+
+
+@pytest.mark.parametrize(
+    "seed, enable_caching", [(1234, True), (7, True), (2024, True), (1234, False)]
+)
+def test_randomized_operations_keep_invariants_and_cold_equals_warm(seed, enable_caching):
+    rng = random.Random(seed)
+    sim = Sim(24, enable_caching=enable_caching, max_pinned=4)
+    pool, mgr = sim.pool, sim.mgr
+    make_prompt, history = _prompt_source(rng)
+    waiting: list[Sequence] = []
+    stats = dict.fromkeys(
+        ("hits", "refused", "preempt", "pins", "pin_errors", "expired", "invalidated"), 0
+    )
+    clock = 0.0
+    ops = ["arrive"] * 30 + ["step"] * 60 + ["finish"] * 12 + ["preempt"] * 5
+    ops += ["retry"] * 8 + ["pin"] * 3 + ["expire"] * 3 + ["explain"] * 5
+    ops += ["invalidate"] + ["invalidate_all"] * (1 if rng.random() < 0.5 else 0)
+
+    def try_admit(s: Sequence) -> None:
+        first = s.num_cached_tokens is None
+        chunk = rng.choice((None, 8, 16, 20))
+        if sim.admit(s, num_new=chunk):
+            if first:
+                assert s.num_cached_tokens <= s.num_prompt_tokens - 1
+                stats["hits"] += s.num_cached_tokens
+        else:
+            stats["refused"] += 1
+            waiting.append(s)
+
+    for i in range(2000):
+        clock += 1.0
+        op = rng.choice(ops)
+        if op == "arrive" or (op == "step" and not sim.live):
+            if len(waiting) > 8:
+                continue
+            s = sim.seq(make_prompt(), ns=rng.choice(NAMESPACES), max_tokens=rng.randint(1, 40))
+            try_admit(s)
+        elif op == "retry" and waiting:
+            try_admit(waiting.pop(0))
+        elif op == "step":
+            s = rng.choice(sim.live)
+            n = rng.choice((1, 1, 1, 8, 16, 20))
+            if not sim.step(s, n):
+                victim = rng.choice(sim.live)  # out of blocks: preempt someone
+                sim.free(victim)
+                waiting.append(victim)
+                stats["preempt"] += 1
+            elif len(s.output_token_ids) >= s.params.max_tokens:
+                sim.free(s)
+        elif op in ("finish", "preempt") and sim.live:
+            s = rng.choice(sim.live)
+            sim.free(s)
+            if op == "preempt":
+                waiting.append(s)
+                stats["preempt"] += 1
+        elif op == "pin" and history:
+            p = rng.choice(history)
+            ns = rng.choice(NAMESPACES)
+            m = mgr.match(sim.seq(p, ns))
+            sim.check_match(sim.seq(p, ns), m)
+            if m.block_ids:
+                try:
+                    pool.pin(m.block_ids, ttl_seconds=rng.choice((5.0, 50.0, None)), now=clock)
+                    stats["pins"] += 1
+                except ValueError as e:
+                    assert "pin budget exceeded" in str(e)
+                    stats["pin_errors"] += 1
+            if rng.random() < 0.2:  # unbounded pins must not starve the run
+                pool.expire_pins(now=float("inf"))
+        elif op == "expire":
+            stats["expired"] += pool.expire_pins(now=clock)
+        elif op == "explain" and history:
+            p = rng.choice(history) if rng.random() < 0.8 else make_prompt()
+            e = _explain(sim, p, ns=rng.choice(NAMESPACES), others=("t1", None))
+            if not enable_caching:
+                assert e.reason == "caching_disabled"
+            elif e.reason == "diverged":
+                assert e.cached_tokens <= e.diverged_at < e.cached_tokens + B
+            elif e.reason == "full_hit":
+                assert e.cached_tokens == len(p) - 1
+        elif op == "invalidate":
+            stats["invalidated"] += pool.invalidate(rng.choice(NAMESPACES))
+        elif op == "invalidate_all":
+            stats["invalidated"] += pool.invalidate(None, all_namespaces=True)
+        sim.check()
+        for s in waiting:
+            assert not s.block_table
+        if i % 100 == 0:
+            assert len(pool.index) <= pool.num_blocks
+
+    for s in list(sim.live):
+        sim.free(s)
+    sim.check()
+    pool.expire_pins(now=float("inf"))
+    c = pool.counts()
+    assert c.in_use == 0 and c.free + c.cached == c.total
+    assert pool.num_allocatable == c.total
+    # The run exercised what it claims to test.
+    assert pool.evicted_blocks > 50 if enable_caching else pool.evicted_blocks == 0
+    assert stats["preempt"] > 0 and stats["refused"] > 0
+    if enable_caching:
+        assert stats["hits"] > 500, stats
+        assert sim.dedups > 0, stats
+        assert stats["pins"] > 0 and stats["expired"] > 0, stats
+        assert stats["invalidated"] > 0, stats
+    else:
+        assert stats["hits"] == 0 and len(pool.index) == 0
