@@ -19,7 +19,7 @@ SCHEDULING_POLICIES = ("fcfs", "lpm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def parse_bytes(value: str | int | float) -> int:
+def parse_bytes(value: str | float) -> int:
     """'2GiB' -> 2147483648; plain numbers are bytes. Raises ValueError naming the value."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if value <= 0:

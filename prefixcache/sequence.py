@@ -41,6 +41,7 @@ class Sequence:
     num_streamed_tokens: int = 0
     num_streamed_chars: int = 0
     detok: object | None = None
+    generator: object | None = None  # torch.Generator for sampling; set by the engine
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -133,7 +133,7 @@ def _load_gguf(path: Path) -> LoadedWeights:
 
     try:
         reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - the gguf package raises many kinds
+    except Exception as e:
         raise ModelNotFoundError(f"cannot read GGUF file {path}: {e}") from e
     arch = _gguf_field(reader, "general.architecture", "<none>")
     if arch not in _GGUF_ARCH:
@@ -208,7 +208,7 @@ def _load_gguf(path: Path) -> LoadedWeights:
                 arr = _reverse_rope_permute(arr, heads)
             elif parts[2] == "attn_k":
                 arr = _reverse_rope_permute(arr, kv_heads)
-        tensors[hf] = torch.from_numpy(np.ascontiguousarray(arr))
+        tensors[hf] = torch.from_numpy(np.array(arr, copy=not arr.flags.writeable, order="C"))
     return LoadedWeights(config, tensors, path, digest.hexdigest())
 
 

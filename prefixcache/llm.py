@@ -1,0 +1,93 @@
+"""LLM: the offline API, shaped like vLLM's (``LLM(...).generate(prompts, SamplingParams(...))``)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+from prefixcache.config import EngineConfig
+from prefixcache.engine import LLMEngine
+from prefixcache.request import RequestOutput, SamplingParams
+
+Prompt = str | list[int]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, **kwargs):
+        """``kwargs`` are EngineConfig fields: enable_prefix_caching, block_size,
+        kv_cache_memory ("2GiB" or bytes), dtype, device, max_model_len, seed, max_num_seqs,
+        max_num_batched_tokens, scheduling_policy, ..."""
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+        priority: Seq[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run the prompts as one batch through the scheduler; outputs in input order."""
+        plist = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(plist)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(plist):
+            raise ValueError(f"{len(params)} sampling params for {len(plist)} prompts")
+        seqs = []
+        try:
+            for i, (p, sp) in enumerate(zip(plist, params)):
+                rid = f"offline-{next(self._ids)}"
+                prio = 0 if priority is None else priority[i]
+                seqs.append(self.engine.add_request(rid, p, sp, namespace=cache_salt, priority=prio))
+        except BaseException:
+            for s in seqs:  # nothing half-added stays behind
+                self.engine.abort(s.request_id)
+            raise
+        pending = {s.request_id for s in seqs}
+        try:
+            while pending:
+                for s in self.engine.step():
+                    if s.finished:
+                        pending.discard(s.request_id)
+        except BaseException:
+            for rid in pending:
+                self.engine.abort(rid)
+            raise
+        return [self.engine.output.request_output(s) for s in seqs]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; rendered with the model's template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        ids = [tok.encode_chat(c, add_generation_prompt=add_generation_prompt) for c in convs]
+        return self.generate(ids, sampling_params, cache_salt=cache_salt)
+
+    def cache_stats(self) -> dict:
+        return self.engine.cache_stats()
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()

@@ -1,0 +1,109 @@
+"""Output processing: append sampled tokens, detokenize incrementally, decide when to stop.
+
+Stop strings are matched on the detokenized text; while a request streams, the last
+``max(len(stop)) - 1`` characters are held back so a client never sees the start of a stop
+string that is then cut away.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prefixcache.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from prefixcache.request import CompletionOutput, RequestOutput, RequestStatus, StreamDelta
+from prefixcache.sampler import Sampled
+from prefixcache.sequence import Sequence
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_ids = frozenset(tokenizer.stop_token_ids)
+
+    def append(self, seq: Sequence, s: Sampled, now: float | None = None) -> bool:
+        """Add one sampled token; returns True when the sequence has finished."""
+        now = time.time() if now is None else now
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        seq.output_token_ids.append(s.token_id)
+        if s.logprobs is not None:
+            seq.output_logprobs.append(s.logprobs)
+        if seq.detok is None:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+        before = len(seq.text)
+        seq.text += seq.detok.add([s.token_id])
+        p = seq.params
+        tok = s.token_id
+        if tok in p.stop_token_ids:
+            return self._finish(seq, "stop", tok, now)
+        if not p.ignore_eos and tok in self.eos_ids:
+            return self._finish(seq, "stop", None, now)
+        for stop in p.stop:
+            # Only the tail can hold a new match: the added text plus len(stop) - 1 before it.
+            idx = seq.text.find(stop, max(0, before - len(stop) + 1))
+            if idx >= 0:
+                cut = idx + len(stop) if p.include_stop_str_in_output else idx
+                seq.text = seq.text[:cut]
+                return self._finish(seq, "stop", stop, now)
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return self._finish(seq, "length", None, now)
+        return False
+
+    @staticmethod
+    def _finish(seq: Sequence, reason: str, stop_reason, now: float) -> bool:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        seq.status = RequestStatus.FINISHED
+        seq.metrics.finished_time = now
+        return True
+
+    # ---- views ------------------------------------------------------------------------------
+    def stream_delta(self, seq: Sequence) -> StreamDelta:
+        """What is new since the last delta of this sequence (and marks it as streamed)."""
+        hold = 0
+        if not seq.finished and seq.params.stop:
+            hold = max(len(s) for s in seq.params.stop) - 1
+        visible = max(seq.num_streamed_chars, len(seq.text) - hold)
+        text_delta = seq.text[seq.num_streamed_chars : visible]
+        new_ids = seq.output_token_ids[seq.num_streamed_tokens :]
+        new_lps = seq.output_logprobs[seq.num_streamed_tokens :] if seq.output_logprobs else None
+        first = seq.num_streamed_tokens == 0 and seq.num_streamed_chars == 0
+        seq.num_streamed_chars = visible
+        seq.num_streamed_tokens = len(seq.output_token_ids)
+        return StreamDelta(
+            request_id=seq.request_id,
+            new_token_ids=new_ids,
+            text_delta=text_delta,
+            finished=seq.finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            num_output_tokens=len(seq.output_token_ids),
+            metrics=seq.metrics,
+            new_logprobs=new_lps,
+            stop_reason=seq.stop_reason,
+            prompt_token_ids=seq.prompt_token_ids if first else [],
+            cache_info=seq.cache_info if first else None,
+        )
+
+    @staticmethod
+    def request_output(seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=seq.text,
+                    token_ids=list(seq.output_token_ids),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                )
+            ],
+            finished=seq.finished,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            metrics=seq.metrics,
+        )
