@@ -1,0 +1,130 @@
+"""Cache control: ``/v1/cache/warm``, ``/lookup``, ``/invalidate``, ``/stats``.
+
+Authenticated like the completions routes, and scoped the same way: a prompt is warmed or looked
+up in the caller's namespace (its tenant, plus ``cache_salt``), which the server derives.
+Invalidating another tenant's namespace, or all of them, takes an admin key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict, is_dataclass
+
+from fastapi import APIRouter, Request
+
+from prefixcache.server.errors import APIError
+from prefixcache.server.protocol import (
+    CacheInvalidateRequest,
+    CacheLookupRequest,
+    CacheWarmRequest,
+    _CacheQuery,
+    parse_body,
+)
+from prefixcache.server.serving import Serving, engine_error
+
+router = APIRouter(prefix="/v1/cache")
+
+
+def _prompt_ids(s: Serving, req: _CacheQuery) -> list[int]:
+    req.check_one_input()
+    if req.messages is not None:
+        return s.chat_prompt(req.messages, req.add_generation_prompt)
+    ids = s.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+    if not ids:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    return ids
+
+
+def _as_dict(x) -> dict:
+    if is_dataclass(x):
+        return asdict(x)
+    if hasattr(x, "_asdict"):
+        return x._asdict()
+    return dict(x)
+
+
+@router.post("/warm")
+async def warm(request: Request) -> dict:
+    """Prefill a prompt into the cache (no tokens generated); optionally pin it for a TTL."""
+    s: Serving = request.app.state.serving
+    tenant = s.tenants.authenticate(request.headers.get("authorization"))
+    req = await parse_body(request, CacheWarmRequest)
+    s.check_model(req.model)
+    namespace = s.tenants.namespace(tenant, req.cache_salt)
+    ids = _prompt_ids(s, req)
+    if req.ttl_seconds is not None and not req.pin:
+        raise APIError(400, "ttl_seconds applies to pinned prompts: set pin: true", param="pin")
+    try:
+        result = await s.engine.warm(
+            ids, namespace=namespace, pin=req.pin, ttl_seconds=req.ttl_seconds
+        )
+    except Exception as e:
+        err = engine_error(e)
+        if err is e:
+            raise
+        raise err from e
+    return {**_as_dict(result), "namespace": namespace}
+
+
+@router.post("/lookup")
+async def lookup(request: Request) -> dict:
+    """How many tokens of a prompt would hit the cache now. Changes nothing."""
+    s: Serving = request.app.state.serving
+    tenant = s.tenants.authenticate(request.headers.get("authorization"))
+    req = await parse_body(request, CacheLookupRequest)
+    s.check_model(req.model)
+    namespace = s.tenants.namespace(tenant, req.cache_salt)
+    ids = _prompt_ids(s, req)
+    # Engine queries take its lock, which a running step holds: wait for it off the event loop.
+    result = await asyncio.to_thread(s.engine.lookup, ids, namespace)
+    return {**_as_dict(result), "namespace": namespace}
+
+
+@router.post("/invalidate")
+async def invalidate(request: Request) -> dict:
+    """Drop the cached blocks of a namespace; blocks running requests hold go when released."""
+    s: Serving = request.app.state.serving
+    tenant = s.tenants.authenticate(request.headers.get("authorization"))
+    req = await parse_body(request, CacheInvalidateRequest)
+    if req.all:
+        if req.namespace is not None or req.cache_salt is not None:
+            raise APIError(400, "'all' excludes 'namespace' and 'cache_salt'", param="all")
+        if not tenant.admin:
+            raise APIError(403, "invalidating every namespace needs an admin key", param="all")
+        return {
+            "namespace": None,
+            "dropped_blocks": await asyncio.to_thread(s.engine.invalidate, None),
+        }
+    if req.namespace is not None and req.cache_salt is not None:
+        raise APIError(400, "give 'namespace' or 'cache_salt', not both", param="namespace")
+    if req.namespace is not None:
+        namespace = req.namespace
+        if not s.tenants.owns(tenant, namespace):
+            raise APIError(
+                403,
+                "invalidating another tenant's namespace needs an admin key",
+                param="namespace",
+            )
+    else:
+        namespace = s.tenants.namespace(tenant, req.cache_salt)
+        if namespace in s.tenants.shared_namespaces and not tenant.admin:
+            raise APIError(
+                403, "invalidating a shared namespace needs an admin key", param="cache_salt"
+            )
+    dropped = await asyncio.to_thread(s.engine.invalidate, namespace)
+    return {"namespace": namespace, "dropped_blocks": dropped}
+
+
+@router.get("/stats")
+async def stats(request: Request) -> dict:
+    """The engine's cache statistics, plus its live request counts and KV usage."""
+    s: Serving = request.app.state.serving
+    s.tenants.authenticate(request.headers.get("authorization"))
+    return await asyncio.to_thread(_stats, s.engine)
+
+
+def _stats(engine) -> dict:
+    out = dict(engine.cache_stats())
+    out["engine"] = _as_dict(engine.engine_stats())
+    out["kv"] = dict(engine.kv_info)
+    return out

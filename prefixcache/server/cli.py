@@ -1,0 +1,198 @@
+"""``prefixcache serve``: the OpenAI-compatible server on the async engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="run the OpenAI-compatible server",
+        description="OpenAI-compatible server (completions, chat, cache control, metrics).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    m = p.add_argument_group("model and engine")
+    m.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)"
+    )
+    m.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="name(s) clients use in 'model' (default: the model's name)",
+    )
+    m.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of shared prompt prefixes",
+    )
+    m.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="KV cache size, e.g. 2GiB or 512MiB (default: the engine's)",
+    )
+    m.add_argument("--block-size", type=int, default=16)
+    m.add_argument("--max-model-len", type=int, default=None)
+    m.add_argument("--max-num-seqs", type=int, default=16)
+    m.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    m.add_argument("--scheduling-policy", choices=("fcfs", "lpm"), default="fcfs")
+    m.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=256,
+        help="more waiting requests than this are refused with 429",
+    )
+    m.add_argument(
+        "--pin-budget-fraction",
+        type=float,
+        default=0.25,
+        help="share of the KV pool pinned prompts may hold",
+    )
+    m.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    m.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    m.add_argument("--seed", type=int, default=0)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default=DEFAULT_HOST)
+    s.add_argument("--port", type=int, default=DEFAULT_PORT)
+    keys = s.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", default=None, help="one key; its holder is the admin")
+    keys.add_argument(
+        "--api-keys-file",
+        default=None,
+        help="JSON or YAML file mapping keys to tenants (see docs/server.md)",
+    )
+    s.add_argument(
+        "--admin-key",
+        default=None,
+        help="an extra key for the admin tenant (invalidate any namespace)",
+    )
+    s.add_argument(
+        "--shared-namespace",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a cache_salt every tenant shares (repeatable), e.g. 'public'",
+    )
+    s.add_argument(
+        "--log-requests",
+        default=None,
+        metavar="FILE",
+        help="append one record per request (tenant, block hashes, cached tokens; "
+        "no text) for `prefixcache analyze`",
+    )
+    s.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+    s.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="log one line per HTTP request",
+    )
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from prefixcache.server.auth import TenantDirectory
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:  # everything a typo can break, before the model loads
+        tenants = TenantDirectory.from_options(
+            api_key=args.api_key,
+            api_keys_file=args.api_keys_file,
+            admin_key=args.admin_key,
+            shared_namespaces=args.shared_namespace,
+        )
+        config = _engine_config(args)
+        request_log = _request_log(args.log_requests, args.block_size)
+    except (ValueError, TypeError) as e:
+        print(f"prefixcache serve: {e}", file=sys.stderr)
+        return 2
+
+    from prefixcache.engine import AsyncEngine
+    from prefixcache.server.app import create_app
+
+    engine = AsyncEngine(config)
+    app = create_app(
+        engine,
+        served_model_names=args.served_model_name,
+        tenants=tenants,
+        request_log=request_log,
+        on_ready=lambda: print(_banner(engine, tenants, args), flush=True),
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=args.access_log,
+            timeout_graceful_shutdown=None,  # SIGTERM: let every running request finish
+        )
+    )
+    server.run()
+    return 0 if server.started else 1
+
+
+def _engine_config(args: argparse.Namespace):
+    from prefixcache.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduling_policy=args.scheduling_policy,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        max_waiting_requests=args.max_waiting_requests,
+        pin_budget_fraction=args.pin_budget_fraction,
+    )
+
+
+def _request_log(path: str | None, block_size: int):
+    if path is None:
+        return None
+    try:
+        from prefixcache.analyze.request_log import RequestLogWriter
+    except ModuleNotFoundError as e:
+        raise ValueError(f"--log-requests needs prefixcache.analyze.request_log: {e}") from e
+    return RequestLogWriter(path, include_text=False, block_size=block_size)
+
+
+def _banner(engine, tenants, args) -> str:
+    kv = engine.kv_info
+    gib = kv["capacity_bytes"] / (1 << 30)
+    url = f"http://{args.host}:{args.port}"
+    if tenants.auth_required:
+        names = ", ".join(t.name for t in tenants.tenants)
+        auth = f"API keys required (tenants: {names})"
+    else:
+        auth = "open: no API key configured, every caller is tenant 'default'"
+    if tenants.shared_namespaces:
+        auth += f"; shared namespaces: {', '.join(sorted(tenants.shared_namespaces))}"
+    caching = "on" if engine.config.enable_prefix_caching else "OFF"
+    model = (
+        f"prefixcache serve: model {engine.model_name} (max_model_len {engine.max_model_len}, "
+        f"{engine.config.device}, {engine.config.dtype})"
+    )
+    cache = (
+        f"  KV cache: {kv['capacity_tokens']} tokens ({kv['num_blocks']} blocks of "
+        f"{kv['block_size']}), {kv['bytes_per_token']} bytes/token, {gib:.2f} GiB; "
+        f"prefix caching {caching}"
+    )
+    return "\n".join([model, cache, f"  auth: {auth}", f"  serving at {url}  (base_url {url}/v1)"])

@@ -1,0 +1,269 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``, plain and streamed (SSE).
+
+Both routes share one path: authenticate, parse, derive the namespace, tokenize, start a
+:class:`~prefixcache.server.serving.Run`, then either stream its deltas as server-sent events or
+collect them into one JSON body. Only the shape of a choice differs, and that lives in the two
+small formatter classes at the bottom.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from prefixcache.request import StreamDelta
+from prefixcache.server.errors import APIError
+from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from prefixcache.server.serving import Choice, Run, Serving, engine_error
+
+log = logging.getLogger("prefixcache.server")
+router = APIRouter()
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions API
+_DISCONNECT_POLL_S = 0.25
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    s: Serving = request.app.state.serving
+    tenant = s.tenants.authenticate(request.headers.get("authorization"))
+    req = await parse_body(request, CompletionRequest)
+    s.check_model(req.model)
+    req.check_unsupported()
+    namespace = s.tenants.namespace(tenant, req.cache_salt)
+    prompts = s.completion_prompts(req)
+    params = [
+        s.sampling_params(
+            req, len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs, req.seed
+        )
+        for ids in prompts
+    ]
+    run = s.start(
+        "cmpl", prompts, params, req.n, tenant, namespace, req.priority, req.return_cache_info
+    )
+    fmt = _CompletionFormat(s, run, req.logprobs)
+    return await _respond(request, run, fmt, req.stream, req.include_usage)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    s: Serving = request.app.state.serving
+    tenant = s.tenants.authenticate(request.headers.get("authorization"))
+    req = await parse_body(request, ChatCompletionRequest)
+    s.check_model(req.model)
+    req.check_unsupported()
+    namespace = s.tenants.namespace(tenant, req.cache_salt)
+    ids = s.chat_prompt(req.messages, req.add_generation_prompt)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+    params = s.sampling_params(req, len(ids), max_tokens, None, k, req.seed)
+    run = s.start(
+        "chatcmpl", [ids], [params], req.n, tenant, namespace, req.priority, req.return_cache_info
+    )
+    fmt = _ChatFormat(s, run, k)
+    return await _respond(request, run, fmt, req.stream, req.include_usage)
+
+
+async def _respond(request: Request, run: Run, fmt, stream: bool, include_usage: bool) -> Response:
+    if stream:
+        return StreamingResponse(
+            _sse(run, fmt, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        task = asyncio.ensure_future(run.collect())
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                break
+            if await request.is_disconnected():
+                task.cancel()
+                return Response(status_code=499)  # nobody reads it; the finally aborts the run
+        try:
+            task.result()
+        except Exception as e:
+            err = engine_error(e)  # a request the engine thread refused: 400, not 500
+            if err is e:
+                raise
+            raise err from e
+        return JSONResponse(fmt.response())
+    finally:
+        run.close()
+
+
+def _event(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _sse(run: Run, fmt, include_usage: bool):
+    """Server-sent events; ``run.close()`` in ``finally`` aborts the run if the client leaves
+    (Starlette cancels this generator when it sees the disconnect)."""
+    try:
+        for c in run.choices:
+            first = fmt.first_chunk(c)
+            if first is not None:
+                yield _event(fmt.with_usage_field(first, include_usage))
+        async for c, d in run.deltas():
+            if not (d.text_delta or d.new_token_ids or d.finished or d.cache_info):
+                continue
+            yield _event(fmt.with_usage_field(fmt.chunk(c, d), include_usage))
+        if include_usage:
+            yield _event(fmt.envelope([], usage=run.usage()))
+        yield "data: [DONE]\n\n"
+    except Exception as e:
+        err = engine_error(e)
+        if not isinstance(err, APIError):
+            log.exception("stream %s failed", run.id)
+            err = APIError(500, f"generation failed: {type(e).__name__}: {e}")
+        yield _event(err.body())
+        yield "data: [DONE]\n\n"
+    finally:
+        run.close()
+
+
+def _lp(x: float | None) -> float:
+    # JSON has no -inf; vLLM clamps the same way.
+    if x is None or math.isnan(x):
+        return -9999.0
+    return max(x, -9999.0)
+
+
+class _Format:
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, s: Serving, run: Run, top_k: int | None) -> None:
+        self.s = s
+        self.run = run
+        self.top_k = top_k  # None: no logprobs; else the number of alternatives per token
+
+    def envelope(self, choices: list, usage: dict | None = None, chunk: bool = True) -> dict:
+        body = {
+            "id": self.run.id,
+            "object": self.chunk_object_name if chunk else self.object_name,
+            "created": self.run.created,
+            "model": self.s.model_name,
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def with_usage_field(self, body: dict, include_usage: bool) -> dict:
+        if include_usage:
+            body.setdefault("usage", None)
+        return body
+
+    def first_chunk(self, c: Choice) -> dict | None:
+        return None
+
+    def response(self) -> dict:
+        choices = [self.choice(c) for c in self.run.choices]
+        return self.envelope(choices, usage=self.run.usage(), chunk=False)
+
+    def _extras(self, c: Choice, out: dict) -> dict:
+        if c.stop_reason is not None:
+            out["stop_reason"] = c.stop_reason
+        info = self.run.cache_info(c)
+        if info is not None:
+            out["cache_info"] = info
+        return out
+
+    def _top(self, lp: dict[int, float]) -> list[tuple[int, float]]:
+        return sorted(lp.items(), key=lambda kv: -kv[1])[: self.top_k or 0]
+
+    def _token(self, tid: int) -> str:
+        return self.s.tokenizer.decode([tid])
+
+
+class _CompletionFormat(_Format):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def logprobs(self, token_ids: list[int], lps: list[dict[int, float]], offset: int):
+        if self.top_k is None:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, lp in zip(token_ids, lps, strict=False):
+            tok = self._token(tid)
+            out["tokens"].append(tok)
+            out["token_logprobs"].append(_lp(lp.get(tid)))
+            out["top_logprobs"].append({self._token(t): _lp(v) for t, v in self._top(lp)})
+            out["text_offset"].append(offset)
+            offset += len(tok)
+        return out
+
+    def choice(self, c: Choice) -> dict:
+        out = {
+            "index": c.index,
+            "text": "".join(c.text),
+            "logprobs": self.logprobs(c.token_ids, c.logprobs, 0),
+            "finish_reason": c.finish_reason,
+        }
+        return self._extras(c, out)
+
+    def chunk(self, c: Choice, d: StreamDelta) -> dict:
+        offset = sum(len(t) for t in c.text[:-1])
+        out = {
+            "index": c.index,
+            "text": d.text_delta,
+            "logprobs": self.logprobs(d.new_token_ids, d.new_logprobs or [], offset),
+            "finish_reason": d.finish_reason if d.finished else None,
+        }
+        if d.cache_info is not None:
+            out["cache_info"] = self.run.cache_info(c)
+        return self.envelope([out])
+
+
+class _ChatFormat(_Format):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def logprobs(self, token_ids: list[int], lps: list[dict[int, float]]):
+        if self.top_k is None:
+            return None
+        content = []
+        for tid, lp in zip(token_ids, lps, strict=False):
+            tok = self._token(tid)
+            top = [self._entry(self._token(t), v) for t, v in self._top(lp)]
+            content.append({**self._entry(tok, lp.get(tid)), "top_logprobs": top})
+        return {"content": content}
+
+    @staticmethod
+    def _entry(tok: str, lp: float | None) -> dict:
+        return {"token": tok, "logprob": _lp(lp), "bytes": list(tok.encode("utf-8"))}
+
+    def choice(self, c: Choice) -> dict:
+        out = {
+            "index": c.index,
+            "message": {"role": "assistant", "content": "".join(c.text)},
+            "logprobs": self.logprobs(c.token_ids, c.logprobs),
+            "finish_reason": c.finish_reason,
+        }
+        return self._extras(c, out)
+
+    def first_chunk(self, c: Choice) -> dict:
+        # Sent before the first token, as OpenAI does: the role, empty content.
+        delta = {"role": "assistant", "content": ""}
+        return self.envelope(
+            [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}]
+        )
+
+    def chunk(self, c: Choice, d: StreamDelta) -> dict:
+        out = {
+            "index": c.index,
+            "delta": {"content": d.text_delta} if d.text_delta or not d.finished else {},
+            "logprobs": self.logprobs(d.new_token_ids, d.new_logprobs or []),
+            "finish_reason": d.finish_reason if d.finished else None,
+        }
+        if d.cache_info is not None:
+            out["cache_info"] = self.run.cache_info(c)
+        return self.envelope([out])

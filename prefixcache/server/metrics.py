@@ -1,0 +1,134 @@
+"""Prometheus metrics at ``GET /metrics``, named in vLLM's style (``prefixcache:...``).
+
+Counters and gauges the engine already keeps (tokens, cache queries and hits, queue lengths,
+KV usage, evictions, preemptions) are read from ``engine.engine_stats()`` at scrape time by a
+collector, so they can never drift from the engine's own numbers. Latency histograms are
+observed here, once per finished request, from the timestamps the engine put on it.
+
+Each server owns its registry (not the process-global one), so several apps can live in one
+process (tests) without "duplicated timeseries" errors.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from prefixcache.request import StreamDelta
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0)  # fmt: skip
+
+# (metric name without "_total", EngineStats attribute, help)
+_COUNTERS = (
+    ("prefixcache:prompt_tokens", "prompt_tokens_total", "Prefill tokens processed (requested)."),
+    ("prefixcache:generation_tokens", "generation_tokens_total", "Generated tokens."),
+    (
+        "prefixcache:prefix_cache_queries",
+        "prefix_cache_queries_total",
+        "Prompt tokens looked up in the prefix cache.",
+    ),
+    (
+        "prefixcache:prefix_cache_hits",
+        "prefix_cache_hits_total",
+        "Prompt tokens served from the prefix cache.",
+    ),
+    (
+        "prefixcache:prefix_cache_evicted_blocks",
+        "evicted_blocks_total",
+        "Cached blocks evicted to make room.",
+    ),
+    ("prefixcache:num_preemptions", "num_preemptions_total", "Requests preempted."),
+)
+_GAUGES = (
+    ("prefixcache:num_requests_running", "num_running", "Requests in the running batch."),
+    ("prefixcache:num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+    (
+        "prefixcache:kv_cache_usage_perc",
+        "kv_cache_usage",
+        "Share of KV blocks held by live requests (0..1); unreferenced cached blocks count as free.",
+    ),
+)
+
+
+class _EngineCollector:
+    def __init__(self, engine, model_name: str) -> None:
+        self._engine = engine
+        self._model = model_name
+
+    def describe(self):
+        return []  # collected lazily: nothing to check at registration
+
+    def collect(self):
+        stats = self._engine.engine_stats()
+        for name, attr, doc in _COUNTERS:
+            m = CounterMetricFamily(name, doc, labels=["model_name"])
+            m.add_metric([self._model], float(getattr(stats, attr)))
+            yield m
+        for name, attr, doc in _GAUGES:
+            m = GaugeMetricFamily(name, doc, labels=["model_name"])
+            m.add_metric([self._model], float(getattr(stats, attr)))
+            yield m
+
+
+class ServerMetrics:
+    def __init__(self, engine, model_name: str) -> None:
+        disable_created_metrics()  # no "_created" series, as in vLLM
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, model_name))
+        labels = ["model_name"]
+        self.ttft = Histogram(
+            "prefixcache:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "prefixcache:time_per_output_token_seconds",
+            "Time per output token after the first.",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "prefixcache:e2e_request_latency_seconds",
+            "Arrival to last token.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            "prefixcache:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+
+    def observe_finished(self, delta: StreamDelta) -> None:
+        """Record one finished engine request (one choice) from its final delta."""
+        m = delta.metrics
+        label = self.model_name
+        if m.first_token_time is not None:
+            self.ttft.labels(label).observe(max(0.0, m.first_token_time - m.arrival_time))
+            if m.finished_time is not None and delta.num_output_tokens > 1:
+                per_token = (m.finished_time - m.first_token_time) / (delta.num_output_tokens - 1)
+                self.tpot.labels(label).observe(max(0.0, per_token))
+        if m.finished_time is not None:
+            self.e2e.labels(label).observe(max(0.0, m.finished_time - m.arrival_time))
+        self.finished.labels(label, delta.finish_reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

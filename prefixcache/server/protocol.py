@@ -1,0 +1,161 @@
+"""Request bodies of the OpenAI API (plus vLLM's extra fields and the cache endpoints).
+
+Pydantic checks types and shapes (a failure is a 422 naming the field); value ranges are checked
+by :class:`prefixcache.request.SamplingParams` (a failure is a 400), so both the server and the
+offline API enforce the same rules. Fields OpenAI clients send that the engine does not use are
+ignored, as vLLM does; a non-default value of a feature the engine lacks is refused instead of
+being silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from prefixcache.server.errors import APIError, validation_error
+
+PromptInput = str | list[int] | list[str] | list[list[int]]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+_B = TypeVar("_B", bound=_Body)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Generation(_Body):
+    """Fields common to completions and chat completions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields.
+    top_k: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+    # Cache fields: a partition inside the tenant's namespace, and the hit/miss explanation.
+    cache_salt: str | None = None
+    return_cache_info: bool = False
+
+    def check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported", param=name, code="unsupported")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Generation):
+    prompt: PromptInput
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo", code="unsupported")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
+        if self.best_of not in (None, self.n):
+            raise APIError(400, "best_of must equal n", param="best_of", code="unsupported")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    # "document": retrieved context, rendered into the system context before the conversation,
+    # so the system prompt and the documents form one stable, cacheable prefix.
+    role: Literal["system", "developer", "user", "assistant", "document", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    title: str | None = None  # of a document (its heading in the rendered system context)
+
+    def as_template_dict(self) -> dict:
+        if isinstance(self.content, list):
+            text = "\n".join(p.text for p in self.content)
+        else:
+            text = self.content or ""
+        role = "system" if self.role == "developer" else self.role
+        out = {"role": role, "content": text}
+        if role == "document":
+            out.update({k: v for k, v in (("title", self.title), ("name", self.name)) if v})
+        return out
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class _CacheQuery(_Body):
+    """A prompt as text or token ids, or chat messages rendered with the model's template."""
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+    cache_salt: str | None = None
+
+    def check_one_input(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
+
+
+class CacheWarmRequest(_CacheQuery):
+    pin: bool = False
+    ttl_seconds: float | None = Field(None, gt=0)
+
+
+class CacheLookupRequest(_CacheQuery):
+    pass
+
+
+class CacheInvalidateRequest(_Body):
+    # Absent: the caller's own namespace (with cache_salt: that partition of it).
+    namespace: str | None = None
+    cache_salt: str | None = None
+    all: bool = False  # every namespace; admin only
+
+
+async def parse_body(request: Request, model: type[_B]) -> _B:
+    """The JSON body as ``model``: malformed JSON is a 400, a wrong shape a 422."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from e
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from e
