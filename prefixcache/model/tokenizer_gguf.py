@@ -1,0 +1,262 @@
+"""GGUF tokenizer metadata -> a ``tokenizers`` pipeline (used by ``tokenizer.py``).
+
+Parity contract: for a GGUF file the ids are those of transformers'
+``AutoTokenizer.from_pretrained(dir, gguf_file=name)``, not llama.cpp's (the two disagree on some
+whitespace runs). transformers turns the GGUF metadata into a ``tokenizers`` pipeline; this module
+builds the same pipeline itself, so transformers is needed only by the tests:
+
+    gpt2 (byte-level BPE): vocab respelled into the byte alphabet, the file's merges,
+        pre-tokenizer = Split(regex of tokenizer.ggml.pre, when known) + ByteLevel, or plain
+        ByteLevel (GPT-2 regex) otherwise; decoder ByteLevel.
+    llama (sentencepiece BPE): vocab as spelled, merges from the file or rebuilt from the scores,
+        byte fallback; Metaspace(prepend "first") or, for phi3, a normalizer that prepends;
+        decoder Replace + ByteFallback + Fuse + Strip(1 leading space).
+    added tokens: CONTROL tokens as special, USER_DEFINED as plain added tokens, then the named
+        bos/eos/unk/pad tokens as special where not added yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as Backend
+from tokenizers.models import BPE
+
+from prefixcache.model.paths import ModelNotFoundError
+
+# llama.cpp's token types (tokenizer.ggml.token_type).
+_CONTROL = 3
+_USER_DEFINED = 4
+
+# How a BPE family splits text before merging, by tokenizer.ggml.pre (as transformers maps them).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_CASED_LETTERS = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+{suffix}"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*{suffix}"
+)
+_TEKKEN_SPLIT = (
+    _CASED_LETTERS.replace("{suffix}", "")
+    + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    _CASED_LETTERS.replace("{suffix}", r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?")
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZER_SPLITS = {
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+         "jina-v5-nano", "dbrx", "smaug-bpe"),
+        _LLAMA3_SPLIT,
+    ),
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
+}
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map: printable bytes stand for themselves,
+    the rest take the code points from U+0100 upward in byte order."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    spelling = {b: chr(b) for b in keep}
+    for n, b in enumerate(b for b in range(256) if b not in spelling):
+        spelling[b] = chr(0x100 + n)
+    return spelling
+
+
+_BYTE_SPELLING = _byte_alphabet()
+_BYTE_CHARS = frozenset(_BYTE_SPELLING.values())
+
+
+@dataclass(frozen=True)
+class GGUFTokenizer:
+    """What a GGUF file says about its tokenizer; ids are the file's."""
+
+    backend: Backend
+    bos_token_id: int | None
+    eos_token_id: int | None
+    unk_token_id: int | None
+    pad_token_id: int | None
+    add_bos_token: bool
+    chat_template: str | None
+    extra_stop_token_ids: list[int]
+    unmatched_special_tokens: dict[str, int]
+
+
+def _read_gguf_tokenizer_metadata(path: Path) -> dict[str, Any]:
+    import gguf  # 0.2 s to import; only GGUF files need it
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # corrupt or truncated file
+        raise ModelNotFoundError(f"cannot read GGUF file {path}: {exc}") from exc
+    return {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if key.startswith("tokenizer.") or key == "general.architecture"
+    }
+
+
+def _rebuild_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """Merges a sentencepiece vocabulary implies: every split of a token into two vocabulary
+    tokens, best score first; ties broken by the pieces' lengths, then by vocabulary order."""
+    index = {t: i for i, t in enumerate(tokens)}
+    score = dict(zip(tokens, scores, strict=False))
+    found: list[tuple[float, int, int, str, str]] = []
+    for token, token_score in score.items():
+        pairs = [
+            (token[:k], token[k:]) for k in range(1, len(token))
+            if token[:k] in index and token[k:] in index
+        ]
+        pairs.sort(key=lambda p: (index[p[0]], index[p[1]]))
+        found.extend((token_score, len(a), len(b), a, b) for a, b in pairs)
+    # A stable sort on the negated key keeps vocabulary order within ties.
+    found.sort(key=lambda m: (-m[0], -m[1], -m[2]))
+    return [(a, b) for _, _, _, a, b in found]
+
+
+def _merges(meta: dict[str, Any]) -> list[tuple[str, str]]:
+    if "tokenizer.ggml.merges" in meta:
+        return [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+    tokens = meta["tokenizer.ggml.tokens"]
+    if "tokenizer.ggml.scores" not in meta:
+        raise ValueError("GGUF tokenizer has neither merges nor scores")
+    return _rebuild_merges(tokens, meta["tokenizer.ggml.scores"])
+
+
+def _byte_level_backend(meta: dict[str, Any]) -> Backend:
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(meta["tokenizer.ggml.tokens"]):
+        # Some files store a token as its text; the BPE vocabulary spells it in the byte alphabet.
+        if not set(token) <= _BYTE_CHARS:
+            token = "".join(_BYTE_SPELLING[b] for b in token.encode("utf-8"))
+        vocab[token] = i
+    backend = Backend(BPE(vocab=vocab, merges=_merges(meta), dropout=None,
+                           continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    split = _PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_backend(meta: dict[str, Any]) -> Backend:
+    vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
+    backend = Backend(BPE(vocab=vocab, merges=_merges(meta), fuse_unk=True, byte_fallback=True,
+                           dropout=None))
+    if meta.get("general.architecture") == "phi3":
+        # Phi-3 prepends its space in a normalizer: "  hi" -> "▁▁▁hi", where Metaspace gives "▁▁hi".
+        backend.normalizer = normalizers.Sequence(
+            [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+        )
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="\u2581", prepend_scheme="first", split=False
+        )
+    backend.decoder = decoders.Sequence([
+        decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+        decoders.Strip(content=" ", left=1, right=0),
+    ])
+    return backend
+
+
+def _add_gguf_special_tokens(backend: Backend, meta: dict[str, Any], named: list[str]) -> None:
+    """Added tokens in transformers' order; the order and the flags decide the ids of tokens
+    not in the vocabulary and which ids ``skip_special_tokens`` drops."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    byte_level = meta["tokenizer.ggml.model"] == "gpt2"
+    # transformers first builds a GPT2Tokenizer / LlamaTokenizer, whose default bos, eos and unk
+    # tokens become special tokens; a token once added as special stays skipped on decode when a
+    # later step re-adds it as a plain token (Phi-3's "</s>").
+    # Deliberate difference: transformers also adds such a token, or a named special token whose
+    # text is no vocabulary key, under a NEW id past the model's vocabulary (Llama 3 gains
+    # "<|endoftext|>" at 128256, DeepSeek's BOS text gets 32257 instead of 32013). An id the
+    # embedding table lacks would crash the model, so here no token ever gets a new id: a class
+    # default is then plain text, and a named token keeps the file's id (Tokenizer matches it).
+    defaults = ["<|endoftext|>"] if byte_level else ["<s>", "</s>", "<unk>"]
+    backend.add_special_tokens(
+        [AddedToken(t, special=True) for t in defaults if backend.token_to_id(t) is not None]
+    )
+    types = meta.get("tokenizer.ggml.token_type") or ()
+    # A byte-level "control" token spelled outside the byte alphabet is a llama.cpp mislabel;
+    # adding it would grow the vocabulary past the model's, so it is left out.
+    control = [
+        AddedToken(t, normalized=False, special=True)
+        for t, kind in zip(tokens, types, strict=False)
+        if kind == _CONTROL and (not byte_level or set(t) <= _BYTE_CHARS)
+    ]
+    backend.add_special_tokens(control)
+    vocab = backend.get_vocab(with_added_tokens=True)
+    backend.add_tokens([
+        AddedToken(t, normalized=False, special=False)
+        for t, kind in zip(tokens, types, strict=False)
+        if kind == _USER_DEFINED and t in vocab
+    ])
+    added = {t.content for t in backend.get_added_tokens_decoder().values()}
+    for token in named:
+        if token not in added and backend.token_to_id(token) is not None:
+            backend.add_special_tokens([AddedToken(token, special=True)])
+            added.add(token)
+
+
+def read_gguf_tokenizer(path: Path) -> GGUFTokenizer:
+    """The tokenizer a GGUF file describes, as transformers would build it (see module doc)."""
+    meta = _read_gguf_tokenizer_metadata(path)
+    kind = meta.get("tokenizer.ggml.model")
+    if kind is None or "tokenizer.ggml.tokens" not in meta:
+        raise ValueError(f"GGUF file has no tokenizer metadata: {path}")
+    if kind == "gpt2":
+        backend = _byte_level_backend(meta)
+    elif kind == "llama" and meta.get("general.architecture") not in ("gemma", "gemma2", "gemma3"):
+        backend = _sentencepiece_backend(meta)
+    else:
+        raise ValueError(
+            f"unsupported GGUF tokenizer {kind!r} (architecture "
+            f"{meta.get('general.architecture')!r}) in {path}; supported: 'gpt2' (byte-level BPE) "
+            "and 'llama' (sentencepiece BPE)"
+        )
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def special_id(name: str) -> int | None:
+        value = meta.get(f"tokenizer.ggml.{name}_token_id")
+        return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
+
+    ids = {n: special_id(k) for n, k in
+           (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))}
+    _add_gguf_special_tokens(backend, meta, [tokens[i] for i in ids.values() if i is not None])
+    # A named token whose text the backend cannot match (a byte-level file that stores it
+    # unspelled, like DeepSeek's "<｜begin▁of▁sentence｜>") is matched by Tokenizer itself.
+    added = {t.content for t in backend.get_added_tokens_decoder().values()}
+    unmatched = {tokens[i]: i for i in ids.values() if i is not None and tokens[i] not in added}
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    if add_bos is None:
+        add_bos = kind == "llama"  # llama.cpp's default for a sentencepiece vocabulary
+    extra_stops = [special_id(k) for k in ("eot", "eom")]
+    template = meta.get("tokenizer.chat_template")
+    return GGUFTokenizer(
+        backend=backend, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+        unk_token_id=ids["unk"], pad_token_id=ids["pad"], add_bos_token=bool(add_bos),
+        chat_template=template, extra_stop_token_ids=[i for i in extra_stops if i is not None],
+        unmatched_special_tokens=unmatched,
+    )
