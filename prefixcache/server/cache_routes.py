@@ -29,7 +29,7 @@ def _prompt_ids(s: Serving, req: _CacheQuery) -> list[int]:
     req.check_one_input()
     if req.messages is not None:
         return s.chat_prompt(req.messages, req.add_generation_prompt)
-    ids = s.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+    ids = s.encode_text(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
     if not ids:
         raise APIError(400, "prompt must not be empty", param="prompt")
     return ids

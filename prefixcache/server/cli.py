@@ -176,7 +176,8 @@ def _request_log(path: str | None, block_size: int):
 
 def _banner(engine, tenants, args) -> str:
     kv = engine.kv_info
-    gib = kv["capacity_bytes"] / (1 << 30)
+    size = kv["capacity_bytes"]
+    size_text = f"{size / (1 << 30):.2f} GiB" if size >= 1 << 30 else f"{size / (1 << 20):.1f} MiB"
     url = f"http://{args.host}:{args.port}"
     if tenants.auth_required:
         names = ", ".join(t.name for t in tenants.tenants)
@@ -192,7 +193,7 @@ def _banner(engine, tenants, args) -> str:
     )
     cache = (
         f"  KV cache: {kv['capacity_tokens']} tokens ({kv['num_blocks']} blocks of "
-        f"{kv['block_size']}), {kv['bytes_per_token']} bytes/token, {gib:.2f} GiB; "
+        f"{kv['block_size']}), {kv['bytes_per_token']} bytes/token, {size_text}; "
         f"prefix caching {caching}"
     )
     return "\n".join([model, cache, f"  auth: {auth}", f"  serving at {url}  (base_url {url}/v1)"])

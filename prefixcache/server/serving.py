@@ -96,14 +96,18 @@ class Serving:
 
     # -- prompts ----------------------------------------------------------------------------
 
+    def encode_text(self, text: str) -> list[int]:
+        """A text prompt's ids, BOS included when the model wants one (as the offline API)."""
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
         if isinstance(p, str):
-            prompts = [self.tokenizer.encode(p)]
+            prompts = [self.encode_text(p)]
         elif p and all(isinstance(x, int) for x in p):
             prompts = [list(p)]
         elif p and all(isinstance(x, str) for x in p):
-            prompts = [self.tokenizer.encode(x) for x in p]
+            prompts = [self.encode_text(x) for x in p]
         elif p:
             prompts = [list(x) for x in p]
         else:
@@ -274,14 +278,14 @@ class Run:
         c.apply(d)
         s = self.serving
         if first and s.request_log is not None and c.index == c.prompt_index * self.n:
-            self._log(c)  # once per prompt, not once per choice
+            self._log(c, d)  # once per prompt, not once per choice
         if d.finished:
             s.metrics.observe_finished(d)
 
-    def _log(self, c: Choice) -> None:
+    def _log(self, c: Choice, d: StreamDelta) -> None:
         s = self.serving
         s.request_log.log(
-            time=time.time(),
+            time=d.metrics.arrival_time,
             tenant=self.tenant.name,
             namespace=self.namespace,
             num_prompt_tokens=len(c.prompt_token_ids),
