@@ -33,8 +33,11 @@ serve() {
     local model="${MODEL:-$("$ROOT/.venv/bin/python" -c \
         'from prefixcache.model.paths import default_model_path; print(default_model_path())')}"
     # The model alias is what /v1/models reports and what clients send as "model".
+    # --interrupt_requests False: by default a new request aborts the one being served, so any
+    # benchmark with concurrency > 1 would see truncated answers; now they queue.
     exec "$VENV/bin/python" -m llama_cpp.server --model "$model" --port "$port" \
         --host 127.0.0.1 --n_threads "${N_THREADS:-2}" --n_ctx "${N_CTX:-4096}" \
+        --interrupt_requests False \
         --model_alias "${MODEL_ALIAS:-SmolLM2-135M-Instruct}" ${EXTRA_ARGS:-}
 }
 

@@ -70,9 +70,8 @@ async def request_openai(
 ) -> RequestFuncOutput:
     """Send one streamed request; never raises for a server or network error (see ``error``)."""
     out = RequestFuncOutput(prompt_len=inp.prompt_len)
-    headers = dict(inp.headers)
-    if inp.request_id:
-        headers.setdefault("x-request-id", inp.request_id)
+    # No x-request-id header: llama-cpp-python's server answers 400 to one that is not a UUID.
+    headers = inp.headers
     payload = build_payload(backend, inp)
     st = time.perf_counter()
     out.start_time = st

