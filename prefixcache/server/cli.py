@@ -89,6 +89,13 @@ def register(subparsers) -> None:
         "no text) for `prefixcache analyze`",
     )
     s.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="on SIGTERM, wait at most this long for running requests (default: until done)",
+    )
+    s.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     s.add_argument(
@@ -137,7 +144,8 @@ def run_serve(args: argparse.Namespace) -> int:
             port=args.port,
             log_level=args.log_level,
             access_log=args.access_log,
-            timeout_graceful_shutdown=None,  # SIGTERM: let every running request finish
+            # SIGTERM: stop accepting, let running requests finish (all of them by default).
+            timeout_graceful_shutdown=args.graceful_shutdown_timeout,
         )
     )
     server.run()
