@@ -1,0 +1,460 @@
+"""`prefixcache analyze` without the CLI: log in, summary dict out.
+
+    scan (parallel, ordered) ──▶ LogPass.feed: block trie, ideal hits, roles, killer candidates
+                                    │  (memory: distinct blocks + a few numbers per request)
+                                    ▼
+    finish: compress trie ──▶ LRU curve (all sizes) + LFU/Belady (per size) ──▶ top prefixes,
+            killer examples (re-read two lines each), position shares ──▶ summary dict
+
+The summary's keys are documented in docs/analyze.md; ``report.py`` renders it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from array import array
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from prefixcache.analyze import simulate, trie
+from prefixcache.analyze.killers import KillerDetector, divergence
+from prefixcache.analyze.reader import MalformedLine, Prompt, parse_line
+from prefixcache.analyze.scan import PromptHasher, ScanConfig, Scanned, scan_file, scan_prompts
+
+
+@dataclass(frozen=True)
+class AnalyzeOptions:
+    block_size: int = 16
+    tokenizer: str | None = None  # for text prompts; None = the default model's tokenizer
+    model: str | None = None  # for KV bytes per token; None = the tokenizer path or default
+    kv_dtype_bytes: int = 2
+    kv_bytes_per_token: int | None = None  # given: skip reading the model's metadata
+    jobs: int = 0  # worker processes; 0 = one per core for large logs, in-process otherwise
+    curve_points: int = 8  # cache sizes simulated for LFU and Belady
+    top_k: int = 10
+    killers: bool = True
+    measure: bool = False  # time the engine's prefill to estimate TTFT savings
+    device: str = "cpu"  # for measure
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.curve_points < 2:
+            raise ValueError("curve_points must be >= 2")
+
+
+class LogPass:
+    """Consumes the scanned requests in log order; holds what the summary needs."""
+
+    def __init__(self, block_size: int, killers: bool = True) -> None:
+        self.block_size = block_size
+        self.trie = trie.BlockTrie()
+        self.killers = KillerDetector() if killers else None
+        self.leaf = array("i")
+        self.n_tokens = array("q")
+        self.known = array("i")  # leading blocks already seen (ideal cache)
+        self.line = array("q")
+        self.offset = array("q")
+        self.sub = array("i")
+        self.malformed: Counter[str] = Counter()
+        self.malformed_lines: dict[str, list[int]] = {}
+        self.role_tokens: Counter[str] = Counter()
+        self.role_cached: Counter[str] = Counter()
+        self.namespaces: set[str | None] = set()
+        self.t_min = float("inf")
+        self.t_max = float("-inf")
+        self.hashed_requests = 0  # requests given as block hashes: no roles, no killers
+
+    def feed(self, s: Scanned) -> None:
+        if s.error is not None:
+            self.malformed[s.error] += 1
+            lines = self.malformed_lines.setdefault(s.error, [])
+            if len(lines) < 5:
+                lines.append(s.line)
+            return
+        r = len(self.leaf)
+        added = self.trie.add(s.hashes, r)
+        bs = self.block_size
+        cached = added.known_blocks * bs
+        self.leaf.append(added.leaf)
+        self.n_tokens.append(s.n_tokens)
+        self.known.append(added.known_blocks)
+        self.line.append(s.line)
+        self.offset.append(s.offset)
+        self.sub.append(s.sub)
+        if len(self.namespaces) < 100_000:
+            self.namespaces.add(s.namespace)
+        if s.time is not None:
+            self.t_min = min(self.t_min, s.time)
+            self.t_max = max(self.t_max, s.time)
+        if s.spans:
+            for role, a, b in s.spans:
+                self.role_tokens[role] += b - a
+                self.role_cached[role] += max(0, min(b, cached) - a)
+            covered = s.spans[-1][2] if s.spans else 0
+            if covered < s.n_tokens:
+                self.role_tokens["unknown"] += s.n_tokens - covered
+        else:
+            self.role_tokens["unknown"] += s.n_tokens
+            self.role_cached["unknown"] += cached
+        if s.features is None:
+            self.hashed_requests += 1
+        elif self.killers is not None:
+            self.killers.observe(r, *s.features, s.n_tokens, cached, bs)
+
+
+class Source:
+    """Re-reads single requests (for excerpts) from a log file or an in-memory list."""
+
+    def __init__(self, path: str | None = None, prompts: list[Prompt] | None = None) -> None:
+        self.path = path
+        self.prompts = prompts
+
+    def prompt(self, line: int, offset: int, sub: int) -> Prompt:
+        if self.prompts is not None:
+            return self.prompts[line - 1]
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            return parse_line(f.readline())[sub]
+
+
+def analyze_file(path: str, options: AnalyzeOptions = AnalyzeOptions(), tokenizer: Any = None):
+    jobs = options.jobs
+    if jobs <= 0:
+        jobs = (os.cpu_count() or 1) if os.path.getsize(path) > (16 << 20) else 1
+    if tokenizer is not None:
+        jobs = 1  # an object given by the caller lives in this process only
+    config = ScanConfig(options.block_size, options.tokenizer, options.killers)
+    stream = scan_file(path, config, jobs=jobs, tokenizer=tokenizer)
+    return _analyze(stream, Source(path=path), options, config, tokenizer, jobs, str(path))
+
+
+def analyze_prompts(
+    prompts: Iterable[Prompt], options: AnalyzeOptions = AnalyzeOptions(), tokenizer: Any = None,
+    name: str = "<prompts>",
+):
+    prompts = list(prompts)
+    config = ScanConfig(options.block_size, options.tokenizer, options.killers)
+    stream = scan_prompts(prompts, config, tokenizer=tokenizer)
+    jobs = options.jobs if options.jobs > 0 else 1
+    return _analyze(stream, Source(prompts=prompts), options, config, tokenizer, jobs, name)
+
+
+def _analyze(
+    stream: Iterator[Scanned], source: Source, options: AnalyzeOptions, config: ScanConfig,
+    tokenizer: Any, jobs: int, name: str,
+) -> dict:
+    t0 = time.perf_counter()
+    kv = _KVLookup(options)  # reads GGUF metadata (seconds) while the log is scanned
+    lp = LogPass(options.block_size, options.killers)
+    for s in stream:
+        lp.feed(s)
+    t_scan = time.perf_counter() - t0
+    lp.trie.drop_index()
+    stages: dict[str, float] = {}
+    summary = _summarize(lp, options, jobs, stages)
+    summary["kv"] = kv.result()
+    bpt = summary["kv"].get("bytes_per_token")
+    for point in summary["curve"]:
+        point["cache_bytes"] = None if bpt is None else point["cache_tokens"] * bpt
+    summary["lru_90pct_bytes"] = None if bpt is None else summary["lru_90pct_tokens"] * bpt
+    t_sim = time.perf_counter() - t0 - t_scan
+    if options.measure:
+        from prefixcache.analyze.measure import measure_prefill, ttft_estimate
+
+        points = measure_prefill(options.model, device=options.device)
+        n_tok = np.frombuffer(lp.n_tokens, dtype=np.int64)
+        cached = np.frombuffer(lp.known, dtype=np.int32).astype(np.int64) * options.block_size
+        summary["ttft"] = ttft_estimate(points, n_tok, cached, options.device)
+    hasher = PromptHasher(config, tokenizer)
+    summary["top_prefixes"] = _top_prefixes(
+        lp, summary.pop("_prefix_nodes"), source, hasher, options
+    )
+    killers, shifted = _killer_report(lp, options, source, hasher)
+    summary["cache_killers"] = killers
+    summary["shared_after_divergence"] = shifted
+    summary["source"] = name
+    summary["timing_s"] = {
+        "scan": round(t_scan, 3),
+        "simulate": round(t_sim, 3),
+        **{k: round(v, 3) for k, v in stages.items()},
+        "total": round(time.perf_counter() - t0, 3),
+        "jobs": jobs,
+    }
+    return summary
+
+
+class _KVLookup:
+    """KV bytes per token of the model, looked up in a background process."""
+
+    def __init__(self, options: AnalyzeOptions) -> None:
+        self._fixed = None
+        self._future = None
+        self._pool = None
+        if options.kv_bytes_per_token is not None:
+            self._fixed = {"bytes_per_token": int(options.kv_bytes_per_token), "model": None}
+            return
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        self._pool = cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork"))
+        model = options.model or options.tokenizer
+        self._future = self._pool.submit(_kv_info, model, options.kv_dtype_bytes)
+
+    def result(self) -> dict:
+        if self._fixed is not None:
+            return self._fixed
+        try:
+            return self._future.result()
+        finally:
+            self._pool.shutdown()
+
+
+def _kv_info(model: str | None, dtype_bytes: int) -> dict:
+    from prefixcache.analyze.model_info import kv_layout
+
+    try:
+        layout = kv_layout(model, dtype_bytes)
+    except Exception as e:  # noqa: BLE001 - sizes in bytes are optional in the report
+        return {"bytes_per_token": None, "error": f"{type(e).__name__}: {e}"[:300]}
+    return {
+        "model": layout.model,
+        "num_layers": layout.num_layers,
+        "num_kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+        "dtype_bytes": layout.dtype_bytes,
+        "bytes_per_token": layout.bytes_per_token,
+    }
+
+
+def _summarize(lp: LogPass, options: AnalyzeOptions, jobs: int, stages: dict) -> dict:
+    """The summary's numbers; ``stages`` gets the seconds of each step."""
+    t = time.perf_counter()
+    bs = options.block_size
+    leaves = np.frombuffer(lp.leaf, dtype=np.int32).astype(np.int64)
+    n_tok = np.frombuffer(lp.n_tokens, dtype=np.int64)
+    known = np.frombuffer(lp.known, dtype=np.int32).astype(np.int64)
+    total = int(n_tok.sum())
+    ideal_hits = int(known.sum()) * bs
+    parent, depth, _ = lp.trie.arrays()
+    n_blocks = len(parent)
+
+    out: dict[str, Any] = {
+        "requests": len(leaves),
+        "prompt_tokens": total,
+        "block_size": bs,
+        "malformed": {
+            "count": sum(lp.malformed.values()),
+            "by_reason": dict(lp.malformed.most_common()),
+            "first_lines": lp.malformed_lines,
+        },
+        "namespaces": len(lp.namespaces),
+        "time_span_s": (lp.t_max - lp.t_min) if lp.t_max >= lp.t_min else None,
+        "distinct_blocks": n_blocks,
+        "ideal_hit_rate": ideal_hits / total if total else 0.0,
+        "ideal_saved_tokens": ideal_hits,
+        "share_by_role": _shares(lp.role_tokens, total),
+        "cached_share_by_role": {
+            role: (lp.role_cached[role] / n if n else 0.0) for role, n in lp.role_tokens.items()
+        },
+        "share_by_position": _position_shares(n_tok, known * bs, total),
+    }
+
+    # Hit rate vs size: LRU exact at every size, LFU and Belady at curve_points sizes.
+    edges = trie.compress(parent, leaves, depth)
+    path, start = trie.request_paths(edges, leaves)
+    length = edges.length.tolist()
+    stages["compress"], t = time.perf_counter() - t, time.perf_counter()
+    hist = simulate.lru_distance_histogram(path, start, length, n_blocks)
+    stages["lru"], t = time.perf_counter() - t, time.perf_counter()
+    cum = np.concatenate(([0], np.cumsum(hist)))
+    full = int(np.flatnonzero(hist)[-1]) + 1 if hist.any() else 0  # LRU == ideal from here
+    target = 0.9 * cum[-1]
+    lru90 = int(np.searchsorted(cum, target - 1e-9)) if cum[-1] else 0
+    caps = _capacities(full, options.curve_points, lru90)
+    tasks = [(p, c) for p in ("lfu", "belady") for c in caps]
+    bottom_depth = (edges.top_depth + edges.length - 1).tolist()
+    nxt = simulate.next_uses(path, start)
+    hits = simulate.run_simulations(tasks, path, start, length, bottom_depth, nxt, jobs=jobs)
+    by_task = dict(zip(tasks, hits))
+    stages["lfu_belady"], t = time.perf_counter() - t, time.perf_counter()
+    curve = []
+    for c in caps:
+        curve.append({
+            "cache_tokens": c * bs,
+            "lru": _rate(int(cum[min(c, len(cum) - 1)]), bs, total),
+            "lfu": _rate(by_task[("lfu", c)], bs, total),
+            "belady": _rate(by_task[("belady", c)], bs, total),
+        })
+    out["curve"] = curve
+    out["lru_90pct_tokens"] = lru90 * bs
+    out["lru_full_tokens"] = full * bs
+    out["_prefix_nodes"] = (edges, trie.subtree_counts(parent, depth, leaves), depth)
+    stages["prefixes"] = time.perf_counter() - t
+    return out
+
+
+def _capacities(full: int, points: int, lru90: int) -> list[int]:
+    """Cache sizes (blocks) for the curve: geometric up to where LRU reaches the ideal."""
+    if full <= 0:
+        return [1]
+    lo = max(1, full // 1000)
+    caps = set(np.unique(np.geomspace(lo, full, points).round().astype(int)).tolist())
+    if lru90 > 0:
+        caps.add(lru90)
+    return sorted(caps)
+
+
+def _rate(hit_blocks: int, bs: int, total: int) -> float:
+    return hit_blocks * bs / total if total else 0.0
+
+
+def _shares(counter: Counter, total: int) -> dict[str, float]:
+    return {k: v / total for k, v in counter.most_common()} if total else {}
+
+
+def _position_shares(n_tok: np.ndarray, cached: np.ndarray, total: int) -> list[dict]:
+    """Prompt tokens and ideal hits by position bucket: [0,256), [256,512), [512,1k), ..."""
+    if not total:
+        return []
+    bounds = [0, 256]
+    while bounds[-1] < n_tok.max():
+        bounds.append(bounds[-1] * 2)
+    out = []
+    for a, b in itertools.pairwise(bounds):
+        toks = int(np.clip(n_tok - a, 0, b - a).sum())
+        hit = int(np.clip(cached - a, 0, b - a).sum())
+        if toks:
+            out.append({"start": a, "end": b, "share": toks / total, "ideal_hit_rate": hit / toks})
+    return out
+
+
+def _tokens_of(source: Source, hasher: PromptHasher, lp: LogPass, r: int) -> list[int] | None:
+    try:
+        p = source.prompt(lp.line[r], lp.offset[r], lp.sub[r])
+        ids, _ = hasher.token_ids(p)
+    except (MalformedLine, OSError, IndexError):
+        return None
+    return ids
+
+
+def _excerpt(hasher: PromptHasher, ids: list[int], a: int, b: int, decode: bool) -> str:
+    a, b = max(0, a), min(len(ids), b)
+    if decode:
+        try:
+            return hasher.tokenizer().decode(ids[a:b])
+        except Exception:  # noqa: BLE001, S110 - an excerpt is a nicety; fall back to ids
+            pass
+    return "[" + " ".join(map(str, ids[a:b])) + "]"
+
+
+def _can_decode(lp: LogPass, options: AnalyzeOptions, hasher: PromptHasher) -> bool:
+    # Token-id logs may come from any tokenizer: decode only when asked or when text was read.
+    return options.tokenizer is not None or hasher._tok is not None or (
+        "unknown" not in lp.role_tokens
+    )
+
+
+def _top_prefixes(
+    lp: LogPass, nodes: tuple, source: Source, hasher: PromptHasher, options: AnalyzeOptions
+) -> list[dict]:
+    edges, counts, depth = nodes
+    bs = lp.block_size
+    bottoms = edges.bottom
+    c = counts[bottoms]
+    keep = c >= 2
+    bottoms, c = bottoms[keep], c[keep]
+    length = (depth[bottoms].astype(np.int64) + 1) * bs
+    saved = (c - 1) * length
+    order = np.argsort(-saved, kind="stable")[: options.top_k]
+    n_req = max(1, len(lp.leaf))
+    total = max(1, sum(lp.n_tokens))
+    _, _, creator = lp.trie.arrays()
+    decode = _can_decode(lp, options, hasher)
+    out = []
+    for k in order.tolist():
+        node = int(bottoms[k])
+        first = int(creator[node])
+        entry = {
+            "tokens": int(length[k]),
+            "requests": int(c[k]),
+            "request_share": int(c[k]) / n_req,
+            "saved_tokens": int(saved[k]),
+            "saved_share": int(saved[k]) / total,
+            "first_line": int(lp.line[first]),
+        }
+        ids = _tokens_of(source, hasher, lp, first)
+        if ids is not None:
+            n = int(length[k])
+            entry["head"] = _excerpt(hasher, ids, 0, min(n, 24), decode)
+            entry["tail"] = _excerpt(hasher, ids, max(0, n - 24), n, decode)
+        out.append(entry)
+    return out
+
+
+VOLATILE_MAX_TOKENS = 64  # a differing span up to this long is "volatile" (a stamp, a name)
+
+
+def _killer_report(
+    lp: LogPass, options: AnalyzeOptions, source: Source, hasher: PromptHasher
+) -> tuple[list[dict], list[dict]]:
+    """``(cache killers, shared content after a different prefix)``, largest loss first.
+
+    A group whose example pair realigns after a short differing span is a cache killer (the
+    fix: move that span after the stable part). Otherwise the prompts share content behind
+    genuinely different prefixes (documents after different system prompts): reordering or
+    position-independent caching would be needed to reuse it.
+    """
+    if lp.killers is None:
+        return [], []
+    total = max(1, sum(lp.n_tokens))
+    decode = _can_decode(lp, options, hasher)
+    killers, shifted = [], []
+    for g in lp.killers.top(2 * options.top_k):
+        r, q = g.example
+        a, b = _tokens_of(source, hasher, lp, r), _tokens_of(source, hasher, lp, q)
+        entry: dict[str, Any] = {
+            "requests": g.requests,
+            "lost_tokens": round(g.lost_tokens),
+            "lost_share": g.lost_tokens / total,
+            "example_lines": [int(lp.line[r]), int(lp.line[q])],
+        }
+        volatile = None
+        if a is not None and b is not None:
+            d = divergence(a, b)
+            if d.shared_after < max(2 * lp.block_size, 0.1 * len(a)):
+                continue  # the sampled features overestimated what this pair shares
+            if d.resync is not None:
+                volatile = max(d.resync, d.other_resync) - d.position
+            span = 24 if volatile is None else min(volatile, 24)
+            entry.update(
+                divergence_token=d.position,
+                resync_token=d.resync,
+                volatile_tokens=volatile,
+                excerpt=_excerpt(hasher, a, d.position - 8, d.position + span + 8, decode),
+                other_excerpt=_excerpt(hasher, b, d.position - 8, d.position + span + 8, decode),
+                suggestion=_suggestion(d.position, volatile),
+            )
+        if volatile is not None and volatile <= VOLATILE_MAX_TOKENS:
+            killers.append(entry)
+        else:
+            shifted.append(entry)
+    return killers[: options.top_k], shifted[: options.top_k]
+
+
+def _suggestion(position: int, volatile: int | None) -> str:
+    if volatile is not None and volatile <= VOLATILE_MAX_TOKENS:
+        return (
+            f"{volatile} volatile tokens at position {position} (a timestamp, name or id?) make "
+            "everything after them uncacheable: move them after the stable part of the prompt"
+        )
+    return (
+        f"prompts diverge at token {position} but share content later: put the shared part "
+        "(system prompt, documents) first and per-request content last"
+    )
