@@ -47,6 +47,8 @@ class OutputProcessor:
                 seq.text = seq.text[:cut]
                 return self._finish(seq, "stop", stop, now)
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            # A stream cut mid-character still hands over the bytes it has.
+            seq.text += seq.detok.flush()
             return self._finish(seq, "length", None, now)
         return False
 

@@ -77,19 +77,46 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v_new)
     out = torch.empty_like(q)
     for s in meta.seqs:
-        qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [H, q, D]
+        qs = q[s.q_start : s.q_start + s.q_len]  # [q, H, D]
         if s.ctx_slots is None:  # the context is exactly the new tokens: no gather
-            ks = k_new[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [KVH, ctx, D]
-            vs = v_new[s.q_start : s.q_start + s.q_len].transpose(0, 1)
-            causal = s.q_len > 1
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=True
-            )
+            ks = k_new[s.q_start : s.q_start + s.q_len]  # [ctx, KVH, D]
+            vs = v_new[s.q_start : s.q_start + s.q_len]
         else:
-            ks = k_cache.index_select(0, s.ctx_slots).transpose(0, 1)
-            vs = v_cache.index_select(0, s.ctx_slots).transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=s.mask, scale=scale, enable_gqa=True
-            )
-        out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
+            ks = k_cache.index_select(0, s.ctx_slots)
+            vs = v_cache.index_select(0, s.ctx_slots)
+        out[s.q_start : s.q_start + s.q_len] = _attend(qs, ks, vs, s.mask, scale)
     return out
+
+
+# Below this many query rows, grouped batched matmuls beat SDPA on CPU (SDPA's per-call
+# overhead and its GQA expansion dominate short queries such as decodes).
+_SMALL_Q = 64
+
+
+def _attend(q, k, v, mask, scale):
+    """Causal attention of q [q, H, D] over k, v [ctx, KVH, D]; the last q keys are q's own."""
+    ql, h, d = q.shape
+    ctx, kvh, _ = k.shape
+    g = h // kvh
+    if ql <= _SMALL_Q:
+        # Query heads that share a KV head are stacked: [KVH, G*q, D] @ [KVH, D, ctx].
+        qg = q.view(ql, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * ql, d)
+        scores = torch.bmm(qg, k.permute(1, 2, 0)) * scale  # [KVH, G*q, ctx]
+        if ql > 1:
+            causal = mask if mask is not None else _causal_mask(ql, ctx, q.device)
+            scores = scores.view(kvh, g, ql, ctx).masked_fill(~causal, float("-inf"))
+            scores = scores.view(kvh, g * ql, ctx)
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        o = torch.bmm(probs, v.transpose(0, 1))  # [KVH, G*q, D]
+        return o.view(kvh, g, ql, d).permute(2, 0, 1, 3).reshape(ql, h, d)
+    kx = k.transpose(0, 1).repeat_interleave(g, dim=0)  # [H, ctx, D]
+    vx = v.transpose(0, 1).repeat_interleave(g, dim=0)
+    if mask is None:  # no earlier context: plain causal
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), kx, vx, is_causal=True, scale=scale)
+    else:
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), kx, vx, attn_mask=mask, scale=scale)
+    return o.transpose(0, 1)
+
+
+def _causal_mask(ql: int, ctx: int, device) -> torch.Tensor:
+    return torch.ones(ql, ctx, dtype=torch.bool, device=device).tril(ctx - ql)

@@ -1,0 +1,152 @@
+"""Cold == warm on the real model: caching never changes greedy outputs (float32, exact).
+
+Each test uses its own cache_salt so that tests sharing the session engine stay independent.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixcache import LLM, SamplingParams
+
+B = 16
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+TEXT = (
+    "Prefix caching stores the attention keys and values of a prompt so that a later request "
+    "which starts with the same tokens does not compute them again. Retrieval augmented "
+    "generation places long documents at the start of every prompt; chat applications resend "
+    "the whole conversation at every turn. The cache is organised in blocks of sixteen tokens, "
+    "each named by a hash of every token before and in it, and blocks that nobody uses are "
+    "evicted in least recently used order when memory runs out. Paris is the capital of "
+    "France, Berlin is the capital of Germany, and Madrid is the capital of Spain. "
+)
+
+
+def _doc_ids(tok, n: int) -> list[int]:
+    ids = tok.encode(TEXT * 20)
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def _outputs(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_cold_equals_warm_around_block_boundaries(llm, llm_cold, k):
+    tok = llm.get_tokenizer()
+    salt = f"boundary-{k}"
+    for shared in (k * B - 1, k * B, k * B + 1):
+        prefix = _doc_ids(tok, shared)
+        suffixes = [tok.encode(" Question: what is cached?"), tok.encode(" Which city is in Spain?")]
+        prompts = [prefix + s for s in suffixes]
+        first = llm.generate([prompts[0]], GREEDY, cache_salt=f"{salt}-{shared}")[0]
+        second = llm.generate([prompts[1]], GREEDY, cache_salt=f"{salt}-{shared}")[0]
+        cold = llm_cold.generate(prompts, GREEDY)
+        assert first.outputs[0].token_ids == cold[0].outputs[0].token_ids
+        assert second.outputs[0].token_ids == cold[1].outputs[0].token_ids
+        # Only full blocks of the shared part are hits (the suffixes differ from token 0).
+        assert first.num_cached_tokens == 0
+        assert second.num_cached_tokens == (shared // B) * B
+        assert cold[1].num_cached_tokens == 0
+        llm.check_integrity()
+
+
+def test_fully_cached_prompt_recomputes_last_token(llm, llm_cold):
+    tok = llm.get_tokenizer()
+    prompt = _doc_ids(tok, 4 * B)  # exactly four blocks
+    a = llm.generate([prompt], GREEDY, cache_salt="full")[0]
+    b = llm.generate([prompt], GREEDY, cache_salt="full")[0]
+    c = llm_cold.generate([prompt], GREEDY)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+    # The last token must be computed for its logits, so the block holding it is not a hit.
+    assert b.num_cached_tokens == 3 * B
+    # One more token: the four full blocks of the earlier prompt (and its decode) are hits.
+    d = llm.generate([prompt + [tok.encode(" Next")[0]]], GREEDY, cache_salt="full")[0]
+    assert d.num_cached_tokens == 4 * B
+
+
+def test_three_turn_chat_hits_on_previous_answer(llm, llm_cold):
+    sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    msgs = [
+        {"role": "system", "content": "You are a geography assistant."},
+        {"role": "user", "content": "Describe France in three sentences."},
+    ]
+    outs = []
+    for turn, question in enumerate(["Describe Germany in three sentences.", None]):
+        warm = llm.chat(msgs, sp, cache_salt="chat3")[0]
+        cold = llm_cold.chat(msgs, sp)[0]
+        assert warm.outputs[0].token_ids == cold.outputs[0].token_ids, f"turn {turn + 1}"
+        outs.append(warm)
+        msgs = msgs + [
+            {"role": "assistant", "content": warm.outputs[0].text},
+            {"role": "user", "content": question or "And Spain?"},
+        ]
+    turn3 = llm.chat(msgs, sp, cache_salt="chat3")[0]
+    assert turn3.outputs[0].token_ids == llm_cold.chat(msgs, sp)[0].outputs[0].token_ids
+    turn2 = outs[1]
+    assert outs[0].num_cached_tokens == 0
+    assert turn2.num_cached_tokens > 0
+    # Turn 3 hits past the end of turn 2's prompt: on blocks computed while decoding its
+    # answer (48 generated tokens hold at least two full blocks).
+    assert turn3.num_cached_tokens > (len(turn2.prompt_token_ids) // B) * B + B
+    llm.check_integrity()
+
+
+def test_namespaces_never_share(llm):
+    tok = llm.get_tokenizer()
+    prompt = _doc_ids(tok, 5 * B + 3)
+    a = llm.generate([prompt], GREEDY, cache_salt="tenant-a")[0]
+    b = llm.generate([prompt], GREEDY, cache_salt="tenant-b")[0]
+    a2 = llm.generate([prompt], GREEDY, cache_salt="tenant-a")[0]
+    assert a.num_cached_tokens == 0
+    assert b.num_cached_tokens == 0  # same tokens, other namespace: no hit
+    assert a2.num_cached_tokens == 5 * B
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == a2.outputs[0].token_ids
+
+
+def test_batch_of_prompts_sharing_a_prefix(llm, llm_cold):
+    tok = llm.get_tokenizer()
+    prefix = _doc_ids(tok, 6 * B + 5)
+    prompts = [prefix + tok.encode(f" Item number {i} is") for i in range(5)]
+    warm = llm.generate(prompts, GREEDY, cache_salt="batch")
+    cold = llm_cold.generate(prompts, GREEDY)
+    assert _outputs(warm) == _outputs(cold)
+    # Submitted together: the first computes the prefix, the others wait for it and hit.
+    assert warm[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens == 6 * B for o in warm[1:])
+
+
+@pytest.fixture(scope="module")
+def tiny_pool_llm():
+    # 24 blocks of 16 tokens: a few prompts of ~100 tokens force eviction.
+    return LLM(kv_cache_memory=24 * B * 46080, seed=0)
+
+
+def test_cold_equals_warm_under_eviction(tiny_pool_llm, llm_cold):
+    llm = tiny_pool_llm
+    tok = llm.get_tokenizer()
+    base = tok.encode(TEXT * 3)
+    prompts = [base[i * 40 : i * 40 + 90] for i in range(6)]
+    for _round in range(2):
+        for p in prompts:
+            warm = llm.generate([p], GREEDY)[0]
+            cold = llm_cold.generate([p], GREEDY)[0]
+            assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+            llm.check_integrity()
+    stats = llm.cache_stats()
+    assert stats["evicted_blocks"] > 0
+    assert stats["hit_tokens"] > 0
+    # A prompt evicted and recomputed still matches.
+    again = llm.generate([prompts[0]], GREEDY)[0]
+    assert again.outputs[0].token_ids == llm_cold.generate([prompts[0]], GREEDY)[0].outputs[0].token_ids
+
+
+def test_cache_stats_fields(llm):
+    s = llm.cache_stats()
+    for key in ("query_tokens", "hit_tokens", "hit_rate", "cached_blocks", "used_bytes",
+                "capacity_bytes", "evicted_blocks"):  # fmt: skip
+        assert key in s
+    assert 0 <= s["hit_rate"] <= 1
+    assert s["used_bytes"] <= s["capacity_bytes"]
