@@ -384,3 +384,41 @@ def test_cli_bench_dataset(tmp_path, monkeypatch, capsys):
     assert {"system", "user"} <= set(s["share_by_role"])
     assert s["ideal_hit_rate"] > 0.5  # one system prompt and 4 documents for 60 requests
     assert s["kv"]["bytes_per_token"] == 2 * 2 * 4 * 16 * 2
+
+
+def test_ttft_estimate_from_prefill_times():
+    import numpy as np
+
+    from prefixcache.analyze.measure import ttft_estimate
+
+    points = [(n, 0.01 + 0.001 * n) for n in (32, 256, 1024, 2048)]
+    n = np.array([1000, 2000, 500])
+    cached = np.array([992, 0, 500])  # a fully cached prompt still computes one token
+    t = ttft_estimate(points, n, cached, "cpu")
+    assert t["mean_cold_s"] == pytest.approx(0.01 + 0.001 * n.mean())
+    assert t["mean_ideal_s"] == pytest.approx(0.01 + 0.001 * (8 + 2000 + 1) / 3)
+    assert t["total_saved_s"] == pytest.approx(0.001 * (992 + 499))
+
+
+@pytest.mark.slow
+def test_role_spans_with_the_default_tokenizer():
+    from prefixcache.analyze.prompts import encode_messages, load_tokenizer
+    from prefixcache.model.paths import ModelNotFoundError
+
+    try:
+        tok = load_tokenizer(None)
+    except ModelNotFoundError:
+        pytest.skip("default model not installed")
+    msgs = [{"role": "system", "content": "You answer briefly."},
+            {"role": "user", "content": "What is in the report?"},
+            {"role": "document", "content": "Quarterly revenue grew 12 percent.", "title": "Q3"},
+            {"role": "assistant", "content": "Revenue grew."},
+            {"role": "user", "content": "By how much?"}]
+    ids, spans = encode_messages(tok, msgs)
+    assert ids == tok.encode_chat(msgs)  # the prompt the server would prefill
+    assert spans[0][1] == 0 and spans[-1][2] == len(ids)
+    assert all(a[2] == b[1] for a, b in itertools.pairwise(spans))  # they tile the prompt
+    roles = [r for r, _, _ in spans]
+    assert roles[:3] == ["system", "document", "user"]  # the template puts documents first
+    doc = next((a, b) for r, a, b in spans if r == "document")
+    assert "Quarterly revenue" in tok.decode(ids[doc[0]:doc[1]])

@@ -416,7 +416,10 @@ def _killer_report(
     total = max(1, sum(lp.n_tokens))
     decode = _can_decode(lp, options, hasher)
     killers, shifted = [], []
-    for g in lp.killers.top(2 * options.top_k):
+    # Groups whose examples diverge at the same token after the same text are one pattern
+    # (a dated and an undated prompt can be either side of a pair): merged.
+    merged: dict[tuple, dict] = {}
+    for g in lp.killers.top(4 * options.top_k):
         r, q = g.example
         a, b = _tokens_of(source, hasher, lp, r), _tokens_of(source, hasher, lp, q)
         entry: dict[str, Any] = {
@@ -430,6 +433,13 @@ def _killer_report(
             d = divergence(a, b)
             if d.shared_after < max(2 * lp.block_size, 0.1 * len(a)):
                 continue  # the sampled features overestimated what this pair shares
+            same = merged.get((d.position, tuple(a[max(0, d.position - 8) : d.position])))
+            if same is not None:
+                same["requests"] += g.requests
+                same["lost_tokens"] += round(g.lost_tokens)
+                same["lost_share"] += g.lost_tokens / total
+                continue
+            merged[(d.position, tuple(a[max(0, d.position - 8) : d.position]))] = entry
             if d.resync is not None:
                 volatile = max(d.resync, d.other_resync) - d.position
             span = 24 if volatile is None else min(volatile, 24)
@@ -445,7 +455,8 @@ def _killer_report(
             killers.append(entry)
         else:
             shifted.append(entry)
-    return killers[: options.top_k], shifted[: options.top_k]
+    order = {"key": lambda e: -e["lost_tokens"]}
+    return sorted(killers, **order)[: options.top_k], sorted(shifted, **order)[: options.top_k]
 
 
 def _suggestion(position: int, volatile: int | None) -> str:

@@ -23,8 +23,13 @@ def measure_prefill(
     lengths: tuple[int, ...] = DEFAULT_LENGTHS,
     repeats: int = 3,
     device: str = "cpu",
+    budget_s: float = 90.0,
 ) -> list[tuple[int, float]]:
-    """``(prompt tokens, median seconds to the first token)`` for each length that fits."""
+    """``(prompt tokens, median seconds to the first token)`` for each length that fits.
+
+    Past ``budget_s`` of timing, each length is timed once and lengths after the second are
+    skipped: a slow engine or device still gets an estimate in bounded time.
+    """
     from prefixcache import LLM, SamplingParams
 
     llm = LLM(model, enable_prefix_caching=False, device=device)
@@ -33,12 +38,16 @@ def measure_prefill(
     vocab = 8000
     rng = np.random.default_rng(0)
     llm.generate([rng.integers(100, vocab, 16).tolist()], params)  # warm-up
-    points = []
+    points: list[tuple[int, float]] = []
+    began = time.perf_counter()
     for n in lengths:
         if n >= limit:
             continue
-        times = []
-        for _ in range(repeats):
+        over = time.perf_counter() - began > budget_s
+        if over and len(points) >= 2:
+            break
+        times: list[float] = []
+        for _ in range(1 if over else repeats):
             prompt = rng.integers(100, vocab, n).tolist()
             t0 = time.perf_counter()
             llm.generate([prompt], params)

@@ -29,7 +29,8 @@ def _malformed_line(s: dict) -> str:
         first = m["first_lines"].get(reason) or []
         where = f" (first at line {first[0]})" if first else ""
         parts.append(f"{reason} ×{n}{where}")
-    return f"{m['count']} malformed lines skipped: " + "; ".join(parts)
+    lines = "line" if m["count"] == 1 else "lines"
+    return f"{m['count']} malformed {lines} skipped: " + "; ".join(parts)
 
 
 def text_summary(s: dict) -> str:
@@ -74,7 +75,8 @@ def text_summary(s: dict) -> str:
         out.append("  cache killers:")
         for k in s["cache_killers"][:5]:
             out.append(
-                f"    {k['requests']:,} requests lose {k['lost_tokens']:,} tokens "
+                f"    {k['requests']:,} request{'s' if k['requests'] != 1 else ''} lose "
+                f"{k['lost_tokens']:,} tokens "
                 f"({pct(k['lost_share'])}); e.g. line {k['example_lines'][0]} vs "
                 f"{k['example_lines'][1]}: {k.get('suggestion', '')}"
             )
@@ -104,7 +106,8 @@ def markdown(s: dict, plots: list[str]) -> str:
         f"- Requests: **{s['requests']:,}**; {_malformed_line(s)}",
         (
             f"- Prompt tokens: **{s['prompt_tokens']:,}** (block size {s['block_size']}, "
-            f"{s['namespaces']} namespaces, {s['distinct_blocks']:,} distinct blocks)"
+            f"{s['namespaces']} namespace{'s' if s['namespaces'] != 1 else ''}, "
+            f"{s['distinct_blocks']:,} distinct blocks)"
         ),
         (
             f"- Ideal hit rate (unbounded cache, block granularity): "
@@ -148,13 +151,14 @@ def markdown(s: dict, plots: list[str]) -> str:
     if "positions.png" in plots:
         lines += ["", "![tokens by position](positions.png)"]
     lines += ["", "## Top shared prefixes", ""]
-    lines += ["| tokens | requests | saved tokens | first line | starts with |",
-              "|---:|---:|---:|---:|---|"]
+    lines += ["| tokens | requests | saved tokens | first line | starts with | ends with |",
+              "|---:|---:|---:|---:|---|---|"]
     for p in s["top_prefixes"]:
         lines.append(
             f"| {p['tokens']:,} | {p['requests']:,} ({pct(p['request_share'])}) | "
             f"{p['saved_tokens']:,} ({pct(p['saved_share'])}) | {p['first_line']} | "
-            f"`{_md_escape(_short(p.get('head', ''), 80))}` |"
+            f"`{_md_escape(_short(p.get('head', ''), 48))}` | "
+            f"`{_md_escape(_short(p.get('tail', ''), 48))}` |"
         )
     lines += ["", "## Cache killers", ""]
     if not s["cache_killers"]:

@@ -111,6 +111,45 @@ def lru_hits(hist: np.ndarray, capacities: Sequence[int]) -> list[int]:
     return [int(cum[min(max(c, 0), len(hist))]) for c in capacities]
 
 
+def policy_keys(
+    policy: str,
+    path: Sequence[int],
+    start: Sequence[int],
+    bottom_depth: Sequence[int],
+    next_use: Sequence[int] | None = None,
+) -> list[int | None]:
+    """Eviction key of each path position (the touch of an edge by a request); smallest goes.
+
+    None of the three policies' keys depends on the cache size (LFU counts every use, cached or
+    not), so they are computed once for all sizes, packed into one int each:
+
+        lru     (request, -depth)            least recent; ties: deeper first
+        lfu     (uses so far, request, -depth)
+        belady  (-next use, -depth)          needed furthest away first; None: never again
+    """
+    if policy not in ("lru", "lfu", "belady"):
+        raise ValueError(f"unknown policy {policy!r}")
+    if policy == "belady" and next_use is None:
+        raise ValueError("belady needs next_use")
+    d = max(bottom_depth, default=0) + 1
+    n_req = len(start)
+    keys: list[int | None] = [0] * len(path)
+    freq: dict[int, int] = {}
+    for r in range(n_req - 1):
+        for i in range(start[r], start[r + 1]):
+            e = path[i]
+            depth = bottom_depth[e]
+            if policy == "lru":
+                keys[i] = r * d + (d - 1 - depth)
+            elif policy == "lfu":
+                f = freq[e] = freq.get(e, 0) + 1
+                keys[i] = (f * n_req + r) * d + (d - 1 - depth)
+            else:
+                nu = next_use[i]
+                keys[i] = None if nu >= INF else -(nu * d + depth)
+    return keys
+
+
 def simulate(
     policy: str,
     capacity: int,
@@ -119,19 +158,20 @@ def simulate(
     length: Sequence[int],
     bottom_depth: Sequence[int],
     next_use: Sequence[int] | None = None,
+    keys: Sequence[int | None] | None = None,
 ) -> int:
     """Block hits of ``policy`` ("lru", "lfu" or "belady") with a cache of ``capacity`` blocks.
 
     ``next_use[i]`` (Belady only, from :func:`next_uses`) is the next request touching
-    ``path[i]`` after the request at hand, ``INF`` if none.
+    ``path[i]`` after the request at hand, ``INF`` if none. ``keys`` (from :func:`policy_keys`)
+    may be given to share them between sizes.
     """
-    if policy == "belady" and next_use is None:
-        raise ValueError("belady needs next_use")
+    if keys is None:
+        keys = policy_keys(policy, path, start, bottom_depth, next_use)
     n_edges = len(length)
     cached = [0] * n_edges
-    stamp = [0] * n_edges
-    freq = [0] * n_edges
-    heap: list[tuple[int, int, int, int, int]] = []
+    current = [0] * n_edges  # the key of the edge's last touch; older heap entries are stale
+    heap: list[int] = []  # key * n_edges + edge: one int compares fastest
     push, pop = heapq.heappush, heapq.heappop
     total = 0
     hits = 0
@@ -145,28 +185,19 @@ def simulate(
                 break
         for i in range(s, t):
             e = path[i]
-            # Victim = smallest key; the last field breaks ties deeper-first.
-            if policy == "lru":
-                key1, key2 = r, 0
-            elif policy == "lfu":
-                freq[e] += 1
-                key1, key2 = freq[e], r
-            else:
-                nu = next_use[i]
-                if nu >= INF:  # never needed again: drop it (its descendants too)
-                    for j in range(i, t):
-                        total -= cached[path[j]]
-                        cached[path[j]] = 0
-                        stamp[path[j]] += 1
-                    break
-                key1, key2 = -nu, 0
+            k = keys[i]
+            if k is None:  # Belady: never needed again, and neither are its descendants
+                for j in range(i, t):
+                    total -= cached[path[j]]
+                    cached[path[j]] = 0
+                break
             total += length[e] - cached[e]
             cached[e] = length[e]
-            stamp[e] += 1
-            push(heap, (key1, key2, -bottom_depth[e], stamp[e], e))
+            current[e] = k
+            push(heap, k * n_edges + e)
         while total > capacity:
-            _, _, _, st, e = heap[0]
-            if st != stamp[e] or cached[e] == 0:
+            k, e = divmod(heap[0], n_edges)
+            if current[e] != k or cached[e] == 0:
                 pop(heap)
                 continue
             x = min(cached[e], total - capacity)
@@ -195,7 +226,9 @@ _SHARED: dict = {}
 
 def _simulate_task(task: tuple[str, int]) -> int:
     policy, capacity = task
-    return simulate(policy, capacity, **_SHARED)
+    shared = _SHARED
+    return simulate(policy, capacity, shared["path"], shared["start"], shared["length"],
+                    shared["bottom_depth"], keys=shared["keys"][policy])
 
 
 def run_simulations(
@@ -208,9 +241,8 @@ def run_simulations(
     jobs: int = 1,
 ) -> list[int]:
     """Hits of each ``(policy, capacity)``; with ``jobs > 1`` in forked worker processes."""
-    _SHARED.update(
-        path=path, start=start, length=length, bottom_depth=bottom_depth, next_use=next_use
-    )
+    keys = {p: policy_keys(p, path, start, bottom_depth, next_use) for p in {t[0] for t in tasks}}
+    _SHARED.update(path=path, start=start, length=length, bottom_depth=bottom_depth, keys=keys)
     try:
         if jobs <= 1 or len(tasks) <= 1:
             return [_simulate_task(t) for t in tasks]
