@@ -69,6 +69,8 @@ def _config_from_hf(cfg: dict, name: str) -> ModelConfig:
         if cfg.get("sliding_window") < cfg.get("max_position_embeddings", 0):
             raise UnsupportedModelError("Mistral with a sliding window is not supported")
     heads = cfg["num_attention_heads"]
+    # transformers >= 5 writes rope_theta and the scaling into one "rope_parameters" dict.
+    rope = cfg.get("rope_parameters") or {}
     return ModelConfig(
         architecture="Qwen2ForCausalLM" if arch == "Qwen2ForCausalLM" else "LlamaForCausalLM",
         vocab_size=cfg["vocab_size"],
@@ -79,11 +81,11 @@ def _config_from_hf(cfg: dict, name: str) -> ModelConfig:
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.get("rope_theta", 10000.0),
+        rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-        rope_scaling=cfg.get("rope_scaling"),
+        rope_scaling=cfg.get("rope_scaling") or rope or None,
         name=name,
     )
 
