@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -24,7 +23,6 @@ class SeqAttention:
     q_len: int
     ctx_len: int  # tokens in the context including the new ones
     ctx_slots: torch.Tensor | None  # [ctx_len] long; None when the context is only the new tokens
-    mask: torch.Tensor | None  # [q_len, ctx_len] bool, True = attend; None when not needed
 
 
 @dataclass
@@ -51,14 +49,7 @@ def build_metadata(
         pos = torch.arange(ctx, dtype=torch.long)
         ctx_slots = table_t[pos // block_size] * block_size + pos % block_size
         slots.append(ctx_slots[done:])
-        mask = None
-        if new > 1 and done > 0:
-            # query i (absolute position done + i) sees keys 0 .. done + i
-            q_pos = torch.arange(done, ctx).unsqueeze(1)
-            mask = (pos.unsqueeze(0) <= q_pos).to(device)
-        seqs.append(
-            SeqAttention(q_start, new, ctx, None if done == 0 else ctx_slots.to(device), mask)
-        )
+        seqs.append(SeqAttention(q_start, new, ctx, None if done == 0 else ctx_slots.to(device)))
         q_start += new
     slot_mapping = torch.cat(slots).to(device) if slots else torch.empty(0, dtype=torch.long)
     return AttentionMetadata(slot_mapping, seqs)
@@ -84,39 +75,37 @@ def paged_attention(
         else:
             ks = k_cache.index_select(0, s.ctx_slots)
             vs = v_cache.index_select(0, s.ctx_slots)
-        out[s.q_start : s.q_start + s.q_len] = _attend(qs, ks, vs, s.mask, scale)
+        out[s.q_start : s.q_start + s.q_len] = _attend(qs, ks, vs, scale)
     return out
 
 
-# Below this many query rows, grouped batched matmuls beat SDPA on CPU (SDPA's per-call
-# overhead and its GQA expansion dominate short queries such as decodes).
-_SMALL_Q = 64
+# Queries are processed in chunks of this many rows: each chunk attends only to the keys up to
+# its last position (skipping most of the causal upper triangle) and its score matrix stays in
+# cache. On CPU this is several times faster than SDPA for GQA prefill (measured, see
+# docs/benchmarks.md), and it is one code path for decodes, chunks and whole prompts.
+_Q_CHUNK = 64
 
 
-def _attend(q, k, v, mask, scale):
+def _attend(q, k, v, scale):
     """Causal attention of q [q, H, D] over k, v [ctx, KVH, D]; the last q keys are q's own."""
     ql, h, d = q.shape
     ctx, kvh, _ = k.shape
     g = h // kvh
-    if ql <= _SMALL_Q:
-        # Query heads that share a KV head are stacked: [KVH, G*q, D] @ [KVH, D, ctx].
-        qg = q.view(ql, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * ql, d)
-        scores = torch.bmm(qg, k.permute(1, 2, 0)) * scale  # [KVH, G*q, ctx]
-        if ql > 1:
-            causal = mask if mask is not None else _causal_mask(ql, ctx, q.device)
-            scores = scores.view(kvh, g, ql, ctx).masked_fill(~causal, float("-inf"))
-            scores = scores.view(kvh, g * ql, ctx)
-        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-        o = torch.bmm(probs, v.transpose(0, 1))  # [KVH, G*q, D]
-        return o.view(kvh, g, ql, d).permute(2, 0, 1, 3).reshape(ql, h, d)
-    kx = k.transpose(0, 1).repeat_interleave(g, dim=0)  # [H, ctx, D]
-    vx = v.transpose(0, 1).repeat_interleave(g, dim=0)
-    if mask is None:  # no earlier context: plain causal
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), kx, vx, is_causal=True, scale=scale)
-    else:
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), kx, vx, attn_mask=mask, scale=scale)
-    return o.transpose(0, 1)
-
-
-def _causal_mask(ql: int, ctx: int, device) -> torch.Tensor:
-    return torch.ones(ql, ctx, dtype=torch.bool, device=device).tril(ctx - ql)
+    # Query heads that share a KV head are stacked: [KVH, G, q, D]; no KV expansion.
+    qg = q.view(ql, kvh, g, d).permute(1, 2, 0, 3)
+    kt = k.permute(1, 2, 0)  # [KVH, D, ctx]
+    vt = v.transpose(0, 1)  # [KVH, ctx, D]
+    out = torch.empty(kvh, g, ql, d, dtype=q.dtype, device=q.device)
+    first = ctx - ql  # absolute position of query 0
+    for c0 in range(0, ql, _Q_CHUNK):
+        c1 = min(ql, c0 + _Q_CHUNK)
+        cq, end = c1 - c0, first + c1  # keys [0, end) are visible to this chunk
+        qc = qg[:, :, c0:c1].reshape(kvh, g * cq, d)
+        scores = torch.bmm(qc, kt[:, :, :end]).mul_(scale)  # [KVH, G*cq, end]
+        if cq > 1:
+            causal = torch.ones(cq, end, dtype=torch.bool, device=q.device).tril(end - cq)
+            scores = scores.view(kvh, g, cq, end).masked_fill_(~causal, float("-inf"))
+            scores = scores.view(kvh, g * cq, end)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        out[:, :, c0:c1] = torch.bmm(probs, vt[:, :end]).view(kvh, g, cq, d)
+    return out.permute(2, 0, 1, 3).reshape(ql, h, d)
