@@ -78,19 +78,20 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, kvh, d = config.num_heads, config.num_kv_heads, config.head_dim
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, h * d, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kvh * d, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kvh * d, bias=bias)
+        # q, k and v in one matmul (fused at load from q_proj/k_proj/v_proj): fewer, larger
+        # matmuls, which matters most for decode where each one is a thin matrix-vector product.
+        self.qkv_proj = nn.Linear(config.hidden_size, (h + 2 * kvh) * d, bias=config.attention_bias)
         self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
         self.h, self.kvh, self.d = h, kvh, d
         self.scale = d**-0.5
 
     def forward(self, x, positions, rotary, k_cache, v_cache, meta: AttentionMetadata):
         t = x.shape[0]
-        q = rotary(self.q_proj(x).view(t, self.h, self.d), positions)  # [T, H, D]
-        k = rotary(self.k_proj(x).view(t, self.kvh, self.d), positions)  # [T, KVH, D]
-        v = self.v_proj(x).view(t, self.kvh, self.d)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
+        q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        q = rotary(q.reshape(t, self.h, self.d), positions)  # [T, H, D]
+        k = rotary(k.reshape(t, self.kvh, self.d), positions)  # [T, KVH, D]
+        v = v.reshape(t, self.kvh, self.d)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.h * self.d))
 
@@ -98,12 +99,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        # gate and up in one matmul (fused at load from gate_proj/up_proj)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -119,6 +121,13 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+# Checkpoint tensors concatenated (in this order, along the output dim) into one fused matmul.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, max_len: int, rope_freqs: torch.Tensor | None = None):
         super().__init__()
@@ -131,6 +140,14 @@ class LlamaModel(nn.Module):
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named float tensors in; tied embeddings share one tensor."""
+        tensors = dict(tensors)
+        for i in range(self.config.num_layers):
+            pre = f"model.layers.{i}."
+            for fused, parts in _FUSED.items():
+                for kind in ("weight", "bias"):
+                    names = [f"{pre}{p}.{kind}" for p in parts]
+                    if all(n in tensors for n in names):
+                        tensors[f"{pre}{fused}.{kind}"] = torch.cat([tensors.pop(n) for n in names])
         own = dict(self.named_parameters())
         missing = []
         with torch.no_grad():
