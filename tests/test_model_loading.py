@@ -1,0 +1,195 @@
+"""Loading models: Hugging Face directories (Llama, Qwen2, llama3 rope scaling, tied or untied,
+sharded) against transformers on the same random weights; the default GGUF; dtypes; the model
+fingerprint that enters every cache key.
+
+The tiny models use the default model's vocabulary, so its tokenizer.json serves them too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefixcache import LLM, SamplingParams
+from prefixcache.model.attention import build_metadata
+from prefixcache.model.tokenizer import load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. Prefix caching reuses the keys and values of "
+    "a prompt that an earlier request already computed, so that only the new suffix is prefilled. "
+)
+TINY = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6, "initializer_range": 0.2, "rope_theta": 5000.0,
+}  # fmt: skip
+LOGIT_TOL = 1e-4
+
+
+def prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one prefill, run through the engine's model on a private KV
+    cache (the engine's pool is not touched). [len(ids), vocab] float32."""
+    runner = llm.engine.runner
+    cfg, bs, n = runner.config, runner.block_size, len(ids)
+    nblocks = -(-n // bs)
+    shape = (cfg.num_layers, nblocks * bs, cfg.num_kv_heads, cfg.head_dim)
+    k = torch.zeros(shape, dtype=runner.dtype)
+    v = torch.zeros(shape, dtype=runner.dtype)
+    meta = build_metadata([list(range(nblocks))], [0], [n], bs, runner.device)
+    rows = torch.arange(n)
+    return runner.model(torch.tensor(ids), rows, k, v, meta, rows)
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    model.generation_config.eos_token_id = None  # ours runs with ignore_eos
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False, max_new_tokens=n, min_new_tokens=n,
+        )  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(None)  # the default model's; cached, so shared with the `llm` fixture
+
+
+def save_tokenizer(tok, directory: Path) -> None:
+    (directory / "tokenizer.json").write_text(tok.backend.to_str(), encoding="utf-8")
+    cfg = {
+        "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token,
+        "add_bos_token": tok.add_bos_token,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
+
+
+def make_hf_dir(tmp_path_factory, tok, cls_name: str, seed: int = 0, max_shard_size=None, **over):
+    """A random tiny model saved with save_pretrained (safetensors) plus the tokenizer."""
+    config_cls = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+    }
+    config = config_cls[cls_name](**{**TINY, "vocab_size": tok.vocab_size, **over})
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(config).float().eval()
+    directory = tmp_path_factory.mktemp(cls_name)
+    kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, safe_serialization=True, **kw)
+    save_tokenizer(tok, directory)
+    return directory, model
+
+
+def check_parity(directory: Path, ref, tok, n_prompt: int = 40, n_gen: int = 8) -> LLM:
+    llm = LLM(model=str(directory), kv_cache_memory="4MiB", dtype="float32")
+    ids = tok.encode(TEXT * 4)[:n_prompt]
+    ours = prefill_logits(llm, ids)
+    theirs = hf_logits(ref, ids)
+    diff = (ours - theirs).abs().max().item()
+    assert diff < LOGIT_TOL, f"{directory.name}: max abs logit difference {diff:.3g}"
+    greedy = SamplingParams(max_tokens=n_gen, temperature=0, ignore_eos=True)
+    out = llm.generate([ids], greedy)[0]
+    assert out.outputs[0].token_ids == hf_greedy(ref, ids, n_gen), directory.name
+    llm.check_integrity()
+    return llm
+
+
+# ---- Hugging Face directories ---------------------------------------------------------------
+def test_llama_hf_dir_matches_transformers(tmp_path_factory, tokenizer):
+    directory, ref = make_hf_dir(tmp_path_factory, tokenizer, "LlamaForCausalLM")
+    assert len(list(directory.glob("*.safetensors"))) == 1
+    llm = check_parity(directory, ref, tokenizer)
+    cfg = llm.engine.model_config
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2, 4, 2, 16)
+    assert cfg.rope_theta == 5000.0
+    # Text prompts are tokenized with the directory's tokenizer.json.
+    out = llm.generate("Hello there", SamplingParams(max_tokens=3, temperature=0))[0]
+    assert out.prompt_token_ids == tokenizer.encode("Hello there", add_special_tokens=True)
+
+
+def test_sharded_safetensors(tmp_path_factory, tokenizer):
+    directory, ref = make_hf_dir(tmp_path_factory, tokenizer, "LlamaForCausalLM", seed=1,
+                                 max_shard_size="2MB")  # fmt: skip
+    shards = list(directory.glob("*.safetensors"))
+    assert len(shards) > 1, "expected a sharded checkpoint"
+    check_parity(directory, ref, tokenizer)
+
+
+def test_qwen2_with_qkv_bias(tmp_path_factory, tokenizer):
+    directory, ref = make_hf_dir(tmp_path_factory, tokenizer, "Qwen2ForCausalLM", seed=2)
+    # Random init leaves biases at zero; make them matter.
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    ref.save_pretrained(directory, safe_serialization=True)
+    llm = check_parity(directory, ref, tokenizer)
+    assert llm.engine.model_config.attention_bias
+
+
+def test_llama3_rope_scaling_past_original_context(tmp_path_factory, tokenizer):
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}  # fmt: skip
+    directory, ref = make_hf_dir(tmp_path_factory, tokenizer, "LlamaForCausalLM", seed=3,
+                                 rope_scaling=rope, head_dim=32, num_attention_heads=2,
+                                 num_key_value_heads=1)  # fmt: skip
+    llm = check_parity(directory, ref, tokenizer, n_prompt=100, n_gen=8)
+    rs = llm.engine.model_config.rope_scaling
+    assert rs and (rs.get("rope_type") or rs.get("type")) == "llama3"
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tied_and_untied_embeddings(tmp_path_factory, tokenizer, tied):
+    directory, ref = make_hf_dir(tmp_path_factory, tokenizer, "LlamaForCausalLM", seed=4,
+                                 tie_word_embeddings=tied)  # fmt: skip
+    if not tied:
+        assert not torch.equal(ref.lm_head.weight, ref.model.embed_tokens.weight)
+    llm = check_parity(directory, ref, tokenizer, n_gen=4)
+    model = llm.engine.runner.model
+    assert llm.engine.model_config.tie_word_embeddings is tied
+    assert (model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()) is tied
+
+
+# ---- the default GGUF, dtypes, fingerprints --------------------------------------------------
+def test_default_gguf_config(llm):
+    cfg = llm.engine.model_config
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (30, 9, 3)
+    assert (cfg.hidden_size, cfg.head_dim, cfg.vocab_size) == (576, 64, 49152)
+    assert cfg.tie_word_embeddings
+    assert llm.engine.runner.dtype == torch.float32
+
+
+def test_fingerprint_stable_and_sensitive_to_weights(tmp_path_factory, tokenizer):
+    a, _ = make_hf_dir(tmp_path_factory, tokenizer, "LlamaForCausalLM", seed=5)
+    b, _ = make_hf_dir(tmp_path_factory, tokenizer, "LlamaForCausalLM", seed=6)
+    fa1 = LLM(model=str(a), kv_cache_memory="1MiB").engine.fingerprint
+    fa2 = LLM(model=str(a), kv_cache_memory="1MiB").engine.fingerprint
+    fb = LLM(model=str(b), kv_cache_memory="1MiB").engine.fingerprint
+    fa_bf16 = LLM(model=str(a), kv_cache_memory="1MiB", dtype="bfloat16").engine.fingerprint
+    assert fa1 == fa2, "same weights loaded twice must key the cache the same way"
+    assert fa1 != fb, "different weight files must not share cache keys"
+    assert fa1 != fa_bf16, "float32 and bfloat16 KV must not share cache keys"
+    assert len(fa1) >= 32
+
+
+@pytest.mark.slow
+def test_bfloat16_default_model(llm):
+    bf = LLM(dtype="bfloat16", kv_cache_memory="32MiB", seed=0)
+    assert bf.engine.runner.dtype == torch.bfloat16
+    assert bf.engine.runner.kv.k.dtype == torch.bfloat16
+    assert bf.engine.fingerprint != llm.engine.fingerprint
+    out = bf.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert out.outputs[0].token_ids and out.outputs[0].text.strip()
+    bf.check_integrity()
