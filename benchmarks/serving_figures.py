@@ -19,6 +19,7 @@ import os
 import platform
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -52,8 +53,11 @@ def server_command(name: str, port: int) -> list[str]:
 
 def start(name: str, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    # Every server gets sleeping idle OpenMP threads: on a machine whose cores are shared,
+    # spinning ones steal them from everything else (see benchmarks/peers/llamacpp.sh).
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     proc = subprocess.Popen(server_command(name, port), cwd=ROOT, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -95,13 +99,15 @@ def workloads(args) -> dict[str, list[str]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--servers", nargs="+", default=["ours-on", "ours-off", "llamacpp"])
+    ap.add_argument("--servers", nargs="+",
+                    default=["ours-on", "ours-off", "llamacpp", "vllm-on"])
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-concurrency", type=int, default=4)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--gsp-groups", type=int, default=4)
     ap.add_argument("--gsp-system-len", type=int, default=512)
     ap.add_argument("--gsp-question-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per point; medians reported")
     ap.add_argument("--results", default=str(ROOT / "results/serving"))
     ap.add_argument("--img-dir", default=str(ROOT / "docs/img"))
     ap.add_argument("--only-plots", action="store_true", help="re-plot saved results")
@@ -111,43 +117,76 @@ def main() -> int:
     loads = workloads(args)
     commands: dict[str, str] = {}
     if not args.only_plots:
-        for server in args.servers:
-            proc, url = start(server, results / f"{server}.log")
-            try:
-                for wl, flags in loads.items():
-                    cmd = ["prefixcache", "bench", "serve", "--base-url", url, *flags,
-                           *SERVER_FLAGS.get(server, []),
-                           "--label", f"{server}:{wl}", "--save-detailed", "--disable-tqdm",
-                           "--result-dir", str(results), "--result-filename",
-                           f"{server}-{wl}.json"]
-                    print("$", shlex.join(cmd), flush=True)
-                    rc = subprocess.call([PY, "-m", "prefixcache.cli", *cmd[1:]], cwd=ROOT)
-                    if rc != 0:
-                        print(f"{server} {wl}: exit {rc}", file=sys.stderr)
-                    commands[f"{server}-{wl}"] = shlex.join(cmd).replace(url, "URL")
-            finally:
-                stop(proc)
+        # Repetitions go round the servers, so that a slow spell of this shared machine hits
+        # every server instead of one; each repetition starts every server anew (cold cache).
+        for rep in range(args.repeats):
+            for server in args.servers:
+                proc, url = start(server, results / f"{server}.log")
+                try:
+                    for wl, flags in loads.items():
+                        name = f"{server}-{wl}-r{rep}.json"
+                        cmd = ["prefixcache", "bench", "serve", "--base-url", url, *flags,
+                               *SERVER_FLAGS.get(server, []),
+                               "--label", f"{server}:{wl}", "--save-detailed", "--disable-tqdm",
+                               "--result-dir", str(results), "--result-filename", name]
+                        load = f"{os.getloadavg()[0]:.1f}"
+                        print("$", shlex.join(cmd), flush=True)
+                        rc = subprocess.call([PY, "-m", "prefixcache.cli", *cmd[1:],
+                                              "--metadata", f"load_avg_before={load}"], cwd=ROOT)
+                        if rc != 0:
+                            print(f"{server} {wl}: exit {rc}", file=sys.stderr)
+                        commands[f"{server}-{wl}"] = shlex.join(cmd).replace(url, "URL")
+                finally:
+                    stop(proc)
         (results / "commands.json").write_text(json.dumps(commands, indent=1))
+    for server in args.servers:
+        for wl in loads:
+            median_result(results, server, wl)
     report(args, results, loads)
     return 0
 
 
+def median_result(results: Path, server: str, wl: str) -> None:
+    """``{server}-{wl}.json``: the median of every number over the repetitions; the per-request
+    lists (for the TTFT CDF) are those of the repetition with the median output throughput."""
+    runs = [json.loads(p.read_text()) for p in sorted(results.glob(f"{server}-{wl}-r*.json"))]
+    runs = [r for r in runs if r.get("completed")]
+    if not runs:
+        return
+    runs.sort(key=lambda r: r["output_throughput"])
+    out = dict(runs[len(runs) // 2])
+    for key, value in out.items():
+        values = [r.get(key) for r in runs]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and all(
+                isinstance(v, (int, float)) for v in values):
+            out[key] = statistics.median(values)
+    out["repeats"] = len(runs)
+    (results / f"{server}-{wl}.json").write_text(json.dumps(out, indent=1))
+
+
 def report(args, results: Path, loads: dict[str, list[str]]) -> None:
+    """Per workload: caching on vs off (ratio on/off), ours vs each peer (ratio ours/peer), and
+    PNGs with every server."""
     from prefixcache.bench.compare import compare_table, load_results
     from prefixcache.bench.plot import plot_runs
 
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     img = Path(args.img_dir)
     md = [f"machine: {machine}", ""]
-    servers = [s for s in args.servers if (results / f"{s}-gsp.json").exists()]
     for wl in loads:
-        files = [str(results / f"{s}-{wl}.json") for s in servers
-                 if (results / f"{s}-{wl}.json").exists()]
-        if not files:
+        have = [s for s in args.servers if (results / f"{s}-{wl}.json").exists()]
+        if not have:
             continue
-        runs = load_results(files, [Path(f).stem.replace(f"-{wl}", "") for f in files])
-        md += [f"### {wl}", "", compare_table(runs, markdown=True), ""]
-        for p in plot_runs(runs, img, title=f"{wl} — SmolLM2-135M Q4_1, {machine}",
+        md += [f"### {wl}", ""]
+        pairs = [("ours-off", "ours-on")] + [(peer, "ours-on") for peer in have
+                                             if not peer.startswith("ours-")]
+        for base, other in pairs:
+            if base in have and other in have:
+                runs = load_results([str(results / f"{x}-{wl}.json") for x in (base, other)],
+                                    [base, other])
+                md += [compare_table(runs, markdown=True), ""]
+        runs = load_results([str(results / f"{s}-{wl}.json") for s in have], have)
+        for p in plot_runs(runs, img, title=f"{wl}: SmolLM2-135M Q4_1, {machine}",
                            prefix=f"serving_{wl}_"):
             print("wrote", p)
     (results / "summary.md").write_text("\n".join(md) + "\n")

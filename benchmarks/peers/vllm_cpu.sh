@@ -52,8 +52,15 @@ out = sys.argv[1]
 gguf = default_model_path()
 kw = {"gguf_file": gguf.name}
 tok = AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
-model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.bfloat16, **kw)
-model.save_pretrained(out, safe_serialization=True)
+loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.bfloat16, **kw)
+# A model loaded from GGUF refuses save_pretrained ("quantized with gguf"): copy its dequantized
+# weights into a plain model of the same config.
+config = loaded.config
+if hasattr(config, "quantization_config"):
+    del config.quantization_config
+model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+model.load_state_dict(loaded.state_dict())
+model.save_pretrained(out)
 tok.save_pretrained(out)
 print("saved", out)
 PYEOF
@@ -61,12 +68,13 @@ PYEOF
 
 serve() {
     local port="${1:-8002}"
+    # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens in answers.
     local caching="--enable-prefix-caching"
     if [ "${CACHING:-on}" = "off" ]; then caching="--no-enable-prefix-caching"; fi
     VLLM_CPU_OMP_THREADS_BIND="${THREADS:-0-1}" VLLM_CPU_KVCACHE_SPACE="${KV_GIB:-2}" \
         exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
         --served-model-name SmolLM2-135M-Instruct --host 127.0.0.1 --port "$port" \
-        --dtype bfloat16 $caching ${EXTRA_ARGS:-}
+        --dtype bfloat16 $caching --enable-prompt-tokens-details ${EXTRA_ARGS:-}
 }
 
 case "${1:-all}" in
