@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -22,6 +23,10 @@ from prefixcache.engine import EngineStats, LLMEngine, LookupResult
 from prefixcache.request import SamplingParams, StreamDelta
 
 log = logging.getLogger(__name__)
+
+
+# Put in a stream's queue by ``abort``: the stream ends (a consumer still iterating stops).
+_ABORTED = object()
 
 
 class QueueFullError(RuntimeError):
@@ -130,6 +135,8 @@ class AsyncEngine:
         try:
             while True:
                 item = await stream.queue.get()
+                if item is _ABORTED:
+                    return
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -143,8 +150,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Thread-safe; the request's blocks are freed before the next step."""
         s = self._streams.pop(request_id, None)
-        if s is not None:
+        if s is not None and not s.done:
             s.done = True
+            # A consumer still iterating (abort from elsewhere) must not wait forever.
+            with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody waits
+                s.loop.call_soon_threadsafe(s.queue.put_nowait, _ABORTED)
         self._inbox.append(("abort", request_id))
         self._wake.set()
 
