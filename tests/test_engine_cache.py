@@ -128,7 +128,9 @@ def test_cold_equals_warm_under_eviction(tiny_pool_llm, llm_cold):
     llm = tiny_pool_llm
     tok = llm.get_tokenizer()
     base = tok.encode(TEXT * 3)
-    prompts = [base[i * 40 : i * 40 + 90] for i in range(6)]
+    # Eight prompts: a shared 48-token head (stays hot) + distinct 60-token tails. Their full
+    # blocks (3 shared + 8 x 4 own) outnumber the pool's 24, so tails get evicted.
+    prompts = [base[:48] + base[60 + i * 30 : 120 + i * 30] for i in range(8)]
     for _round in range(2):
         for p in prompts:
             warm = llm.generate([p], GREEDY)[0]
