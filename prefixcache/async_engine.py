@@ -202,13 +202,17 @@ class AsyncEngine:
                 if d.finished:
                     s.done = True
                     self._streams.pop(d.request_id, None)
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, d)
+                try:
+                    s.loop.call_soon_threadsafe(s.queue.put_nowait, d)
+                except RuntimeError:  # its event loop is closed: nobody reads it, stop it
+                    self.abort(d.request_id)
 
     def _fail(self, request_id: str, err: BaseException) -> None:
         s = self._streams.pop(request_id, None)
         if s is not None:
             s.done = True
-            s.loop.call_soon_threadsafe(s.queue.put_nowait, err)
+            with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody waits
+                s.loop.call_soon_threadsafe(s.queue.put_nowait, err)
 
     # ---- cache control and stats (take the lock: consistent with the engine thread) -------------
     async def warm(
