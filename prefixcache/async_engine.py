@@ -159,7 +159,7 @@ class AsyncEngine:
         self._wake.set()
 
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + sum(1 for c in self._inbox if c[0] == "add")
+        return len(self.engine.scheduler.waiting) + sum(1 for c in list(self._inbox) if c[0] == "add")
 
     # ---- engine thread ----------------------------------------------------------------------------
     def _drain_inbox(self) -> None:
