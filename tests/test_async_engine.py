@@ -1,0 +1,235 @@
+"""AsyncEngine end to end on the real model, in plain asyncio (``asyncio.run`` inside each test).
+
+One engine (its step loop in a background thread) serves every test of the module; each test
+leaves it idle, with no block in use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from unittest import mock
+
+import pytest
+
+from prefixcache.async_engine import AsyncEngine, QueueFullError
+from prefixcache.config import EngineConfig
+from prefixcache.model.loader import load_weights
+from prefixcache.request import SamplingParams
+
+B = 16
+BYTES_PER_TOKEN = 46080  # default model, float32
+MAX_WAITING = 8
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+TEXT = (
+    "Prefix caching stores the attention keys and values of a prompt so that a later request "
+    "which starts with the same tokens does not compute them again. Paris is the capital of "
+    "France, Berlin is the capital of Germany, and Madrid is the capital of Spain. "
+)
+OTHER = (
+    "The river rose through the night and by morning the lower town was under water; the baker "
+    "rowed his bread to the church steps while the mayor argued with the engineers. "
+)
+
+
+@functools.cache
+def _default_weights():
+    return load_weights(None)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    config = EngineConfig(
+        kv_cache_memory=64 * B * BYTES_PER_TOKEN,
+        max_num_batched_tokens=64,  # chunked prefill: streams interleave with prefills
+        max_waiting_requests=MAX_WAITING,
+        seed=0,
+    )
+    with mock.patch("prefixcache.engine.load_weights", lambda model: _default_weights()):
+        eng = AsyncEngine(config)
+    yield eng
+    asyncio.run(eng.shutdown(drain=False))
+
+
+@pytest.fixture(scope="module")
+def tok(engine):
+    return engine.tokenizer
+
+
+def _ids(tok, text: str, n: int) -> list[int]:
+    ids = tok.encode(text * 4)
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def _in_use(engine: AsyncEngine) -> int:
+    return engine.cache_stats()["in_use_blocks"]
+
+
+async def _wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
+    """Until the engine holds no request and no block (aborts land between steps)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = engine.engine_stats()
+        if _in_use(engine) == 0 and stats.num_running == 0 and stats.num_waiting == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"engine not idle after {timeout}s: {engine.cache_stats()}")
+
+
+async def _collect(engine: AsyncEngine, rid: str, prompt: list[int], sp=GREEDY) -> list:
+    return [d async for d in engine.add_request(rid, prompt, sp)]
+
+
+def test_concurrent_streams_with_shared_prefixes(engine, tok, llm_cold):
+    # Two groups of four; each group shares 2 full blocks and a partial one (40 tokens).
+    prefixes = [_ids(tok, TEXT, 40), _ids(tok, OTHER, 40)]
+    prompts = [prefixes[i % 2] + tok.encode(f" Item {i}:") for i in range(8)]
+
+    async def main():
+        await engine.start()
+        return await asyncio.gather(*(_collect(engine, f"c{i}", p) for i, p in enumerate(prompts)))
+
+    results = asyncio.run(main())
+    cold = llm_cold.generate(prompts, GREEDY)
+    for deltas, prompt, ref in zip(results, prompts, cold):
+        assert deltas and deltas[-1].finished and deltas[-1].finish_reason == "length"
+        assert not any(d.finished for d in deltas[:-1])
+        assert deltas[0].prompt_token_ids == prompt
+        tokens = [t for d in deltas for t in d.new_token_ids]
+        assert tokens == ref.outputs[0].token_ids
+        assert "".join(d.text_delta for d in deltas) == ref.outputs[0].text
+        last = deltas[-1]
+        assert last.num_output_tokens == GREEDY.max_tokens and last.num_prompt_tokens == len(prompt)
+        m = last.metrics
+        assert m.arrival_time <= m.first_token_time <= m.finished_time
+    # Within each group the first request computes the prefix; the others reuse its full blocks.
+    for g in (0, 1):
+        cached = sorted(results[i][-1].num_cached_tokens for i in range(g, 8, 2))
+        assert cached == [0, 2 * B, 2 * B, 2 * B], cached
+    engine.check_integrity()
+    assert _in_use(engine) == 0
+
+
+def test_break_out_of_stream_aborts_and_frees_blocks(engine, tok):
+    prompt = _ids(tok, TEXT, 70)
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def main():
+        await engine.start()
+        before = engine.engine_stats().generation_tokens_total
+        got = []
+        async for d in engine.add_request("brk", prompt, long):  # no reference kept
+            got += d.new_token_ids
+            if len(got) >= 2:
+                break
+        await _wait_idle(engine)
+        return got, engine.engine_stats().generation_tokens_total - before
+
+    got, generated = asyncio.run(main())
+    assert len(got) >= 2
+    assert generated < long.max_tokens  # stopped early, not run to the end
+    engine.check_integrity()
+    assert _in_use(engine) == 0
+    # The prompt's computed full blocks stay cached.
+    assert engine.lookup(prompt).num_cached_tokens == (70 // B) * B
+
+
+def test_abort_from_another_task_ends_the_stream(engine, tok):
+    prompt = _ids(tok, OTHER, 50)
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def main():
+        await engine.start()
+        first = asyncio.Event()
+        got = []
+
+        async def consume():
+            async for d in engine.add_request("ext", prompt, long):
+                got.append(d)
+                first.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(first.wait(), 60)
+        engine.abort("ext")
+        await asyncio.wait_for(task, 10)  # the consumer is not left waiting forever
+        await _wait_idle(engine)
+        return got
+
+    got = asyncio.run(main())
+    assert got and not got[-1].finished  # the stream just ends
+    assert sum(len(d.new_token_ids) for d in got) < long.max_tokens
+    engine.check_integrity()
+    assert _in_use(engine) == 0
+
+
+def test_stream_of_a_closed_event_loop_does_not_stop_the_engine(engine, tok):
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def orphan():
+        await engine.start()
+        engine.add_request("orphan", _ids(tok, OTHER, 30), long)  # never iterated
+
+    asyncio.run(orphan())  # its loop closes while the request runs
+
+    async def main():
+        deltas = await asyncio.wait_for(_collect(engine, "after", _ids(tok, TEXT, 25)), 60)
+        await _wait_idle(engine)  # the orphan was stopped, not run to the end
+        return deltas
+
+    assert asyncio.run(main())[-1].finished
+    engine.check_integrity()
+    assert _in_use(engine) == 0
+
+
+def test_queue_full_error(engine, tok):
+    prompts = [_ids(tok, TEXT, 20 + i) for i in range(MAX_WAITING + 1)]
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    async def main():
+        await engine.shutdown(drain=True)  # no step loop: nothing leaves the queue
+        streams = [engine.add_request(f"q{i}", p, sp) for i, p in enumerate(prompts[:-1])]
+        assert engine.num_waiting() == MAX_WAITING
+        with pytest.raises(QueueFullError):
+            engine.add_request("q-over", prompts[-1], sp)
+        await engine.start()
+
+        async def drain(s):
+            return [d async for d in s]
+
+        return await asyncio.gather(*(drain(s) for s in streams))
+
+    results = asyncio.run(main())
+    assert all(r[-1].finished and r[-1].num_output_tokens == 4 for r in results)
+    engine.check_integrity()
+    assert _in_use(engine) == 0
+
+
+def test_shutdown_drain_lets_running_requests_finish(engine, tok):
+    prompts = [_ids(tok, TEXT, 30) + tok.encode(f" Point {i}.") for i in range(3)]
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    async def main():
+        await engine.start()
+        started = [asyncio.Event() for _ in prompts]
+
+        async def consume(i):
+            out = []
+            async for d in engine.add_request(f"d{i}", prompts[i], sp):
+                out.append(d)
+                started[i].set()
+            return out
+
+        tasks = [asyncio.create_task(consume(i)) for i in range(len(prompts))]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        await engine.shutdown(drain=True)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 10)
+
+    results = asyncio.run(main())
+    for r in results:
+        assert r[-1].finished and r[-1].finish_reason == "length"
+        assert sum(len(d.new_token_ids) for d in r) == sp.max_tokens
+    engine.check_integrity()
+    assert _in_use(engine) == 0

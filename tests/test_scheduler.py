@@ -1,0 +1,337 @@
+"""Scheduler behaviour on the real model: in-batch sharing, admission, policies, abort.
+
+Each test drives an ``LLMEngine`` step by step so that it can look at the queues between steps.
+Engines are small (a few blocks) and built per test; the weights are read once per module.
+"""
+
+from __future__ import annotations
+
+import functools
+from unittest import mock
+
+import pytest
+
+from prefixcache.cache.manager import blocks_needed
+from prefixcache.config import EngineConfig
+from prefixcache.engine import LLMEngine
+from prefixcache.model.loader import load_weights
+from prefixcache.model.paths import resolve_model_path
+from prefixcache.model.tokenizer import load_tokenizer
+from prefixcache.request import RequestStatus, SamplingParams
+
+B = 16
+BYTES_PER_TOKEN = 46080  # default model, float32
+GREEDY4 = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+GREEDY8 = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+TEXT = (
+    "Prefix caching stores the attention keys and values of a prompt so that a later request "
+    "which starts with the same tokens does not compute them again. Retrieval augmented "
+    "generation places long documents at the start of every prompt; chat applications resend "
+    "the whole conversation at every turn. The cache is organised in blocks of sixteen tokens, "
+    "each named by a hash of every token before and in it, and blocks that nobody uses are "
+    "evicted in least recently used order when memory runs out. Paris is the capital of "
+    "France, Berlin is the capital of Germany, and Madrid is the capital of Spain. "
+)
+OTHER = (
+    "The river rose through the night and by morning the lower town was under water; the baker "
+    "rowed his bread to the church steps while the mayor argued with the engineers. "
+)
+
+
+@functools.cache
+def _default_weights():
+    return load_weights(None)
+
+
+def make_engine(**kw) -> LLMEngine:
+    """An engine on the default model; the weights are read from the GGUF file once per module."""
+    kw.setdefault("seed", 0)
+    with mock.patch("prefixcache.engine.load_weights", lambda model: _default_weights()):
+        return LLMEngine(EngineConfig(**kw))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(resolve_model_path(None))
+
+
+def _text_ids(tok, text: str, n: int) -> list[int]:
+    ids = tok.encode(text * (n // 20 + 1))
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def _run_to_end(engine: LLMEngine, max_steps: int = 10_000) -> None:
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return
+        engine.step()
+        engine.check_integrity()
+    raise AssertionError("engine did not finish")
+
+
+def _assert_no_leak(engine: LLMEngine) -> None:
+    engine.check_integrity()
+    c = engine.pool.counts()
+    assert c.in_use == 0, c
+    assert c.free + c.cached == c.total, c
+
+
+def _cold(llm_cold, prompts, sp=GREEDY8) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm_cold.generate(prompts, sp)]
+
+
+# ---- chunked prefill -------------------------------------------------------------------------------
+def test_chunked_prefill_keeps_decodes_flowing_and_publishes_blocks_per_chunk(tok, llm_cold):
+    engine = make_engine(kv_cache_memory=32 * B * BYTES_PER_TOKEN, max_num_batched_tokens=32)
+    short = _text_ids(tok, OTHER, 10)
+    long = _text_ids(tok, TEXT, 150)
+    d = engine.add_request("decode", short, GREEDY8)
+    engine.step()  # prefills the short prompt, first token
+    lp = engine.add_request("long", long, GREEDY4)
+    published = []
+    while lp.is_prefilling:
+        n_out = len(d.output_token_ids)
+        engine.step()
+        engine.check_integrity()
+        # The decode gets its token every step; the long prompt gets the rest of the budget.
+        assert len(d.output_token_ids) == n_out + 1 or d.finished
+        assert lp.num_computed_tokens <= 150
+        # Full blocks of every finished chunk are hits for others at once.
+        published.append((lp.num_computed_tokens, engine.lookup(long + [0]).num_cached_tokens))
+    assert len(published) >= 150 // 32  # split across steps
+    for computed, cached in published[:-1]:
+        assert 0 < computed < 150 and cached == (computed // B) * B, published
+    _run_to_end(engine)
+    _assert_no_leak(engine)
+    cold = _cold(llm_cold, [short, long])
+    assert [d.output_token_ids, lp.output_token_ids] == [cold[0], cold[1][:4]]
+
+
+# ---- in-batch sharing ------------------------------------------------------------------------------
+N_SHARE = 4
+PREFIX_LEN = 1000
+
+
+def _sharing_prompts(tok) -> list[list[int]]:
+    prefix = _text_ids(tok, TEXT, PREFIX_LEN)
+    return [prefix + tok.encode(f" Question {i}: why?") for i in range(N_SHARE)]
+
+
+def _run_sharing(engine: LLMEngine, prompts: list[list[int]]):
+    """Two requests arrive together, two more while the first is halfway through the prefix."""
+    seqs = [engine.add_request(f"s{i}", p, GREEDY4) for i, p in enumerate(prompts[:2])]
+    for _ in range(2):
+        engine.step()
+        engine.check_integrity()
+    assert 0 < seqs[0].num_computed_tokens < PREFIX_LEN  # chunked: still mid-prefix
+    seqs += [engine.add_request(f"s{i}", p, GREEDY4) for i, p in enumerate(prompts[2:], 2)]
+    _run_to_end(engine)
+    _assert_no_leak(engine)
+    return seqs
+
+
+def test_in_batch_sharing_computes_the_shared_prefix_once(tok):
+    prompts = _sharing_prompts(tok)
+    suffix = max(len(p) for p in prompts) - PREFIX_LEN
+    engine = make_engine(kv_cache_memory=96 * B * BYTES_PER_TOKEN, max_num_batched_tokens=256)
+    seqs = _run_sharing(engine, prompts)
+    computed = engine.scheduler.counters.computed_prompt_tokens
+    # The prefix once, plus per request its suffix and the prefix's partial last block.
+    assert PREFIX_LEN <= computed <= PREFIX_LEN + N_SHARE * (suffix + B), computed
+    full = (PREFIX_LEN // B) * B
+    assert [s.num_cached_tokens for s in seqs] == [0] + [full] * (N_SHARE - 1)
+    assert engine.scheduler.counters.num_preemptions == 0
+    outs = [s.output_token_ids for s in seqs]
+    assert all(len(o) == 4 for o in outs)
+
+
+@pytest.mark.slow
+def test_in_batch_sharing_control_caching_off(tok, llm_cold):
+    """The same run with caching off computes the prefix once per request (so the count above
+    measures sharing), and gives the outputs the shared run gives."""
+    prompts = _sharing_prompts(tok)
+    shared = make_engine(kv_cache_memory=96 * B * BYTES_PER_TOKEN, max_num_batched_tokens=256)
+    warm = [s.output_token_ids for s in _run_sharing(shared, prompts)]
+    engine = make_engine(
+        kv_cache_memory=96 * B * BYTES_PER_TOKEN,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=False,
+    )
+    seqs = _run_sharing(engine, prompts)
+    assert engine.scheduler.counters.computed_prompt_tokens >= N_SHARE * PREFIX_LEN
+    assert [s.output_token_ids for s in seqs] == warm
+
+
+# ---- admission ------------------------------------------------------------------------------------
+def test_admission_counts_cached_blocks_as_paid_for(tok, llm_cold):
+    """A request whose prompt is mostly held by a running request is admitted next to it in a
+    pool that could not hold its blocks uncached."""
+    prefix = _text_ids(tok, TEXT, 8 * B)
+    p1 = prefix + tok.encode(" First question?")
+    p2 = prefix + tok.encode(" Second question!")
+    # 11 blocks: the first request holds 9 (8 shared + its tail) for its whole life.
+    engine = make_engine(kv_cache_memory=11 * B * BYTES_PER_TOKEN, pin_budget_fraction=0.0)
+    r1 = engine.add_request("r1", p1, GREEDY8)
+    while r1.is_prefilling or not r1.output_token_ids:
+        engine.step()
+    assert blocks_needed(len(p2) + GREEDY4.max_tokens, B) > engine.pool.num_allocatable
+    r2 = engine.add_request("r2", p2, GREEDY4)
+    engine.step()
+    engine.check_integrity()
+    assert r2.status is RequestStatus.RUNNING and r1.status is RequestStatus.RUNNING
+    assert r2.num_cached_tokens == 8 * B
+    _run_to_end(engine)
+    assert engine.scheduler.counters.num_preemptions == 0
+    _assert_no_leak(engine)
+    assert [r1.output_token_ids, r2.output_token_ids[:4]] == [
+        _cold(llm_cold, [p1])[0],
+        _cold(llm_cold, [p2])[0][:4],
+    ]
+
+
+# ---- preemption ---------------------------------------------------------------------------------------
+def test_preemption_takes_the_newest_and_resumes_on_its_cached_blocks(tok, llm_cold):
+    # 5 blocks: two 30-token prompts hold 2 each; both need a third at the same decode step.
+    engine = make_engine(kv_cache_memory=5 * B * BYTES_PER_TOKEN, pin_budget_fraction=0.0)
+    p_old, p_new = _text_ids(tok, TEXT, 30), _text_ids(tok, OTHER, 30)
+    old = engine.add_request("old", p_old, GREEDY8)
+    new = engine.add_request("new", p_new, GREEDY8)
+    schedule = engine.scheduler.schedule
+    resumed_chunks = []
+
+    def spy():
+        out = schedule()
+        resumed_chunks.extend(
+            s.num_new_tokens for s in out.scheduled if s.seq is new and new.num_preemptions
+        )
+        return out
+
+    engine.scheduler.schedule = spy
+    _run_to_end(engine)
+    _assert_no_leak(engine)
+    assert (old.num_preemptions, new.num_preemptions) == (0, 1)
+    assert engine.scheduler.counters.num_preemptions == 1
+    # Resuming recomputes only what its cached blocks do not hold (32 of its 33 tokens).
+    assert resumed_chunks[0] == 1, resumed_chunks
+    # Nothing lost or duplicated; preemption changes no output.
+    assert [old.output_token_ids, new.output_token_ids] == _cold(llm_cold, [p_old, p_new])
+
+
+# ---- ordering policies -----------------------------------------------------------------------------
+def _warm(engine: LLMEngine, prompt: list[int]) -> None:
+    engine.add_request("warm", prompt, SamplingParams(max_tokens=1, temperature=0))
+    _run_to_end(engine)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_lpm_admits_longest_cached_prefix_first(tok, policy):
+    engine = make_engine(
+        kv_cache_memory=32 * B * BYTES_PER_TOKEN, max_num_seqs=1, scheduling_policy=policy
+    )
+    prefix = _text_ids(tok, TEXT, 4 * B)
+    _warm(engine, prefix)
+    miss = engine.add_request("miss", _text_ids(tok, OTHER, 20), GREEDY4)  # arrives first
+    hit = engine.add_request("hit", prefix + tok.encode(" Which city?"), GREEDY4)
+    engine.step()
+    first = engine.scheduler.running[0]
+    assert first is (hit if policy == "lpm" else miss)
+    _run_to_end(engine)
+    _assert_no_leak(engine)
+    assert hit.num_cached_tokens == 4 * B and miss.num_cached_tokens == 0
+    order = sorted([miss, hit], key=lambda s: s.metrics.first_scheduled_time)
+    assert order[0] is first
+
+
+def _starvation_wait(tok, max_wait_steps: int, steps: int) -> int | None:
+    """Steps a no-hit request waits while hit requests keep arriving (None: never admitted)."""
+    engine = make_engine(
+        kv_cache_memory=32 * B * BYTES_PER_TOKEN,
+        max_num_seqs=1,
+        scheduling_policy="lpm",
+        lpm_max_wait_steps=max_wait_steps,
+    )
+    prefix = _text_ids(tok, TEXT, 4 * B)
+    _warm(engine, prefix)
+    suffixes = [tok.encode(f" Question {i}?") for i in range(steps + 4)]
+    engine.add_request("hit-0", prefix + suffixes[0], GREEDY4)
+    miss = engine.add_request("miss", _text_ids(tok, OTHER, 20), GREEDY4)
+    n_hits = 1
+    for step in range(1, steps + 1):
+        # Keep two hit requests waiting: without the guard they always go before the miss.
+        while sum(1 for s in engine.scheduler.waiting if s is not miss) < 2:
+            engine.add_request(f"hit-{n_hits}", prefix + suffixes[n_hits], GREEDY4)
+            n_hits += 1
+        engine.step()
+        engine.check_integrity()
+        if miss.status is not RequestStatus.WAITING:
+            for rid in list(engine.seqs):
+                engine.abort(rid)
+            _assert_no_leak(engine)
+            return step
+    return None
+
+
+def test_lpm_starvation_guard_bounds_the_wait_of_a_miss(tok):
+    # A hit request runs for 4 steps (prefill, 3 decodes); with max_num_seqs=1 the miss gets
+    # in when the guard fires and the request running then finishes.
+    wait = _starvation_wait(tok, max_wait_steps=3, steps=16)
+    assert wait is not None and wait <= 3 + 1 + 4, wait
+    # Control: without a guard in reach, the same stream of hits keeps the miss waiting.
+    assert _starvation_wait(tok, max_wait_steps=1000, steps=16) is None
+
+
+def test_priority_lower_value_goes_first_under_fcfs(tok):
+    engine = make_engine(kv_cache_memory=32 * B * BYTES_PER_TOKEN, max_num_seqs=1)
+    late_urgent_prompt = _text_ids(tok, OTHER, 20)
+    early = engine.add_request("early", _text_ids(tok, TEXT, 20), GREEDY4, priority=5)
+    late = engine.add_request("late", late_urgent_prompt, GREEDY4, priority=-1)
+    engine.step()
+    assert engine.scheduler.running == [late] and early.status is RequestStatus.WAITING
+    _run_to_end(engine)
+    _assert_no_leak(engine)
+    assert early.metrics.first_scheduled_time > late.metrics.finished_time
+
+
+# ---- abort ---------------------------------------------------------------------------------------
+def test_abort_mid_prefill_and_mid_decode_frees_every_block(tok, llm_cold):
+    engine = make_engine(kv_cache_memory=32 * B * BYTES_PER_TOKEN, max_num_batched_tokens=32)
+    prompt = _text_ids(tok, TEXT, 6 * B + 4)
+
+    # Waiting: never admitted, holds nothing.
+    engine.add_request("w", prompt, GREEDY8, namespace="waiting")
+    assert engine.abort("w").finish_reason == "abort"
+    _assert_no_leak(engine)
+    assert engine.pool.counts().cached == 0
+
+    # Mid-prefill: two chunks of 32 tokens computed = 4 full blocks, which stay cached.
+    a = engine.add_request("a", prompt, GREEDY8, namespace="prefill")
+    engine.step()
+    engine.step()
+    assert a.is_prefilling and a.num_computed_tokens == 64 and a.block_table
+    engine.abort("a")
+    _assert_no_leak(engine)
+    assert engine.pool.counts().cached == 4
+    assert engine.lookup(prompt, "prefill").num_cached_tokens == 4 * B
+    assert a.finish_reason == "abort" and not engine.has_unfinished()
+
+    # Mid-decode, while another request shares its prompt blocks: the other one is unaffected.
+    b = engine.add_request("b", prompt, GREEDY8, namespace="decode")
+    c = engine.add_request("c", prompt + tok.encode(" Spain"), GREEDY8, namespace="decode")
+    while len(b.output_token_ids) < 2:
+        engine.step()
+        engine.check_integrity()
+    assert not b.finished and c.status is RequestStatus.RUNNING
+    shared = set(b.block_table) & set(c.block_table)
+    assert shared
+    engine.abort("b")
+    engine.check_integrity()
+    assert all(engine.pool.ref_count(x) == 1 for x in shared)  # c's reference only
+    _run_to_end(engine)
+    _assert_no_leak(engine)
+    # Every full block of the prompt stays cached for the next request.
+    assert engine.lookup(prompt, "decode").num_cached_tokens == 6 * B
+    cold_b, cold_c = _cold(llm_cold, [prompt, prompt + tok.encode(" Spain")])
+    assert b.output_token_ids == cold_b[: len(b.output_token_ids)]
+    assert c.output_token_ids == cold_c
