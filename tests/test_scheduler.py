@@ -82,7 +82,7 @@ def _cold(llm_cold, prompts, sp=GREEDY8) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm_cold.generate(prompts, sp)]
 
 
-# ---- chunked prefill -------------------------------------------------------------------------------
+# ---- chunked prefill -----------------------------------------------------------------------------
 def test_chunked_prefill_keeps_decodes_flowing_and_publishes_blocks_per_chunk(tok, llm_cold):
     engine = make_engine(kv_cache_memory=32 * B * BYTES_PER_TOKEN, max_num_batched_tokens=32)
     short = _text_ids(tok, OTHER, 10)
@@ -109,7 +109,7 @@ def test_chunked_prefill_keeps_decodes_flowing_and_publishes_blocks_per_chunk(to
     assert [d.output_token_ids, lp.output_token_ids] == [cold[0], cold[1][:4]]
 
 
-# ---- in-batch sharing ------------------------------------------------------------------------------
+# ---- in-batch sharing ----------------------------------------------------------------------------
 N_SHARE = 4
 PREFIX_LEN = 1000
 
@@ -164,7 +164,7 @@ def test_in_batch_sharing_control_caching_off(tok, llm_cold):
     assert [s.output_token_ids for s in seqs] == warm
 
 
-# ---- admission ------------------------------------------------------------------------------------
+# ---- admission -----------------------------------------------------------------------------------
 def test_admission_counts_cached_blocks_as_paid_for(tok, llm_cold):
     """A request whose prompt is mostly held by a running request is admitted next to it in a
     pool that could not hold its blocks uncached."""
@@ -191,7 +191,7 @@ def test_admission_counts_cached_blocks_as_paid_for(tok, llm_cold):
     ]
 
 
-# ---- preemption ---------------------------------------------------------------------------------------
+# ---- preemption ----------------------------------------------------------------------------------
 def test_preemption_takes_the_newest_and_resumes_on_its_cached_blocks(tok, llm_cold):
     # 5 blocks: two 30-token prompts hold 2 each; both need a third at the same decode step.
     engine = make_engine(kv_cache_memory=5 * B * BYTES_PER_TOKEN, pin_budget_fraction=0.0)
@@ -219,7 +219,7 @@ def test_preemption_takes_the_newest_and_resumes_on_its_cached_blocks(tok, llm_c
     assert [old.output_token_ids, new.output_token_ids] == _cold(llm_cold, [p_old, p_new])
 
 
-# ---- ordering policies -----------------------------------------------------------------------------
+# ---- ordering policies ---------------------------------------------------------------------------
 def _warm(engine: LLMEngine, prompt: list[int]) -> None:
     engine.add_request("warm", prompt, SamplingParams(max_tokens=1, temperature=0))
     _run_to_end(engine)

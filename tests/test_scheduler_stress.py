@@ -123,7 +123,7 @@ def _near_tie_report(llm_cold, prompt: list[int], got: list[int], want: list[int
     )
 
 
-# ---- the run ---------------------------------------------------------------------------------------
+# ---- the run -------------------------------------------------------------------------------------
 def _run_stress(engine: LLMEngine, reqs, seed: int, abort_fraction: float):
     """Submit ``reqs`` at random steps, abort a random subset midway, check integrity after every
     step. Returns (sequences by id, ids aborted, finish events by id)."""
