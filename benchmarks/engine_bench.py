@@ -39,7 +39,7 @@ TEXT = (
 def machine() -> str:
     cpu = platform.processor() or "unknown CPU"
     try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
         for line in out.splitlines():
             if line.startswith("Model name:"):
                 cpu = line.split(":", 1)[1].strip()
@@ -193,7 +193,7 @@ def main() -> None:
         print(f"{dtype}: {agree}/{args.agreement_prompts} cold/warm greedy outputs agree; "
               f"first divergent positions {first_diff}")  # fmt: skip
         if dtype == "bfloat16":
-            t_bf = median_time(lambda: ttft(c_llm, p1000), args.repeats)
+            t_bf = median_time(lambda llm=c_llm: ttft(llm, p1000), args.repeats)
             res["prefill_tok_s_bf16"] = 1000 / t_bf
             print(f"bf16 prefill 1000 tok: {1000 / t_bf:.0f} tok/s")
 

@@ -3,7 +3,7 @@
 from prefixcache.request import CompletionOutput, RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):

@@ -28,8 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from prefixcache import LLM, SamplingParams
-    from prefixcache.model.paths import ModelNotFoundError
     from prefixcache.model.loader import UnsupportedModelError
+    from prefixcache.model.paths import ModelNotFoundError
 
     try:
         params = SamplingParams(

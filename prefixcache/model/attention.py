@@ -26,9 +26,20 @@ class SeqAttention:
 
 
 @dataclass
+class DecodeBatch:
+    """All single-token decodes of a step, attended in one padded batch (a handful of ops per
+    layer instead of a dozen per sequence)."""
+
+    rows: torch.Tensor  # [Bd] long: their rows in the flat batch
+    slots: torch.Tensor  # [Bd, C] long: context slots, padded with slot 0
+    pad: torch.Tensor | None  # [Bd, 1, 1, C] bool, True = padding; None when no row is padded
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
-    seqs: list[SeqAttention]
+    seqs: list[SeqAttention]  # prefill chunks, attended one by one
+    decode: DecodeBatch | None = None
 
 
 def build_metadata(
@@ -42,6 +53,8 @@ def build_metadata(
     its ``num_new[i]`` new tokens follow them."""
     slots: list[torch.Tensor] = []
     seqs: list[SeqAttention] = []
+    dec_rows: list[int] = []
+    dec_slots: list[torch.Tensor] = []
     q_start = 0
     for table, done, new in zip(block_tables, num_computed, num_new):
         ctx = done + new
@@ -49,10 +62,23 @@ def build_metadata(
         pos = torch.arange(ctx, dtype=torch.long)
         ctx_slots = table_t[pos // block_size] * block_size + pos % block_size
         slots.append(ctx_slots[done:])
-        seqs.append(SeqAttention(q_start, new, ctx, None if done == 0 else ctx_slots.to(device)))
+        if new == 1 and done > 0:
+            dec_rows.append(q_start)
+            dec_slots.append(ctx_slots)
+        else:
+            seqs.append(SeqAttention(q_start, new, ctx, None if done == 0 else ctx_slots.to(device)))
         q_start += new
     slot_mapping = torch.cat(slots).to(device) if slots else torch.empty(0, dtype=torch.long)
-    return AttentionMetadata(slot_mapping, seqs)
+    decode = None
+    if dec_rows:
+        lens = torch.tensor([len(x) for x in dec_slots])
+        padded = torch.nn.utils.rnn.pad_sequence(dec_slots, batch_first=True)  # pads with 0
+        pad = None
+        if int(lens.min()) != padded.shape[1]:
+            pad = (torch.arange(padded.shape[1]).unsqueeze(0) >= lens.unsqueeze(1))
+            pad = pad[:, None, None, :].to(device)
+        decode = DecodeBatch(torch.tensor(dec_rows, device=device), padded.to(device), pad)
+    return AttentionMetadata(slot_mapping, seqs, decode)
 
 
 def paged_attention(
@@ -76,7 +102,24 @@ def paged_attention(
             ks = k_cache.index_select(0, s.ctx_slots)
             vs = v_cache.index_select(0, s.ctx_slots)
         out[s.q_start : s.q_start + s.q_len] = _attend(qs, ks, vs, scale)
+    if meta.decode is not None:
+        out.index_copy_(0, meta.decode.rows, _attend_decodes(q, k_cache, v_cache, meta.decode, scale))
     return out
+
+
+def _attend_decodes(q, k_cache, v_cache, d: DecodeBatch, scale):
+    """One query per sequence over its padded context: [Bd, H, D]."""
+    bd, (_, h, dim) = d.rows.shape[0], q.shape
+    kvh = k_cache.shape[1]
+    g = h // kvh
+    qd = q.index_select(0, d.rows).view(bd, kvh, g, dim)  # [Bd, KVH, G, D]
+    kd = k_cache[d.slots].permute(0, 2, 3, 1)  # [Bd, KVH, D, C]
+    vd = v_cache[d.slots].transpose(1, 2)  # [Bd, KVH, C, D]
+    scores = torch.matmul(qd, kd).mul_(scale)  # [Bd, KVH, G, C]
+    if d.pad is not None:
+        scores.masked_fill_(d.pad, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vd.dtype)
+    return torch.matmul(probs, vd).reshape(bd, h, dim)
 
 
 # Queries are processed in chunks of this many rows: each chunk attends only to the keys up to

@@ -64,10 +64,10 @@ def _config_from_hf(cfg: dict, name: str) -> ModelConfig:
         raise UnsupportedModelError(
             f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if arch == "MistralForCausalLM" and cfg.get("sliding_window"):
-        # Only correct while every prompt fits in the window; we refuse rather than be wrong.
-        if cfg.get("sliding_window") < cfg.get("max_position_embeddings", 0):
-            raise UnsupportedModelError("Mistral with a sliding window is not supported")
+    window = cfg.get("sliding_window")
+    # A sliding window shorter than the context changes attention; we refuse rather than be wrong.
+    if arch == "MistralForCausalLM" and window and window < cfg.get("max_position_embeddings", 0):
+        raise UnsupportedModelError("Mistral with a sliding window is not supported")
     heads = cfg["num_attention_heads"]
     # transformers >= 5 writes rope_theta and the scaling into one "rope_parameters" dict.
     rope = cfg.get("rope_parameters") or {}
