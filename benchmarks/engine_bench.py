@@ -152,11 +152,11 @@ def main() -> None:
     n_dec = 128
     sp = SamplingParams(max_tokens=n_dec, temperature=0, ignore_eos=True)
 
-    def decode_once() -> float:
-        o = cold_llm.generate([doc[:32]], sp)[0]
+    def decode_once(llm: LLM) -> float:
+        o = llm.generate([doc[:32]], sp)[0]
         return (o.metrics.finished_time - o.metrics.first_token_time) / (n_dec - 1)
 
-    per_tok = statistics.median(decode_once() for _ in range(3))
+    per_tok = statistics.median(decode_once(cold_llm) for _ in range(3))
     res.update(decode_tok_s=1 / per_tok)
     print(f"decode: {1 / per_tok:.1f} tok/s")
 
@@ -195,7 +195,10 @@ def main() -> None:
         if dtype == "bfloat16":
             t_bf = median_time(lambda llm=c_llm: ttft(llm, p1000), args.repeats)
             res["prefill_tok_s_bf16"] = 1000 / t_bf
-            print(f"bf16 prefill 1000 tok: {1000 / t_bf:.0f} tok/s")
+            sp = SamplingParams(max_tokens=n_dec, temperature=0, ignore_eos=True)
+            res["decode_tok_s_bf16"] = 1 / statistics.median(decode_once(c_llm) for _ in range(3))
+            print(f"bf16 prefill 1000 tok: {1000 / t_bf:.0f} tok/s; "
+                  f"decode {res['decode_tok_s_bf16']:.1f} tok/s")  # fmt: skip
 
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=2))
