@@ -20,7 +20,7 @@ from prefixcache.server.protocol import (
     _CacheQuery,
     parse_body,
 )
-from prefixcache.server.serving import Serving, engine_error
+from prefixcache.server.serving import Serving, accept, engine_error
 
 router = APIRouter(prefix="/v1/cache")
 
@@ -46,11 +46,7 @@ def _as_dict(x) -> dict:
 @router.post("/warm")
 async def warm(request: Request) -> dict:
     """Prefill a prompt into the cache (no tokens generated); optionally pin it for a TTL."""
-    s: Serving = request.app.state.serving
-    tenant = s.tenants.authenticate(request.headers.get("authorization"))
-    req = await parse_body(request, CacheWarmRequest)
-    s.check_model(req.model)
-    namespace = s.tenants.namespace(tenant, req.cache_salt)
+    s, _tenant, req, namespace = await accept(request, CacheWarmRequest)
     ids = _prompt_ids(s, req)
     if req.ttl_seconds is not None and not req.pin:
         raise APIError(400, "ttl_seconds applies to pinned prompts: set pin: true", param="pin")
@@ -69,11 +65,7 @@ async def warm(request: Request) -> dict:
 @router.post("/lookup")
 async def lookup(request: Request) -> dict:
     """How many tokens of a prompt would hit the cache now. Changes nothing."""
-    s: Serving = request.app.state.serving
-    tenant = s.tenants.authenticate(request.headers.get("authorization"))
-    req = await parse_body(request, CacheLookupRequest)
-    s.check_model(req.model)
-    namespace = s.tenants.namespace(tenant, req.cache_salt)
+    s, _tenant, req, namespace = await accept(request, CacheLookupRequest)
     ids = _prompt_ids(s, req)
     # Engine queries take its lock, which a running step holds: wait for it off the event loop.
     result = await asyncio.to_thread(s.engine.lookup, ids, namespace)

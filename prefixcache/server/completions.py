@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prefixcache.request import StreamDelta
 from prefixcache.server.errors import APIError
-from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
-from prefixcache.server.serving import Choice, Run, Serving, engine_error
+from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest
+from prefixcache.server.serving import Choice, Run, Serving, accept, engine_error
 
 log = logging.getLogger("prefixcache.server")
 router = APIRouter()
@@ -30,12 +30,8 @@ _DISCONNECT_POLL_S = 0.25
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    s: Serving = request.app.state.serving
-    tenant = s.tenants.authenticate(request.headers.get("authorization"))
-    req = await parse_body(request, CompletionRequest)
-    s.check_model(req.model)
+    s, tenant, req, namespace = await accept(request, CompletionRequest)
     req.check_unsupported()
-    namespace = s.tenants.namespace(tenant, req.cache_salt)
     prompts = s.completion_prompts(req)
     params = [
         s.sampling_params(
@@ -52,12 +48,8 @@ async def completions(request: Request) -> Response:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    s: Serving = request.app.state.serving
-    tenant = s.tenants.authenticate(request.headers.get("authorization"))
-    req = await parse_body(request, ChatCompletionRequest)
-    s.check_model(req.model)
+    s, tenant, req, namespace = await accept(request, ChatCompletionRequest)
     req.check_unsupported()
-    namespace = s.tenants.namespace(tenant, req.cache_salt)
     ids = s.chat_prompt(req.messages, req.add_generation_prompt)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")

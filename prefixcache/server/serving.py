@@ -20,7 +20,7 @@ from prefixcache.request import CacheExplanation, SamplingParams, StreamDelta
 from prefixcache.server.auth import Tenant, TenantDirectory
 from prefixcache.server.errors import APIError
 from prefixcache.server.metrics import ServerMetrics
-from prefixcache.server.protocol import ChatMessage, CompletionRequest, _Generation
+from prefixcache.server.protocol import ChatMessage, CompletionRequest, _Generation, parse_body
 
 QUEUE_FULL_RETRY_AFTER_S = 1
 
@@ -354,3 +354,14 @@ def _param_of(message: str) -> str | None:
     if "prompt" in message:
         return "prompt"
     return None
+
+
+async def accept(request, schema):
+    """The start of every generation and cache route: authenticate the caller, parse the body
+    as ``schema``, check the model name, and derive the cache namespace (never from the client
+    alone). Returns (serving, tenant, body, namespace)."""
+    s: Serving = request.app.state.serving
+    tenant = s.tenants.authenticate(request.headers.get("authorization"))
+    req = await parse_body(request, schema)
+    s.check_model(req.model)
+    return s, tenant, req, s.tenants.namespace(tenant, req.cache_salt)
