@@ -7,15 +7,13 @@ leaves it idle, with no block in use.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-from unittest import mock
 
 import pytest
+from _helpers import shared_default_weights
 
 from prefixcache.async_engine import AsyncEngine, QueueFullError
 from prefixcache.config import EngineConfig
-from prefixcache.model.loader import load_weights
 from prefixcache.request import SamplingParams
 
 B = 16
@@ -34,11 +32,6 @@ OTHER = (
 )
 
 
-@functools.cache
-def _default_weights():
-    return load_weights(None)
-
-
 @pytest.fixture(scope="module")
 def engine():
     config = EngineConfig(
@@ -47,7 +40,7 @@ def engine():
         max_waiting_requests=MAX_WAITING,
         seed=0,
     )
-    with mock.patch("prefixcache.engine.load_weights", lambda model: _default_weights()):
+    with shared_default_weights():
         eng = AsyncEngine(config)
     yield eng
     asyncio.run(eng.shutdown(drain=False))

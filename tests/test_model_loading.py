@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import prefill_logits
 
 from prefixcache import LLM, SamplingParams
-from prefixcache.model.attention import build_metadata
 from prefixcache.model.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -29,20 +29,6 @@ TINY = {
     "rms_norm_eps": 1e-6, "initializer_range": 0.2, "rope_theta": 5000.0,
 }  # fmt: skip
 LOGIT_TOL = 1e-4
-
-
-def prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of one prefill, run through the engine's model on a private KV
-    cache (the engine's pool is not touched). [len(ids), vocab] float32."""
-    runner = llm.engine.runner
-    cfg, bs, n = runner.config, runner.block_size, len(ids)
-    nblocks = -(-n // bs)
-    shape = (cfg.num_layers, nblocks * bs, cfg.num_kv_heads, cfg.head_dim)
-    k = torch.zeros(shape, dtype=runner.dtype)
-    v = torch.zeros(shape, dtype=runner.dtype)
-    meta = build_metadata([list(range(nblocks))], [0], [n], bs, runner.device)
-    rows = torch.arange(n)
-    return runner.model(torch.tensor(ids), rows, k, v, meta, rows)
 
 
 def hf_logits(model, ids: list[int]) -> torch.Tensor:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import prefill_logits
 
 from prefixcache import LLM, SamplingParams
-from prefixcache.model.attention import build_metadata
 from prefixcache.model.paths import default_model_path
 
 transformers = pytest.importorskip("transformers")
@@ -42,20 +42,6 @@ def hf_model():
 @pytest.fixture(scope="module")
 def ids(llm):
     return llm.get_tokenizer().encode(TEXT)
-
-
-def prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of one prefill, run through the engine's model on a private KV
-    cache (the engine's pool is not touched). [len(ids), vocab] float32."""
-    runner = llm.engine.runner
-    cfg, bs, n = runner.config, runner.block_size, len(ids)
-    nblocks = -(-n // bs)
-    shape = (cfg.num_layers, nblocks * bs, cfg.num_kv_heads, cfg.head_dim)
-    k = torch.zeros(shape, dtype=runner.dtype)
-    v = torch.zeros(shape, dtype=runner.dtype)
-    meta = build_metadata([list(range(nblocks))], [0], [n], bs, runner.device)
-    rows = torch.arange(n)
-    return runner.model(torch.tensor(ids), rows, k, v, meta, rows)
 
 
 def hf_generate(model, ids: list[int], n: int):

@@ -6,15 +6,12 @@ Engines are small (a few blocks) and built per test; the weights are read once p
 
 from __future__ import annotations
 
-import functools
-from unittest import mock
-
 import pytest
+from _helpers import shared_default_weights
 
 from prefixcache.cache.manager import blocks_needed
 from prefixcache.config import EngineConfig
 from prefixcache.engine import LLMEngine
-from prefixcache.model.loader import load_weights
 from prefixcache.model.paths import resolve_model_path
 from prefixcache.model.tokenizer import load_tokenizer
 from prefixcache.request import RequestStatus, SamplingParams
@@ -39,15 +36,10 @@ OTHER = (
 )
 
 
-@functools.cache
-def _default_weights():
-    return load_weights(None)
-
-
 def make_engine(**kw) -> LLMEngine:
     """An engine on the default model; the weights are read from the GGUF file once per module."""
     kw.setdefault("seed", 0)
-    with mock.patch("prefixcache.engine.load_weights", lambda model: _default_weights()):
+    with shared_default_weights():
         return LLMEngine(EngineConfig(**kw))
 
 

@@ -1,0 +1,36 @@
+"""Helpers shared by several test modules (imported as ``_helpers``; pytest puts tests/ on the path)."""
+
+from __future__ import annotations
+
+import functools
+from unittest import mock
+
+import torch
+
+from prefixcache.model.attention import build_metadata
+from prefixcache.model.loader import load_weights
+
+
+@functools.cache
+def _default_weights():
+    return load_weights(None)
+
+
+def shared_default_weights():
+    """A context in which engines read the default model's weights once per test process, not
+    once per engine (dequantizing the GGUF takes seconds)."""
+    return mock.patch("prefixcache.engine.load_weights", lambda model: _default_weights())
+
+
+def prefill_logits(llm, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one prefill, run through the engine's model on a private KV
+    cache (the engine's pool is not touched). [len(ids), vocab] float32."""
+    runner = llm.engine.runner
+    cfg, bs, n = runner.config, runner.block_size, len(ids)
+    nblocks = -(-n // bs)
+    shape = (cfg.num_layers, nblocks * bs, cfg.num_kv_heads, cfg.head_dim)
+    k = torch.zeros(shape, dtype=runner.dtype)
+    v = torch.zeros(shape, dtype=runner.dtype)
+    meta = build_metadata([list(range(nblocks))], [0], [n], bs, runner.device)
+    rows = torch.arange(n)
+    return runner.model(torch.tensor(ids), rows, k, v, meta, rows)
