@@ -28,7 +28,7 @@ def prefill_logits(llm, ids: list[int]) -> torch.Tensor:
     runner = llm.engine.runner
     cfg, bs, n = runner.config, runner.block_size, len(ids)
     nblocks = -(-n // bs)
-    shape = (cfg.num_layers, nblocks * bs, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, cfg.num_kv_heads, nblocks * bs, cfg.head_dim)
     k = torch.zeros(shape, dtype=runner.dtype)
     v = torch.zeros(shape, dtype=runner.dtype)
     meta = build_metadata([list(range(nblocks))], [0], [n], bs, runner.device)

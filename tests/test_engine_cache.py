@@ -118,6 +118,33 @@ def test_batch_of_prompts_sharing_a_prefix(llm, llm_cold):
     assert all(o.num_cached_tokens == 6 * B for o in warm[1:])
 
 
+@pytest.mark.parametrize("delta", [-1, 0, 1])
+def test_decodes_sharing_a_prefix_attend_it_once_and_equal_cold(llm, llm_cold, monkeypatch, delta):
+    """Running decodes that hold the same cached blocks attend them as one shared segment
+    (decode_attention.py); greedy outputs stay those of the cold engine, with the shared prefix
+    ending before, on and after a block boundary."""
+    from prefixcache.model import attention
+
+    segments = []
+    real = attention.build_decode_batch
+
+    def spy(*args, **kwargs):
+        batch = real(*args, **kwargs)
+        segments.extend(len(s.rows) for s in batch.segments)
+        return batch
+
+    monkeypatch.setattr(attention, "build_decode_batch", spy)
+    tok = llm.get_tokenizer()
+    prefix = _doc_ids(tok, 8 * B + delta)
+    prompts = [prefix + tok.encode(f" Question {i}: which city is named here{'?' * i}") for i in range(6)]
+    warm = llm.generate(prompts, GREEDY, cache_salt=f"decode-share-{delta}")
+    assert segments and max(segments) >= 5  # most of the batch shared one segment
+    segments.clear()
+    cold = llm_cold.generate(prompts, GREEDY)
+    assert segments == []  # nothing is shared without the cache
+    assert _outputs(warm) == _outputs(cold)
+
+
 @pytest.fixture(scope="module")
 def tiny_pool_llm():
     # 24 blocks of 16 tokens: a few prompts of ~100 tokens force eviction.

@@ -1,6 +1,7 @@
 """The KV tensors of the paged cache, sized from a byte budget.
 
-Layout: one tensor per K and V, ``[num_layers, num_blocks * block_size, num_kv_heads, head_dim]``.
+Layout: one tensor per K and V, ``[num_layers, num_kv_heads, num_blocks * block_size, head_dim]``
+(KV head before slot: a gather of a context's slots gives each head's keys contiguously).
 A token's KV lives at slot ``block_id * block_size + offset``; the block ids come from the
 torch-free block pool, so this module never decides which block holds what.
 """
@@ -72,7 +73,7 @@ def plan_kv_layout(
 class KVCache:
     def __init__(self, config: ModelConfig, layout: KVLayout, dtype: torch.dtype, device: torch.device):
         self.layout = layout
-        shape = (config.num_layers, layout.capacity_tokens, config.num_kv_heads, config.head_dim)
+        shape = (config.num_layers, config.num_kv_heads, layout.capacity_tokens, config.head_dim)
         # zeros, not empty: a stray read of an unwritten slot then gives a finite value
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)

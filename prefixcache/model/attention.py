@@ -8,6 +8,11 @@ The batch is flat: the new tokens of every scheduled sequence, concatenated.
 
 Per layer: the new K/V are written to their slots first, then each sequence attends to its
 context gathered from the cache (slot ids computed once per step and shared by all layers).
+Prefill chunks attend one by one (``_attend``); the decodes of a step attend together, each
+shared prefix once (decode_attention.py).
+
+Cache layout per layer: ``[KVH, slots, D]``, so a gather of slots yields each KV head's keys as
+one contiguous ``[ctx, D]`` matrix that a matmul reads as is (transposed or not).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixcache.model.decode_attention import DecodeBatch, attend_decodes, build_decode_batch
+
 
 @dataclass
 class SeqAttention:
@@ -23,16 +30,6 @@ class SeqAttention:
     q_len: int
     ctx_len: int  # tokens in the context including the new ones
     ctx_slots: torch.Tensor | None  # [ctx_len] long; None when the context is only the new tokens
-
-
-@dataclass
-class DecodeBatch:
-    """All single-token decodes of a step, attended in one padded batch (a handful of ops per
-    layer instead of a dozen per sequence)."""
-
-    rows: torch.Tensor  # [Bd] long: their rows in the flat batch
-    slots: torch.Tensor  # [Bd, C] long: context slots, padded with slot 0
-    pad: torch.Tensor | None  # [Bd, 1, 1, C] bool, True = padding; None when no row is padded
 
 
 @dataclass
@@ -48,36 +45,34 @@ def build_metadata(
     num_new: list[int],
     block_size: int,
     device: torch.device,
+    share_prefixes: bool = True,
 ) -> AttentionMetadata:
     """Slot ids and masks for one step. ``num_computed[i]`` tokens of sequence i are cached;
-    its ``num_new[i]`` new tokens follow them."""
+    its ``num_new[i]`` new tokens follow them. ``share_prefixes=False`` attends every decode over
+    its own gathered context (the reference the shared-prefix path is tested against)."""
     slots: list[torch.Tensor] = []
     seqs: list[SeqAttention] = []
     dec_rows: list[int] = []
-    dec_slots: list[torch.Tensor] = []
+    dec_tables: list[list[int]] = []
+    dec_lens: list[int] = []
     q_start = 0
     for table, done, new in zip(block_tables, num_computed, num_new):
         ctx = done + new
         table_t = torch.tensor(table, dtype=torch.long)
-        pos = torch.arange(ctx, dtype=torch.long)
+        pos = torch.arange(done if new == 1 and done > 0 else 0, ctx, dtype=torch.long)
         ctx_slots = table_t[pos // block_size] * block_size + pos % block_size
-        slots.append(ctx_slots[done:])
+        slots.append(ctx_slots[-new:])
         if new == 1 and done > 0:
             dec_rows.append(q_start)
-            dec_slots.append(ctx_slots)
+            dec_tables.append(table)
+            dec_lens.append(ctx)
         else:
             seqs.append(SeqAttention(q_start, new, ctx, None if done == 0 else ctx_slots.to(device)))
         q_start += new
     slot_mapping = torch.cat(slots).to(device) if slots else torch.empty(0, dtype=torch.long)
     decode = None
     if dec_rows:
-        lens = torch.tensor([len(x) for x in dec_slots])
-        padded = torch.nn.utils.rnn.pad_sequence(dec_slots, batch_first=True)  # pads with 0
-        pad = None
-        if int(lens.min()) != padded.shape[1]:
-            pad = (torch.arange(padded.shape[1]).unsqueeze(0) >= lens.unsqueeze(1))
-            pad = pad[:, None, None, :].to(device)
-        decode = DecodeBatch(torch.tensor(dec_rows, device=device), padded.to(device), pad)
+        decode = build_decode_batch(dec_rows, dec_tables, dec_lens, block_size, device, share_prefixes)
     return AttentionMetadata(slot_mapping, seqs, decode)
 
 
@@ -85,41 +80,26 @@ def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k_new: torch.Tensor,  # [T, KVH, D]
     v_new: torch.Tensor,  # [T, KVH, D]
-    k_cache: torch.Tensor,  # [slots, KVH, D] (one layer)
+    k_cache: torch.Tensor,  # [KVH, slots, D] (one layer)
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
-    k_cache.index_copy_(0, meta.slot_mapping, k_new)
-    v_cache.index_copy_(0, meta.slot_mapping, v_new)
+    k_cache.index_copy_(1, meta.slot_mapping, k_new.transpose(0, 1))
+    v_cache.index_copy_(1, meta.slot_mapping, v_new.transpose(0, 1))
     out = torch.empty_like(q)
     for s in meta.seqs:
         qs = q[s.q_start : s.q_start + s.q_len]  # [q, H, D]
         if s.ctx_slots is None:  # the context is exactly the new tokens: no gather
-            ks = k_new[s.q_start : s.q_start + s.q_len]  # [ctx, KVH, D]
-            vs = v_new[s.q_start : s.q_start + s.q_len]
+            ks = k_new[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [KVH, ctx, D]
+            vs = v_new[s.q_start : s.q_start + s.q_len].transpose(0, 1)
         else:
-            ks = k_cache.index_select(0, s.ctx_slots)
-            vs = v_cache.index_select(0, s.ctx_slots)
+            ks = k_cache.index_select(1, s.ctx_slots)
+            vs = v_cache.index_select(1, s.ctx_slots)
         out[s.q_start : s.q_start + s.q_len] = _attend(qs, ks, vs, scale)
     if meta.decode is not None:
-        out.index_copy_(0, meta.decode.rows, _attend_decodes(q, k_cache, v_cache, meta.decode, scale))
+        out.index_copy_(0, meta.decode.rows, attend_decodes(q, k_cache, v_cache, meta.decode, scale))
     return out
-
-
-def _attend_decodes(q, k_cache, v_cache, d: DecodeBatch, scale):
-    """One query per sequence over its padded context: [Bd, H, D]."""
-    bd, (_, h, dim) = d.rows.shape[0], q.shape
-    kvh = k_cache.shape[1]
-    g = h // kvh
-    qd = q.index_select(0, d.rows).view(bd, kvh, g, dim)  # [Bd, KVH, G, D]
-    kd = k_cache[d.slots].permute(0, 2, 3, 1)  # [Bd, KVH, D, C]
-    vd = v_cache[d.slots].transpose(1, 2)  # [Bd, KVH, C, D]
-    scores = torch.matmul(qd, kd).mul_(scale)  # [Bd, KVH, G, C]
-    if d.pad is not None:
-        scores.masked_fill_(d.pad, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vd.dtype)
-    return torch.matmul(probs, vd).reshape(bd, h, dim)
 
 
 # Queries are processed in chunks of this many rows: each chunk attends only to the keys up to
@@ -130,14 +110,14 @@ _Q_CHUNK = 64
 
 
 def _attend(q, k, v, scale):
-    """Causal attention of q [q, H, D] over k, v [ctx, KVH, D]; the last q keys are q's own."""
+    """Causal attention of q [q, H, D] over k, v [KVH, ctx, D]; the last q keys are q's own."""
     ql, h, d = q.shape
-    ctx, kvh, _ = k.shape
+    kvh, ctx, _ = k.shape
     g = h // kvh
     # Query heads that share a KV head are stacked: [KVH, G, q, D]; no KV expansion.
     qg = q.view(ql, kvh, g, d).permute(1, 2, 0, 3)
-    kt = k.permute(1, 2, 0)  # [KVH, D, ctx]
-    vt = v.transpose(0, 1)  # [KVH, ctx, D]
+    kt = k.transpose(1, 2)  # [KVH, D, ctx]
+    vt = v  # [KVH, ctx, D]
     out = torch.empty(kvh, g, ql, d, dtype=q.dtype, device=q.device)
     first = ctx - ql  # absolute position of query 0
     for c0 in range(0, ql, _Q_CHUNK):

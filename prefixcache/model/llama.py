@@ -174,7 +174,7 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_k: torch.Tensor,  # [L, slots, KVH, D]
+        kv_k: torch.Tensor,  # [L, KVH, slots, D]
         kv_v: torch.Tensor,
         meta: AttentionMetadata,
         logits_index: torch.Tensor,  # [N] rows of the batch that need logits

@@ -1,0 +1,185 @@
+"""Decode attention over the paged cache, computing each shared prefix once per step.
+
+A decode step attends one query per sequence over its whole context. On CPU the cost of that is
+moving K/V, not arithmetic: gathering a 1,000-token context for 30 layers reads ~46 MB per
+sequence in float32, more than the weights' share of the step once a batch holds a few dozen
+sequences. With a prefix cache many running sequences hold *the same physical blocks* for their
+shared prefix (a system prompt, a document, a conversation's history), so the step gathers each
+shared run of blocks once and attends all the queries that share it in one matmul ("cascade"
+attention, as in vLLM and FlashInfer):
+
+    seq a: [ S S S S | a a ]        S: blocks shared by a, b, c -> one segment, gathered once,
+    seq b: [ S S S S | b ]             attended by the 3 x G query heads at once
+    seq c: [ S S S S | T T | c ]    T: shared by c and d only -> a nested segment
+    seq d: [ S S S S | T T | d d ]  tails (own blocks + the new token): one padded batch
+
+Each row's softmax is split across its segments and its tail and merged exactly with the
+log-sum-exp rule (per part: max m, sum l, unnormalised output o; out = sum(o e^(m-M)) /
+sum(l e^(m-M)) with M the row's overall max), so the result equals one softmax over the whole
+context up to float rounding.
+
+Segments are planned from the block tables alone (``plan_decodes``): equal block ids mean equal
+content and position (the cache key is a hash chain over the whole prefix), so the planner needs
+no token comparison. A segment holds only full blocks before the block of the new token, which
+belong to the cache and are never written this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# A segment is worth its fixed cost (about a dozen tensor ops per layer) only when it replaces a
+# few gathers of a long run: at least this many sequences and blocks.
+MIN_SEGMENT_SEQS = 2
+MIN_SEGMENT_BLOCKS = 4
+
+
+@dataclass(frozen=True)
+class SharedSegment:
+    rows: torch.Tensor  # [m] long: the decode rows (0..Bd-1) that share these slots
+    slots: torch.Tensor  # [S] long: cache slots of the shared run, in position order
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """All single-token decodes of a step."""
+
+    rows: torch.Tensor  # [Bd] long: their rows in the flat batch
+    tail_slots: torch.Tensor  # [Bd, C] long: context not covered by a segment, padded with 0
+    tail_pad: torch.Tensor | None  # [1, Bd, 1, C] bool, True = padding; None when none is padded
+    segments: tuple[SharedSegment, ...]
+
+
+def plan_decodes(
+    tables: list[list[int]],
+    ctx_lens: list[int],
+    block_size: int,
+    share_prefixes: bool = True,
+) -> tuple[list[tuple[list[int], list[int]]], list[int]]:
+    """Split decode contexts into shared segments and tails.
+
+    Returns (segments, tail_start) where each segment is (rows, block ids) and tail_start[i] is
+    the first position of row i's context that no segment covers.
+    """
+    n = len(tables)
+    # Only full blocks before the new token's block may be shared (it is the last position).
+    full = [(c - 1) // block_size for c in ctx_lens]
+    tail_block = [0] * n
+    segments: list[tuple[list[int], list[int]]] = []
+    if not share_prefixes:
+        return segments, tail_block
+
+    def split(rows: list[int], depth: int) -> None:
+        by_block: dict[int, list[int]] = {}
+        for r in rows:
+            if full[r] > depth:
+                by_block.setdefault(tables[r][depth], []).append(r)
+        for group in by_block.values():
+            if len(group) < MIN_SEGMENT_SEQS:
+                continue
+            end = min(full[r] for r in group)
+            first = tables[group[0]]
+            stop = depth + 1
+            while stop < end and all(tables[r][stop] == first[stop] for r in group):
+                stop += 1
+            if stop - depth < MIN_SEGMENT_BLOCKS:
+                continue  # too short to pay for itself; these rows keep it in their tails
+            segments.append((group, first[depth:stop]))
+            for r in group:
+                tail_block[r] = stop
+            split(group, stop)
+
+    split(list(range(n)), 0)
+    return segments, [b * block_size for b in tail_block]
+
+
+def slots_of(table: list[int], start: int, stop: int, block_size: int) -> torch.Tensor:
+    """Cache slots of positions [start, stop) of a sequence with this block table."""
+    pos = torch.arange(start, stop, dtype=torch.long)
+    return torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
+
+
+def build_decode_batch(
+    rows: list[int],
+    tables: list[list[int]],
+    ctx_lens: list[int],
+    block_size: int,
+    device: torch.device,
+    share_prefixes: bool = True,
+) -> DecodeBatch:
+    segs, tail_start = plan_decodes(tables, ctx_lens, block_size, share_prefixes)
+    tails = [slots_of(t, s, c, block_size) for t, s, c in zip(tables, tail_start, ctx_lens)]
+    lens = torch.tensor([len(x) for x in tails])
+    padded = torch.nn.utils.rnn.pad_sequence(tails, batch_first=True)  # pads with slot 0
+    pad = None
+    if int(lens.min()) != padded.shape[1]:
+        pad = torch.arange(padded.shape[1]).unsqueeze(0) >= lens.unsqueeze(1)
+        pad = pad[None, :, None, :].to(device)
+    segments = tuple(
+        SharedSegment(
+            torch.tensor(seg_rows, dtype=torch.long, device=device),
+            (torch.tensor(blocks, dtype=torch.long)[:, None] * block_size
+             + torch.arange(block_size)).reshape(-1).to(device),
+        )  # fmt: skip
+        for seg_rows, blocks in segs
+    )
+    return DecodeBatch(torch.tensor(rows, device=device), padded.to(device), pad, segments)
+
+
+def attend_decodes(
+    q: torch.Tensor,  # [T, H, D] the whole flat batch's queries
+    k_cache: torch.Tensor,  # [KVH, slots, D] (one layer)
+    v_cache: torch.Tensor,
+    d: DecodeBatch,
+    scale: float,
+) -> torch.Tensor:  # [Bd, H, D]
+    bd, (_, h, dim) = d.rows.shape[0], q.shape
+    kvh = k_cache.shape[0]
+    g = h // kvh
+    # Query heads that share a KV head side by side; the KV head is the batch dimension of
+    # every matmul below, so no K/V is ever expanded to H heads.
+    qd = q.index_select(0, d.rows).view(bd, kvh, g, dim).transpose(0, 1)  # [KVH, Bd, G, D]
+    c = d.tail_slots.shape[1]
+    flat = d.tail_slots.reshape(-1)
+    kt = k_cache.index_select(1, flat).view(kvh, bd, c, dim)  # [KVH, Bd, C, D]
+    vt = v_cache.index_select(1, flat).view(kvh, bd, c, dim)
+    scores = torch.matmul(qd, kt.transpose(-1, -2)).float().mul_(scale)  # [KVH, Bd, G, C]
+    if d.tail_pad is not None:
+        scores.masked_fill_(d.tail_pad, float("-inf"))
+    if not d.segments:  # plain softmax: the whole context is in the tail
+        probs = torch.softmax(scores, dim=-1).to(vt.dtype)
+        return torch.matmul(probs, vt).transpose(0, 1).reshape(bd, h, dim)
+
+    # Tail part: max, sum and unnormalised output per row.
+    m_tail = scores.amax(-1)  # [KVH, Bd, G]
+    p = torch.exp(scores - m_tail.unsqueeze(-1))
+    l_tail = p.sum(-1)
+    o_tail = torch.matmul(p.to(vt.dtype), vt).float()  # [KVH, Bd, G, D]
+    parts = []
+    m_row = m_tail.clone()
+    for seg in d.segments:
+        m = seg.rows.shape[0]
+        qs = qd.index_select(1, seg.rows).reshape(kvh, m * g, dim)  # [KVH, m G, D]
+        ks = k_cache.index_select(1, seg.slots)  # [KVH, S, D]: gathered once for m rows
+        vs = v_cache.index_select(1, seg.slots)
+        s = torch.bmm(qs, ks.transpose(1, 2)).float().mul_(scale)  # [KVH, m G, S]
+        ms = s.amax(-1)
+        ps = torch.exp(s - ms.unsqueeze(-1))
+        ls = ps.sum(-1)
+        os_ = torch.bmm(ps.to(vs.dtype), vs).float()  # [KVH, m G, D]
+        ms, ls, os_ = ms.view(kvh, m, g), ls.view(kvh, m, g), os_.view(kvh, m, g, dim)
+        # rows are distinct within a segment, so a gather-max-scatter is exact
+        m_row.index_copy_(1, seg.rows, torch.maximum(m_row.index_select(1, seg.rows), ms))
+        parts.append((seg.rows, ms, ls, os_))
+    # Exact merge: rescale every part to the row's overall max, then sum.
+    w = torch.exp(m_tail - m_row)
+    num = o_tail * w.unsqueeze(-1)
+    den = l_tail * w
+    for rows, ms, ls, os_ in parts:
+        w = torch.exp(ms - m_row.index_select(1, rows))
+        num.index_add_(1, rows, os_ * w.unsqueeze(-1))
+        den.index_add_(1, rows, ls * w)
+    out = num / den.unsqueeze(-1)  # [KVH, Bd, G, D]
+    return out.to(q.dtype).transpose(0, 1).reshape(bd, h, dim)
