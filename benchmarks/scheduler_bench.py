@@ -21,6 +21,7 @@ from prefixcache import LLM, SamplingParams
 
 def run(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> dict:
     before = llm.cache_stats()
+    preempt0 = llm.engine.scheduler.counters.num_preemptions
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, cache_salt=f"run-{time.monotonic_ns()}")
     dt = time.perf_counter() - t
@@ -36,6 +37,7 @@ def run(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> dict:
         "total_tok_s": (n_in + n_out) / dt,
         "output_tok_s": n_out / dt,
         "hit_rate": h / q if q else 0.0,
+        "preemptions": llm.engine.scheduler.counters.num_preemptions - preempt0,
         "outputs": [o.outputs[0].token_ids for o in outs],
     }
 
@@ -49,10 +51,16 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--random-prompts", type=int, default=32)
     ap.add_argument("--random-len", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--kv-cache-memory", default="2GiB")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["gsp", "zero_hit", "decode"])
     ap.add_argument("--json", default="results/scheduler_bench.json")
     args = ap.parse_args()
-    on = LLM(kv_cache_memory="2GiB")
-    off = LLM(kv_cache_memory="2GiB", enable_prefix_caching=False)
+    engine_args = dict(kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                       dtype=args.dtype)  # fmt: skip
+    on = LLM(**engine_args)
+    off = LLM(**engine_args, enable_prefix_caching=False)
     vocab = on.engine.model_config.vocab_size
     rng = random.Random(0)
 
@@ -60,8 +68,20 @@ def main() -> None:
         return [rng.randrange(100, vocab) for _ in range(n)]
 
     res: dict = {"command": "python benchmarks/scheduler_bench.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "json")}  # fmt: skip
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("json", "skip"))}  # fmt: skip
     # generated-shared-prefix (SGLang's workload shape)
+    if "gsp" not in args.skip:
+        gsp(args, on, off, rand_ids, rng, res)
+    if "zero_hit" not in args.skip:
+        zero_hit(args, on, off, rand_ids, res)
+    if "decode" not in args.skip:
+        decode(off, rand_ids, res)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(res, indent=2))
+    print(f"wrote {args.json}")
+
+
+def gsp(args, on, off, rand_ids, rng, res) -> None:
     prompts = []
     for _ in range(args.groups):
         prefix = rand_ids(args.prefix_len)
@@ -78,9 +98,12 @@ def main() -> None:
     }
     print(f"gsp: on {r_on['total_tok_s']:.0f} tok/s (hit {r_on['hit_rate']:.1%}), off "
           f"{r_off['total_tok_s']:.0f} tok/s, ratio {res['gsp']['throughput_ratio']:.2f}x, "
-          f"outputs equal: {res['gsp']['outputs_equal']}")  # fmt: skip
+          f"outputs equal: {res['gsp']['outputs_equal']}, preemptions on/off "
+          f"{r_on['preemptions']}/{r_off['preemptions']}")  # fmt: skip
 
-    # 0%-hit: random prompts, nothing shared
+
+def zero_hit(args, on, off, rand_ids, res) -> None:
+    """0%-hit: random prompts, nothing shared."""
     prompts = [rand_ids(args.random_len) for _ in range(args.random_prompts)]
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     ratios = []
@@ -91,7 +114,9 @@ def main() -> None:
     res["zero_hit"] = {"on_off_ratios": ratios, "median_ratio": ratios[1], "hit_rate": a["hit_rate"]}
     print(f"0%-hit: on/off throughput ratio median {ratios[1]:.3f} (runs {ratios})")
 
-    # decode throughput by batch size
+
+def decode(off, rand_ids, res) -> None:
+    """Decode throughput by batch size."""
     res["decode"] = {}
     for bs in (1, 4, 16):
         prompts = [rand_ids(32) for _ in range(bs)]
@@ -102,9 +127,6 @@ def main() -> None:
         tps = bs * 63 / (last - first)
         res["decode"][bs] = tps
         print(f"decode batch {bs}: {tps:.1f} tok/s")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(res, indent=2))
-    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -93,6 +93,29 @@ def test_nested_and_partial_sharing_equals_dense():
     assert torch.allclose(out.double(), ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_long_unshared_tail_gets_its_own_bucket(share):
+    """One sequence sharing nothing among many sharing a prefix: tails are padded in buckets of
+    similar length, not all to the longest, and the result is still exact."""
+    w = World(256)
+    shared = w.blocks(10)
+    tables = [shared + w.blocks(2) for _ in range(6)] + [w.blocks(12)]
+    done = [40 + i for i in range(6)] + [45]
+    out, ref, meta = w.run(tables, done, [1] * 7, share=share)
+    widths = sorted(b.slots.shape[1] for b in meta.decode.tails)
+    if share:
+        assert len(meta.decode.tails) == 2 and widths == [6, 46]  # short tails padded together
+    else:
+        assert len(meta.decode.tails) == 1  # all contexts are ~45 long
+    assert sum(b.slots.shape[0] for b in meta.decode.tails) == 7
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+
+
+def test_bucket_by_length():
+    assert da.bucket_by_length([10, 100, 12, 30, 95, 11], 4) == [[0, 5, 2], [3], [4, 1]]
+    assert da.bucket_by_length([5, 5, 5], 16) == [[0, 1, 2]]
+
+
 def test_mixed_prefill_and_decode_batch():
     w = World(128)
     shared = w.blocks(8)
