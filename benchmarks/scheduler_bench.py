@@ -118,7 +118,7 @@ def zero_hit(args, on, off, rand_ids, res) -> None:
 def decode(off, rand_ids, res) -> None:
     """Decode throughput by batch size."""
     res["decode"] = {}
-    for bs in (1, 4, 16):
+    for bs in (1, 4, 16, 64):
         prompts = [rand_ids(32) for _ in range(bs)]
         sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
         outs = off.generate(prompts, sp)

@@ -33,6 +33,10 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than the engine accepts; retry later (HTTP 429)."""
 
 
+class EngineShutDownError(RuntimeError):
+    """The engine is shutting down or shut down: it takes no new requests (HTTP 503)."""
+
+
 @dataclass(frozen=True)
 class WarmResult:
     num_tokens: int
@@ -59,6 +63,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._closed = False  # set by shutdown(): new requests are refused from then on
         self._warm_ids = 0
 
     # ---- facts ------------------------------------------------------------------------------------
@@ -87,6 +92,7 @@ class AsyncEngine:
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
+        self._closed = False  # a shut-down engine can be started again
         if self._thread is not None:
             return
         self._stop = False
@@ -94,7 +100,9 @@ class AsyncEngine:
         self._thread.start()
 
     async def shutdown(self, drain: bool = True, timeout: float = 300.0) -> None:
-        """Stop the loop; with ``drain`` the requests already admitted finish first."""
+        """Stop the loop; with ``drain`` the requests already admitted finish first. New
+        requests are refused from the moment this is called."""
+        self._closed = True
         if drain:
             deadline = time.monotonic() + timeout
             while (self._streams or self._inbox) and time.monotonic() < deadline:
@@ -117,7 +125,11 @@ class AsyncEngine:
         priority: int = 0,
         explain: bool = False,
     ) -> AsyncIterator[StreamDelta]:
-        """Validate now (ValueError, QueueFullError), run in the engine thread, stream deltas."""
+        """Validate now (ValueError, QueueFullError, EngineShutDownError), run in the engine
+        thread, stream deltas. Requests added before the first ``start()`` wait for it; after
+        ``shutdown()`` they are refused until ``start()`` is called again."""
+        if self._closed:
+            raise EngineShutDownError("the engine is shutting down and takes no new requests")
         self.engine.validate(prompt_token_ids, params)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")

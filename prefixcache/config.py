@@ -41,7 +41,7 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's context length
-    max_num_seqs: int = 16
+    max_num_seqs: int = 128  # vLLM's CPU default for its server: throughput needs wide decode steps
     max_num_batched_tokens: int = 2048
     scheduling_policy: str = "fcfs"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA

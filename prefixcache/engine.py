@@ -256,7 +256,7 @@ class LLMEngine:
 
 def __getattr__(name: str):
     # AsyncEngine lives in async_engine.py (threading); importable from here as well.
-    if name in ("AsyncEngine", "QueueFullError", "WarmResult"):
+    if name in ("AsyncEngine", "EngineShutDownError", "QueueFullError", "WarmResult"):
         from prefixcache import async_engine
 
         return getattr(async_engine, name)

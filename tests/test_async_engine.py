@@ -12,7 +12,7 @@ import time
 import pytest
 from _helpers import shared_default_weights
 
-from prefixcache.async_engine import AsyncEngine, QueueFullError
+from prefixcache.async_engine import AsyncEngine, EngineShutDownError, QueueFullError
 from prefixcache.config import EngineConfig
 from prefixcache.request import SamplingParams
 
@@ -182,12 +182,14 @@ def test_queue_full_error(engine, tok):
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
     async def main():
-        await engine.shutdown(drain=True)  # no step loop: nothing leaves the queue
-        streams = [engine.add_request(f"q{i}", p, sp) for i, p in enumerate(prompts[:-1])]
-        assert engine.num_waiting() == MAX_WAITING
-        with pytest.raises(QueueFullError):
-            engine.add_request("q-over", prompts[-1], sp)
         await engine.start()
+        # Holding the engine lock stands for a long step: the engine thread cannot drain its
+        # inbox, so nothing leaves the queue while it fills.
+        with engine._lock:
+            streams = [engine.add_request(f"q{i}", p, sp) for i, p in enumerate(prompts[:-1])]
+            assert engine.num_waiting() == MAX_WAITING
+            with pytest.raises(QueueFullError):
+                engine.add_request("q-over", prompts[-1], sp)
 
         async def drain(s):
             return [d async for d in s]
@@ -226,3 +228,16 @@ def test_shutdown_drain_lets_running_requests_finish(engine, tok):
         assert sum(len(d.new_token_ids) for d in r) == sp.max_tokens
     engine.check_integrity()
     assert _in_use(engine) == 0
+
+
+def test_requests_after_shutdown_are_refused(engine, tok):
+    """Runs after the drain test (module order): the engine is shut down. A new request gets an
+    immediate EngineShutDownError instead of a stream that would never produce anything."""
+
+    async def main():
+        await engine.shutdown(drain=True)  # idempotent
+        with pytest.raises(EngineShutDownError, match="shutting down"):
+            engine.add_request("late", _ids(tok, TEXT, 20), GREEDY)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    assert "late" not in engine._streams

@@ -101,3 +101,17 @@ def test_validation_errors_name_the_field():
     body = APIError(429, "busy", code="queue_full").body()["error"]
     assert body == {"message": "busy", "type": "rate_limit_error", "param": None,
                     "code": "queue_full"}  # fmt: skip
+
+
+def test_engine_errors_map_to_openai_statuses():
+    from prefixcache.async_engine import EngineShutDownError, QueueFullError
+    from prefixcache.server.serving import engine_error
+
+    down = engine_error(EngineShutDownError("no new requests"))
+    assert isinstance(down, APIError) and down.status == 503
+    busy = engine_error(QueueFullError("9 waiting"))
+    assert busy.status == 429 and "Retry-After" in busy.headers
+    too_long = engine_error(ValueError("maximum context length is 8192 tokens"))
+    assert too_long.status == 400
+    other = RuntimeError("x")
+    assert engine_error(other) is other

@@ -41,7 +41,7 @@ def register(subparsers) -> None:
     )
     m.add_argument("--block-size", type=int, default=16)
     m.add_argument("--max-model-len", type=int, default=None)
-    m.add_argument("--max-num-seqs", type=int, default=16)
+    m.add_argument("--max-num-seqs", type=int, default=128)
     m.add_argument("--max-num-batched-tokens", type=int, default=2048)
     m.add_argument("--scheduling-policy", choices=("fcfs", "lpm"), default="fcfs")
     m.add_argument(

@@ -206,8 +206,10 @@ class Serving:
 
 def engine_error(e: BaseException) -> BaseException:
     """Map what ``engine.add_request`` raises to an API error (other exceptions pass)."""
-    from prefixcache.engine import QueueFullError
+    from prefixcache.engine import EngineShutDownError, QueueFullError
 
+    if isinstance(e, EngineShutDownError):
+        return APIError(503, f"server is shutting down: {e}", code="shutting_down")
     if isinstance(e, QueueFullError):
         return APIError(
             429,
