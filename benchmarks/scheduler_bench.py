@@ -57,8 +57,11 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[], choices=["gsp", "zero_hit", "decode"])
     ap.add_argument("--json", default="results/scheduler_bench.json")
     args = ap.parse_args()
-    engine_args = dict(kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                       dtype=args.dtype)  # fmt: skip
+    engine_args = {
+        "kv_cache_memory": args.kv_cache_memory,
+        "max_num_seqs": args.max_num_seqs,
+        "dtype": args.dtype,
+    }
     on = LLM(**engine_args)
     off = LLM(**engine_args, enable_prefix_caching=False)
     vocab = on.engine.model_config.vocab_size
@@ -111,7 +114,11 @@ def zero_hit(args, on, off, rand_ids, res) -> None:
         a, b = run(on, prompts, sp), run(off, prompts, sp)
         ratios.append(a["total_tok_s"] / b["total_tok_s"])
     ratios.sort()
-    res["zero_hit"] = {"on_off_ratios": ratios, "median_ratio": ratios[1], "hit_rate": a["hit_rate"]}
+    res["zero_hit"] = {
+        "on_off_ratios": ratios,
+        "median_ratio": ratios[1],
+        "hit_rate": a["hit_rate"],
+    }
     print(f"0%-hit: on/off throughput ratio median {ratios[1]:.3f} (runs {ratios})")
 
 

@@ -21,7 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixcache.model.decode_attention import DecodeBatch, attend_decodes, build_decode_batch
+from prefixcache.model.decode_attention import (
+    DecodeBatch,
+    attend_decodes,
+    build_decode_batch,
+    slots_of,
+)
 
 
 @dataclass
@@ -58,21 +63,24 @@ def build_metadata(
     q_start = 0
     for table, done, new in zip(block_tables, num_computed, num_new):
         ctx = done + new
-        table_t = torch.tensor(table, dtype=torch.long)
-        pos = torch.arange(done if new == 1 and done > 0 else 0, ctx, dtype=torch.long)
-        ctx_slots = table_t[pos // block_size] * block_size + pos % block_size
-        slots.append(ctx_slots[-new:])
-        if new == 1 and done > 0:
+        if new == 1 and done > 0:  # a decode: its context is gathered by the decode batch
+            slots.append(slots_of(table, done, ctx, block_size))
             dec_rows.append(q_start)
             dec_tables.append(table)
             dec_lens.append(ctx)
         else:
-            seqs.append(SeqAttention(q_start, new, ctx, None if done == 0 else ctx_slots.to(device)))
+            ctx_slots = slots_of(table, 0, ctx, block_size)
+            slots.append(ctx_slots[done:])
+            seqs.append(
+                SeqAttention(q_start, new, ctx, None if done == 0 else ctx_slots.to(device))
+            )
         q_start += new
     slot_mapping = torch.cat(slots).to(device) if slots else torch.empty(0, dtype=torch.long)
     decode = None
     if dec_rows:
-        decode = build_decode_batch(dec_rows, dec_tables, dec_lens, block_size, device, share_prefixes)
+        decode = build_decode_batch(
+            dec_rows, dec_tables, dec_lens, block_size, device, share_prefixes
+        )
     return AttentionMetadata(slot_mapping, seqs, decode)
 
 
@@ -98,7 +106,9 @@ def paged_attention(
             vs = v_cache.index_select(1, s.ctx_slots)
         out[s.q_start : s.q_start + s.q_len] = _attend(qs, ks, vs, scale)
     if meta.decode is not None:
-        out.index_copy_(0, meta.decode.rows, attend_decodes(q, k_cache, v_cache, meta.decode, scale))
+        out.index_copy_(
+            0, meta.decode.rows, attend_decodes(q, k_cache, v_cache, meta.decode, scale)
+        )
     return out
 
 

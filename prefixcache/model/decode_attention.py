@@ -126,12 +126,14 @@ def build_decode_batch(
     segs, tail_start = plan_decodes(tables, ctx_lens, block_size, share_prefixes)
     tails = [slots_of(t, s, c, block_size) for t, s, c in zip(tables, tail_start, ctx_lens)]
     buckets = bucket_by_length([len(x) for x in tails], block_size)
+    offsets = torch.arange(block_size)
     segments = tuple(
         SharedSegment(
             torch.tensor(seg_rows, dtype=torch.long, device=device),
-            (torch.tensor(blocks, dtype=torch.long)[:, None] * block_size
-             + torch.arange(block_size)).reshape(-1).to(device),
-        )  # fmt: skip
+            (torch.tensor(blocks, dtype=torch.long)[:, None] * block_size + offsets)
+            .reshape(-1)
+            .to(device),
+        )
         for seg_rows, blocks in segs
     )
     return DecodeBatch(
