@@ -34,3 +34,15 @@ def prefill_logits(llm, ids: list[int]) -> torch.Tensor:
     meta = build_metadata([list(range(nblocks))], [0], [n], bs, runner.device)
     rows = torch.arange(n)
     return runner.model(torch.tensor(ids), rows, k, v, meta, rows)
+
+
+# English prose the cold == warm tests cut prompts from: long enough for many blocks.
+PROSE = (
+    "Prefix caching stores the attention keys and values of a prompt so that a later request "
+    "which starts with the same tokens does not compute them again. Retrieval augmented "
+    "generation places long documents at the start of every prompt; chat applications resend "
+    "the whole conversation at every turn. The cache is organised in blocks of sixteen tokens, "
+    "each named by a hash of every token before and in it, and blocks that nobody uses are "
+    "evicted in least recently used order when memory runs out. Paris is the capital of "
+    "France, Berlin is the capital of Germany, and Madrid is the capital of Spain. "
+)

@@ -6,21 +6,14 @@ Each test uses its own cache_salt so that tests sharing the session engine stay 
 from __future__ import annotations
 
 import pytest
+from _helpers import PROSE
 
 from prefixcache import LLM, SamplingParams
 
 B = 16
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
-TEXT = (
-    "Prefix caching stores the attention keys and values of a prompt so that a later request "
-    "which starts with the same tokens does not compute them again. Retrieval augmented "
-    "generation places long documents at the start of every prompt; chat applications resend "
-    "the whole conversation at every turn. The cache is organised in blocks of sixteen tokens, "
-    "each named by a hash of every token before and in it, and blocks that nobody uses are "
-    "evicted in least recently used order when memory runs out. Paris is the capital of "
-    "France, Berlin is the capital of Germany, and Madrid is the capital of Spain. "
-)
+TEXT = PROSE
 
 
 def _doc_ids(tok, n: int) -> list[int]:

@@ -7,7 +7,7 @@ Engines are small (a few blocks) and built per test; the weights are read once p
 from __future__ import annotations
 
 import pytest
-from _helpers import shared_default_weights
+from _helpers import PROSE, shared_default_weights
 
 from prefixcache.cache.manager import blocks_needed
 from prefixcache.config import EngineConfig
@@ -21,15 +21,7 @@ BYTES_PER_TOKEN = 46080  # default model, float32
 GREEDY4 = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 GREEDY8 = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
-TEXT = (
-    "Prefix caching stores the attention keys and values of a prompt so that a later request "
-    "which starts with the same tokens does not compute them again. Retrieval augmented "
-    "generation places long documents at the start of every prompt; chat applications resend "
-    "the whole conversation at every turn. The cache is organised in blocks of sixteen tokens, "
-    "each named by a hash of every token before and in it, and blocks that nobody uses are "
-    "evicted in least recently used order when memory runs out. Paris is the capital of "
-    "France, Berlin is the capital of Germany, and Madrid is the capital of Spain. "
-)
+TEXT = PROSE
 OTHER = (
     "The river rose through the night and by morning the lower town was under water; the baker "
     "rowed his bread to the church steps while the mayor argued with the engineers. "

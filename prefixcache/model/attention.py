@@ -64,7 +64,7 @@ def build_metadata(
     for table, done, new in zip(block_tables, num_computed, num_new):
         ctx = done + new
         if new == 1 and done > 0:  # a decode: its context is gathered by the decode batch
-            slots.append(slots_of(table, done, ctx, block_size))
+            slots.append(torch.tensor([table[done // block_size] * block_size + done % block_size]))
             dec_rows.append(q_start)
             dec_tables.append(table)
             dec_lens.append(ctx)
@@ -127,7 +127,6 @@ def _attend(q, k, v, scale):
     # Query heads that share a KV head are stacked: [KVH, G, q, D]; no KV expansion.
     qg = q.view(ql, kvh, g, d).permute(1, 2, 0, 3)
     kt = k.transpose(1, 2)  # [KVH, D, ctx]
-    vt = v  # [KVH, ctx, D]
     out = torch.empty(kvh, g, ql, d, dtype=q.dtype, device=q.device)
     first = ctx - ql  # absolute position of query 0
     for c0 in range(0, ql, _Q_CHUNK):
@@ -140,5 +139,5 @@ def _attend(q, k, v, scale):
             scores = scores.view(kvh, g, cq, end).masked_fill_(~causal, float("-inf"))
             scores = scores.view(kvh, g * cq, end)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        out[:, :, c0:c1] = torch.bmm(probs, vt[:, :end]).view(kvh, g, cq, d)
+        out[:, :, c0:c1] = torch.bmm(probs, v[:, :end]).view(kvh, g, cq, d)
     return out.permute(2, 0, 1, 3).reshape(ql, h, d)
