@@ -47,6 +47,31 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
+@dataclass(frozen=True)
+class Int4Groups:
+    """A weight the file stores in 4-bit groups along its input dimension, kept as stored so the
+    int4 kernels run the file's own numbers: ``w[o, i] = q[o, i] * scale[o, g] + offset[o, g]``
+    with ``g = i // group_size`` (GGUF Q4_1: scale d, offset m; Q4_0: scale d, offset -8 d)."""
+
+    q: torch.Tensor  # [out, in] uint8, values 0..15
+    scale: torch.Tensor  # [out, in / group_size] float32 (exact copies of the file's float16)
+    offset: torch.Tensor  # [out, in / group_size] float32
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor:  # [out, in] float32
+        out, n = self.q.shape
+        g = self.q.view(out, n // self.group_size, self.group_size).float()
+        return (g * self.scale.unsqueeze(-1) + self.offset.unsqueeze(-1)).view(out, n)
+
+    @staticmethod
+    def cat(parts: list[Int4Groups]) -> Int4Groups:
+        """Concatenated along the output dimension (fused q/k/v, gate/up)."""
+        return Int4Groups(
+            torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+            torch.cat([p.offset for p in parts]), parts[0].group_size,
+        )  # fmt: skip
+
+
 @dataclass
 class LoadedWeights:
     config: ModelConfig
@@ -54,6 +79,9 @@ class LoadedWeights:
     source: Path
     # sha256 over the weight bytes as stored (no dequantization needed to key them).
     weights_digest: str
+    # Linear weights stored as 4-bit groups in the file (GGUF Q4_0/Q4_1), under the same names
+    # as their float32 copies in ``tensors`` (which equal ``Int4Groups.dequantize()``).
+    int4: dict[str, Int4Groups] = field(default_factory=dict)
 
 
 # ---- Hugging Face directory -----------------------------------------------------------------
@@ -120,6 +148,32 @@ def _reverse_rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     weights use Hugging Face's rotate-half convention."""
     out = w.shape[0]
     return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _int4_groups(data: np.ndarray, kind, shape: tuple[int, int]) -> Int4Groups | None:
+    """The 4-bit groups of a GGUF Q4_0/Q4_1 tensor, or None for any other type.
+
+    A block holds 32 weights: float16 d (and m for Q4_1), then 16 bytes whose low nibbles are
+    weights 0..15 and high nibbles weights 16..31.
+    """
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if kind not in (T.Q4_0, T.Q4_1):
+        return None
+    out, n = shape
+    head = 2 if kind == T.Q4_0 else 4
+    blocks = np.ascontiguousarray(data).reshape(-1, head + 16)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32) if head == 4 else -8 * d
+    qs = blocks[:, head:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # [blocks, 32]
+    return Int4Groups(
+        torch.from_numpy(q.reshape(out, n)),
+        torch.from_numpy(d.reshape(out, n // 32)),
+        torch.from_numpy(m.reshape(out, n // 32)),
+        32,
+    )
 
 
 def _gguf_field(reader, key: str, default=None):
@@ -191,6 +245,7 @@ def _load_gguf(path: Path) -> LoadedWeights:
         "ffn_down": "mlp.down_proj",
     }
     tensors: dict[str, torch.Tensor] = {}
+    int4: dict[str, Int4Groups] = {}
     digest = hashlib.sha256()
     for t in reader.tensors:
         digest.update(t.name.encode())
@@ -198,20 +253,37 @@ def _load_gguf(path: Path) -> LoadedWeights:
         if t.name == "rope_freqs.weight":  # llama3-style frequency factors
             tensors["rope_freqs"] = torch.from_numpy(np.array(t.data, dtype=np.float32))
             continue
-        arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         parts = t.name.split(".")
         if parts[0] == "blk":
             layer, base, kind = parts[1], parts[2], parts[3]
             hf = f"model.layers.{layer}.{rename[base]}.{kind}"
         else:
             hf = f"{rename[parts[0]]}.{parts[1]}"
+        groups = None
+        if parts[0] == "blk" and len(t.shape) == 2:
+            groups = _int4_groups(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
+        if groups is not None:
+            # Rows (output features) are independent, so the rope permutation applies to the
+            # groups as to the float weights.
+            heads_of = {"attn_q": heads, "attn_k": kv_heads}
+            if arch in ("llama", "mistral") and parts[2] in heads_of:
+                n = heads_of[parts[2]]
+                groups = Int4Groups(
+                    *(torch.from_numpy(_reverse_rope_permute(x.numpy(), n).copy())
+                      for x in (groups.q, groups.scale, groups.offset)),
+                    groups.group_size,
+                )  # fmt: skip
+            int4[hf] = groups
+            tensors[hf] = groups.dequantize()
+            continue
+        arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if arch in ("llama", "mistral") and parts[0] == "blk":
             if parts[2] == "attn_q":
                 arr = _reverse_rope_permute(arr, heads)
             elif parts[2] == "attn_k":
                 arr = _reverse_rope_permute(arr, kv_heads)
         tensors[hf] = torch.from_numpy(np.array(arr, copy=not arr.flags.writeable, order="C"))
-    return LoadedWeights(config, tensors, path, digest.hexdigest())
+    return LoadedWeights(config, tensors, path, digest.hexdigest(), int4)
 
 
 def load_weights(model: str | Path | None) -> LoadedWeights:
