@@ -17,6 +17,10 @@ _UNITS = {
 
 SCHEDULING_POLICIES = ("fcfs", "lpm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Weight-only quantization of the decoder's linear layers (docs/engine.md, "Kernels and
+# quantization"). auto: the file's own 4-bit weights run as int4 when it stores them so (GGUF
+# Q4_0/Q4_1) on CPU, otherwise none.
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 def parse_bytes(value: str | float) -> int:
@@ -45,6 +49,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     scheduling_policy: str = "fcfs"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    quantization: str = "auto"
+    # Converted weights and tokenizer are kept here between starts (keyed by the model file's
+    # digest and the cache format version); None turns the cache off.
+    weights_cache_dir: str | Path | None = "auto"
     device: str = "cpu"
     seed: int = 0
     max_waiting_requests: int = 256
@@ -75,6 +83,10 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if not (0 <= self.pin_budget_fraction <= 1):

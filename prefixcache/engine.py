@@ -69,6 +69,7 @@ class LLMEngine:
         layout = plan_kv_layout(weights.config, dtype, config.block_size, config.kv_cache_memory, device)
         self.layout = layout
         self.runner = ModelRunner(weights, dtype, device, self.max_model_len, layout)
+        self.weights_format = str(dtype).removeprefix("torch.")
         # The model fingerprint enters every cache key: weights, tokenizer and dtype.
         self.fingerprint = hashlib.sha256(
             f"{weights.weights_digest}|{self.tokenizer.fingerprint()}|{dtype}".encode()

@@ -21,6 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=int, default=1, help="run the prompt N times (shows the cache hit on runs 2..N)")
     p.add_argument("--kv-cache-memory", default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"))
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-enable-prefix-caching", action="store_true")
     p.set_defaults(func=run)
@@ -40,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
             args.model,
             kv_cache_memory=args.kv_cache_memory,
             dtype=args.dtype,
+            quantization=args.quantization,
             device=args.device,
             enable_prefix_caching=not args.no_enable_prefix_caching,
         )

@@ -57,6 +57,19 @@ def register(subparsers) -> None:
         help="share of the KV pool pinned prompts may hold",
     )
     m.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    m.add_argument(
+        "--quantization",
+        default="auto",
+        choices=("auto", "none", "int8", "int4"),
+        help="weight-only quantization of the linear layers; auto: int4 for a 4-bit GGUF on "
+        "CPU (the file's own weights), else none",
+    )
+    m.add_argument(
+        "--weights-cache-dir",
+        default="auto",
+        help="where converted weights are kept between starts ('auto': the user cache "
+        "directory; 'none': off)",
+    )
     m.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     m.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("server")
@@ -165,6 +178,8 @@ def _engine_config(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
         dtype=args.dtype,
+        quantization=args.quantization,
+        weights_cache_dir=None if args.weights_cache_dir == "none" else args.weights_cache_dir,
         device=args.device,
         seed=args.seed,
         max_waiting_requests=args.max_waiting_requests,
@@ -197,7 +212,7 @@ def _banner(engine, tenants, args) -> str:
     caching = "on" if engine.config.enable_prefix_caching else "OFF"
     model = (
         f"prefixcache serve: model {engine.model_name} (max_model_len {engine.max_model_len}, "
-        f"{engine.config.device}, {engine.config.dtype})"
+        f"{engine.config.device}, {engine.config.dtype}, weights {engine.weights_format})"
     )
     cache = (
         f"  KV cache: {kv['capacity_tokens']} tokens ({kv['num_blocks']} blocks of "
