@@ -26,7 +26,7 @@ from tokenizers import Tokenizer as _Backend
 
 from prefixcache.model.paths import ModelNotFoundError, resolve_model_path
 from prefixcache.model.tokenizer_chat import compile_template, merge_documents, plain_message
-from prefixcache.model.tokenizer_gguf import read_gguf_tokenizer
+from prefixcache.model.tokenizer_gguf import GGUFTokenizer, read_gguf_tokenizer
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "load_tokenizer", "merge_documents"]
 
@@ -40,15 +40,20 @@ _END_OF_TURN_TOKENS = (
 # Loading a GGUF file or a Hugging Face directory
 
 
-def _tokenizer_from_gguf(path: Path) -> Tokenizer:
-    spec = read_gguf_tokenizer(path)
+def tokenizer_from_gguf_spec(spec: GGUFTokenizer, source: str) -> Tokenizer:
+    """The Tokenizer of what a GGUF file says (``read_gguf_tokenizer``); the weights cache
+    (``weights_cache.py``) keeps the spec and builds the Tokenizer through here too."""
     return Tokenizer(
         spec.backend, bos_token_id=spec.bos_token_id, eos_token_id=spec.eos_token_id,
         unk_token_id=spec.unk_token_id, pad_token_id=spec.pad_token_id,
         add_bos_token=spec.add_bos_token, chat_template=spec.chat_template,
-        extra_stop_token_ids=spec.extra_stop_token_ids, source=str(path),
+        extra_stop_token_ids=spec.extra_stop_token_ids, source=source,
         unmatched_special_tokens=spec.unmatched_special_tokens,
     )
+
+
+def _tokenizer_from_gguf(path: Path) -> Tokenizer:
+    return tokenizer_from_gguf_spec(read_gguf_tokenizer(path), str(path))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
