@@ -19,7 +19,7 @@ from prefixcache.kv.pool import plan_kv_layout
 from prefixcache.model.loader import load_weights
 from prefixcache.model.paths import DEFAULT_MODEL_NAME, resolve_model_path
 from prefixcache.model.runner import ModelRunner, resolve_dtype
-from prefixcache.model.tokenizer import load_tokenizer
+from prefixcache.model.weights_cache import load_model
 from prefixcache.output import OutputProcessor
 from prefixcache.request import CacheExplanation, RequestMetrics, RequestStatus, SamplingParams
 from prefixcache.sampler import make_generator, sample
@@ -55,10 +55,11 @@ class LLMEngine:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r} requested but CUDA is not available")
         path = resolve_model_path(config.model)
-        weights = load_weights(path)
+        # Through the weights cache (model/weights_cache.py); passing the module-level
+        # load_weights lets tests that patch it share one load per process.
+        weights, self.tokenizer = load_model(path, config.weights_cache_dir, load_weights)
         self.model_config = weights.config
         self.model_name = DEFAULT_MODEL_NAME if config.model is None else path.name
-        self.tokenizer = load_tokenizer(path)
         dtype = resolve_dtype(config.dtype, device)
         model_max = weights.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max:
