@@ -17,7 +17,7 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    root: BlockHash  # parent of block 0: model fingerprint + namespace
+    root: BlockHash  # parent of block 0: key format, block size, model fingerprint, namespace
     namespace: str | None = None
     priority: int = 0
     prompt: str | None = None

@@ -192,7 +192,7 @@ def test_request_log_round_trip(tmp_path):
     rows, expected, total = structured_log(random.Random(6), n=200, namespaces=("a", "b"))
     path = tmp_path / "requests.jsonl"
     writer = RequestLogWriter(path)
-    roots = {ns: root_hash("server-model", ns) for ns in ("a", "b")}
+    roots = {ns: root_hash("server-model", ns, block_size=BS) for ns in ("a", "b")}
 
     def serve(chunk):
         for row in chunk:

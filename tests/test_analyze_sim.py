@@ -13,7 +13,7 @@ from prefixcache.analyze import simulate, trie
 from prefixcache.cache.hashing import hash_blocks, root_hash
 
 BS = 4
-ROOT = root_hash("test")
+ROOT = root_hash("test", block_size=BS)
 
 
 # ---- workloads ------------------------------------------------------------------------------
@@ -215,7 +215,7 @@ def test_chain_reuse_gives_the_keys_of_hashing_from_scratch():
     rng = random.Random(11)
     prompts = random_prompts(rng, 200, vocab=4) + random_prompts(rng, 50, vocab=3)
     reuse = ChainReuse(BS, max_keys=64)  # small: eviction happens
-    roots = [ROOT, root_hash("test", "other namespace")]
+    roots = [ROOT, root_hash("test", "other namespace", block_size=BS)]
     for i, p in enumerate(prompts):
         root = roots[i % 2]
         assert reuse.hash(root, np.array(p, dtype=np.int64)) == hash_blocks(p, BS, root)

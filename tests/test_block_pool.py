@@ -24,7 +24,7 @@ def _tokens(n: int, seed: int) -> list[int]:
 def _compute(pool: BlockPool, tokens: list[int], ns: str | None = None) -> list[int]:
     """Allocate blocks for the full blocks of ``tokens`` and register them (a finished prefill).
     Returns the block table, still referenced (ref 1 each)."""
-    root = root_hash(FP, ns)
+    root = root_hash(FP, ns, block_size=B)
     keys = hash_blocks(tokens, B, root)
     table = pool.allocate(len(keys))
     assert table is not None
@@ -42,7 +42,7 @@ def _cache(pool: BlockPool, tokens: list[int], ns: str | None = None) -> list[in
 
 
 def _match(pool: BlockPool, tokens: list[int], ns: str | None = None):
-    root = root_hash(FP, ns)
+    root = root_hash(FP, ns, block_size=B)
     return pool.match(hash_blocks(tokens, B, root), tokens, root)
 
 
@@ -82,7 +82,7 @@ def test_lru_evicts_oldest_release_first():
     assert pool.evicted_blocks == 3
     assert _match(pool, _tokens(B, 4)).block_ids == d
     assert _match(pool, _tokens(B, 1)).block_ids == []
-    assert pool.index.was_evicted(hash_blocks(_tokens(B, 1), B, root_hash(FP))[0])
+    assert pool.index.was_evicted(hash_blocks(_tokens(B, 1), B, root_hash(FP, block_size=B))[0])
 
 
 def test_blocks_released_together_evict_tail_before_head():
@@ -291,7 +291,7 @@ def test_invalidate_namespace_idle_blocks_go_free():
     assert _match(pool, _tokens(2 * B, 2), ns="b").block_ids == b
     # Invalidation is not eviction.
     assert pool.evicted_blocks == 0
-    key0 = hash_blocks(_tokens(2 * B, 1), B, root_hash(FP, "a"))[0]
+    key0 = hash_blocks(_tokens(2 * B, 1), B, root_hash(FP, "a", block_size=B))[0]
     assert not pool.index.was_evicted(key0)
 
 
@@ -393,7 +393,7 @@ def test_check_integrity_catches_free_block_with_key():
 # ---- prefix index ------------------------------------------------------------------------------
 def test_index_collision_guard_compares_tokens():
     idx = PrefixIndex(B)
-    root = root_hash(FP)
+    root = root_hash(FP, block_size=B)
     toks_a = _tokens(2 * B, 1)
     toks_b = list(toks_a)
     toks_b[B + 5] += 1  # second block differs
@@ -412,7 +412,7 @@ def test_index_collision_guard_compares_tokens():
 def test_index_parent_mismatch_does_not_hit():
     idx = PrefixIndex(B)
     toks = _tokens(B, 1)
-    root_a, root_b = root_hash(FP, "a"), root_hash(FP, "b")
+    root_a, root_b = root_hash(FP, "a", block_size=B), root_hash(FP, "b", block_size=B)
     key = block_hash(root_a, toks)
     idx.insert(key, 3, root_a, toks, "a")
     assert idx.match([key], toks, root_a).block_ids == [3]
@@ -428,7 +428,7 @@ def test_index_parent_mismatch_does_not_hit():
 
 def test_index_duplicate_insert_returns_existing_block():
     idx = PrefixIndex(B)
-    root = root_hash(FP)
+    root = root_hash(FP, block_size=B)
     toks = _tokens(B, 1)
     key = block_hash(root, toks)
     assert idx.insert(key, 7, root, toks, None) == 7
@@ -440,7 +440,7 @@ def test_index_duplicate_insert_returns_existing_block():
 
 def test_index_match_has_no_side_effects_and_remove():
     idx = PrefixIndex(B, evicted_memory=2)
-    root = root_hash(FP)
+    root = root_hash(FP, block_size=B)
     keys = []
     for i in range(4):
         toks = _tokens(B, i)
@@ -462,7 +462,7 @@ def test_pool_register_duplicate_keeps_first_block():
     toks = _tokens(B, 1)
     a = _compute(pool, toks)
     b = pool.allocate(1)
-    root = root_hash(FP)
+    root = root_hash(FP, block_size=B)
     assert pool.register(b[0], block_hash(root, toks), root, toks, None) == a[0]
     pool.release(b)  # the duplicate was never indexed: it goes free
     pool.release(a)

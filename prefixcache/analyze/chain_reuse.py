@@ -1,6 +1,6 @@
 """Hash a prompt's block chain, reusing the keys of a recent prompt that starts the same way.
 
-Hashing every block with sha256 is most of the cost of a scan, yet in real traffic most blocks
+Hashing every block is a large part of the cost of a scan, yet in real traffic most blocks
 were hashed moments ago: the same system prompt, document or conversation history. The chain
 can be extended from any hashed prefix (``hash_blocks(..., start_block=k, parent=key)``), so
 only the part after the longest prefix shared with a recent prompt is hashed here. The keys are

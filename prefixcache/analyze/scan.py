@@ -107,7 +107,9 @@ class PromptHasher:
         else:
             root = self._roots.get(p.namespace)
             if root is None:
-                root = self._roots[p.namespace] = root_hash(ANALYZE_FINGERPRINT, p.namespace)
+                root = self._roots[p.namespace] = root_hash(
+                    ANALYZE_FINGERPRINT, p.namespace, block_size=bs
+                )
             hashes = self._chains.hash(root, arr)
             n_tokens = len(arr)
             if self.config.features:

@@ -1,52 +1,173 @@
-"""Content-addressed block keys: the hash chain of DESIGN.md §3.
+"""Content-addressed block keys, format v2: the hash chain of DESIGN.md §3.
 
-    root   = H("prefixcache-root", model_fingerprint, namespace)
-    key_0  = H(root,  tokens[0:B],   extra)
-    key_i  = H(key_{i-1}, tokens[iB:(i+1)B], extra)
+A key names the KV of a block exactly: it depends on the model fingerprint, the namespace, the
+block size and every token before and in the block. Keys are stable across processes and
+restarts (no Python ``hash()``, no random seed), so they can be written to disk or Redis and
+compared with keys computed by another process or another implementation.
 
-A key names the KV of a block exactly: it depends on the model, the namespace and every token
-before and in the block. Keys are sha256 digests truncated to 128 bits over a canonical byte
-encoding (little-endian uint32 token ids), so they are stable across processes and restarts;
-no Python ``hash()``, no random seed.
+Byte layout (also in docs/design.md, "Cache keys (format v2)")::
+
+    H(x)      = XXH3-128 of the bytes x, seed 0, default secret, as its 16-byte canonical form
+                (high 64 bits big-endian, then low 64 bits big-endian) = xxhash.xxh3_128_digest
+    u32(n)    = n as 4 bytes little-endian
+    str(s)    = u32(len(utf8(s))) || utf8(s)
+
+    root      = H( b"prefixcache/block-key"          21 ASCII bytes
+                   || u32(KEY_FORMAT_VERSION)         = 2
+                   || u32(block_size)
+                   || str(model_fingerprint)
+                   || ns )                            ns = b"\\x00" if namespace is None,
+                                                           b"\\x01" || str(namespace) otherwise
+    key_0     = H( root      || u32(t[0])  || ... || u32(t[B-1]) )
+    key_i     = H( key_{i-1} || u32(t[iB]) || ... || u32(t[iB+B-1]) )       B = block_size
+
+Only full blocks get a key. The input of a block key (16 + 4·B bytes: parent key, then the
+block's token ids) is also what the prefix index stores and compares on a hit, so a hash
+collision can never serve the KV of other tokens or of another prefix. A growing sequence
+extends its chain from its last key: each new full block is hashed once.
+
+Why this shape (measured on the 2-core dev machine, 32,000-token prompt, 2,000 blocks): one
+XXH3-128 call per block over ``parent || block`` costs about as much as a streaming prefix hash
+(``update`` + ``digest`` per block) and, unlike it, can be extended from any key alone (no
+hasher state to keep, the analyzer's chain reuse keeps working); encoding with ``array("I")``
+is ~2x faster than ``struct.pack``, and numpy cuts the encoded ids into per-block ``bytes`` ~5x
+faster than slicing in a Python loop.
 
 No torch here: this module is shared by the engine, the analyzer and the benchmark.
 """
 
 from __future__ import annotations
 
-import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
+
+import numpy as np
+from xxhash import xxh3_128_digest
 
 BlockHash = bytes  # 16 bytes
 
-_KEY_BYTES = 16
-_ROOT_TAG = b"prefixcache-root-v1"
+KEY_FORMAT_VERSION = 2
+KEY_BYTES = 16
+_ROOT_TAG = b"prefixcache/block-key"
+_MAX_U32 = 2**32 - 1
+
+# H(x): the one hash of the format. The prefix index calls it on the block inputs it builds.
+key_hash = xxh3_128_digest
+
+_U32_CODE = "I" if array("I").itemsize == 4 else "L"
+assert array(_U32_CODE).itemsize == 4, "no 4-byte unsigned array type on this platform"
+_SWAP = sys.byteorder != "little"
 
 
-def _digest(*parts: bytes) -> BlockHash:
-    h = hashlib.sha256()
-    for p in parts:
-        # Length-prefix each part so that concatenations cannot collide ("ab"+"c" vs "a"+"bc").
-        h.update(struct.pack("<I", len(p)))
-        h.update(p)
-    return h.digest()[:_KEY_BYTES]
+def _u32(n: int) -> bytes:
+    if not 0 <= n <= _MAX_U32:
+        raise ValueError(f"{n} does not fit in uint32")
+    return struct.pack("<I", n)
+
+
+def _str(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return _u32(len(b)) + b
+
+
+def _u32_array(token_ids: Sequence[int]) -> array:
+    try:
+        a = array(_U32_CODE, token_ids)
+    except OverflowError:
+        bad = next(t for t in token_ids if not 0 <= t <= _MAX_U32)
+        raise ValueError(f"token id {bad} is out of range: ids must be in [0, 2**32)") from None
+    if _SWAP:
+        a.byteswap()
+    return a
 
 
 def encode_tokens(token_ids: Sequence[int]) -> bytes:
-    """Canonical byte encoding of token ids (little-endian uint32)."""
-    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+    """Canonical byte encoding of token ids: uint32 little-endian each.
+
+    Raises ValueError for an id < 0 or >= 2**32 (it has no encoding; never wrapped).
+    """
+    return _u32_array(token_ids).tobytes()
 
 
-def root_hash(model_fingerprint: str, namespace: str | None = None) -> BlockHash:
-    """Parent of the first block. Different models or namespaces never share a chain."""
-    ns = b"" if namespace is None else b"ns:" + namespace.encode("utf-8")
-    return _digest(_ROOT_TAG, model_fingerprint.encode("utf-8"), ns)
+def decode_tokens(data: bytes) -> list[int]:
+    """Inverse of ``encode_tokens``."""
+    a = array(_U32_CODE)
+    a.frombytes(data)
+    if _SWAP:
+        a.byteswap()
+    return a.tolist()
+
+
+def root_hash(
+    model_fingerprint: str, namespace: str | None = None, *, block_size: int
+) -> BlockHash:
+    """Parent of the first block. Different models, namespaces or block sizes never share a
+    chain; ``None`` (no namespace) and ``""`` are different namespaces."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    ns = b"\x00" if namespace is None else b"\x01" + _str(namespace)
+    return key_hash(
+        _ROOT_TAG + _u32(KEY_FORMAT_VERSION) + _u32(block_size) + _str(model_fingerprint) + ns
+    )
 
 
 def block_hash(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
-    """Key of one full block given its parent's key."""
-    return _digest(parent, encode_tokens(token_ids), extra)
+    """Key of one full block given its parent's key: ``H(parent || u32(t)...)``.
+
+    ``extra`` (empty in format v2 chains; reserved for per-block inputs such as an adapter id)
+    is appended as ``extra || u32(len(extra))`` when not empty, so a block with extra bytes never
+    has the input of a block without.
+    """
+    data = parent + encode_tokens(token_ids)
+    if extra:
+        data += extra + _u32(len(extra))
+    return key_hash(data)
+
+
+def block_chunks(
+    token_ids: Sequence[int],
+    block_size: int,
+    start_block: int = 0,
+    num_tokens: int | None = None,
+) -> list[bytes]:
+    """The encoded token ids of full blocks ``start_block, start_block + 1, ...`` of
+    ``token_ids[:num_tokens]``, one ``bytes`` of ``4 * block_size`` per block (a partial tail is
+    left out).
+
+    Raises ValueError for an out-of-range id among those blocks.
+    """
+    n = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
+    n_full = n // block_size
+    if n_full <= start_block:
+        return []
+    lo, hi = start_block * block_size, n_full * block_size
+    a = None
+    if lo == 0:  # converting the whole list and cutting is cheaper than copying it first
+        try:
+            a = array(_U32_CODE, token_ids)
+        except OverflowError:
+            pass  # maybe only in the partial tail: the slice below tells (and raises if not)
+        else:
+            del a[hi:]
+            if _SWAP:
+                a.byteswap()
+    if a is None:
+        a = _u32_array(token_ids[lo:hi])
+    # One bytes object per block, cut in C: a void dtype of one block's width.
+    return np.frombuffer(a, dtype=f"V{4 * block_size}").tolist()
+
+
+def chain_keys(chunks: Sequence[bytes], parent: BlockHash) -> list[BlockHash]:
+    """Keys of consecutive encoded blocks (``block_chunks``) following ``parent``."""
+    h = key_hash
+    keys: list[BlockHash] = []
+    append = keys.append
+    for c in chunks:
+        parent = h(parent + c)
+        append(parent)
+    return keys
 
 
 def hash_blocks(
@@ -58,27 +179,10 @@ def hash_blocks(
 ) -> list[BlockHash]:
     """Keys of the full blocks of ``token_ids`` (a partial tail block gets no key).
 
-    With ``start_block``/``parent`` the chain is extended from an already hashed prefix, so a
-    growing sequence is hashed once per block, never from the start again.
-
-    Equal to calling ``block_hash`` block by block; the token ids are encoded once and sliced,
-    which is what makes a 32k-token prompt cheap to key (one sha256 call per block).
+    With ``start_block``/``parent`` the chain is extended from an already hashed prefix (the
+    key of block ``start_block - 1``), so a growing sequence is hashed once per block, never
+    from the start again. Equal to calling ``block_hash`` block by block.
     """
-    n_full = len(token_ids) // block_size
-    if n_full <= start_block:
-        return []
-    lo, hi = start_block * block_size, n_full * block_size
-    buf = encode_tokens(token_ids[lo:hi])
-    step = 4 * block_size
-    # The same length-prefixed framing as _digest(parent, block, b""), spelled out inline.
-    head_parent = struct.pack("<I", _KEY_BYTES)
-    head_block = struct.pack("<I", step)
-    tail = struct.pack("<I", 0)
-    sha = hashlib.sha256
-    keys: list[BlockHash] = []
-    prev = root if parent is None else parent
-    for off in range(0, hi - lo, block_size):
-        o = off * 4
-        prev = sha(head_parent + prev + head_block + buf[o : o + step] + tail).digest()[:_KEY_BYTES]
-        keys.append(prev)
-    return keys
+    return chain_keys(
+        block_chunks(token_ids, block_size, start_block), root if parent is None else parent
+    )

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prefixcache.cache.block_pool import BlockPool
-from prefixcache.cache.hashing import BlockHash, hash_blocks, root_hash
+from prefixcache.cache.hashing import BlockHash, block_chunks, chain_keys, hash_blocks, root_hash
 from prefixcache.cache.prefix_index import PrefixMatch
 from prefixcache.request import CacheExplanation
 from prefixcache.sequence import Sequence
@@ -48,7 +48,9 @@ class KVCacheManager:
     def root(self, namespace: str | None) -> BlockHash:
         r = self._roots.get(namespace)
         if r is None:
-            r = self._roots[namespace] = root_hash(self.model_fingerprint, namespace)
+            r = self._roots[namespace] = root_hash(
+                self.model_fingerprint, namespace, block_size=self.block_size
+            )
         return r
 
     def keys_for(self, token_ids: list[int], namespace: str | None) -> list[BlockHash]:
@@ -61,8 +63,10 @@ class KVCacheManager:
             return
         start = len(seq.block_keys)
         parent = seq.block_keys[-1] if seq.block_keys else seq.root
-        tokens = seq.all_token_ids[: n_full * self.block_size]
-        seq.block_keys.extend(hash_blocks(tokens, self.block_size, seq.root, start, parent))
+        upto = n_full * self.block_size
+        tokens = seq.prompt_token_ids if upto <= seq.num_prompt_tokens else seq.all_token_ids
+        chunks = block_chunks(tokens, self.block_size, start, num_tokens=upto)
+        seq.block_keys.extend(chain_keys(chunks, parent))
 
     # ---- matching ------------------------------------------------------------------------------
     def match(self, seq: Sequence) -> PrefixMatch:
