@@ -469,3 +469,38 @@ def test_pool_register_duplicate_keeps_first_block():
     c = pool.counts()
     assert (c.free, c.cached) == (3, 1)
     pool.check_integrity([])
+
+
+def test_index_match_tokens_hashes_and_walks_like_match():
+    idx = PrefixIndex(B)
+    root = root_hash(FP, block_size=B)
+    toks = _tokens(6 * B, 1)
+    keys = hash_blocks(toks, B, root)
+    for i, k in enumerate(keys[:4]):  # the first 4 blocks are cached
+        idx.insert(k, 20 + i, keys[i - 1] if i else root, toks[i * B : (i + 1) * B], None)
+    other = list(toks)
+    other[2 * B + 1] += 1  # diverges in block 2
+    for prompt in (toks, toks[: 3 * B + 5], other, other[:B], [], _tokens(5 * B, 9)):
+        expect = idx.match(hash_blocks(prompt, B, root), prompt, root)
+        assert idx.match_tokens(prompt, root) == expect
+    assert idx.match_tokens(toks, root).block_ids == [20, 21, 22, 23]
+    assert idx.match_tokens(other, root).block_ids == [20, 21]
+    # num_tokens caps the tokens considered (a prompt keeps its last token to compute).
+    assert idx.match_tokens(toks, root, 3 * B).num_tokens == 3 * B
+    assert idx.match_tokens(toks, root, 3 * B - 1).num_tokens == 2 * B
+    assert idx.match_tokens(toks, root_hash(FP, "x", block_size=B)).block_ids == []
+    e = idx.entry(keys[1])
+    assert e.parent == keys[0] and list(e.token_ids) == toks[B : 2 * B]
+
+
+def test_index_match_tokens_collision_guard():
+    # A key found in the index whose stored input (parent || tokens) differs is never served:
+    # here block 1's key is (wrongly) recorded for other tokens, as a hash collision would.
+    idx = PrefixIndex(B)
+    root = root_hash(FP, block_size=B)
+    toks = _tokens(2 * B, 1)
+    keys = hash_blocks(toks, B, root)
+    idx.insert(keys[0], 1, root, toks[:B], None)
+    idx.insert(keys[1], 2, keys[0], [t + 1 for t in toks[B:]], None)
+    assert idx.match_tokens(toks, root).block_ids == [1]
+    assert idx.match(keys, toks, root).block_ids == [1]

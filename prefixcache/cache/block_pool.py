@@ -72,6 +72,13 @@ class BlockPool:
         """Cached leading blocks of a prompt. Does not modify the pool; acquire before allocating."""
         return self.index.match(keys, token_ids, root)
 
+    def match_tokens(
+        self, token_ids: Sequence[int], root: BlockHash, num_tokens: int | None = None
+    ) -> PrefixMatch:
+        """``match`` of ``token_ids[:num_tokens]``, hashing its chain from ``root`` while walking
+        (stops hashing at the first miss). Does not modify the pool."""
+        return self.index.match_tokens(token_ids, root, num_tokens)
+
     # ---- lifecycle --------------------------------------------------------------------------
     def acquire(self, block_ids: Iterable[int]) -> None:
         """Take a reference on cached or in-use blocks (a cache hit)."""

@@ -82,9 +82,9 @@ class KVCacheManager:
         """Tokens of this prompt a request would get from the cache now. No side effects."""
         if not self.enable_caching or len(token_ids) < 2:
             return 0
-        usable = token_ids[: len(token_ids) - 1]
-        keys = self.keys_for(usable, namespace)
-        return self.pool.match(keys, token_ids, self.root(namespace)).num_tokens
+        # Hash and walk in one loop over the first len - 1 tokens; stops at the first miss.
+        m = self.pool.match_tokens(token_ids, self.root(namespace), len(token_ids) - 1)
+        return m.num_tokens
 
     def num_new_blocks_for_admission(self, seq: Sequence, m: PrefixMatch, num_new_tokens: int) -> int:
         """Allocatable blocks an admission with this match would consume (hits on evictable

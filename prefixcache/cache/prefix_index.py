@@ -3,8 +3,9 @@
 Contracts:
 - ``match`` does not modify the index. The caller must ``acquire`` the returned block ids in the
   block pool before the next allocation, or they may be evicted and reused.
-- A hit compares the stored token ids and parent key, so a hash collision can never serve the
-  KV of different tokens (the check costs a tuple compare per block).
+- A hit compares the stored input of the block's key (parent key || encoded token ids, see
+  ``hashing.py``), so a hash collision can never serve the KV of different tokens or of another
+  prefix (the check is one compare of 16 + 4·block_size bytes per block).
 - Evicted keys are remembered (bounded) only to tell "evicted" from "never seen" in explanations.
 """
 
@@ -14,15 +15,32 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prefixcache.cache.hashing import BlockHash
+from prefixcache.cache.hashing import (
+    KEY_BYTES,
+    BlockHash,
+    block_chunks,
+    decode_tokens,
+    encode_tokens,
+    key_hash,
+)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class IndexEntry:
     block_id: int
-    parent: BlockHash
-    token_ids: tuple[int, ...]
+    key_input: bytes  # parent key || encoded token ids: what the block's key is the hash of
     namespace: str | None
+
+    @property
+    def parent(self) -> BlockHash:
+        return self.key_input[:KEY_BYTES]
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(decode_tokens(self.key_input[KEY_BYTES:]))
+
+
+_MISS = IndexEntry(-1, b"", None)  # compares unequal to every key input
 
 
 @dataclass(frozen=True)
@@ -62,16 +80,40 @@ class PrefixIndex:
     def match(
         self, keys: Sequence[BlockHash], token_ids: Sequence[int], root: BlockHash
     ) -> PrefixMatch:
-        """Longest run of leading blocks whose key and stored tokens both match. No side effects."""
-        b = self.block_size
+        """Longest run of leading blocks whose key, parent and stored tokens all match (``keys``
+        are the chain of ``token_ids`` from ``root``). No side effects."""
+        get = self._entries.get
         ids: list[int] = []
+        append = ids.append
         parent = root
-        for i, key in enumerate(keys):
-            e = self._entries.get(key)
-            if e is None or e.parent != parent or e.token_ids != tuple(token_ids[i * b : (i + 1) * b]):
+        chunks = block_chunks(token_ids, self.block_size, num_tokens=len(keys) * self.block_size)
+        for key, chunk in zip(keys, chunks):
+            e = get(key, _MISS)
+            if e.key_input != parent + chunk:
                 break
-            ids.append(e.block_id)
+            append(e.block_id)
             parent = key
+        return PrefixMatch(ids, len(ids) * self.block_size)
+
+    def match_tokens(
+        self, token_ids: Sequence[int], root: BlockHash, num_tokens: int | None = None
+    ) -> PrefixMatch:
+        """``match`` of the chain of ``token_ids[:num_tokens]`` from ``root``, hashing as it walks:
+        one loop, and no block after the first miss is hashed. No side effects."""
+        b = self.block_size
+        chunks = block_chunks(token_ids, b, num_tokens=num_tokens)
+        get = self._entries.get
+        h = key_hash
+        ids: list[int] = []
+        append = ids.append
+        parent = root
+        for chunk in chunks:
+            data = parent + chunk
+            parent = h(data)
+            e = get(parent, _MISS)
+            if e.key_input != data:
+                break
+            append(e.block_id)
         return PrefixMatch(ids, len(ids) * b)
 
     def insert(
@@ -91,7 +133,7 @@ class PrefixIndex:
         if existing is not None:
             return existing.block_id
         assert block_id not in self._key_of_block, f"block {block_id} already indexed"
-        self._entries[key] = IndexEntry(block_id, parent, tuple(token_ids), namespace)
+        self._entries[key] = IndexEntry(block_id, parent + encode_tokens(token_ids), namespace)
         self._key_of_block[block_id] = key
         self._children.setdefault(parent, set()).add(key)
         self._evicted.pop(key, None)
@@ -130,7 +172,7 @@ class PrefixIndex:
         assert len(self._entries) == len(self._key_of_block), "entry/block maps differ in size"
         for key, e in self._entries.items():
             assert self._key_of_block.get(e.block_id) == key, f"block {e.block_id} maps elsewhere"
-            assert len(e.token_ids) == self.block_size, "indexed block is not full"
+            assert len(e.key_input) == KEY_BYTES + 4 * self.block_size, "indexed block is not full"
             assert key in self._children.get(e.parent, ()), "child link missing"
         n_links = sum(len(v) for v in self._children.values())
         assert n_links == len(self._entries), "dangling child links"
