@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -11,6 +14,16 @@ import pytest
 # wait on a descheduled sibling (measured here: 8 tokens in 19 s with 2 threads vs 0.9 s with 1).
 # Tests check behaviour, never speed; benchmarks/ use all cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Engines keep the converted model in a weights cache ("auto": $PREFIXCACHE_CACHE_DIR, else
+# ~/.cache/prefixcache; model/weights_cache.py). The suite gets its own directory, new for the
+# session and removed after it: tests never write to the home directory, and never read an entry
+# left by another checkout or run (the build id would reject one, but a test run should not hinge
+# on that). Engines here and live-server subprocesses (they inherit the variable) share it: the
+# first engine converts the model, the rest read the entry (~0.5 s instead of ~10 s).
+_WEIGHTS_CACHE_DIR = tempfile.mkdtemp(prefix="prefixcache-test-cache-")
+os.environ["PREFIXCACHE_CACHE_DIR"] = _WEIGHTS_CACHE_DIR
+atexit.register(shutil.rmtree, _WEIGHTS_CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
