@@ -18,23 +18,15 @@ import json
 import os
 import platform
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
+import servers  # benchmarks/servers.py: start / wait / stop shared with side_by_side.py
+from servers import ROOT, free_port, stop
 
-ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_command(name: str, port: int) -> list[str]:
@@ -51,33 +43,16 @@ def server_command(name: str, port: int) -> list[str]:
     raise ValueError(f"unknown server {name}")
 
 
-def start(name: str, log: Path) -> tuple[subprocess.Popen, str]:
+def start(name: str, log: Path) -> tuple[servers.Server, str]:
     port = free_port()
-    # Every server gets sleeping idle OpenMP threads: on a machine whose cores are shared,
-    # spinning ones steal them from everything else (see benchmarks/peers/llamacpp.sh).
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.Popen(server_command(name, port), cwd=ROOT, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited: see {log}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{name} not ready after 600 s: see {log}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, 15)
+    server = servers.start(name, server_command(name, port), url, log)
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
+        servers.wait_ready(server)
+    except BaseException:
+        stop(server)
+        raise
+    return server, url
 
 
 # llama-cpp-python ignores "ignore_eos": ban SmolLM2's end tokens (<|endoftext|> 0, <|im_end|> 2)
@@ -121,7 +96,7 @@ def main() -> int:
         # every server instead of one; each repetition starts every server anew (cold cache).
         for rep in range(args.repeats):
             for server in args.servers:
-                proc, url = start(server, results / f"{server}.log")
+                running, url = start(server, results / f"{server}.log")
                 try:
                     for wl, flags in loads.items():
                         name = f"{server}-{wl}-r{rep}.json"
@@ -137,7 +112,7 @@ def main() -> int:
                             print(f"{server} {wl}: exit {rc}", file=sys.stderr)
                         commands[f"{server}-{wl}"] = shlex.join(cmd).replace(url, "URL")
                 finally:
-                    stop(proc)
+                    stop(running)
         (results / "commands.json").write_text(json.dumps(commands, indent=1))
     for server in args.servers:
         for wl in loads:
