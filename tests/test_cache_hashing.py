@@ -130,6 +130,7 @@ def test_encoding_is_uint32_little_endian_and_round_trips():
     assert all(type(c) is bytes for c in chunks)
     assert block_chunks(toks, B, start_block=2) == chunks[2:]
     assert block_chunks(toks, B, num_tokens=2 * B + 3) == chunks[:2]
+    assert block_chunks(toks, B, num_tokens=B) == chunks[:1]
     assert block_chunks(toks, B, start_block=1, num_tokens=3 * B) == chunks[1:3]
     assert chain_keys(chunks, _root()) == hash_blocks(toks, B, _root())
 

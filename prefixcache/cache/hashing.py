@@ -144,7 +144,7 @@ def block_chunks(
         return []
     lo, hi = start_block * block_size, n_full * block_size
     a = None
-    if lo == 0:  # converting the whole list and cutting is cheaper than copying it first
+    if lo == 0 and 2 * hi >= len(token_ids):  # converting it all and cutting beats copying
         try:
             a = array(_U32_CODE, token_ids)
         except OverflowError:
