@@ -112,14 +112,19 @@ def _assert_same_weights(a: LoadedWeights, b: LoadedWeights) -> None:
         u = b.tensors[name]
         assert (t.dtype, t.shape) == (u.dtype, u.shape), name
         assert torch.equal(_bits(t), _bits(u)), name
-    assert list(a.int4) == list(b.int4)
-    for name, g in a.int4.items():
-        h = b.int4[name]
-        assert g.group_size == h.group_size, name
-        for part in ("q", "scale", "offset"):
-            x, y = getattr(g, part), getattr(h, part)
-            assert (x.dtype, x.shape) == (y.dtype, y.shape), (name, part)
-            assert torch.equal(_bits(x), _bits(y)), (name, part)
+    for field in wc._group_fields():  # int4 (and any other dict of quantized groups)
+        ga, gb = getattr(a, field), getattr(b, field)
+        assert list(ga) == list(gb), field
+        for name, g in ga.items():
+            h = gb[name]
+            assert type(g) is type(h), (field, name)
+            for f in dataclasses.fields(g):
+                x, y = getattr(g, f.name), getattr(h, f.name)
+                if not isinstance(x, torch.Tensor):
+                    assert x == y, (field, name, f.name)
+                    continue
+                assert (x.dtype, x.shape) == (y.dtype, y.shape), (field, name, f.name)
+                assert torch.equal(_bits(x), _bits(y)), (field, name, f.name)
 
 
 # ---- a cached load is the fresh load ---------------------------------------------------------
@@ -311,6 +316,17 @@ def test_unwritable_cache_dir_does_not_fail_the_load(entry, tmp_path, fast_rebui
     assert "cannot write the weights cache" in caplog.text
     assert weights.weights_digest == entry.fresh.weights_digest
     assert tok.eos_token_id == entry.fresh_tok.eos_token_id
+
+
+def test_weights_of_a_shape_the_entry_cannot_hold_are_not_cached(entry, tmp_path, monkeypatch,
+                                                                  caplog):
+    odd = dataclasses.replace(entry.fresh, int4={"x": "not a group"})
+    monkeypatch.setattr(wc._loader, "load_weights", lambda path: odd)
+    monkeypatch.setattr(wc, "read_gguf_tokenizer", lambda path: entry.spec)
+    with caplog.at_level(logging.WARNING, logger=wc.__name__):
+        (weights, _), stats = _stats_of(lambda: wc.load_model(None, tmp_path))
+    assert weights is odd and stats == Counter(miss=1)
+    assert "int4['x'] is a str" in caplog.text and not (tmp_path / "weights").exists()
 
 
 def test_failed_write_leaves_no_temporary_directory(entry, tmp_path, fast_rebuild, monkeypatch):

@@ -12,10 +12,11 @@ Layout, under ``EngineConfig.weights_cache_dir`` ("auto": ``$PREFIXCACHE_CACHE_D
 
     weights/<xxh3_128 of the model file>.v<FORMAT_VERSION>.<build>/
         meta.json            the key parts, ModelConfig, weights_digest, tensor names in load
-                             order, int4 group sizes, the tokenizer's ids and chat template, and
-                             an xxh3_128 checksum of each of the two files below
+                             order, the quantized groups' classes and sizes, the tokenizer's ids
+                             and chat template, and an xxh3_128 checksum of each file below
         tensors.safetensors  every tensor of LoadedWeights.tensors (float32) under its own name,
-                             and each Int4Groups as <name>:int4.q / :int4.scale / :int4.offset
+                             and the tensors of each quantized group (LoadedWeights.int4 and any
+                             other such dict) as <name>:<dict>.<part>, e.g. <name>:int4.q
         tokenizer.json       the ``tokenizers`` pipeline (``Tokenizer.to_str()``)
 
 The entry for the default model is ~640 MB: the float32 copies of the 4-bit weights are kept
@@ -62,7 +63,7 @@ import torch
 import xxhash
 
 from prefixcache.model import loader as _loader
-from prefixcache.model.loader import Int4Groups, LoadedWeights, ModelConfig
+from prefixcache.model.loader import LoadedWeights, ModelConfig
 from prefixcache.model.paths import resolve_model_path
 from prefixcache.model.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf_spec
 from prefixcache.model.tokenizer_gguf import GGUFTokenizer, read_gguf_tokenizer
@@ -77,10 +78,11 @@ FORMAT_VERSION = 1
 # Code and libraries whose change may change what a load returns.
 _BUILD_MODULES = ("prefixcache.model.loader", "prefixcache.model.tokenizer_gguf", __name__)
 _BUILD_PACKAGES = ("gguf", "numpy", "torch", "tokenizers", "safetensors")
-# LoadedWeights fields an entry stores; a field added later is not silently dropped: the cache
-# then steps aside (see _cacheable).
-_WEIGHTS_FIELDS = {"config", "tensors", "source", "weights_digest", "int4"}
-_INT4_PARTS = ("q", "scale", "offset")
+# LoadedWeights fields stored as themselves. Every other field must be a dict of name -> a
+# dataclass of loader.py (Int4Groups, ...) whose fields are tensors or JSON values: a "group
+# dict", stored generically. A field of another shape is never dropped silently: the cache then
+# steps aside (_describe).
+_PLAIN_FIELDS = ("config", "tensors", "source", "weights_digest")
 _TENSORS, _TOKENIZER, _META = "tensors.safetensors", "tokenizer.json", "meta.json"
 _STALE_TMP_S = 3600  # a temporary directory this old belongs to a writer that died
 
@@ -232,21 +234,33 @@ def _read_entry(entry: Path, path: Path, digest: str, build: str) -> tuple[Loade
         raise _BadEntry(f"stale metadata {got}, expected {want}")
     if set(meta["weights_fields"]) != {f.name for f in dataclasses.fields(LoadedWeights)}:
         raise _BadEntry("LoadedWeights changed since the entry was written")
+    if set(meta["groups"]) != set(_group_fields()):
+        raise _BadEntry("the entry's group dicts are not LoadedWeights'")
     for name in (_TENSORS, _TOKENIZER):
         if _checksum(entry / name) != meta["checksums"][name]:
             raise _BadEntry(f"{name} does not match its checksum")
     stored = load_file(str(entry / _TENSORS))  # memory-mapped, copy on write
-    names, groups = meta["tensors"], meta["int4"]
-    expected = set(names) | {f"{n}:int4.{p}" for n in groups for p in _INT4_PARTS}
+    names = meta["tensors"]
+    expected = set(names) | {
+        _group_key(name, field, part)
+        for field, items in meta["groups"].items()
+        for name, item in items.items()
+        for part in item["tensors"]
+    }
     if set(stored) != expected:
         raise _BadEntry(f"{_TENSORS} holds {len(stored)} tensors, expected {len(expected)}")
-    tensors = {n: stored[n] for n in names}
-    int4 = {
-        n: Int4Groups(*(stored[f"{n}:int4.{p}"] for p in _INT4_PARTS), int(size))
-        for n, size in groups.items()
-    }
+    groups = {}
+    for field, items in meta["groups"].items():
+        groups[field] = {}
+        for name, item in items.items():
+            cls = getattr(_loader, item["class"], None)
+            if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+                raise _BadEntry(f"unknown group class {item['class']!r}")
+            parts = {p: stored[_group_key(name, field, p)] for p in item["tensors"]}
+            groups[field][name] = cls(**parts, **item["values"])
     weights = LoadedWeights(
-        ModelConfig(**meta["config"]), tensors, path, meta["weights_digest"], int4
+        config=ModelConfig(**meta["config"]), tensors={n: stored[n] for n in names},
+        source=path, weights_digest=meta["weights_digest"], **groups,
     )
     backend = Backend.from_str((entry / _TOKENIZER).read_text(encoding="utf-8"))
     spec = GGUFTokenizer(backend=backend, **meta["tokenizer"])
@@ -260,21 +274,76 @@ def _json_value(value: Any) -> Any:
     raise TypeError(f"cannot store {type(value).__name__} in the weights cache")
 
 
-def _cacheable(weights: LoadedWeights, spec: GGUFTokenizer) -> tuple[dict, dict] | None:
-    """config and tokenizer metadata as JSON-ready dicts, or None when a round trip through JSON
-    would not give back equal values (the entry would then differ from a fresh load)."""
-    if {f.name for f in dataclasses.fields(LoadedWeights)} != _WEIGHTS_FIELDS:
-        log.warning("weights cache: LoadedWeights has fields this cache does not store; skipped")
-        return None
-    config = json.loads(json.dumps(dataclasses.asdict(weights.config), default=_json_value))
+def _group_fields() -> list[str]:
+    return [f.name for f in dataclasses.fields(LoadedWeights) if f.name not in _PLAIN_FIELDS]
+
+
+def _group_key(name: str, field: str, part: str) -> str:
+    return f"{name}:{field}.{part}"
+
+
+def _json_round_trip(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=_json_value))
+
+
+class _NotCacheable(ValueError):
+    """What a load returned has a shape the entry cannot hold exactly."""
+
+
+def _describe(
+    weights: LoadedWeights, spec: GGUFTokenizer
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The metadata (JSON-ready) and the tensors of an entry. Raises _NotCacheable when a round
+    trip would not give back equal values (the entry would then differ from a fresh load)."""
+    config = _json_round_trip(dataclasses.asdict(weights.config))
     tok = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "backend"}
-    tok = json.loads(json.dumps(tok, default=_json_value))
+    tok = _json_round_trip(tok)
     if dataclasses.asdict(ModelConfig(**config)) != dataclasses.asdict(weights.config) or (
         GGUFTokenizer(backend=spec.backend, **tok) != spec
     ):
-        log.warning("weights cache: the config or tokenizer does not survive JSON; skipped")
-        return None
-    return config, tok
+        raise _NotCacheable("the config or the tokenizer metadata does not survive JSON")
+    arrays: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+
+    def put(key: str, t: torch.Tensor) -> None:
+        t = t.detach().cpu().contiguous()
+        if t.untyped_storage().data_ptr() in storages:  # safetensors refuses shared memory
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        arrays[key] = t
+
+    for name, t in weights.tensors.items():
+        put(name, t)
+    groups: dict[str, dict[str, Any]] = {}
+    for field in _group_fields():
+        items = getattr(weights, field)
+        if not isinstance(items, dict):
+            raise _NotCacheable(f"LoadedWeights.{field} is not a dict of groups")
+        groups[field] = {}
+        for name, g in items.items():
+            cls = type(g)
+            if not dataclasses.is_dataclass(g) or getattr(_loader, cls.__name__, None) is not cls:
+                raise _NotCacheable(f"LoadedWeights.{field}[{name!r}] is a {cls.__name__}")
+            parts, values = [], {}
+            for f in dataclasses.fields(g):
+                v = getattr(g, f.name)
+                if isinstance(v, torch.Tensor):
+                    parts.append(f.name)
+                    put(_group_key(name, field, f.name), v)
+                else:
+                    values[f.name] = v
+            if _json_round_trip(values) != values:
+                raise _NotCacheable(f"LoadedWeights.{field}[{name!r}] does not survive JSON")
+            groups[field][name] = {"class": cls.__name__, "tensors": parts, "values": values}
+    meta = {
+        "weights_fields": sorted(f.name for f in dataclasses.fields(LoadedWeights)),
+        "config": config,
+        "weights_digest": weights.weights_digest,
+        "tensors": list(weights.tensors),
+        "groups": groups,
+        "tokenizer": tok,
+    }
+    return meta, arrays
 
 
 def _fsync(path: Path) -> None:
@@ -304,30 +373,15 @@ def _write_entry(
     process put a complete entry in place first)."""
     from safetensors.torch import save_file
 
-    ready = _cacheable(weights, spec)
-    if ready is None:
+    try:
+        described, arrays = _describe(weights, spec)
+    except _NotCacheable as e:
+        log.warning("weights cache: %s; %s loads from its file", e, weights.source.name)
         return False
-    config, tok = ready
     weights_dir.mkdir(parents=True, exist_ok=True)
     entry = weights_dir / name
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=weights_dir))
     try:
-        arrays: dict[str, torch.Tensor] = {}
-        storages: set[int] = set()
-
-        def put(key: str, t: torch.Tensor) -> None:
-            t = t.detach().cpu().contiguous()
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in storages:  # safetensors refuses tensors that share memory
-                t = t.clone()
-            storages.add(t.untyped_storage().data_ptr())
-            arrays[key] = t
-
-        for n, t in weights.tensors.items():
-            put(n, t)
-        for n, g in weights.int4.items():
-            for p in _INT4_PARTS:
-                put(f"{n}:int4.{p}", getattr(g, p))
         save_file(arrays, str(tmp / _TENSORS))
         (tmp / _TOKENIZER).write_text(spec.backend.to_str(), encoding="utf-8")
         meta = {
@@ -337,12 +391,7 @@ def _write_entry(
             "source": str(weights.source),
             "source_size": weights.source.stat().st_size,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "weights_fields": sorted(_WEIGHTS_FIELDS),
-            "config": config,
-            "weights_digest": weights.weights_digest,
-            "tensors": list(weights.tensors),
-            "int4": {n: g.group_size for n, g in weights.int4.items()},
-            "tokenizer": tok,
+            **described,
         }
         for f in (_TENSORS, _TOKENIZER):
             _fsync(tmp / f)  # before the checksum: it then reads what the disk holds
