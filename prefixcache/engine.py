@@ -18,7 +18,7 @@ from prefixcache.config import EngineConfig
 from prefixcache.kv.pool import plan_kv_layout
 from prefixcache.model.loader import load_weights
 from prefixcache.model.paths import DEFAULT_MODEL_NAME, resolve_model_path
-from prefixcache.model.runner import ModelRunner, resolve_dtype
+from prefixcache.model.runner import ModelRunner, resolve_dtype, weight_format
 from prefixcache.model.weights_cache import load_model
 from prefixcache.output import OutputProcessor
 from prefixcache.request import CacheExplanation, RequestMetrics, RequestStatus, SamplingParams
@@ -69,11 +69,15 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_max
         layout = plan_kv_layout(weights.config, dtype, config.block_size, config.kv_cache_memory, device)
         self.layout = layout
-        self.runner = ModelRunner(weights, dtype, device, self.max_model_len, layout)
-        self.weights_format = str(dtype).removeprefix("torch.")
-        # The model fingerprint enters every cache key: weights, tokenizer and dtype.
+        fmt = weight_format(config.quantization, device)
+        self.runner = ModelRunner(weights, dtype, device, self.max_model_len, layout, fmt)
+        self.weights_format = self.runner.model.describe()
+        # The model fingerprint enters every cache key: weights, tokenizer, dtype, and the
+        # quantization when it changed the file's numbers (the group kernels running the file's
+        # own groups compute what the dense layers compute, so they share keys).
+        numbers = config.quantization if self.runner.model.requantized else "file"
         self.fingerprint = hashlib.sha256(
-            f"{weights.weights_digest}|{self.tokenizer.fingerprint()}|{dtype}".encode()
+            f"{weights.weights_digest}|{self.tokenizer.fingerprint()}|{dtype}|{numbers}".encode()
         ).hexdigest()
         pool = BlockPool(
             layout.num_blocks,

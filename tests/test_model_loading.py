@@ -145,7 +145,7 @@ def test_tied_and_untied_embeddings(tmp_path_factory, tokenizer, tied):
     llm = check_parity(directory, ref, tokenizer, n_gen=4)
     model = llm.engine.runner.model
     assert llm.engine.model_config.tie_word_embeddings is tied
-    assert (model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()) is tied
+    assert (model.lm_head.weight.data_ptr() == model.embed_weight.data_ptr()) is tied
 
 
 # ---- the default GGUF, dtypes, fingerprints --------------------------------------------------
@@ -164,9 +164,11 @@ def test_fingerprint_stable_and_sensitive_to_weights(tmp_path_factory, tokenizer
     fa2 = LLM(model=str(a), kv_cache_memory="1MiB").engine.fingerprint
     fb = LLM(model=str(b), kv_cache_memory="1MiB").engine.fingerprint
     fa_bf16 = LLM(model=str(a), kv_cache_memory="1MiB", dtype="bfloat16").engine.fingerprint
+    fa_int8 = LLM(model=str(a), kv_cache_memory="1MiB", quantization="int8").engine.fingerprint
     assert fa1 == fa2, "same weights loaded twice must key the cache the same way"
     assert fa1 != fb, "different weight files must not share cache keys"
     assert fa1 != fa_bf16, "float32 and bfloat16 KV must not share cache keys"
+    assert fa1 != fa_int8, "quantized weights compute other K/V: they must not share cache keys"
     assert len(fa1) >= 32
 
 

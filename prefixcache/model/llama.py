@@ -10,25 +10,19 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from prefixcache.model.attention import AttentionMetadata, paged_attention
-from prefixcache.model.loader import ModelConfig
+from prefixcache.model.linear import make_linear
+from prefixcache.model.loader import Int4Groups, Int8Groups, LoadedWeights, ModelConfig
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op; same math as below
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Normalise in float32 whatever the weights' dtype, as the reference does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # one fused op; same math as below
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    # Normalise in float32 whatever the weights' dtype, as the reference does.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,122 +49,152 @@ def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -
     return inv.float()
 
 
-class Rotary(nn.Module):
-    """cos/sin tables for every position up to max_len, rotate-half convention."""
+class Rotary:
+    """cos/sin tables for every position up to max_len, rotate-half convention.
 
-    def __init__(self, config: ModelConfig, max_len: int, rope_freqs: torch.Tensor | None):
-        super().__init__()
+    ``rotate_half(x) = cat(-x2, x1)``, so ``x cos + rotate_half(x) sin`` is
+    ``x cos + roll(x, D/2) sin'`` with ``sin' = cat(-sin1, sin2)``: the sign lives in the table
+    and a rotation is three ops (roll, mul, addcmul) for q and k of a layer together.
+    """
+
+    def __init__(self, config: ModelConfig, max_len: int, rope_freqs: torch.Tensor | None, device):
         inv = rope_inv_freq(config, rope_freqs)
         t = torch.arange(max_len, dtype=torch.float32)
         freqs = torch.outer(t, inv)  # [max_len, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, D]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device)  # [max_len, D]
+        self.sin_signed = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, D]; positions: [T]
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rot * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, signed sin for the step's positions, [T, 1, D]: built once, used by every layer."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = self.sin_signed.index_select(0, positions).unsqueeze(1).to(dtype)
+        return cos, sin
 
 
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        h, kvh, d = config.num_heads, config.num_kv_heads, config.head_dim
-        # q, k and v in one matmul (fused at load from q_proj/k_proj/v_proj): fewer, larger
-        # matmuls, which matters most for decode where each one is a thin matrix-vector product.
-        self.qkv_proj = nn.Linear(config.hidden_size, (h + 2 * kvh) * d, bias=config.attention_bias)
-        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
-        self.h, self.kvh, self.d = h, kvh, d
-        self.scale = d**-0.5
-
-    def forward(self, x, positions, rotary, k_cache, v_cache, meta: AttentionMetadata):
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) D]
-        q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
-        q = rotary(q.reshape(t, self.h, self.d), positions)  # [T, H, D]
-        k = rotary(k.reshape(t, self.kvh, self.d), positions)  # [T, KVH, D]
-        v = v.reshape(t, self.kvh, self.d)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(t, self.h * self.d))
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos, sin: [T, 1, D]
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin)
 
 
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        # gate and up in one matmul (fused at load from gate_proj/up_proj)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+class DecoderLayer:
+    """Attention block then MLP block, each pre-normed with a residual around it."""
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def __init__(self, config: ModelConfig, norms: tuple[torch.Tensor, torch.Tensor], qkv, o, gate_up, down):
+        self.input_norm, self.post_norm = norms
+        self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj = qkv, o, gate_up, down
+        self.h, self.kvh, self.d = config.num_heads, config.num_kv_heads, config.head_dim
+        self.eps = config.rms_norm_eps
+        self.scale = self.d**-0.5
 
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
-
-    def forward(self, x, positions, rotary, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __call__(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+        t, h, kvh, d = x.shape[0], self.h, self.kvh, self.d
+        qkv = self.qkv_proj(rms_norm(x, self.input_norm, self.eps))  # [T, (H + 2 KVH) D]
+        qk = rotate(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)  # [T, H + KVH, D]
+        v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
+        o = paged_attention(qk[:, :h], qk[:, h:], v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        x = self.o_proj(o.reshape(t, h * d)).add_(x)
+        gate, up = self.gate_up_proj(rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up)).add_(x)
 
 
-# Checkpoint tensors concatenated (in this order, along the output dim) into one fused matmul.
+# Checkpoint tensors concatenated (in this order, along the output dim) into one fused matmul:
+# fewer, larger matmuls, which matters most for decode where each is a thin matrix-vector product.
 _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_len: int, rope_freqs: torch.Tensor | None = None):
-        super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = Rotary(config, max_len, rope_freqs)
+class LlamaModel:
+    """The decoder over a paged KV cache; linear layers are kernels from ``linear.py``.
 
-    def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named float tensors in; tied embeddings share one tensor."""
-        tensors = dict(tensors)
-        for i in range(self.config.num_layers):
+    ``weight_format``: "dense" (every weight a float matrix in the compute dtype), "file" (the
+    file's own 4/8-bit groups where it stores them, run by the group kernels), "int4"/"int8"
+    (every decoder layer in groups of that width, quantized here where the file has none). The
+    output projection stays 8-bit or dense: its logits decide greedy choices and logprobs.
+    """
+
+    def __init__(
+        self,
+        weights: LoadedWeights,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        weight_format: str = "dense",
+    ):
+        cfg = self.config = weights.config
+        tensors = weights.tensors
+        self.requantized = False  # whether any layer holds numbers other than the file's
+
+        def tensor(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise ValueError(f"weights missing from the checkpoint: {name}")
+            return tensors[name]
+
+        def stored_groups(names: list[str]):
+            for table, cat in ((weights.int4, Int4Groups.cat), (weights.int8, Int8Groups.cat)):
+                if all(n in table for n in names):
+                    return cat([table[n] for n in names]) if len(names) > 1 else table[names[0]]
+            return None
+
+        def linear(names: list[str], shape: tuple[int, int], fmt: str, bias_names=()):
+            w = torch.cat([tensor(n) for n in names]) if len(names) > 1 else tensor(names[0])
+            if tuple(w.shape) != shape:
+                raise ValueError(f"{names[0]}: shape {tuple(w.shape)} != {shape}")
+            biases = [tensors.get(n) for n in bias_names]
+            b = torch.cat(biases) if biases and all(x is not None for x in biases) else None
+            groups = stored_groups(names)
+            lin = make_linear(w, b, fmt, dtype, device, groups)
+            if lin.kind != "dense" and (groups is None or lin.kind != _KIND[type(groups)]):
+                self.requantized = True
+            return lin
+
+        h, kvh, d, hid = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        inter = cfg.intermediate_size
+        self.layers = []
+        for i in range(cfg.num_layers):
             pre = f"model.layers.{i}."
-            for fused, parts in _FUSED.items():
-                for kind in ("weight", "bias"):
-                    names = [f"{pre}{p}.{kind}" for p in parts]
-                    if all(n in tensors for n in names):
-                        tensors[f"{pre}{fused}.{kind}"] = torch.cat([tensors.pop(n) for n in names])
-        own = dict(self.named_parameters())
-        missing = []
-        with torch.no_grad():
-            for name, p in own.items():
-                src_name = name if name.startswith("lm_head") else "model." + name
-                src = tensors.get(src_name)
-                if src is None and name == "lm_head.weight":
-                    src = tensors.get("model.embed_tokens.weight")
-                if src is None:
-                    missing.append(src_name)
-                    continue
-                if tuple(src.shape) != tuple(p.shape):
-                    raise ValueError(f"{src_name}: shape {tuple(src.shape)} != {tuple(p.shape)}")
-                p.copy_(src)
-        if missing:
-            raise ValueError(f"weights missing from the checkpoint: {missing[:5]}")
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+
+            def fused(name: str, shape: tuple[int, int], pre=pre) -> object:
+                parts = [f"{pre}{p}" for p in _FUSED.get(name, (name,))]
+                return linear([p + ".weight" for p in parts], shape, weight_format,
+                              [p + ".bias" for p in parts])  # fmt: skip
+
+            norms = tuple(
+                tensor(f"{pre}{n}.weight").to(device=device, dtype=dtype)
+                for n in ("input_layernorm", "post_attention_layernorm")
+            )
+            self.layers.append(DecoderLayer(
+                cfg, norms,
+                fused("self_attn.qkv_proj", ((h + 2 * kvh) * d, hid)),
+                fused("self_attn.o_proj", (hid, h * d)),
+                fused("mlp.gate_up_proj", (2 * inter, hid)),
+                fused("mlp.down_proj", (hid, inter)),
+            ))  # fmt: skip
+        self.embed_weight = tensor("model.embed_tokens.weight").to(device=device, dtype=dtype)
+        self.norm = tensor("model.norm.weight").to(device=device, dtype=dtype)
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in tensors
+        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        head_fmt = {"dense": "dense", "file": "file"}.get(weight_format, "int8")
+        self.lm_head = linear([head_name], (cfg.vocab_size, hid), head_fmt)
+        if tied and self.lm_head.kind == "dense":
+            self.lm_head.weight = self.embed_weight  # one tensor for both (packing copies it)
+        self.rotary = Rotary(cfg, max_len, tensors.get("rope_freqs"), device)
+        self.dtype = dtype
+
+    def describe(self) -> str:
+        """What the linear layers run as, e.g. 'q4 layers (57.0 MB) + q8 head (29.9 MB), float32
+        activations'."""
+        kinds = "+".join(sorted({lin.kind for layer in self.layers for lin in _linears(layer)}))
+        nbytes = sum(lin.nbytes for layer in self.layers for lin in _linears(layer))
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"{kinds} layers ({nbytes / 1e6:.1f} MB) + {self.lm_head.kind} head "
+            f"({self.lm_head.nbytes / 1e6:.1f} MB), {dtype} activations"
+        )
 
     @torch.inference_mode()
-    def forward(
+    def __call__(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
@@ -179,10 +203,18 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         logits_index: torch.Tensor,  # [N] rows of the batch that need logits
     ) -> torch.Tensor:  # [N, vocab] float32
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x = F.embedding(input_ids, self.embed_weight)  # [T, hidden]
+        cos, sin = self.rotary.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, kv_k[i], kv_v[i], meta)
+            x = layer(x, cos, sin, kv_k[i], kv_v[i], meta)
         # Logits only where a token is sampled: the last position of each finished prefill and
         # every decode. Projecting all T rows onto a 49k vocabulary would dominate prefill.
-        h = self.norm(x.index_select(0, logits_index))
+        h = rms_norm(x.index_select(0, logits_index), self.norm, self.config.rms_norm_eps)
         return self.lm_head(h).float()
+
+
+_KIND = {Int4Groups: "q4", Int8Groups: "q8"}
+
+
+def _linears(layer: DecoderLayer):
+    return (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)

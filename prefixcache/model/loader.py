@@ -72,6 +72,23 @@ class Int4Groups:
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Int8Groups:
+    """A weight the file stores as int8 groups of 32 with one scale each (GGUF Q8_0), kept as
+    stored: ``w[o, i] = q[o, i] * scale[o, i // 32]`` (exact in float32)."""
+
+    q: torch.Tensor  # [out, in] int8
+    scale: torch.Tensor  # [out, in / 32] float32 (exact copies of the file's float16)
+
+    def dequantize(self) -> torch.Tensor:  # [out, in] float32
+        out, n = self.q.shape
+        return (self.q.view(out, n // 32, 32).float() * self.scale.unsqueeze(-1)).view(out, n)
+
+    @staticmethod
+    def cat(parts: list[Int8Groups]) -> Int8Groups:
+        return Int8Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+
+
 @dataclass
 class LoadedWeights:
     config: ModelConfig
@@ -82,6 +99,9 @@ class LoadedWeights:
     # Linear weights stored as 4-bit groups in the file (GGUF Q4_0/Q4_1), under the same names
     # as their float32 copies in ``tensors`` (which equal ``Int4Groups.dequantize()``).
     int4: dict[str, Int4Groups] = field(default_factory=dict)
+    # The same for weights stored as 8-bit groups (GGUF Q8_0; the default model's embedding,
+    # which is also its output projection).
+    int8: dict[str, Int8Groups] = field(default_factory=dict)
 
 
 # ---- Hugging Face directory -----------------------------------------------------------------
@@ -176,6 +196,19 @@ def _int4_groups(data: np.ndarray, kind, shape: tuple[int, int]) -> Int4Groups |
     )
 
 
+def _int8_groups(data: np.ndarray, kind, shape: tuple[int, int]) -> Int8Groups | None:
+    """The groups of a GGUF Q8_0 tensor (a float16 d, then 32 int8), or None for another type."""
+    import gguf
+
+    if kind != gguf.GGMLQuantizationType.Q8_0:
+        return None
+    out, n = shape
+    blocks = np.ascontiguousarray(data).reshape(-1, 34)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    q = blocks[:, 2:].copy().view(np.int8)
+    return Int8Groups(torch.from_numpy(q.reshape(out, n)), torch.from_numpy(d.reshape(out, n // 32)))
+
+
 def _gguf_field(reader, key: str, default=None):
     f = reader.fields.get(key)
     if f is None:
@@ -246,6 +279,7 @@ def _load_gguf(path: Path) -> LoadedWeights:
     }
     tensors: dict[str, torch.Tensor] = {}
     int4: dict[str, Int4Groups] = {}
+    int8: dict[str, Int8Groups] = {}
     digest = hashlib.sha256()
     for t in reader.tensors:
         digest.update(t.name.encode())
@@ -259,14 +293,14 @@ def _load_gguf(path: Path) -> LoadedWeights:
             hf = f"model.layers.{layer}.{rename[base]}.{kind}"
         else:
             hf = f"{rename[parts[0]]}.{parts[1]}"
-        groups = None
-        if parts[0] == "blk" and len(t.shape) == 2:
-            groups = _int4_groups(t.data, t.tensor_type, (int(t.shape[1]), int(t.shape[0])))
+        shape = (int(t.shape[1]), int(t.shape[0])) if len(t.shape) == 2 else None
+        heads_of = {"attn_q": heads, "attn_k": kv_heads}
+        permute = arch in ("llama", "mistral") and parts[0] == "blk" and parts[2] in heads_of
+        groups = _int4_groups(t.data, t.tensor_type, shape) if shape else None
         if groups is not None:
             # Rows (output features) are independent, so the rope permutation applies to the
             # groups as to the float weights.
-            heads_of = {"attn_q": heads, "attn_k": kv_heads}
-            if arch in ("llama", "mistral") and parts[2] in heads_of:
+            if permute:
                 n = heads_of[parts[2]]
                 groups = Int4Groups(
                     *(torch.from_numpy(_reverse_rope_permute(x.numpy(), n).copy())
@@ -276,14 +310,22 @@ def _load_gguf(path: Path) -> LoadedWeights:
             int4[hf] = groups
             tensors[hf] = groups.dequantize()
             continue
+        groups8 = _int8_groups(t.data, t.tensor_type, shape) if shape else None
+        if groups8 is not None:
+            if permute:
+                n = heads_of[parts[2]]
+                groups8 = Int8Groups(
+                    *(torch.from_numpy(_reverse_rope_permute(x.numpy(), n).copy())
+                      for x in (groups8.q, groups8.scale))
+                )  # fmt: skip
+            int8[hf] = groups8
+            tensors[hf] = groups8.dequantize()
+            continue
         arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        if arch in ("llama", "mistral") and parts[0] == "blk":
-            if parts[2] == "attn_q":
-                arr = _reverse_rope_permute(arr, heads)
-            elif parts[2] == "attn_k":
-                arr = _reverse_rope_permute(arr, kv_heads)
+        if permute:
+            arr = _reverse_rope_permute(arr, heads_of[parts[2]])
         tensors[hf] = torch.from_numpy(np.array(arr, copy=not arr.flags.writeable, order="C"))
-    return LoadedWeights(config, tensors, path, digest.hexdigest(), int4)
+    return LoadedWeights(config, tensors, path, digest.hexdigest(), int4, int8)
 
 
 def load_weights(model: str | Path | None) -> LoadedWeights:

@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from prefixcache import kernels
 from prefixcache.kv.pool import KVCache, KVLayout
 from prefixcache.model.attention import build_metadata
 from prefixcache.model.llama import LlamaModel
@@ -19,6 +20,23 @@ from prefixcache.scheduler import ScheduledSeq
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def weight_format(quantization: str, device: torch.device) -> str:
+    """The ``LlamaModel`` weight format a ``quantization`` setting runs as (see linear.py).
+
+    auto: on CPU, the file's own 4/8-bit groups where it stores them (GGUF Q4_0/Q4_1/Q8_0), run
+    by the group kernels with float32 activations: the same numbers as dense, less to read.
+    """
+    if quantization in ("int4", "int8"):
+        if device.type != "cpu":
+            raise ValueError(
+                f"quantization {quantization!r} runs on CPU only; use 'none' on {device}"
+            )
+        return quantization
+    if quantization == "auto" and device.type == "cpu" and kernels.available():
+        return "file"
+    return "dense"
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -37,18 +55,13 @@ class ModelRunner:
         device: torch.device,
         max_model_len: int,
         layout: KVLayout,
+        weight_format: str = "dense",
     ):
         self.config = weights.config
         self.device = device
         self.dtype = dtype
         self.block_size = layout.block_size
-        model = LlamaModel(weights.config, max_model_len, weights.tensors.get("rope_freqs"))
-        model.load(weights.tensors)
-        # Parameters take the compute dtype; the rotary tables stay float32 for accuracy.
-        for p in model.parameters():
-            p.data = p.data.to(device=device, dtype=dtype)
-        model.rotary.to(device)
-        self.model = model.eval()
+        self.model = LlamaModel(weights, max_model_len, dtype, device, weight_format)
         self.kv = KVCache(weights.config, layout, dtype, device)
 
     @torch.inference_mode()

@@ -1,0 +1,103 @@
+"""Native CPU kernels of our own, built on first use with the compiler torch's extensions use.
+
+One source file, ``group_linear.cpp``: fused dequantize + matmul for weights in groups of 32
+(4-bit and 8-bit), float32 activations. It is compiled once per environment into
+``$PREFIXCACHE_KERNELS_DIR`` or ``<venv>/share/prefixcache-kernels/torch-<version>`` (the
+user cache directory when the environment is read-only), and rebuilt when the source or flags
+change (torch's extension loader hashes them); ``make install`` builds it so that no start
+pays the ~30 s compile.
+
+``available()`` is False (and the engine falls back to dense float32 layers, slower but the same
+numbers) when the CPU lacks AVX2/FMA, the platform is not x86-64, no compiler works, or
+``PREFIXCACHE_NO_KERNELS=1`` is set. The reason is logged once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("group_linear.cpp")
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno"]
+
+
+def build_dir() -> Path:
+    env = os.environ.get("PREFIXCACHE_KERNELS_DIR")
+    if env:
+        return Path(env).expanduser()
+    leaf = f"torch-{torch.__version__}"
+    venv = Path(sys.prefix) / "share" / "prefixcache-kernels" / leaf
+    if os.access(sys.prefix, os.W_OK):
+        return venv
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "prefixcache-kernels" / leaf
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def unavailable_reason() -> str | None:
+    if os.environ.get("PREFIXCACHE_NO_KERNELS") == "1":
+        return "PREFIXCACHE_NO_KERNELS=1"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"no kernels for {platform.machine()}"
+    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
+    if missing:
+        return f"CPU lacks {', '.join(sorted(missing))}"
+    return None
+
+
+@functools.cache
+def available() -> bool:
+    """Whether ``torch.ops.prefixcache.q4_linear`` / ``q8_linear`` can be called (builds them on
+    the first call in a process; later processes load the built library)."""
+    reason = unavailable_reason()
+    if reason is None:
+        try:
+            _build()
+            return True
+        except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as e:
+            # a missing compiler or ninja, a compile error
+            reason = f"build failed: {e}".splitlines()[0]
+    log.warning("prefixcache CPU kernels unavailable (%s): quantized layers run dense", reason)
+    return False
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name="prefixcache_kernels",
+        sources=[str(_SOURCE)],
+        extra_cflags=_FLAGS,
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def q4_linear(x, q, scale, offset):
+    return torch.ops.prefixcache.q4_linear(x, q, scale, offset)
+
+
+def q8_linear(x, q, scale):
+    return torch.ops.prefixcache.q8_linear(x, q, scale)

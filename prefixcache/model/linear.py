@@ -1,0 +1,178 @@
+"""Linear layers as kernels chosen once at load time.
+
+A model's matmuls are ``y = x W^T (+ b)`` with ``x: [M, in]``; M is the number of rows in the
+step (1 for a single decode, thousands for a prefill). Two kinds of layer:
+
+- ``DenseLinear``: W in the compute dtype. On CPU through oneDNN with the weight reordered
+  once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` /
+  ``_linear_pointwise``, what inductor's freezing emits): measured faster than MKL's
+  ``F.linear`` at small M on this machine (the 49k x 576 output projection at M = 8: 9.6 ms vs
+  27 ms), the same at large M. Falls back to ``F.linear`` where oneDNN is missing (CUDA, or
+  bf16 on a CPU without AVX-512).
+- ``GroupLinear``: W stored in groups of 32 along the input dimension, 4-bit (``w = q d + m``)
+  or 8-bit (``w = q d``), as GGUF's Q4_0/Q4_1/Q8_0 store them. Up to ``LARGE_M`` rows it runs
+  our fused dequantize-matmul kernel (``prefixcache/kernels``), which reads 4 or 8 bits per
+  weight instead of 32 and keeps float32 activations and sums; above, the float32 GEMM over
+  the dequantized weights (the kernel is compute-bound at large M, the GEMM is not). Both
+  paths hold the same float32 weights, so they differ by float32 summation order only: a
+  token's K/V are the same, to float32 rounding, whether it was computed in a decode or in a
+  prefill, which is what cold == warm rests on.
+
+Why not aten's ``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm`` (measured, see
+docs/benchmarks.md): they take bf16 activations only and return bf16. Rounding activations to
+bf16 at every layer turns float32 summation noise (different batch shapes in a cold and a warm
+run) into whole bf16 steps on some elements, and greedy outputs of the same prompt then differed
+cold vs warm in the engine tests.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from prefixcache import kernels
+from prefixcache.model.loader import Int4Groups, Int8Groups
+
+GROUP = 32
+# Rows above which a group layer runs the float32 GEMM over its dequantized weights instead of
+# the fused kernel, whose cost grows with M (it rebuilds each weight once per tile of 4 rows)
+# while the GEMM's stays flat until it is compute-bound. Measured on the default model's layers
+# (see docs/benchmarks.md, "Linear kernels").
+LARGE_M = 32
+
+
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU can run oneDNN's packed linear in ``dtype`` (bf16 needs AVX-512)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=dtype), w, None, "none", [None], "")
+        return True
+    except (RuntimeError, AttributeError):
+        return False
+
+
+class DenseLinear:
+    """y = x W^T + b in W's dtype."""
+
+    kind = "dense"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight  # the plain layout stays: F.linear fallback, tests, tied embeddings
+        self.bias = bias
+        self.packed = None
+        if weight.device.type == "cpu" and onednn_packs(weight.dtype):
+            # The batch-size hint only tunes the layout; any M is accepted.
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+    @property
+    def nbytes(self) -> int:  # what one call reads
+        return self.weight.numel() * self.weight.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+class GroupLinear:
+    """Weights in groups of 32 (``Int4Groups`` or ``Int8Groups``), float32 activations."""
+
+    def __init__(
+        self,
+        groups: Int4Groups | Int8Groups,
+        bias: torch.Tensor | None = None,
+        large_m: int = LARGE_M,
+    ):
+        if isinstance(groups, Int4Groups):
+            if groups.group_size != GROUP:
+                raise ValueError(f"4-bit groups of {groups.group_size}; the kernel takes {GROUP}")
+            self.kind = "q4"
+            out, n = groups.q.shape
+            pairs = groups.q.view(out, n // GROUP, 2, GROUP // 2)  # kernel layout: GGUF nibbles
+            self.q = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(out, n // 2).contiguous()
+            self.offset = groups.offset.float().contiguous()
+        else:
+            self.kind = "q8"
+            self.q = groups.q.contiguous()
+            self.offset = None
+        self.scale = groups.scale.float().contiguous()
+        self.out_features, self.in_features = groups.q.shape
+        # The large-M path; the kernel rebuilds these same float32 values (q * d + m, one
+        # rounding, like the loader's dequantization).
+        self.dense = DenseLinear(groups.dequantize().contiguous())
+        self.bias = None if bias is None else bias.float()
+        # Without the kernels (no compiler, no AVX2) every call takes the dense path: the same
+        # numbers, at dense speed.
+        self.large_m = large_m if kernels.available() else -1
+
+    @property
+    def nbytes(self) -> int:  # what a small-M call reads
+        extra = 0 if self.offset is None else self.offset.numel() * 4
+        return self.q.numel() + self.scale.numel() * 4 + extra
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        if x.shape[0] > self.large_m:
+            y = self.dense(xf)
+        elif self.offset is not None:
+            y = kernels.q4_linear(xf, self.q, self.scale, self.offset)
+        else:
+            y = kernels.q8_linear(xf, self.q, self.scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype)
+
+
+def quantize_int4(weight: torch.Tensor) -> Int4Groups:
+    """Asymmetric 4-bit groups of 32 (min/max per group, like GGUF Q4_1) of a float weight."""
+    out, n = _check_groups(weight)
+    g = weight.float().view(out, n // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round((g - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
+    return Int4Groups(q.view(out, n), scale, lo, GROUP)
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Groups:
+    """Symmetric int8 groups of 32 (absmax / 127 per group, like GGUF Q8_0) of a float weight."""
+    out, n = _check_groups(weight)
+    g = weight.float().view(out, n // GROUP, GROUP)
+    scale = (g.abs().amax(-1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(g / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return Int8Groups(q.view(out, n), scale)
+
+
+def _check_groups(weight: torch.Tensor) -> tuple[int, int]:
+    out, n = weight.shape
+    if n % GROUP:
+        raise ValueError(f"grouped weights need in_features divisible by {GROUP}, got {n}")
+    return out, n
+
+
+def make_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    fmt: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    groups: Int4Groups | Int8Groups | None = None,
+):
+    """The layer for one weight. ``fmt``: "dense"; "file" (the file's own groups when it has
+    them, else dense); "int4" / "int8" (the file's groups of that width when it has them, else
+    quantized here). ``weight`` is the float32 weight (equal to ``groups.dequantize()``)."""
+    if fmt == "file" and groups is not None:
+        return GroupLinear(groups, bias)
+    if fmt == "int4":
+        return GroupLinear(groups if isinstance(groups, Int4Groups) else quantize_int4(weight), bias)
+    if fmt == "int8":
+        return GroupLinear(groups if isinstance(groups, Int8Groups) else quantize_int8(weight), bias)
+    if fmt not in ("dense", "file"):
+        raise ValueError(f"unknown weight format {fmt!r}")
+    b = None if bias is None else bias.to(device=device, dtype=dtype)
+    return DenseLinear(weight.to(device=device, dtype=dtype).contiguous(), b)
