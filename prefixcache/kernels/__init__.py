@@ -81,9 +81,19 @@ def available() -> bool:
 
 
 def _build() -> None:
+    """Load the library built for this exact source and flags, building it first if needed.
+    The directory name is a digest of both, so a changed source never loads an old build, and
+    a loaded build never re-runs the compiler (torch's loader would re-check with ninja, and
+    rebuild whenever the checkout's path changed)."""
+    import xxhash
     from torch.utils import cpp_extension
 
-    directory = build_dir()
+    key = xxhash.xxh3_64(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()
+    directory = build_dir() / key
+    library = directory / "prefixcache_kernels.so"
+    if library.is_file():
+        torch.ops.load_library(str(library))
+        return
     directory.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name="prefixcache_kernels",
