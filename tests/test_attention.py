@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from prefixcache import kernels
 from prefixcache.model import decode_attention as da
 from prefixcache.model.attention import build_metadata, paged_attention
 
@@ -44,13 +45,15 @@ class World:
     def blocks(self, n):
         return [self.free.pop() for _ in range(n)]
 
-    def run(self, tables, done, new, share=True):
+    def run(self, tables, done, new, share=True, native=False):
         """paged_attention for one step and the dense reference for every sequence."""
         t = sum(new)
         q = torch.randn(t, H, D, generator=self.gen).to(self.dtype)
         k_new = torch.randn(t, KVH, D, generator=self.gen).to(self.dtype)
         v_new = torch.randn(t, KVH, D, generator=self.gen).to(self.dtype)
-        meta = build_metadata(tables, done, new, BS, torch.device("cpu"), share_prefixes=share)
+        meta = build_metadata(
+            tables, done, new, BS, torch.device("cpu"), share_prefixes=share, native=native
+        )
         k, v = self.k.clone(), self.v.clone()
         out = paged_attention(q, k_new, v_new, k, v, meta, D**-0.5)
         refs, start = [], 0
@@ -116,13 +119,18 @@ def test_bucket_by_length():
     assert da.bucket_by_length([5, 5, 5], 16) == [[0, 1, 2]]
 
 
-def test_mixed_prefill_and_decode_batch():
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
+NATIVE = [False, pytest.param(True, marks=needs_kernels, id="native")]
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_mixed_prefill_and_decode_batch(native):
     w = World(128)
     shared = w.blocks(8)
     tables = [shared + w.blocks(2), shared + w.blocks(2), shared + w.blocks(4), w.blocks(5)]
     # two decodes sharing the prefix, a prefill chunk over the cached prefix, a fresh prompt
     done, new = [33, 36, 32, 0], [1, 1, 9, 17]
-    out, ref, meta = w.run(tables, done, new)
+    out, ref, meta = w.run(tables, done, new, native=native)
     assert len(meta.seqs) == 2 and meta.decode.rows.tolist() == [0, 1]
     assert torch.allclose(out.double(), ref, atol=1e-5)
 
@@ -136,10 +144,12 @@ def test_bfloat16_sharing_close_to_dense():
     assert torch.allclose(out.double(), ref, atol=3e-2)
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("seed", range(5))
-def test_random_trees_shared_equals_unshared(seed):
+def test_random_trees_shared_equals_unshared(seed, native):
     """Random prefix trees, contexts ending on and next to block boundaries: the shared path
-    gives the same outputs as attending every row over its own context."""
+    gives the same outputs as attending every row over its own context (the native kernel
+    too: it reads K/V in place, segments once, tails unpadded)."""
     rng = random.Random(seed)
     w = World(512, seed=seed)
     roots = [w.blocks(rng.randint(4, 10)) for _ in range(3)]
@@ -150,11 +160,11 @@ def test_random_trees_shared_equals_unshared(seed):
         own = rng.randint(1, 3)
         tables.append(base + w.blocks(own))
         done.append(len(base) * BS + rng.choice([0, 1, BS - 1, own * BS - 1]))
-    out, ref, meta = w.run(tables, done, [1] * len(tables))
-    assert meta.decode.segments  # the tree is shared somewhere
+    out, ref, meta = w.run(tables, done, [1] * len(tables), native=native)
+    assert meta.decode.segment_sizes()  # the tree is shared somewhere
     assert torch.allclose(out.double(), ref, atol=1e-5)
-    plain_out, plain_ref, plain_meta = w.run(tables, done, [1] * len(tables), share=False)
-    assert plain_meta.decode.segments == ()
+    plain_out, plain_ref, plain_meta = w.run(tables, done, [1] * len(tables), False, native)
+    assert plain_meta.decode.segment_sizes() == []
     assert torch.allclose(plain_out.double(), plain_ref, atol=1e-5)
 
 

@@ -1,7 +1,8 @@
 """Native CPU kernels of our own, built on first use with the compiler torch's extensions use.
 
-One source file, ``group_linear.cpp``: fused dequantize + matmul for weights in groups of 32
-(4-bit and 8-bit), float32 activations. It is compiled once per environment into
+``group_linear.cpp``: fused dequantize + matmul for weights in groups of 32 (4-bit and
+8-bit), float32 activations. ``decode_attention.cpp``: decode attention reading the paged cache
+in place, shared prefixes once. ``fused_ops.cpp``: RMSNorm, SiLU-and-multiply, rotary. It is compiled once per environment into
 ``$PREFIXCACHE_KERNELS_DIR`` or ``<venv>/share/prefixcache-kernels/torch-<version>`` (the
 user cache directory when the environment is read-only), and rebuilt when the source or flags
 change (torch's extension loader hashes them); ``make install`` builds it so that no start
@@ -26,7 +27,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("group_linear.cpp")
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / n for n in ("group_linear.cpp", "decode_attention.cpp", "fused_ops.cpp")]
+_HEADERS = [_HERE / "vec.h"]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno"]
 
 
@@ -88,7 +91,10 @@ def _build() -> None:
     import xxhash
     from torch.utils import cpp_extension
 
-    key = xxhash.xxh3_64(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()
+    h = xxhash.xxh3_64(" ".join(_FLAGS).encode())
+    for f in _SOURCES + _HEADERS:
+        h.update(f.read_bytes())
+    key = h.hexdigest()
     directory = build_dir() / key
     library = directory / "prefixcache_kernels.so"
     if library.is_file():
@@ -97,12 +103,30 @@ def _build() -> None:
     directory.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name="prefixcache_kernels",
-        sources=[str(_SOURCE)],
+        sources=[str(f) for f in _SOURCES],
         extra_cflags=_FLAGS,
         build_directory=str(directory),
         is_python_module=False,
         verbose=False,
     )
+
+
+def decode_attention(q, k_cache, v_cache, rows_off, rows, slots_off, slots, scale: float):
+    return torch.ops.prefixcache.decode_attention(
+        q, k_cache, v_cache, rows_off, rows, slots_off, slots, scale
+    )
+
+
+def rms_norm(x, w, eps: float):
+    return torch.ops.prefixcache.rms_norm(x, w, eps)
+
+
+def silu_mul(gate_up):
+    return torch.ops.prefixcache.silu_mul(gate_up)
+
+
+def rope_(qkv, heads: int, cos, sin) -> None:
+    torch.ops.prefixcache.rope_(qkv, heads, cos, sin)
 
 
 def q4_linear(x, q, scale, offset):

@@ -19,19 +19,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
+#include <algorithm>
+
+#include "vec.h"
 
 namespace {
 
+using prefixcache::hsum;
+
 constexpr int64_t kGroup = 32;
 constexpr int kTile = 4;  // rows of x per pass over a weight row: 8 accumulators + 4 weights
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 struct Q4 {
   static constexpr int64_t kBytesPerGroup = 16;

@@ -51,10 +51,12 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     share_prefixes: bool = True,
+    native: bool = False,
 ) -> AttentionMetadata:
     """Slot ids and masks for one step. ``num_computed[i]`` tokens of sequence i are cached;
     its ``num_new[i]`` new tokens follow them. ``share_prefixes=False`` attends every decode over
-    its own gathered context (the reference the shared-prefix path is tested against)."""
+    its own gathered context (the reference the shared-prefix path is tested against).
+    ``native``: decodes attend through the native kernel (float32 CPU with the kernels built)."""
     slots: list[torch.Tensor] = []
     seqs: list[SeqAttention] = []
     dec_rows: list[int] = []
@@ -79,7 +81,7 @@ def build_metadata(
     decode = None
     if dec_rows:
         decode = build_decode_batch(
-            dec_rows, dec_tables, dec_lens, block_size, device, share_prefixes
+            dec_rows, dec_tables, dec_lens, block_size, device, share_prefixes, native
         )
     return AttentionMetadata(slot_mapping, seqs, decode)
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixcache import kernels
+
 # A segment is worth its fixed cost (about a dozen tensor ops per layer) only when it replaces a
 # few gathers of a long run: at least this many sequences and blocks.
 MIN_SEGMENT_SEQS = 2
@@ -58,12 +60,34 @@ class TailBucket:
 
 
 @dataclass(frozen=True)
+class NativeParts:
+    """The same plan for the native kernel (prefixcache/kernels/decode_attention.cpp), flat:
+    part p is decode rows ``rows[rows_off[p]:rows_off[p+1]]`` (0..Bd-1) attending slots
+    ``slots[slots_off[p]:slots_off[p+1]]``; segments first, then one part per row's tail. The
+    kernel reads K/V where they lie, so tails need no padding and nothing is gathered."""
+
+    rows_off: torch.Tensor  # [P + 1] long
+    rows: torch.Tensor  # long
+    slots_off: torch.Tensor  # [P + 1] long
+    slots: torch.Tensor  # long
+
+
+@dataclass(frozen=True)
 class DecodeBatch:
     """All single-token decodes of a step."""
 
     rows: torch.Tensor  # [Bd] long: their rows in the flat batch
-    tails: tuple[TailBucket, ...]  # every decode row is in exactly one
+    tails: tuple[TailBucket, ...]  # every decode row is in exactly one (empty with native)
     segments: tuple[SharedSegment, ...]
+    native: NativeParts | None = None
+
+    def segment_sizes(self) -> list[int]:
+        """Rows sharing each segment (either path). Tails are parts of one row; segments have
+        at least MIN_SEGMENT_SEQS >= 2."""
+        if self.native is None:
+            return [len(s.rows) for s in self.segments]
+        sizes = (self.native.rows_off[1:] - self.native.rows_off[:-1]).tolist()
+        return [n for n in sizes if n >= MIN_SEGMENT_SEQS]
 
 
 def plan_decodes(
@@ -122,9 +146,14 @@ def build_decode_batch(
     block_size: int,
     device: torch.device,
     share_prefixes: bool = True,
+    native: bool = False,
 ) -> DecodeBatch:
     segs, tail_start = plan_decodes(tables, ctx_lens, block_size, share_prefixes)
     tails = [slots_of(t, s, c, block_size) for t, s, c in zip(tables, tail_start, ctx_lens)]
+    if native:
+        return DecodeBatch(
+            torch.tensor(rows, device=device), (), (), _native_parts(segs, tails, block_size)
+        )
     buckets = bucket_by_length([len(x) for x in tails], block_size)
     offsets = torch.arange(block_size)
     segments = tuple(
@@ -140,6 +169,25 @@ def build_decode_batch(
         torch.tensor(rows, device=device),
         tuple(_tail_bucket(b, tails, len(buckets) == 1, device) for b in buckets),
         segments,
+    )
+
+
+def _native_parts(segs, tails: list[torch.Tensor], block_size: int) -> NativeParts:
+    offsets = torch.arange(block_size)
+    part_rows = [seg_rows for seg_rows, _ in segs] + [[r] for r in range(len(tails))]
+    part_slots = [
+        (torch.tensor(blocks, dtype=torch.long)[:, None] * block_size + offsets).reshape(-1)
+        for _, blocks in segs
+    ] + tails
+
+    def offs(sizes: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *sizes], dtype=torch.long).cumsum(0)
+
+    return NativeParts(
+        offs([len(r) for r in part_rows]),
+        torch.tensor([r for rs in part_rows for r in rs], dtype=torch.long),
+        offs([len(x) for x in part_slots]),
+        torch.cat(part_slots),
     )
 
 
@@ -176,6 +224,12 @@ def attend_decodes(
     scale: float,
 ) -> torch.Tensor:  # [Bd, H, D]
     bd, (_, h, dim) = d.rows.shape[0], q.shape
+    if d.native is not None:
+        n = d.native
+        qd = q.index_select(0, d.rows)  # [Bd, H, D] contiguous
+        return kernels.decode_attention(
+            qd, k_cache, v_cache, n.rows_off, n.rows, n.slots_off, n.slots, scale
+        )
     kvh = k_cache.shape[0]
     g = h // kvh
     # Query heads that share a KV head side by side; the KV head is the batch dimension of

@@ -11,12 +11,15 @@ import math
 import torch
 import torch.nn.functional as F
 
+from prefixcache import kernels
 from prefixcache.model.attention import AttentionMetadata, paged_attention
 from prefixcache.model.linear import make_linear
 from prefixcache.model.loader import Int4Groups, Int8Groups, LoadedWeights, ModelConfig
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool = False) -> torch.Tensor:
+    if native:  # one pass in C++ (prefixcache/kernels/fused_ops.cpp)
+        return kernels.rms_norm(x, weight, eps)
     if x.dtype == torch.float32:  # one fused op; same math as below
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     # Normalise in float32 whatever the weights' dtype, as the reference does.
@@ -64,11 +67,14 @@ class Rotary:
         self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device)  # [max_len, D]
         self.sin_signed = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos, signed sin for the step's positions, [T, 1, D]: built once, used by every layer."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
-        sin = self.sin_signed.index_select(0, positions).unsqueeze(1).to(dtype)
-        return cos, sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype, native: bool = False):
+        """cos, signed sin for the step's positions, [T, 1, D] ([T, D] for the native rotary):
+        built once per step, used by every layer."""
+        cos = self.cos.index_select(0, positions).to(dtype)
+        sin = self.sin_signed.index_select(0, positions).to(dtype)
+        if native:
+            return cos, sin
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -79,21 +85,30 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class DecoderLayer:
     """Attention block then MLP block, each pre-normed with a residual around it."""
 
-    def __init__(self, config: ModelConfig, norms: tuple[torch.Tensor, torch.Tensor], qkv, o, gate_up, down):
+    def __init__(self, config: ModelConfig, norms: tuple[torch.Tensor, torch.Tensor], qkv, o,
+                 gate_up, down, native: bool):  # fmt: skip
         self.input_norm, self.post_norm = norms
         self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj = qkv, o, gate_up, down
         self.h, self.kvh, self.d = config.num_heads, config.num_kv_heads, config.head_dim
         self.eps = config.rms_norm_eps
         self.scale = self.d**-0.5
+        self.native = native  # the fused C++ element-wise ops (float32 on CPU)
 
     def __call__(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
-        t, h, kvh, d = x.shape[0], self.h, self.kvh, self.d
-        qkv = self.qkv_proj(rms_norm(x, self.input_norm, self.eps))  # [T, (H + 2 KVH) D]
-        qk = rotate(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)  # [T, H + KVH, D]
+        t, h, kvh, d, native = x.shape[0], self.h, self.kvh, self.d, self.native
+        qkv = self.qkv_proj(rms_norm(x, self.input_norm, self.eps, native))  # [T, (H + 2 KVH) D]
+        if native:
+            kernels.rope_(qkv, h + kvh, cos, sin)  # q and k heads, in place
+            qk = qkv[:, : (h + kvh) * d].view(t, h + kvh, d)
+        else:
+            qk = rotate(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)  # [T, H + KVH, D]
         v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
         o = paged_attention(qk[:, :h], qk[:, h:], v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
         x = self.o_proj(o.reshape(t, h * d)).add_(x)
-        gate, up = self.gate_up_proj(rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(rms_norm(x, self.post_norm, self.eps, native))
+        if native:
+            return self.down_proj(kernels.silu_mul(gate_up)).add_(x)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up)).add_(x)
 
 
@@ -151,6 +166,11 @@ class LlamaModel:
 
         h, kvh, d, hid = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         inter = cfg.intermediate_size
+        # The fused C++ ops and native decode attention: float32 on CPU, shapes they take.
+        self.native = (
+            device.type == "cpu" and dtype == torch.float32 and d % 16 == 0 and d <= 256
+            and hid % 8 == 0 and inter % 8 == 0 and kernels.available()
+        )  # fmt: skip
         self.layers = []
         for i in range(cfg.num_layers):
             pre = f"model.layers.{i}."
@@ -170,6 +190,7 @@ class LlamaModel:
                 fused("self_attn.o_proj", (hid, h * d)),
                 fused("mlp.gate_up_proj", (2 * inter, hid)),
                 fused("mlp.down_proj", (hid, inter)),
+                self.native,
             ))  # fmt: skip
         self.embed_weight = tensor("model.embed_tokens.weight").to(device=device, dtype=dtype)
         self.norm = tensor("model.norm.weight").to(device=device, dtype=dtype)
@@ -204,12 +225,12 @@ class LlamaModel:
         logits_index: torch.Tensor,  # [N] rows of the batch that need logits
     ) -> torch.Tensor:  # [N, vocab] float32
         x = F.embedding(input_ids, self.embed_weight)  # [T, hidden]
-        cos, sin = self.rotary.tables(positions, x.dtype)
+        cos, sin = self.rotary.tables(positions, x.dtype, self.native)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_k[i], kv_v[i], meta)
         # Logits only where a token is sampled: the last position of each finished prefill and
         # every decode. Projecting all T rows onto a 49k vocabulary would dominate prefill.
-        h = rms_norm(x.index_select(0, logits_index), self.norm, self.config.rms_norm_eps)
+        h = rms_norm(x.index_select(0, logits_index), self.norm, self.config.rms_norm_eps, self.native)
         return self.lm_head(h).float()
 
 

@@ -83,6 +83,7 @@ class ModelRunner:
             [s.num_new_tokens for s in batch],
             self.block_size,
             self.device,
+            native=self.model.native,
         )
         dev = self.device
         return self.model(
