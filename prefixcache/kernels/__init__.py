@@ -30,7 +30,10 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in ("group_linear.cpp", "decode_attention.cpp", "fused_ops.cpp")]
 _HEADERS = [_HERE / "vec.h"]
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno"]
+# -fopenmp: at::parallel_for is a header template that compiles to `#pragma omp parallel` in
+# our library; without the flag it runs on one thread. The library then needs libgomp.so.1,
+# which resolves to the copy torch has already loaded (one OpenMP runtime, one thread pool).
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-fopenmp"]
 
 
 def build_dir() -> Path:
@@ -105,6 +108,7 @@ def _build() -> None:
         name="prefixcache_kernels",
         sources=[str(f) for f in _SOURCES],
         extra_cflags=_FLAGS,
+        extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
         is_python_module=False,
         verbose=False,
