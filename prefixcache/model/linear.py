@@ -37,10 +37,11 @@ from prefixcache.model.loader import Int4Groups, Int8Groups
 
 GROUP = 32
 # Rows above which a group layer runs the float32 GEMM over its dequantized weights instead of
-# the fused kernel, whose cost grows with M (it rebuilds each weight once per tile of 4 rows)
-# while the GEMM's stays flat until it is compute-bound. Measured on the default model's layers
-# (see docs/benchmarks.md, "Linear kernels").
-LARGE_M = 32
+# the fused kernel, whose cost grows with M (it rebuilds each weight once per tile of up to 8
+# rows) while the GEMM's stays flat until it is compute-bound. Measured on the default model's
+# 30 layers, 2 threads (docs/benchmarks.md, "Linear kernels"): kernel / dense 10 / 37 ms at
+# M = 1, 27 / 85 at 8, 88 / 106 at 32, 131 / 174 at 48, 218 / 193 at 64.
+LARGE_M = 48
 
 
 @functools.cache
@@ -93,9 +94,7 @@ class GroupLinear:
             if groups.group_size != GROUP:
                 raise ValueError(f"4-bit groups of {groups.group_size}; the kernel takes {GROUP}")
             self.kind = "q4"
-            out, n = groups.q.shape
-            pairs = groups.q.view(out, n // GROUP, 2, GROUP // 2)  # kernel layout: GGUF nibbles
-            self.q = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(out, n // 2).contiguous()
+            self.q = pack_q4(groups.q)
             self.offset = groups.offset.float().contiguous()
         else:
             self.kind = "q8"
@@ -127,6 +126,19 @@ class GroupLinear:
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
+
+
+# The kernel's nibble order within a group of 32 (prefixcache/kernels/group_linear.cpp, Q4):
+# byte 4 d + b holds weight 8 b + d in its low nibble and weight 8 b + 4 + d in its high one.
+_LOW = [8 * b + d for d in range(4) for b in range(4)]
+_HIGH = [i + 4 for i in _LOW]
+
+
+def pack_q4(q: torch.Tensor) -> torch.Tensor:
+    """[out, in] values 0..15 -> [out, in / 2] bytes in the kernel's order."""
+    out, n = q.shape
+    g = q.view(out, n // GROUP, GROUP)
+    return (g[:, :, _LOW] | (g[:, :, _HIGH] << 4)).reshape(out, n // 2).contiguous()
 
 
 def quantize_int4(weight: torch.Tensor) -> Int4Groups:
