@@ -1,9 +1,11 @@
 """Converted weights and tokenizer kept between starts, so a second start skips the GGUF parse.
 
-Reading the default model (SmolLM2-135M-Instruct, a 98 MB Q4_1 GGUF file) costs ~5 s in
+Reading the default model (SmolLM2-135M-Instruct, a 98 MB Q4_1 GGUF file) costs 5-11 s in
 ``load_weights`` (``gguf.GGUFReader`` builds ~49k vocabulary strings in Python before any tensor,
-then the dequantization) and ~4-6 s more in ``load_tokenizer`` (the same parse again, then the
-BPE pipeline). One cache entry holds both results; read back it takes ~0.3 s:
+then the dequantization) and 4-6 s more in ``load_tokenizer`` (the same parse again, then the
+BPE pipeline): 16.7 s together, median of 3 on the 2-core development machine under a load
+average of ~2. One cache entry holds both results; read back they take 0.75 s there (the file
+digest 0.05 s, checksums 0.15 s, ``Tokenizer.from_str`` 0.1-0.3 s, the tensors are mapped):
 
     load_model(path, cache_dir)  ->  (LoadedWeights, Tokenizer)
 
@@ -19,7 +21,7 @@ Layout, under ``EngineConfig.weights_cache_dir`` ("auto": ``$PREFIXCACHE_CACHE_D
                              other such dict) as <name>:<dict>.<part>, e.g. <name>:int4.q
         tokenizer.json       the ``tokenizers`` pipeline (``Tokenizer.to_str()``)
 
-The entry for the default model is ~640 MB: the float32 copies of the 4-bit weights are kept
+The entry for the default model is ~700 MB: the float32 copies of the 4-bit weights are kept
 (400 MB of it) rather than recomputed (0.8 s on one core). The tensors are memory-mapped, so a
 copy the model never reads (the int4 kernels run the groups) costs neither time nor memory.
 
