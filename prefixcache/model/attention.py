@@ -137,9 +137,9 @@ def _attend(q, k, v, scale):
         qc = qg[:, :, c0:c1].reshape(kvh, g * cq, d)
         scores = torch.bmm(qc, kt[:, :, :end]).mul_(scale)  # [KVH, G*cq, end]
         if cq > 1:
-            causal = torch.ones(cq, end, dtype=torch.bool, device=q.device).tril(end - cq)
-            scores = scores.view(kvh, g, cq, end).masked_fill_(~causal, float("-inf"))
-            scores = scores.view(kvh, g * cq, end)
+            # only the last cq keys can lie in a query's future: mask that square alone
+            future = torch.ones(cq, cq, dtype=torch.bool, device=q.device).triu(1)
+            scores.view(kvh, g, cq, end)[..., end - cq :].masked_fill_(future, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
         out[:, :, c0:c1] = torch.bmm(probs, v[:, :end]).view(kvh, g, cq, d)
     return out.permute(2, 0, 1, 3).reshape(ql, h, d)
