@@ -87,7 +87,6 @@ def test_group_kernel_equals_dense_on_the_files_weights(make, out_f, in_f):
     w = groups.dequantize()
     kernel = GroupLinear(groups, large_m=1 << 30)  # always the fused kernel
     gemm = GroupLinear(groups, large_m=0)  # always the float32 GEMM
-    assert torch.equal(gemm.dense.weight, w)  # the file's float32 numbers, not a copy of them
     g = torch.Generator().manual_seed(7)
     for m in ROWS:
         x = torch.randn(m, in_f, generator=g)
@@ -161,3 +160,21 @@ def test_without_kernels_group_layers_run_dense(monkeypatch):
     x = torch.randn(2, 64)
     assert lin.large_m == -1
     _close(lin(x), x @ groups.dequantize().T, x, groups.dequantize())
+
+
+@needs_kernels
+def test_group_layer_takes_the_callers_dequantized_copy():
+    groups = _q4(64, 96, 8)
+    given = GroupLinear(groups, large_m=0, dequantized=groups.dequantize())
+    computed = GroupLinear(groups, large_m=0)
+    x = torch.randn(5, 96)
+    assert torch.equal(given(x), computed(x))
+
+
+def test_dense_can_drop_its_plain_copy_once_packed():
+    w = torch.randn(32, 64)
+    lin = DenseLinear(w, keep_weight=False)
+    assert (lin.weight is None) == (lin.packed is not None)
+    x = torch.randn(3, 64)
+    _close(lin(x), x @ w.T, x, w)
+    assert lin.nbytes == w.numel() * 4

@@ -62,18 +62,17 @@ class DenseLinear:
 
     kind = "dense"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight=True):
         self.out_features, self.in_features = weight.shape
-        self.weight = weight  # the plain layout stays: F.linear fallback, tests, tied embeddings
+        self.nbytes = weight.numel() * weight.element_size()  # what one call reads
         self.bias = bias
         self.packed = None
         if weight.device.type == "cpu" and onednn_packs(weight.dtype):
             # The batch-size hint only tunes the layout; any M is accepted.
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-
-    @property
-    def nbytes(self) -> int:  # what one call reads
-        return self.weight.numel() * self.weight.element_size()
+        # The plain layout is kept for the F.linear fallback and where others share it (a tied
+        # embedding); keep_weight=False frees it once packed (a second copy of the layer).
+        self.weight = weight if keep_weight or self.packed is None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -89,7 +88,10 @@ class GroupLinear:
         groups: Int4Groups | Int8Groups,
         bias: torch.Tensor | None = None,
         large_m: int = LARGE_M,
+        dequantized: torch.Tensor | None = None,
     ):
+        """``dequantized``: ``groups.dequantize()`` when the caller has it already (the loader's
+        float32 copy); computed otherwise."""
         if isinstance(groups, Int4Groups):
             if groups.group_size != GROUP:
                 raise ValueError(f"4-bit groups of {groups.group_size}; the kernel takes {GROUP}")
@@ -104,7 +106,9 @@ class GroupLinear:
         self.out_features, self.in_features = groups.q.shape
         # The large-M path; the kernel rebuilds these same float32 values (q * d + m, one
         # rounding, like the loader's dequantization).
-        self.dense = DenseLinear(groups.dequantize().contiguous())
+        if dequantized is None:
+            dequantized = groups.dequantize()
+        self.dense = DenseLinear(dequantized.float().contiguous(), keep_weight=False)
         self.bias = None if bias is None else bias.float()
         # Without the kernels (no compiler, no AVX2) every call takes the dense path: the same
         # numbers, at dense speed.
@@ -179,11 +183,15 @@ def make_linear(
     them, else dense); "int4" / "int8" (the file's groups of that width when it has them, else
     quantized here). ``weight`` is the float32 weight (equal to ``groups.dequantize()``)."""
     if fmt == "file" and groups is not None:
-        return GroupLinear(groups, bias)
+        return GroupLinear(groups, bias, dequantized=weight)
     if fmt == "int4":
-        return GroupLinear(groups if isinstance(groups, Int4Groups) else quantize_int4(weight), bias)
+        if isinstance(groups, Int4Groups):
+            return GroupLinear(groups, bias, dequantized=weight)
+        return GroupLinear(quantize_int4(weight), bias)
     if fmt == "int8":
-        return GroupLinear(groups if isinstance(groups, Int8Groups) else quantize_int8(weight), bias)
+        if isinstance(groups, Int8Groups):
+            return GroupLinear(groups, bias, dequantized=weight)
+        return GroupLinear(quantize_int8(weight), bias)
     if fmt not in ("dense", "file"):
         raise ValueError(f"unknown weight format {fmt!r}")
     b = None if bias is None else bias.to(device=device, dtype=dtype)
