@@ -7,7 +7,6 @@ from unittest import mock
 
 import torch
 
-from prefixcache.model.attention import build_metadata
 from prefixcache.model.loader import load_weights
 
 
@@ -23,17 +22,8 @@ def shared_default_weights():
 
 
 def prefill_logits(llm, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of one prefill, run through the engine's model on a private KV
-    cache (the engine's pool is not touched). [len(ids), vocab] float32."""
-    runner = llm.engine.runner
-    cfg, bs, n = runner.config, runner.block_size, len(ids)
-    nblocks = -(-n // bs)
-    shape = (cfg.num_layers, cfg.num_kv_heads, nblocks * bs, cfg.head_dim)
-    k = torch.zeros(shape, dtype=runner.dtype)
-    v = torch.zeros(shape, dtype=runner.dtype)
-    meta = build_metadata([list(range(nblocks))], [0], [n], bs, runner.device)
-    rows = torch.arange(n)
-    return runner.model(torch.tensor(ids), rows, k, v, meta, rows)
+    """Logits at every position of one prefill (ModelRunner.all_logits). [len(ids), vocab]."""
+    return llm.engine.runner.all_logits(ids)
 
 
 # English prose the cold == warm tests cut prompts from: long enough for many blocks.

@@ -1,4 +1,4 @@
-"""Block pool and prefix index (DESIGN.md §4): lifecycle, LRU order, ref counts, pins,
+"""Block pool and prefix index (docs/design.md §4): lifecycle, LRU order, ref counts, pins,
 invalidation, integrity checks, and the collision guard of the index."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Cache keys, format v2 (DESIGN.md §3, docs/design.md): stable across processes, 128-bit, one
+"""Cache keys, format v2 (docs/design.md §3, docs/design.md): stable across processes, 128-bit, one
 key per full block, chained; a fixed byte layout that another implementation can reproduce."""
 
 from __future__ import annotations

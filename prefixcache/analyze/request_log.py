@@ -6,7 +6,7 @@ only what the analyzer needs to measure reuse::
     {"time": 1717171717.25, "tenant": "acme", "namespace": "acme", "num_prompt_tokens": 812,
      "num_cached_tokens": 768, "block_hashes": ["9f0c...", ...]}
 
-``block_hashes`` are the cache keys of the prompt's full blocks (hex; DESIGN.md §3), so the log
+``block_hashes`` are the cache keys of the prompt's full blocks (hex; docs/design.md §3), so the log
 can be analysed without the tokenizer, and two prompts share a logged hash exactly when they
 share the KV of that block. With ``include_text=True`` the prompt text and token ids are written
 too (then the analyzer can re-block at another ``--block-size`` and find cache killers).

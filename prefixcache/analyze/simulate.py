@@ -6,7 +6,7 @@ The cache model, the same for every policy (and the brute-force references in th
   found in the cache when it arrives (the longest cached prefix), then all its blocks are
   inserted and the cache is cut back to C by the policy;
 - among blocks that tie under the policy, the deeper block (the tail of a prompt) goes first,
-  as in the engine (DESIGN.md §4). Every policy below then keeps the cache prefix-closed (a
+  as in the engine (docs/design.md §4). Every policy below then keeps the cache prefix-closed (a
   block's parent is more recent, more frequent and needed no later than the block), so "the
   blocks of the request that are cached" and "its leading cached run" are the same count.
 

@@ -1,6 +1,6 @@
 """The block trie of a log: every distinct block key once, with its parent.
 
-Because a block key hashes its parent key (DESIGN.md §3), a prompt's keys are a path from a
+Because a block key hashes its parent key (docs/design.md §3), a prompt's keys are a path from a
 root (model + namespace) down the trie, and two prompts share exactly the blocks of their common
 path. The trie is built in one streaming pass; a request is then remembered by one number, the
 node of its last full block (its *leaf*), so memory grows with the distinct blocks of the log,

@@ -1,4 +1,4 @@
-"""Block pool: ref counts, the free list, and LRU eviction of cached blocks (DESIGN.md §4).
+"""Block pool: ref counts, the free list, and LRU eviction of cached blocks (docs/design.md §4).
 
     free ──allocate──▶ in use (ref ≥ 1) ──last ref released──▶ cached (ref 0, LRU) ──evict──▶ free
                               ▲                                   │

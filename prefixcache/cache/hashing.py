@@ -1,4 +1,4 @@
-"""Content-addressed block keys, format v2: the hash chain of DESIGN.md §3.
+"""Content-addressed block keys, format v2: the hash chain of docs/design.md §3.
 
 A key names the KV of a block exactly: it depends on the model fingerprint, the namespace, the
 block size and every token before and in the block. Keys are stable across processes and

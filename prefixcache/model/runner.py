@@ -94,3 +94,17 @@ class ModelRunner:
             meta,
             torch.tensor(logits_rows, dtype=torch.long, device=dev),
         )
+
+    @torch.inference_mode()
+    def all_logits(self, ids: list[int]) -> torch.Tensor:
+        """Next-token logits at every position of one prompt, [len(ids), vocab] float32, from a
+        single prefill on a private KV cache (the engine's pool is not touched): for quality
+        measurements (perplexity, KL between weight formats) and parity tests."""
+        cfg, bs, n = self.config, self.block_size, len(ids)
+        nblocks = -(-n // bs)
+        shape = (cfg.num_layers, cfg.num_kv_heads, nblocks * bs, cfg.head_dim)
+        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        meta = build_metadata([list(range(nblocks))], [0], [n], bs, self.device, native=self.model.native)
+        rows = torch.arange(n, device=self.device)
+        return self.model(torch.tensor(ids, device=self.device), rows, k, v, meta, rows)

