@@ -133,9 +133,11 @@ def rope_(qkv, heads: int, cos, sin) -> None:
     torch.ops.prefixcache.rope_(qkv, heads, cos, sin)
 
 
-def q4_linear(x, q, scale, offset):
-    return torch.ops.prefixcache.q4_linear(x, q, scale, offset)
+def q4_linear(x, records):
+    """x [M, K] float32 times 4-bit group records [N, K / 32 * 24] (see group_linear.cpp)."""
+    return torch.ops.prefixcache.q4_linear(x, records)
 
 
-def q8_linear(x, q, scale):
-    return torch.ops.prefixcache.q8_linear(x, q, scale)
+def q8_linear(x, records):
+    """x [M, K] float32 times 8-bit group records [N, K / 32 * 36]."""
+    return torch.ops.prefixcache.q8_linear(x, records)

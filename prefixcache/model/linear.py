@@ -96,13 +96,9 @@ class GroupLinear:
             if groups.group_size != GROUP:
                 raise ValueError(f"4-bit groups of {groups.group_size}; the kernel takes {GROUP}")
             self.kind = "q4"
-            self.q = pack_q4(groups.q)
-            self.offset = groups.offset.float().contiguous()
         else:
             self.kind = "q8"
-            self.q = groups.q.contiguous()
-            self.offset = None
-        self.scale = groups.scale.float().contiguous()
+        self.records = pack_records(groups)
         self.out_features, self.in_features = groups.q.shape
         # The large-M path; the kernel rebuilds these same float32 values (q * d + m, one
         # rounding, like the loader's dequantization).
@@ -116,17 +112,16 @@ class GroupLinear:
 
     @property
     def nbytes(self) -> int:  # what a small-M call reads
-        extra = 0 if self.offset is None else self.offset.numel() * 4
-        return self.q.numel() + self.scale.numel() * 4 + extra
+        return self.records.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         if x.shape[0] > self.large_m:
             y = self.dense(xf)
-        elif self.offset is not None:
-            y = kernels.q4_linear(xf, self.q, self.scale, self.offset)
+        elif self.kind == "q4":
+            y = kernels.q4_linear(xf, self.records)
         else:
-            y = kernels.q8_linear(xf, self.q, self.scale)
+            y = kernels.q8_linear(xf, self.records)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
@@ -138,11 +133,22 @@ _LOW = [8 * b + d for d in range(4) for b in range(4)]
 _HIGH = [i + 4 for i in _LOW]
 
 
-def pack_q4(q: torch.Tensor) -> torch.Tensor:
-    """[out, in] values 0..15 -> [out, in / 2] bytes in the kernel's order."""
-    out, n = q.shape
-    g = q.view(out, n // GROUP, GROUP)
-    return (g[:, :, _LOW] | (g[:, :, _HIGH] << 4)).reshape(out, n // 2).contiguous()
+def pack_records(groups: Int4Groups | Int8Groups) -> torch.Tensor:
+    """The kernel's layout: each weight row a run of group records, scale first (one memory
+    stream per row). 4-bit: float32 d | float32 m | 16 bytes of nibbles (24 bytes); 8-bit:
+    float32 d | 32 int8 (36 bytes). Returns [out, groups * record] uint8."""
+    out, n = groups.q.shape
+    g = groups.q.view(out, n // GROUP, GROUP)
+
+    def f32_bytes(t: torch.Tensor) -> torch.Tensor:  # [out, groups] float32 -> [out, groups, 4]
+        return t.float().contiguous().unsqueeze(-1).view(torch.uint8)
+
+    if isinstance(groups, Int4Groups):
+        nibbles = g[:, :, _LOW] | (g[:, :, _HIGH] << 4)
+        parts = [f32_bytes(groups.scale), f32_bytes(groups.offset), nibbles]
+    else:
+        parts = [f32_bytes(groups.scale), g.view(torch.uint8)]
+    return torch.cat(parts, dim=-1).reshape(out, -1).contiguous()
 
 
 def quantize_int4(weight: torch.Tensor) -> Int4Groups:
