@@ -87,3 +87,34 @@ def test_int8_cold_equals_warm_around_block_boundaries(engines, k):
         assert first.outputs[0].token_ids == ref[0].outputs[0].token_ids
         assert second.outputs[0].token_ids == ref[1].outputs[0].token_ids
         warm.check_integrity()
+
+
+def test_fused_decode_step_is_the_layer_by_layer_step_bit_for_bit(llm, monkeypatch):
+    """Decode-only steps run every layer in one native call (kernels/decode_forward.cpp); it
+    calls the same row and tile functions as the op-by-op path, so logprobs match exactly."""
+    model = llm.engine.runner.model
+    if model.fused_layers is None:
+        pytest.skip("no fused decode path here (kernels unavailable)")
+    tok = llm.get_tokenizer()
+    shared = tok.encode(PROSE)[: 5 * B]
+    prompts = [shared + tok.encode(f" Question {i}: which city?") for i in range(3)] + [
+        tok.encode("A different prompt that shares nothing.")
+    ]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+    from prefixcache import kernels
+
+    calls = []
+    real = kernels.decode_forward
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "decode_forward", counted)
+    fused = llm.generate(prompts, params, cache_salt="fused-on")
+    assert calls and max(calls) == len(prompts)  # decode steps of the whole batch ran fused
+    monkeypatch.setattr(model, "fused_layers", None)
+    plain = llm.generate(prompts, params, cache_salt="fused-off")
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs  # floats equal, not close

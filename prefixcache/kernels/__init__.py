@@ -2,7 +2,8 @@
 
 ``group_linear.cpp``: fused dequantize + matmul for weights in groups of 32 (4-bit and
 8-bit), float32 activations. ``decode_attention.cpp``: decode attention reading the paged cache
-in place, shared prefixes once. ``fused_ops.cpp``: RMSNorm, SiLU-and-multiply, rotary. It is compiled once per environment into
+in place, shared prefixes once. ``fused_ops.cpp``: RMSNorm, SiLU-and-multiply, rotary.
+``decode_forward.cpp``: every layer of a decode-only step in one call, one thread team. It is compiled once per environment into
 ``$PREFIXCACHE_KERNELS_DIR`` or ``<venv>/share/prefixcache-kernels/torch-<version>`` (the
 user cache directory when the environment is read-only), and rebuilt when the source or flags
 change (torch's extension loader hashes them); ``make install`` builds it so that no start
@@ -28,8 +29,10 @@ import torch
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / n for n in ("group_linear.cpp", "decode_attention.cpp", "fused_ops.cpp")]
-_HEADERS = [_HERE / "vec.h"]
+_SOURCES = [_HERE / n for n in (
+    "group_linear.cpp", "decode_attention.cpp", "fused_ops.cpp", "decode_forward.cpp"
+)]
+_HEADERS = [_HERE / n for n in ("vec.h", "group_gemv.h", "attention.h", "rowwise.h")]
 # -fopenmp: at::parallel_for is a header template that compiles to `#pragma omp parallel` in
 # our library; without the flag it runs on one thread. The library then needs libgomp.so.1,
 # which resolves to the copy torch has already loaded (one OpenMP runtime, one thread pool).
@@ -131,6 +134,17 @@ def silu_mul(gate_up):
 
 def rope_(qkv, heads: int, cos, sin) -> None:
     torch.ops.prefixcache.rope_(qkv, heads, cos, sin)
+
+
+def decode_forward(x, cos, sin, layers, kv_k, kv_v, slot_mapping, parts, num_heads: int,
+                   num_kv_heads: int, eps: float, scale: float):
+    """Every decoder layer of a decode-only step in one call (decode_forward.cpp). ``layers`` is
+    (input_norms, post_norms, qkv, o, gate_up, down, kinds, qkv_bias) as lists over layers;
+    ``parts`` the step's NativeParts. Returns the final hidden states [B, hidden]."""
+    return torch.ops.prefixcache.decode_forward(
+        x, cos, sin, *layers, kv_k, kv_v, slot_mapping, parts.rows_off, parts.rows,
+        parts.slots_off, parts.slots, num_heads, num_kv_heads, eps, scale,
+    )  # fmt: skip
 
 
 def q4_linear(x, records):

@@ -11,14 +11,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cmath>
-
-#include "vec.h"
+#include "rowwise.h"
 
 namespace {
-
-using prefixcache::exp256;
-using prefixcache::hsum;
 
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.is_cpu(),
@@ -35,21 +30,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = xp + r * n;
-      float* yr = yp + r * n;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t i = 0; i < n; i += 8) {
-        const __m256 v = _mm256_loadu_ps(xr + i);
-        acc = _mm256_fmadd_ps(v, v, acc);
-      }
-      const float inv = 1.f / std::sqrt(hsum(acc) / static_cast<float>(n) + static_cast<float>(eps));
-      const __m256 vi = _mm256_set1_ps(inv);
-      for (int64_t i = 0; i < n; i += 8) {
-        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xr + i), vi);
-        _mm256_storeu_ps(yr + i, _mm256_mul_ps(v, _mm256_loadu_ps(wp + i)));
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) prefixcache::rms_norm_row(xp + r * n, wp, static_cast<float>(eps), n, yp + r * n);
   });
   return y;
 }
@@ -62,17 +43,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    const __m256 one = _mm256_set1_ps(1.f);
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* g = gp + r * 2 * n;
-      const float* u = g + n;
-      float* yr = yp + r * n;
-      for (int64_t i = 0; i < n; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-        _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) prefixcache::silu_mul_row(gp + r * 2 * n, n, yp + r * n);
   });
   return y;
 }
@@ -90,22 +61,7 @@ void rope_(const at::Tensor& qkv, int64_t heads, const at::Tensor& cos, const at
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   at::parallel_for(0, t, 8, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* c = cp + r * d;
-      const float* s = sp + r * d;
-      for (int64_t hh = 0; hh < heads; ++hh) {
-        float* x = xp + r * w + hh * d;
-        for (int64_t i = 0; i < half; i += 8) {
-          const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + half + i);
-          // x[i] cos[i] + x[i + d/2] (-sin[i]);  x[i + d/2] cos[i + d/2] + x[i] sin[i + d/2]
-          const __m256 lo = _mm256_fmadd_ps(b, _mm256_loadu_ps(s + i), _mm256_mul_ps(a, _mm256_loadu_ps(c + i)));
-          const __m256 hi = _mm256_fmadd_ps(a, _mm256_loadu_ps(s + half + i),
-                                            _mm256_mul_ps(b, _mm256_loadu_ps(c + half + i)));
-          _mm256_storeu_ps(x + i, lo);
-          _mm256_storeu_ps(x + half + i, hi);
-        }
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) prefixcache::rope_row(xp + r * w, heads, cp + r * d, sp + r * d, d);
   });
 }
 

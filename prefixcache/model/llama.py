@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from prefixcache import kernels
 from prefixcache.model.attention import AttentionMetadata, paged_attention
-from prefixcache.model.linear import make_linear
+from prefixcache.model.linear import LARGE_M, GroupLinear, make_linear
 from prefixcache.model.loader import Int4Groups, Int8Groups, LoadedWeights, ModelConfig
 
 
@@ -202,6 +202,27 @@ class LlamaModel:
             self.lm_head.weight = self.embed_weight  # one tensor for both (packing copies it)
         self.rotary = Rotary(cfg, max_len, tensors.get("rope_freqs"), device)
         self.dtype = dtype
+        self.fused_layers = self._fused_layers()
+
+    def _fused_layers(self):
+        """The per-layer arguments of ``kernels.decode_forward`` (every layer of a decode-only
+        step in one native call), or None when some layer cannot run there (dense weights,
+        bf16, no kernels)."""
+        if not self.native:
+            return None
+        lins = [_linears(layer) for layer in self.layers]
+        if not all(isinstance(lin, GroupLinear) and lin.large_m > 0 for row in lins for lin in row):
+            return None
+        biases = [row[0].bias for row in lins]
+        if any(b is None for b in biases) and not all(b is None for b in biases):
+            return None
+        return (
+            [layer.input_norm for layer in self.layers],
+            [layer.post_norm for layer in self.layers],
+            *([row[j].records for row in lins] for j in range(4)),
+            [0 if lin.kind == "q4" else 1 for row in lins for lin in row],
+            [] if biases[0] is None else biases,
+        )  # fmt: skip
 
     def describe(self) -> str:
         """What the linear layers run as, e.g. 'q4 layers (57.0 MB) + q8 head (29.9 MB), float32
@@ -226,8 +247,18 @@ class LlamaModel:
     ) -> torch.Tensor:  # [N, vocab] float32
         x = F.embedding(input_ids, self.embed_weight)  # [T, hidden]
         cos, sin = self.rotary.tables(positions, x.dtype, self.native)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_k[i], kv_v[i], meta)
+        d = meta.decode
+        if (self.fused_layers is not None and not meta.seqs and d is not None
+                and d.native is not None and x.shape[0] <= LARGE_M):  # fmt: skip
+            # a decode-only step: every layer in one native call, the same numbers
+            cfg = self.config
+            x = kernels.decode_forward(
+                x, cos, sin, self.fused_layers, kv_k, kv_v, meta.slot_mapping, d.native,
+                cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cfg.head_dim**-0.5,
+            )  # fmt: skip
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, kv_k[i], kv_v[i], meta)
         # Logits only where a token is sampled: the last position of each finished prefill and
         # every decode. Projecting all T rows onto a 49k vocabulary would dominate prefill.
         h = rms_norm(x.index_select(0, logits_index), self.norm, self.config.rms_norm_eps, self.native)
