@@ -1,10 +1,19 @@
 """AsyncEngine: the step loop in a background thread, requests as async iterators of deltas.
 
 Threading model: one engine thread owns the LLMEngine and runs steps while holding ``_lock``.
-Event-loop code never waits on a step to submit work: ``add_request`` and ``abort`` go through
-an inbox that the engine thread drains between steps. Read-only cache queries (lookup, stats)
-take the lock briefly; call them through ``asyncio.to_thread`` when a step may be long.
-Deltas are handed back to each request's event loop with ``call_soon_threadsafe``.
+Event-loop code never waits on a step to submit work: ``add_request`` and ``abort`` put typed
+messages (:class:`AddRequest`, :class:`AbortRequest`) in an inbox that the engine thread drains
+between steps. Read-only cache queries (lookup, stats) take the lock briefly; call them through
+``asyncio.to_thread`` when a step may be long. Deltas are handed back to each request's event
+loop with ``call_soon_threadsafe``.
+
+Isolation rules kept here:
+- a sequence that fails inside a step fails its own stream only (``SequenceFailedError``);
+- a stream whose reader leaves more than ``max_pending_deltas`` deltas unread is cancelled
+  (``SlowConsumerError``) and its blocks freed, so output queues are bounded;
+- a tenant may hold at most ``tenant_waiting_limit`` waiting sequences (``TenantQuotaError``),
+  everybody together ``max_waiting_requests`` (``QueueFullError``). Requests without a tenant
+  (the offline API, direct users of this class) are subject to the global limit only.
 """
 
 from __future__ import annotations
@@ -15,42 +24,64 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from prefixcache.config import EngineConfig
-from prefixcache.engine import EngineStats, LLMEngine, LookupResult
-from prefixcache.request import SamplingParams, StreamDelta
+from prefixcache.engine import LLMEngine
+from prefixcache.engine_api import (
+    EngineHealth,
+    EngineStats,
+    LookupResult,
+    TenantStats,
+    WarmResult,
+)
+from prefixcache.errors import (
+    EngineShutDownError,
+    InvalidRequestError,
+    QueueFullError,
+    SequenceFailedError,
+    SlowConsumerError,
+    TenantQuotaError,
+)
+from prefixcache.request import CacheExplanation, SamplingParams, StreamDelta
 
 log = logging.getLogger(__name__)
 
+__all__ = ["AsyncEngine", "EngineShutDownError", "QueueFullError", "WarmResult"]
 
 # Put in a stream's queue by ``abort``: the stream ends (a consumer still iterating stops).
 _ABORTED = object()
 
 
-class QueueFullError(RuntimeError):
-    """More requests are waiting than the engine accepts; retry later (HTTP 429)."""
-
-
-class EngineShutDownError(RuntimeError):
-    """The engine is shutting down or shut down: it takes no new requests (HTTP 503)."""
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    namespace: str | None
+    tenant: str | None
+    priority: int
+    explain: bool
+    explain_across_namespaces: bool
 
 
 @dataclass(frozen=True)
-class WarmResult:
-    num_tokens: int
-    num_cached_tokens: int
-    pinned_blocks: int
+class AbortRequest:
+    request_id: str
+
+
+InboxMessage = AddRequest | AbortRequest
 
 
 class _Stream:
-    __slots__ = ("done", "loop", "queue")
+    __slots__ = ("done", "loop", "queue", "tenant")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, tenant: str | None):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.done = False
+        self.tenant = tenant
 
 
 class AsyncEngine:
@@ -58,13 +89,16 @@ class AsyncEngine:
         self.engine = LLMEngine(config)
         self.config = config
         self._lock = threading.RLock()
-        self._inbox: collections.deque = collections.deque()
+        self._inbox: collections.deque[InboxMessage] = collections.deque()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
         self._closed = False  # set by shutdown(): new requests are refused from then on
+        self._crash: BaseException | None = None  # what killed the engine thread, if anything
+        self._progress = time.monotonic()  # the engine loop last finished an iteration
         self._warm_ids = 0
+        self.slow_consumers_total = 0
 
     # ---- facts ------------------------------------------------------------------------------------
     @property
@@ -80,6 +114,10 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
     def weights_format(self) -> str:
         return self.engine.weights_format
 
@@ -92,6 +130,8 @@ class AsyncEngine:
             "bytes_per_token": lay.bytes_per_token,
             "capacity_tokens": lay.capacity_tokens,
             "capacity_bytes": lay.capacity_bytes,
+            "pin_budget_blocks": self.engine.pool.max_pinned_blocks,
+            "pin_quota_blocks": self._pin_quota("any tenant", True),
         }
 
     # ---- lifecycle ----------------------------------------------------------------------------------
@@ -100,16 +140,20 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._stop = False
+        self._crash = None
+        self._progress = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="prefixcache-engine", daemon=True)
         self._thread.start()
 
     async def shutdown(self, drain: bool = True, timeout: float = 300.0) -> None:
-        """Stop the loop; with ``drain`` the requests already admitted finish first. New
-        requests are refused from the moment this is called."""
+        """Stop the loop; with ``drain`` the requests already admitted finish first (at most
+        ``timeout`` seconds). New requests are refused from the moment this is called."""
         self._closed = True
         if drain:
             deadline = time.monotonic() + timeout
             while (self._streams or self._inbox) and time.monotonic() < deadline:
+                if not self._thread_alive():
+                    break
                 await asyncio.sleep(0.05)
         self._stop = True
         self._wake.set()
@@ -117,9 +161,43 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, 10)
             self._thread = None
         for rid in list(self._streams):
-            self._fail(rid, RuntimeError("engine shut down"))
+            self._fail(rid, EngineShutDownError("engine shut down"))
+
+    def _thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def health(self) -> EngineHealth:
+        """Dead thread or no progress for ``health_stall_seconds`` while work waits: not ok."""
+        since = time.monotonic() - self._progress
+        has_work = bool(self._inbox or self._streams)
+        if self._thread is None:
+            return EngineHealth(False, "not_started", since, has_work)
+        if not self._thread.is_alive():
+            return EngineHealth(False, "engine_thread_dead", since, has_work)
+        if has_work and since > self.config.health_stall_seconds:
+            return EngineHealth(False, "stalled", since, has_work)
+        return EngineHealth(True, None, since, has_work)
 
     # ---- requests ---------------------------------------------------------------------------------
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        self.engine.validate_prompt(prompt_token_ids)
+
+    def check_admission(self, tenant: str | None, num_sequences: int) -> None:
+        """Raise unless ``num_sequences`` more waiting sequences of ``tenant`` fit now."""
+        total = self.num_waiting()
+        limit = self.config.max_waiting_requests
+        if total + num_sequences > limit:
+            raise QueueFullError(f"{total} requests are waiting (limit {limit})")
+        if tenant is None:
+            return
+        mine = self.num_waiting_of(tenant)
+        share = self.config.tenant_waiting_limit
+        if mine + num_sequences > share:
+            raise TenantQuotaError(
+                f"this tenant has {mine} sequences waiting and asks for {num_sequences} more "
+                f"(its share of the queue is {share})"
+            )
+
     def add_request(
         self,
         request_id: str,
@@ -128,22 +206,28 @@ class AsyncEngine:
         namespace: str | None = None,
         priority: int = 0,
         explain: bool = False,
+        *,
+        tenant: str | None = None,
+        explain_across_namespaces: bool = False,
     ) -> AsyncIterator[StreamDelta]:
-        """Validate now (ValueError, QueueFullError, EngineShutDownError), run in the engine
-        thread, stream deltas. Requests added before the first ``start()`` wait for it; after
-        ``shutdown()`` they are refused until ``start()`` is called again."""
-        if self._closed:
+        """Validate now (InvalidRequestError, QueueFullError, TenantQuotaError,
+        EngineShutDownError), run in the engine thread, stream deltas. Requests added before
+        the first ``start()`` wait for it; after ``shutdown()`` they are refused until
+        ``start()`` is called again."""
+        if self._closed or self._crash is not None:
             raise EngineShutDownError("the engine is shutting down and takes no new requests")
         self.engine.validate(prompt_token_ids, params)
         if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if self.num_waiting() >= self.config.max_waiting_requests:
-            raise QueueFullError(
-                f"{self.num_waiting()} requests are waiting (limit {self.config.max_waiting_requests})"
-            )
-        stream = _Stream(asyncio.get_running_loop())
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.check_admission(tenant, 1)
+        stream = _Stream(asyncio.get_running_loop(), tenant)
         self._streams[request_id] = stream
-        self._inbox.append(("add", request_id, list(prompt_token_ids), params, namespace, priority, explain))
+        self._inbox.append(
+            AddRequest(
+                request_id, list(prompt_token_ids), params, namespace, tenant, priority,
+                explain, explain_across_namespaces,
+            )
+        )  # fmt: skip
         self._wake.set()
         return self._iterate(request_id, stream)
 
@@ -171,29 +255,49 @@ class AsyncEngine:
             # A consumer still iterating (abort from elsewhere) must not wait forever.
             with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody waits
                 s.loop.call_soon_threadsafe(s.queue.put_nowait, _ABORTED)
-        self._inbox.append(("abort", request_id))
+        self._inbox.append(AbortRequest(request_id))
         self._wake.set()
 
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + sum(1 for c in list(self._inbox) if c[0] == "add")
+        adds = sum(1 for m in list(self._inbox) if isinstance(m, AddRequest))
+        return len(self.engine.scheduler.waiting) + adds
+
+    def num_waiting_of(self, tenant: str | None) -> int:
+        adds = sum(1 for m in list(self._inbox) if isinstance(m, AddRequest) and m.tenant == tenant)
+        return adds + sum(1 for s in list(self.engine.scheduler.waiting) if s.tenant == tenant)
 
     # ---- engine thread ----------------------------------------------------------------------------
     def _drain_inbox(self) -> None:
         while self._inbox:
-            cmd = self._inbox.popleft()
-            if cmd[0] == "abort":
-                self.engine.abort(cmd[1])
+            m = self._inbox.popleft()
+            if isinstance(m, AbortRequest):
+                self.engine.abort(m.request_id)
                 continue
-            _, rid, ids, params, ns, prio, explain = cmd
-            if rid not in self._streams:  # aborted before it was added
+            if m.request_id not in self._streams:  # aborted before it was added
                 continue
             try:
-                self.engine.add_request(rid, ids, params, namespace=ns, priority=prio, explain=explain)
+                self.engine.add_request(
+                    m.request_id, m.prompt_token_ids, m.params, namespace=m.namespace,
+                    priority=m.priority, explain=m.explain, tenant=m.tenant,
+                    explain_across_namespaces=m.explain_across_namespaces,
+                )  # fmt: skip
             except Exception as e:  # noqa: BLE001 - handed to the request's consumer
-                self._fail(rid, e)
+                self._fail(m.request_id, e)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:
+            # Nothing may leave a consumer waiting on a dead thread: fail every stream, and
+            # /health reports the death (health()).
+            self._crash = e
+            log.critical("the engine thread died: %s: %s", type(e).__name__, e, exc_info=e)
+            for rid in list(self._streams):
+                self._fail(rid, EngineShutDownError("the engine stopped"))
+
+    def _loop(self) -> None:
         while not self._stop:
+            self._progress = time.monotonic()
             with self._lock:
                 self._drain_inbox()
                 busy = self.engine.has_unfinished()
@@ -201,27 +305,45 @@ class AsyncEngine:
                     try:
                         updated = self.engine.step()
                     except Exception as e:
+                        # The forward pass is shared by the batch: every sequence in it fails.
                         log.exception("engine step failed")
                         for rid in list(self.engine.seqs):
                             self.engine.abort(rid)
-                            self._fail(rid, e)
+                            self._fail(rid, SequenceFailedError(rid, e))
                         updated = []
-                    deltas = [self.engine.output.stream_delta(s) for s in updated]
+                    items = [
+                        (s.request_id, s.error or self.engine.output.stream_delta(s))
+                        for s in updated
+                    ]
             if not busy:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            for d in deltas:
-                s = self._streams.get(d.request_id)
-                if s is None:
-                    continue
-                if d.finished:
-                    s.done = True
-                    self._streams.pop(d.request_id, None)
-                try:
-                    s.loop.call_soon_threadsafe(s.queue.put_nowait, d)
-                except RuntimeError:  # its event loop is closed: nobody reads it, stop it
-                    self.abort(d.request_id)
+            for rid, item in items:
+                self._deliver(rid, item)
+
+    def _deliver(self, rid: str, item: StreamDelta | BaseException) -> None:
+        s = self._streams.get(rid)
+        if s is None:
+            return
+        if isinstance(item, BaseException):
+            self._fail(rid, item)
+            return
+        if not item.finished and s.queue.qsize() >= self.config.max_pending_deltas:
+            # The reader is not keeping up (a stuck client): cancel rather than buffer forever.
+            self.slow_consumers_total += 1
+            log.warning("request %s cancelled: its reader left %d deltas unread", rid,
+                        s.queue.qsize())  # fmt: skip
+            self._fail(rid, SlowConsumerError(f"request {rid}: the reader fell behind"))
+            self._inbox.append(AbortRequest(rid))
+            return
+        if item.finished:
+            s.done = True
+            self._streams.pop(rid, None)
+        try:
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, item)
+        except RuntimeError:  # its event loop is closed: nobody reads it, stop it
+            self.abort(rid)
 
     def _fail(self, request_id: str, err: BaseException) -> None:
         s = self._streams.pop(request_id, None)
@@ -237,35 +359,45 @@ class AsyncEngine:
         namespace: str | None = None,
         pin: bool = False,
         ttl_seconds: float | None = None,
+        *,
+        tenant: str | None = None,
+        quota: bool = True,
     ) -> WarmResult:
-        """Prefill a prompt (one token is generated and dropped) and optionally pin its blocks."""
+        """Prefill a prompt (one token is generated and dropped) and optionally pin its blocks,
+        charged to ``tenant``'s pin quota (``quota=False``: the pool's budget only). A pin over
+        the budget or the quota is a ``PinQuotaError`` after the prefill (the prompt stays
+        cached, unpinned): which blocks are new to the pin is known only once they exist."""
         before = await asyncio.to_thread(self.lookup, prompt_token_ids, namespace)
+        owner_quota = self._pin_quota(tenant, quota)
         if pin:
-            pool = self.engine.pool
-            need = len(prompt_token_ids) // self.engine.config.block_size
-            if pool.counts().pinned + need > pool.max_pinned_blocks:
-                raise ValueError(
-                    f"pin budget exceeded: {pool.counts().pinned} blocks pinned + {need} > "
-                    f"{pool.max_pinned_blocks} allowed"
-                )
+            self.engine.check_pin_ttl(ttl_seconds)  # before the prefill: a bad TTL costs nothing
         self._warm_ids += 1
         rid = f"warm-{self._warm_ids}-{time.monotonic_ns()}"
         params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        async for _ in self.add_request(rid, prompt_token_ids, params, namespace=namespace):
+        async for _ in self.add_request(rid, prompt_token_ids, params, namespace, tenant=tenant):
             pass
         pinned = 0
         if pin:
             with self._lock:
-                pinned = self.engine.pin_prefix(prompt_token_ids, namespace, ttl_seconds)
+                pinned = self.engine.pin_prefix(
+                    prompt_token_ids, namespace, ttl_seconds, owner=tenant, owner_quota=owner_quota
+                )
         return WarmResult(len(prompt_token_ids), before.num_cached_tokens, pinned)
+
+    def _pin_quota(self, tenant: str | None, quota: bool) -> int | None:
+        if not quota or tenant is None:
+            return None
+        return int(self.engine.pool.max_pinned_blocks * self.config.pin_quota_fraction)
 
     def lookup(self, prompt_token_ids: list[int], namespace: str | None = None) -> LookupResult:
         with self._lock:
             return self.engine.lookup(prompt_token_ids, namespace)
 
-    def explain(self, prompt_token_ids: list[int], namespace: str | None = None):
+    def explain(
+        self, prompt_token_ids: list[int], namespace: str | None = None, across: bool = False
+    ) -> CacheExplanation:
         with self._lock:
-            return self.engine.explain(prompt_token_ids, namespace)
+            return self.engine.explain(prompt_token_ids, namespace, across)
 
     def invalidate(self, namespace: str | None, all_namespaces: bool | None = None) -> int:
         """Drop a namespace's cached blocks; ``namespace=None`` drops all namespaces."""
@@ -283,6 +415,10 @@ class AsyncEngine:
     def engine_stats(self) -> EngineStats:
         with self._lock:
             return self.engine.stats()
+
+    def tenant_stats(self, tenant: str | None, owns: Callable[[str | None], bool]) -> TenantStats:
+        with self._lock:
+            return self.engine.tenant_stats(tenant, owns)
 
     def check_integrity(self) -> None:
         with self._lock:

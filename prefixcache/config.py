@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,18 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     max_waiting_requests: int = 256
+    # A tenant's share of the waiting queue (sequences; None: half of max_waiting_requests), so
+    # one tenant's flood is refused (429) before it fills the queue for everyone.
+    max_waiting_per_tenant: int | None = None
     pin_budget_fraction: float = 0.25  # share of the pool pinned blocks may hold
+    # Share of the pin budget one (non-admin) tenant may hold pinned.
+    pin_quota_fraction: float = 0.5
+    # Longest pin; a pin without a TTL gets this one (pins never last forever).
+    max_pin_ttl_seconds: float = 3600.0
+    # A stream whose reader leaves more deltas than this unread is cancelled (its blocks freed).
+    max_pending_deltas: int = 1024
+    # /health says 503 when work waits and no step finished for this long.
+    health_stall_seconds: float = 60.0
     # lpm starvation guard: a waiting request older than this many steps goes first.
     lpm_max_wait_steps: int = 64
     # Above this many waiting requests lpm falls back to fcfs (SGLang does the same: sorting a
@@ -93,3 +105,25 @@ class EngineConfig:
             raise ValueError(f"pin_budget_fraction must be in [0, 1], got {self.pin_budget_fraction}")
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.max_waiting_per_tenant is not None and self.max_waiting_per_tenant < 1:
+            raise ValueError(
+                f"max_waiting_per_tenant must be >= 1, got {self.max_waiting_per_tenant}"
+            )
+        if not (0 <= self.pin_quota_fraction <= 1):
+            raise ValueError(f"pin_quota_fraction must be in [0, 1], got {self.pin_quota_fraction}")
+        if not (self.max_pin_ttl_seconds > 0 and math.isfinite(self.max_pin_ttl_seconds)):
+            raise ValueError(
+                f"max_pin_ttl_seconds must be a positive number, got {self.max_pin_ttl_seconds}"
+            )
+        if self.max_pending_deltas < 1:
+            raise ValueError(f"max_pending_deltas must be >= 1, got {self.max_pending_deltas}")
+        if not self.health_stall_seconds > 0:
+            raise ValueError(
+                f"health_stall_seconds must be > 0, got {self.health_stall_seconds}"
+            )
+
+    @property
+    def tenant_waiting_limit(self) -> int:
+        if self.max_waiting_per_tenant is not None:
+            return self.max_waiting_per_tenant
+        return max(1, self.max_waiting_requests // 2)

@@ -8,13 +8,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable
 
 import torch
 
 from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.manager import KVCacheManager, blocks_needed
 from prefixcache.config import EngineConfig
+from prefixcache.engine_api import EngineStats, LookupResult, TenantStats
+from prefixcache.errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    PinQuotaError,
+    SequenceFailedError,
+)
 from prefixcache.kv.pool import plan_kv_layout
 from prefixcache.model.loader import load_weights
 from prefixcache.model.paths import DEFAULT_MODEL_NAME, resolve_model_path
@@ -22,30 +30,11 @@ from prefixcache.model.runner import ModelRunner, resolve_dtype, weight_format
 from prefixcache.model.weights_cache import load_model
 from prefixcache.output import OutputProcessor
 from prefixcache.request import CacheExplanation, RequestMetrics, RequestStatus, SamplingParams
-from prefixcache.sampler import make_generator, sample
+from prefixcache.sampler import SampleFailure, make_generator, sample
 from prefixcache.scheduler import Scheduler
 from prefixcache.sequence import Sequence
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    num_tokens: int
-    num_cached_tokens: int
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_preemptions_total: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    prefix_cache_queries_total: int
-    prefix_cache_hits_total: int
-    evicted_blocks_total: int
-    kv_cache_usage: float  # blocks held by live requests / total (idle cached blocks are free)
 
 
 class LLMEngine:
@@ -88,9 +77,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
-        self._namespaces: set[str | None] = set()
         self._n_added = 0
         self.generation_tokens_total = 0
+        self._generated_by_tenant: Counter = Counter()
         log.info(
             "KV cache: %d bytes/token, %d blocks of %d tokens, capacity %d tokens (%.1f MiB), %s",
             layout.bytes_per_token, layout.num_blocks, layout.block_size, layout.capacity_tokens,
@@ -103,25 +92,45 @@ class LLMEngine:
         return self.kv.pool
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Refuse what can never run (typed errors, ``param`` = "prompt" or "max_tokens")."""
+        self.validate_prompt(prompt_token_ids)
         n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt is empty: at least one token is needed")
         if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the "
                 f"request asks for {n + params.max_tokens} ({n} in the prompt, "
-                f"{params.max_tokens} to generate)"
+                f"{params.max_tokens} to generate)",
+                param="max_tokens" if n < self.max_model_len else "prompt",
             )
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not (0 <= t < vocab)), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         usable = self.pool.num_blocks - self.pool.max_pinned_blocks
         need = blocks_needed(n + params.max_tokens, self.config.block_size)
         if need > usable:
-            raise ValueError(
+            raise ContextLengthError(
                 f"request needs {need} KV blocks ({n + params.max_tokens} tokens) but the cache "
-                f"holds {usable} unpinnable blocks; raise kv_cache_memory"
+                f"holds {usable} unpinnable blocks; raise kv_cache_memory",
+                param="max_tokens",
+            )
+
+    def validate_prompt(self, prompt_token_ids: list[int], max_len: int | None = None) -> None:
+        """A prompt of token ids: not empty, at most ``max_len`` (the context) long, every id an
+        int in the vocabulary. Checked before anything hashes or looks up the ids."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt is empty: at least one token is needed", param="prompt")
+        limit = self.max_model_len if max_len is None else max_len
+        if n > limit:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"prompt has {n}",
+                param="prompt",
+            )
+        vocab = self.model_config.vocab_size
+        bad = next(
+            (t for t in prompt_token_ids if type(t) is not int or not (0 <= t < vocab)), None
+        )
+        if bad is not None:
+            raise InvalidRequestError(
+                f"token id {bad!r} is outside the vocabulary [0, {vocab})", param="prompt"
             )
 
     def add_request(
@@ -133,9 +142,14 @@ class LLMEngine:
         priority: int = 0,
         explain: bool = False,
         arrival_time: float | None = None,
+        tenant: str | None = None,
+        explain_across_namespaces: bool = False,
     ) -> Sequence:
+        """``explain_across_namespaces`` (admins only): a miss may be explained by blocks of
+        other namespaces. Without it the explanation looks at this namespace alone, so what it
+        says and what it costs never depend on other tenants' prompts."""
         if request_id in self.seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
         self.validate(ids, params)
@@ -145,6 +159,7 @@ class LLMEngine:
             params=params,
             root=self.kv.root(namespace),
             namespace=namespace,
+            tenant=tenant,
             priority=priority,
             prompt=text,
             explain=explain,
@@ -152,9 +167,8 @@ class LLMEngine:
         )
         seq.generator = make_generator(params, self.config.seed, self._n_added)
         if explain:
-            seq.cache_info = self.explain(ids, namespace)
+            seq.cache_info = self.explain(ids, namespace, explain_across_namespaces)
         self._n_added += 1
-        self._namespaces.add(namespace)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -185,65 +199,128 @@ class LLMEngine:
         for s in out.scheduled:
             if s.seq.metrics.first_scheduled_time is None:
                 s.seq.metrics.first_scheduled_time = now
+        # A failure from here on belongs to one sequence: it is finished alone (finish_reason
+        # "error", seq.error set) and every other sequence of the step goes on unchanged. The
+        # forward pass itself is shared; if it raises, the caller fails the whole batch.
         logits = self.runner.execute(out.scheduled)
         sampling = [s for s in out.scheduled if s.samples]
         sampled = sample(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
+        failed: dict[int, BaseException] = {}
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
-            self.kv.commit(s.seq)
+            try:
+                self.kv.commit(s.seq)
+            except Exception as e:  # noqa: BLE001 - isolated to this sequence
+                failed[id(s.seq)] = e
         updated: list[Sequence] = []
         now = time.time()
-        for s, tok in zip(sampling, sampled):
+        for s, res in zip(sampling, sampled):
             seq = s.seq
-            self.generation_tokens_total += 1
-            if self.output.append(seq, tok, now):
+            try:
+                if id(seq) in failed:
+                    raise failed.pop(id(seq))
+                if isinstance(res, SampleFailure):
+                    raise res.error
+                self.generation_tokens_total += 1
+                self._generated_by_tenant[seq.tenant] += 1
+                done = self.output.append(seq, res, now)
+            except Exception as e:  # noqa: BLE001 - isolated to this sequence
+                self._fail_sequence(seq, e)
+                done = False
+            if done:
                 self.scheduler.remove(seq)
                 self.seqs.pop(seq.request_id, None)
             updated.append(seq)
+        for s in out.scheduled:  # a commit failed on a chunk that samples nothing
+            if id(s.seq) in failed:
+                self._fail_sequence(s.seq, failed.pop(id(s.seq)))
+                updated.append(s.seq)
         return updated
+
+    def _fail_sequence(self, seq: Sequence, err: BaseException) -> None:
+        """Finish one sequence with an error and free its blocks; nobody else is touched."""
+        log.error(
+            "request %s failed in its step and was finished alone: %s: %s",
+            seq.request_id, type(err).__name__, err, exc_info=err,
+        )  # fmt: skip
+        self.scheduler.remove(seq)
+        self.seqs.pop(seq.request_id, None)
+        seq.error = SequenceFailedError(seq.request_id, err)
+        seq.finish_reason = "error"
+        seq.status = RequestStatus.FINISHED
+        seq.metrics.finished_time = time.time()
 
     # ---- cache control ----------------------------------------------------------------------------
     def lookup(self, prompt_token_ids: list[int], namespace: str | None = None) -> LookupResult:
         return LookupResult(len(prompt_token_ids), self.kv.lookup(prompt_token_ids, namespace))
 
-    def explain(self, prompt_token_ids: list[int], namespace: str | None = None) -> CacheExplanation:
-        return self.kv.explain(prompt_token_ids, namespace, sorted(self._namespaces, key=str))
+    def explain(
+        self, prompt_token_ids: list[int], namespace: str | None = None, across: bool = False
+    ) -> CacheExplanation:
+        """Why this prompt would (not) hit. ``across`` (admin): other namespaces may explain
+        a miss; they are the namespaces holding cached blocks now, a set bounded by the pool."""
+        others = self.pool.index.namespaces() if across else ()
+        return self.kv.explain(prompt_token_ids, namespace, others)
 
     def block_hashes(self, prompt_token_ids: list[int], namespace: str | None = None) -> list[bytes]:
         return self.kv.keys_for(prompt_token_ids, namespace)
 
-    def pin_prefix(self, prompt_token_ids: list[int], namespace: str | None, ttl: float | None) -> int:
-        """Pin the cached full blocks of a prompt (after it was prefilled). Returns pinned blocks."""
+    def pin_prefix(
+        self,
+        prompt_token_ids: list[int],
+        namespace: str | None,
+        ttl: float | None,
+        owner: str | None = None,
+        owner_quota: int | None = None,
+    ) -> int:
+        """Pin the cached full blocks of a prompt (after it was prefilled) for ``ttl`` seconds
+        (None: the longest, ``max_pin_ttl_seconds``), charged to ``owner``'s quota of
+        ``owner_quota`` blocks (None: only the pool's budget). Returns the blocks pinned."""
+        ttl = self.check_pin_ttl(ttl)
         keys = self.kv.keys_for(prompt_token_ids, namespace)
         m = self.pool.match(keys, prompt_token_ids, self.kv.root(namespace))
-        self.pool.pin(m.block_ids, ttl)
+        try:
+            self.pool.pin(m.block_ids, ttl, owner=owner, owner_quota=owner_quota)
+        except ValueError as e:
+            raise PinQuotaError(str(e), param="pin") from None
         return len(m.block_ids)
+
+    def check_pin_ttl(self, ttl: float | None) -> float:
+        """The TTL a pin gets: ``ttl``, or the maximum when None; above the maximum is refused."""
+        longest = self.config.max_pin_ttl_seconds
+        if ttl is None:
+            return longest
+        if not (0 < ttl <= longest):
+            raise InvalidRequestError(
+                f"ttl_seconds must be in (0, {longest:g}], got {ttl!r}", param="ttl_seconds"
+            )
+        return ttl
 
     def invalidate(self, namespace: str | None, all_namespaces: bool = False) -> int:
         return self.pool.invalidate(namespace, all_namespaces)
 
     def cache_stats(self) -> dict:
-        c = self.pool.counts()
-        bpt = self.layout.bytes_per_token
-        q, h = self.kv.query_tokens, self.kv.hit_tokens
+        """The offline API's view of ``stats()`` (the keys documented in docs/engine.md)."""
+        st = self.stats()
         return {
-            "query_tokens": q,
-            "hit_tokens": h,
-            "hit_rate": h / q if q else 0.0,
-            "cached_blocks": c.cached,
-            "free_blocks": c.free,
-            "in_use_blocks": c.in_use,
-            "pinned_blocks": c.pinned,
-            "total_blocks": c.total,
-            "block_size": self.config.block_size,
-            "used_bytes": (c.cached + c.in_use) * self.config.block_size * bpt,
-            "capacity_bytes": self.layout.capacity_bytes,
-            "evicted_blocks": self.pool.evicted_blocks,
-            "enable_prefix_caching": self.kv.enable_caching,
+            "query_tokens": st.prefix_cache_queries_total,
+            "hit_tokens": st.prefix_cache_hits_total,
+            "hit_rate": st.hit_rate,
+            "cached_blocks": st.cached_blocks,
+            "free_blocks": st.free_blocks,
+            "in_use_blocks": st.in_use_blocks,
+            "pinned_blocks": st.pinned_blocks,
+            "total_blocks": st.total_blocks,
+            "block_size": st.block_size,
+            "used_bytes": st.used_bytes,
+            "capacity_bytes": st.capacity_bytes,
+            "evicted_blocks": st.evicted_blocks_total,
+            "enable_prefix_caching": st.enable_prefix_caching,
         }
 
     def stats(self) -> EngineStats:
         c = self.pool.counts()
+        bs = self.config.block_size
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -254,6 +331,35 @@ class LLMEngine:
             prefix_cache_hits_total=self.kv.hit_tokens,
             evicted_blocks_total=self.pool.evicted_blocks,
             kv_cache_usage=c.in_use / c.total,
+            cached_blocks=c.cached,
+            free_blocks=c.free,
+            in_use_blocks=c.in_use,
+            pinned_blocks=c.pinned,
+            total_blocks=c.total,
+            block_size=bs,
+            used_bytes=(c.cached + c.in_use) * bs * self.layout.bytes_per_token,
+            capacity_bytes=self.layout.capacity_bytes,
+            enable_prefix_caching=self.kv.enable_caching,
+            num_fairness_preemptions_total=self.scheduler.counters.fairness_preemptions,
+        )
+
+    def tenant_stats(self, tenant: str | None, owns: Callable[[str | None], bool]) -> TenantStats:
+        """``tenant``'s own numbers; ``owns(namespace)`` says which namespaces are its."""
+        query, hit = self.kv.by_tenant.get(tenant, (0, 0))
+        index = self.pool.index
+        return TenantStats(
+            tenant=tenant,
+            num_running=sum(1 for s in self.scheduler.running if s.tenant == tenant),
+            num_waiting=sum(1 for s in self.scheduler.waiting if s.tenant == tenant),
+            prompt_tokens_total=query,
+            prefix_cache_hits_total=hit,
+            generation_tokens_total=self._generated_by_tenant[tenant],
+            pinned_blocks=self.pool.pinned_by(tenant),
+            namespace_blocks={
+                ns: index.num_blocks_in_namespace(ns)
+                for ns in index.namespaces()
+                if ns is not None and owns(ns)
+            },
         )
 
     def check_integrity(self) -> None:
@@ -262,8 +368,16 @@ class LLMEngine:
 
 def __getattr__(name: str):
     # AsyncEngine lives in async_engine.py (threading); importable from here as well.
-    if name in ("AsyncEngine", "EngineShutDownError", "QueueFullError", "WarmResult"):
+    if name == "AsyncEngine":
         from prefixcache import async_engine
 
-        return getattr(async_engine, name)
+        return async_engine.AsyncEngine
+    if name in ("EngineShutDownError", "QueueFullError"):  # their home is prefixcache.errors
+        from prefixcache import errors
+
+        return getattr(errors, name)
+    if name == "WarmResult":
+        from prefixcache import engine_api
+
+        return engine_api.WarmResult
     raise AttributeError(name)

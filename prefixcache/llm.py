@@ -65,6 +65,8 @@ class LLM:
         try:
             while pending:
                 for s in self.engine.step():
+                    if s.error is not None:  # it failed alone (a bug of ours); say so
+                        raise s.error
                     if s.finished:
                         pending.discard(s.request_id)
         except BaseException:

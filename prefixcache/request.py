@@ -1,15 +1,39 @@
-"""Request, SamplingParams, RequestOutput: plain data, shaped like vLLM's so users know them."""
+"""Request, SamplingParams, RequestOutput: plain data, shaped like vLLM's so users know them.
+
+Imports nothing of ours but the typed errors (prefixcache/errors.py)."""
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
+
+from prefixcache.errors import InvalidRequestError
+
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by 1e-40 gives
+# inf, and softmax of inf is NaN. The greedy token is the limit of sampling as T -> 0 anyway.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Seeds are 64-bit integers, as in OpenAI's API and vLLM (torch accepts [-2**63, 2**64)).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request samples. Every value is checked here, once, so nothing past the edge
+    (sampler, output processor) can meet a NaN, an infinity or a wrong type: a bad value is an
+    ``InvalidRequestError`` (a ``ValueError``) whose ``param`` names the field."""
+
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE_EPS) = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0 = off
     seed: int | None = None
@@ -28,24 +52,41 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is None:
             object.__setattr__(self, "top_k", -1)
-        elif self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(param: str, message: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{param} {message}", param=param)
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not (0 < self.top_p <= 1):
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", f"must be -1 (off) or an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", f"must be an integer in [-2**63, 2**63), got {self.seed!r}")
+        if self.logprobs is not None and not (
+            _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if any(not isinstance(s, str) for s in self.stop):
+            raise bad("stop", "must be strings")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise bad("stop", "strings must be non-empty")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be integers >= 0")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a boolean")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
 
 class RequestStatus(enum.Enum):

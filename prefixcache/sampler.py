@@ -1,4 +1,10 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, top-k logprobs."""
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, top-k logprobs.
+
+Failure isolation: each row is sampled on its own; a row whose logits are not finite, or whose
+sampling raises, becomes a :class:`SampleFailure` for that sequence alone, and every other row is
+sampled exactly as it would have been (a row's token depends only on its logits, its params and
+its own generator).
+"""
 
 from __future__ import annotations
 
@@ -15,10 +21,18 @@ class Sampled:
     logprobs: dict[int, float] | None  # chosen token and the top-k, when asked for
 
 
+@dataclass(frozen=True)
+class SampleFailure:
+    """Row ``i`` could not be sampled; the engine finishes that sequence alone with the error."""
+
+    error: BaseException
+
+
 def make_generator(params: SamplingParams, engine_seed: int, request_index: int) -> torch.Generator:
     """A request with a seed samples the same tokens wherever it runs in a batch."""
     g = torch.Generator()
-    g.manual_seed(params.seed if params.seed is not None else engine_seed * 1_000_003 + request_index)
+    seed = params.seed if params.seed is not None else engine_seed * 1_000_003 + request_index
+    g.manual_seed(seed % 2**64)  # torch takes [-2**63, 2**64); the modulo keeps any int in range
     return g
 
 
@@ -26,34 +40,49 @@ def sample(
     logits: torch.Tensor,  # [N, vocab] float32
     params: list[SamplingParams],
     generators: list[torch.Generator],
-) -> list[Sampled]:
+) -> list[Sampled | SampleFailure]:
     logits = logits.cpu()
-    out: list[Sampled] = []
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
     logprobs_all = None
     if any(p.logprobs is not None for p in params):
-        logprobs_all = torch.log_softmax(logits, dim=-1)
+        logprobs_all = torch.log_softmax(logits, dim=-1)  # row-wise: a bad row spoils only itself
+    out: list[Sampled | SampleFailure] = []
     for i, p in enumerate(params):
-        row = logits[i]
-        if p.greedy:
-            tok = int(torch.argmax(row))
-        else:
-            row = row / p.temperature
-            if p.top_k > 0:
-                kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-                row = row.masked_fill(row < kth, float("-inf"))
-            probs = torch.softmax(row, dim=-1)
-            if p.top_p < 1.0:
-                sp, si = torch.sort(probs, descending=True)
-                keep = (sp.cumsum(0) - sp) < p.top_p  # always keeps the most likely token
-                probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
-            tok = int(torch.multinomial(probs, 1, generator=generators[i]))
-        lp = None
-        if p.logprobs is not None and logprobs_all is not None:
-            lrow = logprobs_all[i]
-            lp = {tok: float(lrow[tok])}
-            if p.logprobs > 0:
-                vals, ids = torch.topk(lrow, p.logprobs)
-                for v, t in zip(vals.tolist(), ids.tolist()):
-                    lp.setdefault(t, v)
-        out.append(Sampled(tok, lp))
+        if not finite[i]:
+            out.append(SampleFailure(FloatingPointError("the logits are not finite")))
+            continue
+        try:
+            lrow = None if logprobs_all is None else logprobs_all[i]
+            out.append(_sample_row(logits[i], p, generators[i], lrow))
+        except Exception as e:  # noqa: BLE001 - one row's failure is that sequence's alone
+            out.append(SampleFailure(e))
     return out
+
+
+def _sample_row(
+    row: torch.Tensor, p: SamplingParams, g: torch.Generator, lrow: torch.Tensor | None
+) -> Sampled:
+    if p.greedy:
+        tok = int(torch.argmax(row))
+    else:
+        row = row / p.temperature
+        if p.top_k > 0:
+            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sp, si = torch.sort(probs, descending=True)
+            keep = (sp.cumsum(0) - sp) < p.top_p
+            # The most likely token is always kept: a top_p below float32's smallest step
+            # (1e-300) compares as 0 < 0 and would otherwise keep nothing.
+            keep[0] = True
+            probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
+        tok = int(torch.multinomial(probs, 1, generator=g))
+    lp = None
+    if p.logprobs is not None and lrow is not None:
+        lp = {tok: float(lrow[tok])}
+        if p.logprobs > 0:
+            vals, ids = torch.topk(lrow, p.logprobs)
+            for v, t in zip(vals.tolist(), ids.tolist()):
+                lp.setdefault(t, v)
+    return Sampled(tok, lp)

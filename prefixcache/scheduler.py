@@ -4,8 +4,10 @@ Each step builds one flat batch under ``max_num_batched_tokens``:
 1. running sequences first, in arrival order: a decode token each, or the next chunk of an
    unfinished prefill. When a block cannot be had, the newest running sequence is preempted
    (its blocks are released, its computed blocks stay cached, so resuming is mostly hits);
-2. then waiting sequences, in policy order, while ``max_num_seqs`` and the budget allow. A
-   request is admitted when its *uncached* blocks fit: cached blocks are memory already paid for.
+2. then waiting sequences, in policy order interleaved fairly over tenants (fairness.py), while
+   ``max_num_seqs`` and the budget allow. A request is admitted when its *uncached* blocks fit:
+   cached blocks are memory already paid for. When the batch is full and a tenant under its fair
+   share of slots waits, the newest sequence of a tenant over its share is preempted first.
 
 In-batch sharing: when a waiting request's next uncached block is being computed right now by
 another request (its key is "pending"), the request waits instead of computing it again; it is
@@ -21,19 +23,9 @@ from dataclasses import dataclass, field
 from prefixcache.cache.hashing import BlockHash
 from prefixcache.cache.manager import KVCacheManager
 from prefixcache.config import EngineConfig
+from prefixcache.fairness import fair_order, rebalance, running_by_tenant
 from prefixcache.request import RequestStatus
-from prefixcache.sequence import Sequence
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """This chunk reaches the end of the sequence's tokens, so a token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+from prefixcache.sequence import ScheduledSeq, Sequence
 
 
 @dataclass
@@ -53,6 +45,7 @@ class SchedulerCounters:
     batched_tokens: int = 0
     computed_prompt_tokens: int = 0  # prefill tokens actually run through the model
     deferred_for_sharing: int = 0  # admissions postponed because another request computes it
+    fairness_preemptions: int = 0  # preempted to give a tenant under its share a slot
 
 
 class Scheduler:
@@ -89,9 +82,14 @@ class Scheduler:
         self.step_index += 1
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.waiting and len(self.running) >= self.config.max_num_seqs:
+            for victim in rebalance(self._order_waiting(), self.running, self.config.max_num_seqs):
+                self._preempt(victim, out)
+                self.counters.fairness_preemptions += 1
+        fair_preempted = len(out.preempted)
         self._schedule_running(out, budget)
         budget -= out.num_batched_tokens
-        if not out.preempted:  # out of memory this step: admit nobody new
+        if len(out.preempted) == fair_preempted:  # out of memory this step: admit nobody new
             self._schedule_waiting(out, budget)
         self.counters.num_steps += 1
         self.counters.batched_tokens += out.num_batched_tokens
@@ -138,6 +136,11 @@ class Scheduler:
         return pending
 
     def _order_waiting(self) -> list[Sequence]:
+        """The policy's order, interleaved over tenants (``fair_order``: priorities order a
+        tenant's own queue only)."""
+        return fair_order(self._policy_order(), running_by_tenant(self.running))
+
+    def _policy_order(self) -> list[Sequence]:
         by_arrival = sorted(self.waiting, key=lambda s: (s.priority, s.metrics.arrival_time))
         cfg = self.config
         if cfg.scheduling_policy == "fcfs" or len(self.waiting) > cfg.lpm_max_queue:

@@ -1,7 +1,8 @@
 """Sequence: the engine's mutable state of one request (tokens, block table, progress).
 
 Plain data, no torch. The scheduler and the KV cache manager change it; the model runner only
-reads the token ids, positions and block table it is handed.
+reads the token ids, positions and block table it is handed (as ``ScheduledSeq``, which lives
+here and not in the scheduler so that ``model/`` does not import the scheduler).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ class Sequence:
     params: SamplingParams
     root: BlockHash  # parent of block 0: key format, block size, model fingerprint, namespace
     namespace: str | None = None
-    priority: int = 0
+    # Who sent it: fair admission and quotas count per tenant (None: the offline API's one user).
+    tenant: str | None = None
+    priority: int = 0  # orders a tenant's own waiting sequences; never jumps other tenants
     prompt: str | None = None
     explain: bool = False
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
@@ -36,6 +39,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cache_info: CacheExplanation | None = None
+    # Set when the sequence failed alone inside a step (finish_reason "error"); a bug of ours.
+    error: BaseException | None = None
     # Text bookkeeping for stop strings and streaming (owned by the output processor).
     text: str = ""
     num_streamed_tokens: int = 0
@@ -63,3 +68,16 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step: its next ``num_new_tokens`` tokens are computed."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the end of the sequence's tokens, so a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens

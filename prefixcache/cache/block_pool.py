@@ -45,6 +45,8 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         self._lru: OrderedDict[int, None] = OrderedDict()  # front = evicted first
         self._pinned_until: dict[int, float] = {}  # block id -> deadline (time.monotonic)
+        self._pin_owners: dict[int, dict[str | None, float]] = {}  # block -> owner -> deadline
+        self._owner_pins: dict[str | None, int] = {}  # owner -> blocks it holds a pin on
         self._pinned_idle: set[int] = set()
         self.evicted_blocks = 0
 
@@ -137,38 +139,89 @@ class BlockPool:
             self._lru[b] = None
 
     # ---- pins, invalidation -----------------------------------------------------------------
-    def pin(self, block_ids: Sequence[int], ttl_seconds: float | None, now: float | None = None) -> int:
+    # A block is pinned while any owner's pin on it lasts. Each owner (a tenant; None for the
+    # offline API) holds its own pin with its own deadline, and is charged for it against its
+    # quota; the pool's budget counts each pinned block once, whoever pinned it.
+    def pin(
+        self,
+        block_ids: Sequence[int],
+        ttl_seconds: float | None,
+        now: float | None = None,
+        *,
+        owner: str | None = None,
+        owner_quota: int | None = None,
+    ) -> int:
         """Keep cached blocks from eviction until the TTL ends (None: until unpinned).
 
-        Raises ValueError if the pin budget would be exceeded. Returns the number pinned.
+        Raises ValueError if the pool's pin budget, or ``owner_quota`` (blocks this owner may
+        hold pinned; None: no quota), would be exceeded; a failed call pins nothing. Returns the
+        number of blocks that were not pinned before.
         """
         now = time.monotonic() if now is None else now
         for b in block_ids:  # validate all before pinning any: a failed call changes nothing
             if self.index.key_of(b) is None:
                 raise ValueError(f"block {b} holds no cached content and cannot be pinned")
-        new = [b for b in dict.fromkeys(block_ids) if b not in self._pinned_until]
+        wanted = list(dict.fromkeys(block_ids))
+        new = [b for b in wanted if b not in self._pinned_until]
         if len(self._pinned_until) + len(new) > self.max_pinned_blocks:
             raise ValueError(
                 f"pin budget exceeded: {len(self._pinned_until)} pinned + {len(new)} new > "
                 f"{self.max_pinned_blocks} blocks allowed"
             )
+        mine = [b for b in wanted if owner not in self._pin_owners.get(b, {})]
+        held = self._owner_pins.get(owner, 0)
+        if owner_quota is not None and held + len(mine) > owner_quota:
+            raise ValueError(
+                f"pin quota exceeded: {held} pinned + {len(mine)} new > {owner_quota} blocks "
+                "allowed per tenant"
+            )
         deadline = float("inf") if ttl_seconds is None else now + ttl_seconds
-        for b in dict.fromkeys(block_ids):
-            self._pinned_until[b] = max(deadline, self._pinned_until.get(b, 0.0))
+        for b in wanted:
+            owners = self._pin_owners.setdefault(b, {})
+            if owner not in owners:
+                self._owner_pins[owner] = self._owner_pins.get(owner, 0) + 1
+            owners[owner] = max(deadline, owners.get(owner, 0.0))
+            self._pinned_until[b] = max(owners.values())
             if b in self._lru:
                 del self._lru[b]
                 self._pinned_idle.add(b)
         return len(new)
 
+    def pinned_by(self, owner: str | None) -> int:
+        """Blocks ``owner`` holds a pin on (what its quota is charged)."""
+        return self._owner_pins.get(owner, 0)
+
     def expire_pins(self, now: float | None = None) -> int:
-        """Unpin blocks whose deadline passed; idle ones become evictable (most recent end)."""
+        """End the pins whose deadline passed; a block whose last pin ended becomes evictable
+        (idle ones at the most recent end). Returns the number of blocks unpinned."""
         now = time.monotonic() if now is None else now
-        expired = [b for b, t in self._pinned_until.items() if t <= now]
-        for b in expired:
-            self._unpin(b)
-        return len(expired)
+        ended = [(b, o) for b, owners in self._pin_owners.items() for o, t in owners.items() if t <= now]
+        for b, o in ended:
+            self._drop_owner_pin(b, o)
+        unpinned = 0
+        for b in dict.fromkeys(b for b, _ in ended):
+            owners = self._pin_owners.get(b)
+            if owners:
+                self._pinned_until[b] = max(owners.values())
+            else:
+                self._unpin(b)
+                unpinned += 1
+        return unpinned
+
+    def _drop_owner_pin(self, b: int, owner: str | None) -> None:
+        owners = self._pin_owners[b]
+        del owners[owner]
+        n = self._owner_pins[owner] - 1
+        if n:
+            self._owner_pins[owner] = n
+        else:
+            del self._owner_pins[owner]
+        if not owners:
+            del self._pin_owners[b]
 
     def _unpin(self, b: int) -> None:
+        for o in list(self._pin_owners.get(b, ())):
+            self._drop_owner_pin(b, o)
         del self._pinned_until[b]
         if b in self._pinned_idle:
             self._pinned_idle.remove(b)
@@ -203,6 +256,14 @@ class BlockPool:
         for b in idle:
             assert b in self._pinned_until, f"pinned-idle block {b} is not pinned"
         assert len(self._pinned_until) <= self.max_pinned_blocks, "pin budget exceeded"
+        assert set(self._pin_owners) == set(self._pinned_until), "pinned block without owner"
+        for b, owners in self._pin_owners.items():
+            assert owners and self._pinned_until[b] == max(owners.values()), f"block {b} deadline"
+        per_owner: dict[str | None, int] = {}
+        for owners in self._pin_owners.values():
+            for o in owners:
+                per_owner[o] = per_owner.get(o, 0) + 1
+        assert per_owner == self._owner_pins, "per-owner pin counts drifted"
         self.index.check_integrity()
         if live_block_tables is not None:
             expected = [0] * self.num_blocks

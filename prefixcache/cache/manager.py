@@ -15,6 +15,7 @@ registers nothing; the rest of the code runs unchanged.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from prefixcache.cache.block_pool import BlockPool
@@ -30,6 +31,12 @@ class CacheCounters:
     hit_tokens: int
 
 
+# Roots are cached per namespace to save one hash per request; the cache is bounded because
+# every cache_salt is a namespace, and salts are chosen by clients. Hits do not reorder it: the
+# server hashes request-log keys outside the engine lock, and insertion is the only mutation.
+MAX_CACHED_ROOTS = 4096
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -40,9 +47,12 @@ class KVCacheManager:
         self.block_size = pool.block_size
         self.model_fingerprint = model_fingerprint
         self.enable_caching = enable_caching
-        self._roots: dict[str | None, BlockHash] = {}
+        self._roots: OrderedDict[str | None, BlockHash] = OrderedDict()
         self.query_tokens = 0
         self.hit_tokens = 0
+        # tenant -> [prompt tokens looked up, tokens hit]; tenants are named by the server's
+        # keys (a bounded set), None for the offline API.
+        self.by_tenant: dict[str | None, list[int]] = {}
 
     # ---- keys ----------------------------------------------------------------------------------
     def root(self, namespace: str | None) -> BlockHash:
@@ -51,6 +61,8 @@ class KVCacheManager:
             r = self._roots[namespace] = root_hash(
                 self.model_fingerprint, namespace, block_size=self.block_size
             )
+            if len(self._roots) > MAX_CACHED_ROOTS:
+                self._roots.popitem(last=False)  # oldest first; a dropped root is one hash away
         return r
 
     def keys_for(self, token_ids: list[int], namespace: str | None) -> list[BlockHash]:
@@ -108,6 +120,9 @@ class KVCacheManager:
             seq.num_cached_tokens = m.num_tokens
             self.query_tokens += seq.num_prompt_tokens
             self.hit_tokens += m.num_tokens
+            mine = self.by_tenant.setdefault(seq.tenant, [0, 0])
+            mine[0] += seq.num_prompt_tokens
+            mine[1] += m.num_tokens
         return True
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -153,7 +168,11 @@ class KVCacheManager:
 
     # ---- explanation -----------------------------------------------------------------------------
     def explain(self, token_ids: list[int], namespace: str | None, other_namespaces) -> CacheExplanation:
-        """Why this prompt would (not) hit now. No side effects."""
+        """Why this prompt would (not) hit now. No side effects.
+
+        Everything up to the "other namespace" check reads only keys of ``namespace``'s own
+        chain, so its answer and its cost do not depend on other namespaces. Only
+        ``other_namespaces`` (empty unless the caller is an admin) looks elsewhere."""
         n = len(token_ids)
         b = self.block_size
         if not self.enable_caching:

@@ -60,6 +60,10 @@ class PrefixIndex:
         self._children: dict[BlockHash, set[BlockHash]] = {}
         self._evicted: OrderedDict[BlockHash, None] = OrderedDict()
         self._evicted_memory = evicted_memory
+        # namespace -> its indexed blocks. The registry of namespaces is exactly the namespaces
+        # that hold a block now, so it is bounded by the pool (a namespace is forgotten with its
+        # last block; one per cache_salt ever seen would grow without end).
+        self._by_namespace: dict[str | None, set[int]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -136,6 +140,7 @@ class PrefixIndex:
         self._entries[key] = IndexEntry(block_id, parent + encode_tokens(token_ids), namespace)
         self._key_of_block[block_id] = key
         self._children.setdefault(parent, set()).add(key)
+        self._by_namespace.setdefault(namespace, set()).add(block_id)
         self._evicted.pop(key, None)
         return block_id
 
@@ -145,6 +150,10 @@ class PrefixIndex:
         if key is None:
             return None
         e = self._entries.pop(key)
+        mine = self._by_namespace[e.namespace]
+        mine.discard(block_id)
+        if not mine:
+            del self._by_namespace[e.namespace]
         kids = self._children.get(e.parent)
         if kids is not None:
             kids.discard(key)
@@ -157,7 +166,14 @@ class PrefixIndex:
         return key
 
     def blocks_in_namespace(self, namespace: str | None) -> list[int]:
-        return [e.block_id for e in self._entries.values() if e.namespace == namespace]
+        return list(self._by_namespace.get(namespace, ()))
+
+    def namespaces(self) -> list[str | None]:
+        """The namespaces that hold at least one indexed block now."""
+        return list(self._by_namespace)
+
+    def num_blocks_in_namespace(self, namespace: str | None) -> int:
+        return len(self._by_namespace.get(namespace, ()))
 
     def all_blocks(self) -> list[int]:
         return list(self._key_of_block)
@@ -176,3 +192,8 @@ class PrefixIndex:
             assert key in self._children.get(e.parent, ()), "child link missing"
         n_links = sum(len(v) for v in self._children.values())
         assert n_links == len(self._entries), "dangling child links"
+        by_ns = sum(len(v) for v in self._by_namespace.values())
+        assert by_ns == len(self._entries) and all(self._by_namespace.values()), "namespace map"
+        for ns, blocks in self._by_namespace.items():
+            for b in blocks:
+                assert self._entries[self._key_of_block[b]].namespace == ns, "namespace map"

@@ -15,7 +15,7 @@ from prefixcache.kv.pool import KVCache, KVLayout
 from prefixcache.model.attention import build_metadata
 from prefixcache.model.llama import LlamaModel
 from prefixcache.model.loader import LoadedWeights
-from prefixcache.scheduler import ScheduledSeq
+from prefixcache.sequence import ScheduledSeq
 
 log = logging.getLogger(__name__)
 

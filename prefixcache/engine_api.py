@@ -1,0 +1,157 @@
+"""The engine boundary the server programs against: one protocol, typed results, typed errors.
+
+``AsyncEngine`` implements :class:`EngineAPI`; the server (``prefixcache/server``) uses nothing
+else of the engine, so it never probes for methods with ``getattr`` and never matches error
+messages (the errors are the classes of ``prefixcache/errors.py``). Tests can hand the app any
+object with these methods.
+
+No torch here, and no engine import: plain data and a ``typing.Protocol``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from prefixcache.config import EngineConfig
+from prefixcache.request import CacheExplanation, SamplingParams, StreamDelta
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    num_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class WarmResult:
+    num_tokens: int
+    num_cached_tokens: int
+    pinned_blocks: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Everything the engine counts, read at one moment (the one stats type: the offline
+    ``cache_stats()`` dict, ``/v1/cache/stats`` and ``/metrics`` are views of it)."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    evicted_blocks_total: int
+    kv_cache_usage: float  # blocks held by live requests / total (idle cached blocks are free)
+    cached_blocks: int  # reusable, unreferenced (evictable unless pinned)
+    free_blocks: int
+    in_use_blocks: int
+    pinned_blocks: int
+    total_blocks: int
+    block_size: int
+    used_bytes: int
+    capacity_bytes: int
+    enable_prefix_caching: bool
+    num_fairness_preemptions_total: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        q = self.prefix_cache_queries_total
+        return self.prefix_cache_hits_total / q if q else 0.0
+
+
+@dataclass(frozen=True)
+class TenantStats:
+    """One tenant's own view: its traffic, its sequences, its namespaces' blocks and pins."""
+
+    tenant: str | None
+    num_running: int
+    num_waiting: int
+    prompt_tokens_total: int  # prompt tokens looked up in the cache
+    prefix_cache_hits_total: int
+    generation_tokens_total: int
+    pinned_blocks: int  # blocks this tenant holds a pin on (its quota's use)
+    namespace_blocks: dict[str, int]  # its namespaces -> blocks indexed there now
+
+    @property
+    def hit_rate(self) -> float:
+        q = self.prompt_tokens_total
+        return self.prefix_cache_hits_total / q if q else 0.0
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """``ok`` unless the engine thread died, or work waits and no step finished for longer
+    than the stall limit (a hung step, a deadlock)."""
+
+    ok: bool
+    reason: str | None  # "not_started", "engine_thread_dead", "stalled"; None when ok
+    seconds_since_progress: float
+    has_work: bool
+
+
+class EngineAPI(Protocol):
+    config: EngineConfig
+    slow_consumers_total: int  # streams cancelled because their reader fell behind
+
+    @property
+    def tokenizer(self): ...
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def weights_format(self) -> str: ...
+    @property
+    def kv_info(self) -> dict: ...
+
+    async def start(self) -> None: ...
+    async def shutdown(self, drain: bool = True, timeout: float = 300.0) -> None: ...
+    def health(self) -> EngineHealth: ...
+
+    def check_admission(self, tenant: str | None, num_sequences: int) -> None:
+        """Raise QueueFullError / TenantQuotaError if ``num_sequences`` more do not fit now."""
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        namespace: str | None = None,
+        priority: int = 0,
+        explain: bool = False,
+        *,
+        tenant: str | None = None,
+        explain_across_namespaces: bool = False,
+    ) -> AsyncIterator[StreamDelta]: ...
+
+    def abort(self, request_id: str) -> None: ...
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None: ...
+
+    async def warm(
+        self,
+        prompt_token_ids: list[int],
+        namespace: str | None = None,
+        pin: bool = False,
+        ttl_seconds: float | None = None,
+        *,
+        tenant: str | None = None,
+        quota: bool = True,
+    ) -> WarmResult:
+        """Prefill (and pin, charged to ``tenant``; ``quota=False`` for admins)."""
+
+    def lookup(self, prompt_token_ids: list[int], namespace: str | None = None) -> LookupResult: ...
+    def explain(
+        self, prompt_token_ids: list[int], namespace: str | None = None, across: bool = False
+    ) -> CacheExplanation: ...
+    def invalidate(self, namespace: str | None, all_namespaces: bool | None = None) -> int: ...
+    def block_hashes(self, prompt_token_ids: list[int], namespace: str | None = None) -> list[bytes]: ...
+    def engine_stats(self) -> EngineStats: ...
+    def tenant_stats(
+        self, tenant: str | None, owns: Callable[[str | None], bool]
+    ) -> TenantStats: ...
+    def check_integrity(self) -> None: ...

@@ -1,0 +1,92 @@
+"""Fair sharing of the running batch between tenants (no torch; used by the scheduler).
+
+Two rules, both pure functions of the queues:
+
+1. **Admission order** (``fair_order``): the waiting sequences are taken round-robin over
+   tenants, the tenant with the fewest running sequences first. Within one tenant the
+   scheduling policy's order holds (fcfs, or lpm's longest cached prefix), after the tenant's own
+   ``priority``: a priority orders a tenant's own queue and never jumps another tenant. With one
+   tenant this is exactly the policy order.
+
+       tenant A waiting a1 a2 a3 a4 (3 running)      rank = position in own queue + running
+       tenant B waiting b1 b2       (0 running)      order: b1 b2 a1 b3.. -> b1(0) b2(1) a1(3) a2(4)
+
+2. **Fair share of slots** (``rebalance``): when the batch is full and a tenant below its share
+   (``max_num_seqs // active tenants``) waits, the newest running sequence of the tenant furthest
+   over its share is preempted to make room. Preemption keeps outputs (its computed blocks stay
+   cached and it resumes from them), and it only ever moves slots from a tenant over its share to
+   one under it, so it cannot oscillate. While a tenant is alone it may use every slot.
+
+Memory is not partitioned: a tenant's sequences compete for KV blocks as everyone's do, but
+their number is bounded by the share above and by the per-tenant waiting quota (async engine).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from collections.abc import Sequence as Seq
+
+from prefixcache.sequence import Sequence
+
+
+def running_by_tenant(running: Iterable[Sequence]) -> Counter:
+    return Counter(s.tenant for s in running)
+
+
+def fair_order(policy_order: Seq[Sequence], running: Mapping) -> list[Sequence]:
+    """``policy_order`` (the waiting queue as the policy sorts it) interleaved over tenants."""
+    if not policy_order:
+        return []
+    if len({s.tenant for s in policy_order}) == 1:
+        return list(policy_order)
+    position = {id(s): i for i, s in enumerate(policy_order)}
+    queues: dict[str | None, list[Sequence]] = {}
+    for s in policy_order:
+        queues.setdefault(s.tenant, []).append(s)
+    rank: dict[int, int] = {}
+    for tenant, queue in queues.items():
+        for k, s in enumerate(queue):
+            rank[id(s)] = k + running.get(tenant, 0)
+    return sorted(policy_order, key=lambda s: (rank[id(s)], position[id(s)]))
+
+
+def fair_share(max_num_seqs: int, running: Mapping, waiting: Iterable[Sequence]) -> int:
+    """Slots each active tenant (running or waiting) is entitled to; at least one."""
+    active = set(running) | {s.tenant for s in waiting}
+    return max(1, max_num_seqs // max(1, len(active)))
+
+
+def rebalance(
+    waiting_fair: Seq[Sequence], running: Seq[Sequence], max_num_seqs: int
+) -> list[Sequence]:
+    """The running sequences to preempt so that tenants under their share get a slot now.
+
+    ``waiting_fair`` is the waiting queue in ``fair_order``. Victims are the newest sequences
+    (the end of ``running``) of the tenant furthest over its share.
+    """
+    counts = running_by_tenant(running)
+    share = fair_share(max_num_seqs, counts, waiting_fair)
+    free = max_num_seqs - len(running)
+    taken: set[int] = set()
+    victims: list[Sequence] = []
+    for seq in waiting_fair:
+        t = seq.tenant
+        if counts[t] >= share:
+            continue
+        if free > 0:  # a free slot: the scheduler admits it (memory permitting)
+            free -= 1
+            counts[t] += 1
+            continue
+        over = [(n - share, u) for u, n in counts.items() if n > share]
+        if not over:
+            break
+        _, loser = max(over, key=lambda x: x[0])
+        victim = next(
+            s for s in reversed(running) if s.tenant == loser and id(s) not in taken
+        )
+        taken.add(id(victim))
+        victims.append(victim)
+        counts[loser] -= 1
+        counts[t] += 1
+    return victims

@@ -1,0 +1,155 @@
+"""One sequence's failure is its own: sampling parameters are checked once at the edge, and a
+sequence that still fails in sampling or output processing is finished alone while every other
+sequence of its steps produces the tokens it produces alone. Fair admission across tenants.
+
+Runs on the session engines (real model); each test leaves them idle with no block in use.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from _helpers import PROSE, shared_default_weights
+
+from prefixcache import SamplingParams
+from prefixcache.config import EngineConfig
+from prefixcache.engine import LLMEngine
+from prefixcache.errors import InvalidRequestError, SequenceFailedError
+from prefixcache.fairness import fair_order, fair_share, rebalance
+from prefixcache.request import GREEDY_TEMPERATURE_EPS
+from prefixcache.sequence import Sequence
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def _run(engine: LLMEngine, max_steps: int = 2000) -> None:
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return
+        engine.step()
+        engine.check_integrity()
+    raise AssertionError("engine did not finish")
+
+
+def _poisoned(field: str, value) -> SamplingParams:
+    """Parameters that passed validation and then break (stands for a validation gap, a bug):
+    the frozen dataclass is changed behind the validator's back."""
+    p = SamplingParams(max_tokens=8, temperature=0.7, seed=1, ignore_eos=True)
+    object.__setattr__(p, field, value)
+    return p
+
+
+# ---- validation at the edge ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"stop": [1]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+    ],
+)
+def test_sampling_params_are_checked_once_with_a_typed_error(kwargs, param):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param and isinstance(e.value, ValueError)
+
+
+def test_tiny_temperature_is_greedy_and_tiny_top_p_keeps_the_best_token(llm):
+    prompts = [PROSE[:160], PROSE[200:330]]
+    greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, cache_salt="iso-t")]
+    for extreme in (
+        SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True),  # 1/T overflows
+        SamplingParams(max_tokens=8, temperature=GREEDY_TEMPERATURE_EPS / 2, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-300, seed=3, ignore_eos=True),
+    ):
+        outs = llm.generate(prompts, extreme, cache_salt="iso-t")
+        assert [o.outputs[0].token_ids for o in outs] == greedy, extreme
+    llm.check_integrity()
+
+
+# ---- isolation in the step ----------------------------------------------------------------------
+def test_a_failing_sequence_is_finished_alone_and_others_are_unchanged(llm, llm_cold):
+    good = [PROSE[:150], PROSE[300:420], PROSE[500:580]]
+    solo = [llm_cold.generate([p], GREEDY)[0].outputs[0].token_ids for p in good]
+    eng = llm.engine
+    seqs = {
+        "g0": eng.add_request("g0", good[0], GREEDY, namespace="iso"),
+        # NaN temperature: sampling divides by it, softmax is NaN, multinomial raises.
+        "bad-sample": eng.add_request("bad-sample", good[1], _poisoned("temperature", math.nan)),
+        "g1": eng.add_request("g1", good[1], GREEDY, namespace="iso"),
+        # A stop "string" that is not one: the output processor's find() raises.
+        "bad-output": eng.add_request("bad-output", good[2], _poisoned("stop", (None,))),
+        "g2": eng.add_request("g2", good[2], GREEDY, namespace="iso"),
+    }
+    _run(eng)
+    for rid in ("bad-sample", "bad-output"):
+        s = seqs[rid]
+        assert s.finished and s.finish_reason == "error", rid
+        assert isinstance(s.error, SequenceFailedError) and s.error.request_id == rid
+        assert s.block_table == []  # its blocks went back at once
+    assert [seqs[f"g{i}"].output_token_ids for i in range(3)] == solo
+    assert all(seqs[f"g{i}"].finish_reason == "length" for i in range(3))
+    assert eng.pool.counts().in_use == 0 and not eng.seqs
+    # The offline API says so instead of returning a silently short answer.
+    with pytest.raises(SequenceFailedError):
+        llm.generate([good[0], good[1]], [GREEDY, _poisoned("temperature", math.nan)])
+    assert eng.pool.counts().in_use == 0 and not eng.has_unfinished()
+    llm.check_integrity()
+
+
+# ---- fair admission -----------------------------------------------------------------------------
+def _seq(i: int, tenant: str, priority: int = 0) -> Sequence:
+    return Sequence(f"{tenant}{i}", [1, 2, 3], GREEDY, root=b"\0" * 16, tenant=tenant,
+                    priority=priority)  # fmt: skip
+
+
+def test_fair_order_interleaves_tenants_and_priority_stays_inside_a_tenant():
+    a = [_seq(i, "a") for i in range(4)]
+    b = [_seq(i, "b", priority=-100) for i in range(2)]  # b's priority cannot jump a
+    policy = a + b  # the policy's order: a's flood arrived first
+    order = fair_order(policy, running={"a": 2})
+    assert [s.request_id for s in order] == ["b0", "b1", "a0", "a1", "a2", "a3"]
+    assert [s.request_id for s in fair_order(policy, {})] == ["a0", "b0", "a1", "b1", "a2", "a3"]
+    assert fair_order(a, {"a": 9}) == a  # alone, a tenant keeps the policy's order
+
+
+def test_rebalance_preempts_only_tenants_over_their_share():
+    running = [_seq(i, "a") for i in range(4)]  # a holds every slot of 4
+    waiting = fair_order([_seq(9, "b"), _seq(10, "b"), _seq(11, "b")], {"a": 4})
+    assert fair_share(4, {"a": 4}, waiting) == 2
+    victims = rebalance(waiting, running, max_num_seqs=4)
+    assert [v.request_id for v in victims] == ["a3", "a2"]  # a's newest, down to its share
+    assert rebalance(fair_order([_seq(5, "a")], {"a": 4}), running, 4) == []  # alone: all slots
+
+
+def test_a_flooding_tenant_does_not_hold_the_batch(llm_cold):
+    """Tenant a fills every slot; tenant b's request is admitted at the next step by preempting
+    a's newest sequence, and everybody's tokens equal their solo runs (preemption keeps them)."""
+    with shared_default_weights():
+        eng = LLMEngine(EngineConfig(kv_cache_memory="32MiB", max_num_seqs=4, seed=0))
+    flood = [PROSE[i * 40 : i * 40 + 90] for i in range(6)]
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    a = [eng.add_request(f"a{i}", p, sp, tenant="a") for i, p in enumerate(flood)]
+    for _ in range(3):
+        eng.step()
+    assert sum(s.tenant == "a" for s in eng.scheduler.running) == 4
+    victim = eng.add_request("b0", PROSE[100:190], sp, tenant="b")
+    eng.step()
+    assert victim in eng.scheduler.running  # admitted at once, not after a's flood
+    assert eng.scheduler.counters.fairness_preemptions == 1
+    _run(eng)
+    refs = llm_cold.generate(flood + [PROSE[100:190]], sp)
+    got = [s.output_token_ids for s in a] + [victim.output_token_ids]
+    assert got == [r.outputs[0].token_ids for r in refs]
+    assert eng.pool.counts().in_use == 0
