@@ -287,8 +287,15 @@ def test_metrics(server, client, model):
 
 
 def test_request_log(server, client, model):
-    client.completions.create(model=model, prompt=SYSTEM + " Log me.", max_tokens=1)
-    lines = [json.loads(x) for x in server.request_log.read_text().splitlines()]
+    r = client.completions.create(model=model, prompt=SYSTEM + " Log me.", max_tokens=1)
+    # The log is written by a background thread, after the answer: wait for the line.
+    deadline = time.monotonic() + 30
+    while True:
+        lines = [json.loads(x) for x in server.request_log.read_text().splitlines()]
+        if lines and lines[-1]["num_prompt_tokens"] == r.usage.prompt_tokens:
+            break
+        assert time.monotonic() < deadline, "the request was never logged"
+        time.sleep(0.1)
     last = lines[-1]
     assert last["tenant"] == "default" and last["namespace"] == "default"
     assert last["num_prompt_tokens"] > 32 and len(last["block_hashes"]) >= 2

@@ -39,6 +39,58 @@ def test_bad_keys_files_are_refused(tmp_path, text):
         load_keys_file(path)
 
 
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('{"keys": {"sk-a": {"tenant": "a", "admin": "false"}}}', "admin"),  # a string: no admin
+        ("keys:\n  sk-a: {tenant: a, admin: \"true\"}\n", "admin"),
+        ("keys:\n  sk-a: {tenant: a, admin: yes}\n", "admin"),  # YAML 1.1 bool: a string here
+        ("keys:\n  sk-a: {tenant: a, role: admin}\n", "role"),  # unknown field
+        ("sk-a: alice\nsk-b: bob\nsk-a: mallory\n", "line 3"),  # duplicate key, its line
+        ('{\n "sk-a": "alice",\n "sk-a": "mallory"\n}', "line 3"),
+    ],
+)
+def test_keys_file_schema_is_strict(tmp_path, text, needle):
+    path = tmp_path / "keys.txt"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=needle):
+        load_keys_file(path)
+
+
+def test_yaml_keys_and_names_stay_the_strings_they_look_like(tmp_path):
+    path = tmp_path / "keys.yaml"
+    path.write_text("keys:\n  yes: null\n  0123: 1e3\n  sk-o: {tenant: ops, admin: true}\n")
+    keys, _ = load_keys_file(path)
+    assert keys == {"yes": Tenant("null"), "0123": Tenant("1e3"), "sk-o": Tenant("ops", True)}
+
+
+def test_keys_reload_swaps_all_or_nothing(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"sk-a": "alice"}))
+    d = TenantDirectory.from_options(api_keys_file=path, admin_key="sk-root")
+    assert d.reloadable and d.authenticate("Bearer sk-a") == Tenant("alice")
+    path.write_text(json.dumps({"sk-b": "bob"}))
+    assert d.reload() == 2  # bob and the admin key from the command line
+    assert d.authenticate("Bearer sk-b") == Tenant("bob")
+    with pytest.raises(APIError):
+        d.authenticate("Bearer sk-a")
+    path.write_text('{"sk-c": {"tenant": "c", "admin": "yes"}}')
+    with pytest.raises(ValueError):
+        d.reload()
+    assert d.authenticate("Bearer sk-b") == Tenant("bob")  # a bad file changes nothing
+    assert not TenantDirectory.from_options(api_key="k").reloadable
+
+
+def test_metrics_key():
+    d = TenantDirectory.from_options(api_key="sk-1", admin_key="sk-root")
+    d.authenticate_metrics("Bearer scrape", "scrape")
+    d.authenticate_metrics("Bearer sk-root", "scrape")  # admins may scrape
+    for header in (None, "Bearer nope", "scrape"):
+        with pytest.raises(APIError) as e:
+            d.authenticate_metrics(header, "scrape")
+        assert e.value.status == 401
+
+
 def test_bad_tenant_names_are_refused():
     with pytest.raises(ValueError, match="'/'"):
         TenantDirectory({"k": Tenant("a/b")})
@@ -103,15 +155,32 @@ def test_validation_errors_name_the_field():
                     "code": "queue_full"}  # fmt: skip
 
 
-def test_engine_errors_map_to_openai_statuses():
-    from prefixcache.async_engine import EngineShutDownError, QueueFullError
-    from prefixcache.server.serving import engine_error
+def test_engine_errors_map_to_openai_statuses_by_type():
+    from prefixcache.errors import (
+        ContextLengthError,
+        EngineShutDownError,
+        InvalidRequestError,
+        QueueFullError,
+        SequenceFailedError,
+        TenantQuotaError,
+    )
+    from prefixcache.server.errors import from_engine_error
 
-    down = engine_error(EngineShutDownError("no new requests"))
+    down = from_engine_error(EngineShutDownError("no new requests"))
     assert isinstance(down, APIError) and down.status == 503
-    busy = engine_error(QueueFullError("9 waiting"))
-    assert busy.status == 429 and "Retry-After" in busy.headers
-    too_long = engine_error(ValueError("maximum context length is 8192 tokens"))
-    assert too_long.status == 400
-    other = RuntimeError("x")
-    assert engine_error(other) is other
+    busy = from_engine_error(QueueFullError("9 waiting"))
+    assert busy.status == 429 and busy.headers["Retry-After"] == "1"
+    share = from_engine_error(TenantQuotaError("over share", retry_after=3))
+    assert (share.status, share.code, share.headers["Retry-After"]) == (
+        429, "tenant_quota_exceeded", "3")  # fmt: skip
+    too_long = from_engine_error(ContextLengthError("too long", param="prompt"))
+    assert (too_long.status, too_long.param, too_long.code) == (
+        400, "prompt", "context_length_exceeded")  # fmt: skip
+    # The class decides, never the text: a "length" in a plain message is no context error.
+    bad = from_engine_error(InvalidRequestError("the length of the stop list", param="stop"))
+    assert (bad.status, bad.param, bad.code) == (400, "stop", None)
+    # Our own faults are 500s that carry the request id and not the exception's text.
+    ours = from_engine_error(SequenceFailedError("r1", RuntimeError("secret internals")), "rid7")
+    assert ours.status == 500 and "rid7" in ours.message and "secret" not in ours.message
+    for other in (RuntimeError("x"), ValueError("maximum context length")):
+        assert from_engine_error(other) is None  # an untyped error is a bug: a logged 500

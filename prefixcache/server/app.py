@@ -1,58 +1,82 @@
 """The FastAPI app: service routes here, the API in completions.py and cache_routes.py.
 
-``create_app(engine, ...)`` takes an :class:`~prefixcache.engine.AsyncEngine` that is built but
-not started; the app's lifespan starts its step loop and, at shutdown, drains it (uvicorn first
-stops accepting connections and lets running requests finish, so SIGTERM drains).
+``create_app(engine, ...)`` takes an engine implementing :class:`~prefixcache.engine_api.EngineAPI`
+(an ``AsyncEngine``) that is built but not started; the app's lifespan starts its step loop and,
+at shutdown, drains it (uvicorn first stops accepting connections and lets running requests
+finish, so SIGTERM drains). With a keys file, SIGHUP reloads it (lifespan installs the handler).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import signal
+import threading
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import prefixcache
+from prefixcache.engine_api import EngineAPI
 from prefixcache.server import cache_routes, completions
 from prefixcache.server.auth import TenantDirectory
-from prefixcache.server.errors import APIError, install_error_handlers
+from prefixcache.server.errors import APIError, RequestIdMiddleware, install_error_handlers
+from prefixcache.server.limits import ServerLimits
 from prefixcache.server.metrics import CONTENT_TYPE, ServerMetrics
+from prefixcache.server.request_log import BackgroundRequestLog
 from prefixcache.server.serving import Serving
+
+log = logging.getLogger("prefixcache.server")
 
 
 def create_app(
-    engine,
+    engine: EngineAPI,
     *,
     served_model_names: list[str] | None = None,
     tenants: TenantDirectory | None = None,
     request_log=None,
     on_ready: Callable[[], None] | None = None,
+    limits: ServerLimits | None = None,
+    metrics_key: str | None = None,
+    drain_timeout: float | None = None,
 ) -> FastAPI:
+    """``request_log``: a ``RequestLogWriter`` (written from a background thread here);
+    ``metrics_key``: when set, ``/metrics`` needs it (or an admin key) as a bearer token;
+    ``drain_timeout``: how long shutdown waits for running requests (None: 300 s)."""
     names = served_model_names or [engine.model_name]
-    serving = Serving(
-        engine, names, tenants or TenantDirectory(), ServerMetrics(engine, names[0]), request_log
+    tenants = tenants or TenantDirectory()
+    background_log = (
+        BackgroundRequestLog(request_log, engine.block_hashes) if request_log is not None else None
     )
+    metrics = ServerMetrics(engine, names[0], background_log)
+    serving = Serving(engine, names, tenants, metrics, background_log, limits or ServerLimits())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
         app.state.ready = True
+        hup = _install_reload(tenants)
         if on_ready is not None:
             on_ready()
         try:
             yield
         finally:
             app.state.ready = False
-            await engine.shutdown(drain=True)
-            if request_log is not None and hasattr(request_log, "close"):
-                request_log.close()
+            if hup:
+                with contextlib.suppress(Exception):
+                    asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            await engine.shutdown(drain=True, timeout=300.0 if drain_timeout is None else drain_timeout)
+            if background_log is not None:
+                await asyncio.to_thread(background_log.close)
 
     app = FastAPI(title="prefixcache", version=prefixcache.__version__, lifespan=lifespan)
     app.state.serving = serving
     app.state.ready = False
+    app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(cache_routes.router)
@@ -60,7 +84,12 @@ def create_app(
     @app.get("/health")
     async def health(request: Request) -> Response:
         if not request.app.state.ready:
-            return JSONResponse({"status": "unavailable"}, status_code=503)
+            return JSONResponse({"status": "unavailable", "reason": "starting"}, status_code=503)
+        h = engine.health()
+        if not h.ok:
+            body = {"status": "unavailable", "reason": h.reason,
+                    "seconds_since_progress": round(h.seconds_since_progress, 3)}  # fmt: skip
+            return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
@@ -70,34 +99,18 @@ def create_app(
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         serving.tenants.authenticate(request.headers.get("authorization"))
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "prefixcache",
-                "root": engine.model_name,
-                "max_model_len": engine.max_model_len,
-            }
-            for name in serving.model_names
-        ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [_model_card(engine, n) for n in serving.model_names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> dict:
         serving.tenants.authenticate(request.headers.get("authorization"))
         serving.check_model(model_id)
-        return {
-            "id": model_id,
-            "object": "model",
-            "created": 0,
-            "owned_by": "prefixcache",
-            "root": engine.model_name,
-            "max_model_len": engine.max_model_len,
-        }
+        return _model_card(engine, model_id)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics_route(request: Request) -> Response:
+        if metrics_key is not None:
+            serving.tenants.authenticate_metrics(request.headers.get("authorization"), metrics_key)
         # The engine's counters are read under its lock, which a running step holds.
         body = await asyncio.to_thread(serving.metrics.render)
         return Response(body, media_type=CONTENT_TYPE)
@@ -108,24 +121,45 @@ def create_app(
         tenant = serving.tenants.authenticate(request.headers.get("authorization"))
         if not tenant.admin:
             raise APIError(403, "the debug endpoints need an admin key")
-        check = getattr(engine, "check_integrity", None)
-        if check is None:
-            raise APIError(404, "this engine has no integrity check", code="not_found")
-        return await asyncio.to_thread(_integrity, engine, check)
+        return await asyncio.to_thread(_integrity, engine)
 
     return app
 
 
-def _integrity(engine, check) -> dict:
+def _model_card(engine: EngineAPI, name: str) -> dict:
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "prefixcache",
+        "root": engine.model_name,
+        "max_model_len": engine.max_model_len,
+    }
+
+
+def _install_reload(tenants: TenantDirectory) -> bool:
+    """SIGHUP reloads the keys file (only the main thread's loop can take signals)."""
+    if not tenants.reloadable or threading.current_thread() is not threading.main_thread():
+        return False
+
+    def reload() -> None:
+        try:
+            n = tenants.reload()
+        except (ValueError, TypeError) as e:
+            log.error("SIGHUP: keys file not reloaded, the old keys stay in force: %s", e)
+        else:
+            log.warning("SIGHUP: keys file reloaded (%d keys)", n)
+
     try:
-        result = check()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+    except (NotImplementedError, RuntimeError, ValueError):
+        return False
+    return True
+
+
+def _integrity(engine: EngineAPI) -> dict:
+    try:
+        engine.check_integrity()
     except AssertionError as e:
-        return {"ok": False, "error": str(e), "engine": _as_dict(engine.engine_stats())}
-    out = {"ok": True, "engine": _as_dict(engine.engine_stats())}
-    if isinstance(result, dict):
-        out["details"] = result
-    return out
-
-
-def _as_dict(x) -> dict:
-    return asdict(x) if is_dataclass(x) else dict(x)
+        return {"ok": False, "error": str(e), "engine": asdict(engine.engine_stats())}
+    return {"ok": True, "engine": asdict(engine.engine_stats())}

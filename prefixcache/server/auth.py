@@ -10,7 +10,7 @@ block hash chain, docs/design.md §3), so the server derives it and never takes 
 Tenant names and shared names may not contain "/" and may not equal each other, so a namespace
 names exactly one owner: a tenant cannot reach another tenant's namespace by choosing a salt.
 
-Keys file (JSON or YAML), either a flat mapping of key to tenant::
+Keys file (JSON, or YAML read as strings), either a flat mapping of key to tenant::
 
     sk-alice: alice
     sk-bob: bob
@@ -22,18 +22,29 @@ or the full form::
       sk-ops: {tenant: ops, admin: true}
     shared_namespaces: [public]
 
+The schema is strict (pydantic, ``extra="forbid"``): ``admin`` must be a boolean (``"false"``
+as a string is an error, not an admin), tenant names and keys must be strings, a duplicate key
+is an error naming its line. YAML is read with only ``true``/``false`` resolved (to booleans);
+every other plain scalar stays the string it looks like, so ``yes``, ``null``, ``0123`` and
+``1e3`` are the keys and names they are written as. SIGHUP reloads the file (app.py): the new
+keys apply to new requests, running ones keep the tenant they were admitted as; a file that
+fails to load leaves the old keys in force.
+
 Without any key configured the server is open: every caller is the admin tenant "default".
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from prefixcache.server.errors import APIError
 
@@ -58,6 +69,14 @@ def _check_name(kind: str, name: object) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class _Keys:
+    """One consistent set of keys and shared namespaces (swapped whole on reload)."""
+
+    by_digest: dict[bytes, Tenant]
+    shared: frozenset[str]
+
+
 class TenantDirectory:
     """Who a request is (from its bearer token) and which namespaces it may use."""
 
@@ -66,29 +85,32 @@ class TenantDirectory:
         keys: Mapping[str, Tenant] | None = None,
         shared_namespaces: Iterable[str] = (),
     ) -> None:
-        self.shared_namespaces = frozenset(
-            _check_name("shared namespace", n) for n in shared_namespaces
-        )
-        self._by_digest: dict[bytes, Tenant] = {}
-        for key, tenant in (keys or {}).items():
-            if not isinstance(key, str) or not key:
-                raise ValueError("API keys must be non-empty strings")
-            _check_name("tenant name", tenant.name)
-            if tenant.name in self.shared_namespaces:
-                raise ValueError(
-                    f"tenant {tenant.name!r} has the name of a shared namespace; rename one"
-                )
-            self._by_digest[_digest(key)] = tenant
-        if DEFAULT_TENANT in self.shared_namespaces and not self._by_digest:
-            raise ValueError(f"{DEFAULT_TENANT!r} cannot be a shared namespace without API keys")
+        self._keys = _build(keys or {}, shared_namespaces)
+        self._options: dict | None = None  # from_options: what reload() re-reads
+
+    @property
+    def shared_namespaces(self) -> frozenset[str]:
+        return self._keys.shared
+
+    @property
+    def reloadable(self) -> bool:
+        return bool(self._options and self._options.get("api_keys_file"))
+
+    def reload(self) -> int:
+        """Re-read the keys file; all or nothing. Returns the number of keys now in force."""
+        if not self.reloadable:
+            raise ValueError("no keys file to reload")
+        fresh = TenantDirectory.from_options(**self._options)
+        self._keys = fresh._keys  # one reference: a request sees the old set or the new one
+        return len(self._keys.by_digest)
 
     @property
     def auth_required(self) -> bool:
-        return bool(self._by_digest)
+        return bool(self._keys.by_digest)
 
     @property
     def tenants(self) -> list[Tenant]:
-        return sorted(set(self._by_digest.values()), key=lambda t: t.name)
+        return sorted(set(self._keys.by_digest.values()), key=lambda t: t.name)
 
     # -- construction -------------------------------------------------------------------------
 
@@ -114,7 +136,10 @@ class TenantDirectory:
             if admin_key in keys and not keys[admin_key].admin:
                 raise ValueError("the admin key is also a tenant's key in the keys file")
             keys[admin_key] = Tenant("admin", admin=True)
-        return cls(keys, shared)
+        d = cls(keys, shared)
+        d._options = {"api_key": api_key, "api_keys_file": api_keys_file,
+                      "admin_key": admin_key, "shared_namespaces": list(shared_namespaces)}  # fmt: skip
+        return d
 
     # -- per request --------------------------------------------------------------------------
 
@@ -130,7 +155,7 @@ class TenantDirectory:
                 headers={"WWW-Authenticate": "Bearer"},
             )
         scheme, _, token = authorization.partition(" ")
-        tenant = self._by_digest.get(_digest(token.strip())) if scheme.lower() == "bearer" else None
+        tenant = self._keys.by_digest.get(_digest(token.strip())) if scheme.lower() == "bearer" else None
         if tenant is None:
             raise APIError(
                 401,
@@ -140,6 +165,19 @@ class TenantDirectory:
             )
         return tenant
 
+    def authenticate_metrics(self, authorization: str | None, metrics_key: str) -> None:
+        """``/metrics`` with ``--metrics-key``: that key, or any admin key; else 401."""
+        scheme, _, token = (authorization or "").partition(" ")
+        token = token.strip()
+        if scheme.lower() == "bearer" and hmac.compare_digest(_digest(token), _digest(metrics_key)):
+            return
+        tenant = self._keys.by_digest.get(_digest(token)) if scheme.lower() == "bearer" else None
+        if tenant is None or not tenant.admin:
+            raise APIError(
+                401, "/metrics needs the metrics key", code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )  # fmt: skip
+
     def namespace(self, tenant: Tenant, cache_salt: str | None) -> str:
         if cache_salt is None:
             return tenant.name
@@ -147,7 +185,7 @@ class TenantDirectory:
             raise APIError(
                 400, f"cache_salt must be 1..{MAX_SALT_LEN} characters", param="cache_salt"
             )
-        if cache_salt in self.shared_namespaces:
+        if cache_salt in self._keys.shared:
             return cache_salt
         return f"{tenant.name}/{cache_salt}"
 
@@ -156,45 +194,123 @@ class TenantDirectory:
         return tenant.admin or namespace == tenant.name or namespace.startswith(tenant.name + "/")
 
 
+def _build(keys: Mapping[str, Tenant], shared_namespaces: Iterable[str]) -> _Keys:
+    shared = frozenset(_check_name("shared namespace", n) for n in shared_namespaces)
+    by_digest: dict[bytes, Tenant] = {}
+    for key, tenant in keys.items():
+        if not isinstance(key, str) or not key or key != key.strip():
+            raise ValueError("API keys must be non-empty strings without surrounding spaces")
+        _check_name("tenant name", tenant.name)
+        if tenant.name in shared:
+            raise ValueError(f"tenant {tenant.name!r} has the name of a shared namespace; rename one")
+        by_digest[_digest(key)] = tenant
+    if DEFAULT_TENANT in shared and not by_digest:
+        raise ValueError(f"{DEFAULT_TENANT!r} cannot be a shared namespace without API keys")
+    return _Keys(by_digest, shared)
+
+
+# ---- the keys file ------------------------------------------------------------------------------
+class _Entry(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    tenant: str
+    admin: bool = False
+
+
+class _FullFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    keys: dict[str, str | _Entry]
+    shared_namespaces: list[str] = []
+
+
+class _FlatFile(BaseModel):
+    model_config = ConfigDict(strict=True)
+    entries: dict[str, str | _Entry]
+
+
+class _StringsLoader(yaml.SafeLoader):
+    """YAML with every plain scalar a string except ``true``/``false``; duplicate keys fail."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None,
+                    f"duplicate key {key!r} (first on line {seen[key] + 1})",
+                    key_node.start_mark,
+                )  # fmt: skip
+            if isinstance(key, str):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+_StringsLoader.yaml_implicit_resolvers = {}
+_StringsLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|false)$"), list("tf")
+)
+_StringsLoader.add_constructor(
+    "tag:yaml.org,2002:map", lambda loader, node: loader.construct_mapping(node)
+)
+
+
+def _json_no_duplicates(text: str, path: Path):
+    def pairs(items):
+        out: dict = {}
+        for k, v in items:
+            if k in out:
+                raise ValueError(
+                    f"API keys file {path}: duplicate key {k!r} on line {_json_line(text, k)}"
+                )
+            out[k] = v
+        return out
+
+    return json.loads(text, object_pairs_hook=pairs)
+
+
+def _json_line(text: str, key: str) -> int:
+    """The line of the second occurrence of ``"key":`` (the duplicate)."""
+    hits = [m.start() for m in re.finditer(re.escape(json.dumps(key)) + r"\s*:", text)]
+    pos = hits[1] if len(hits) > 1 else (hits[0] if hits else 0)
+    return text.count("\n", 0, pos) + 1
+
+
 def load_keys_file(path: str | Path) -> tuple[dict[str, Tenant], list[str]]:
     """Parse a keys file (JSON or YAML, by content): (key -> tenant, shared namespaces).
 
-    Raises ValueError or TypeError with a message that names the file and the problem.
+    Raises ValueError (or TypeError) with a message that names the file and the problem.
     """
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as e:
-        raise ValueError(f"cannot read API keys file {path}: {e.strerror}") from e
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read API keys file {path}: {e}") from e
     try:
-        data = json.loads(text)
+        data = _json_no_duplicates(text, path)
     except json.JSONDecodeError:
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_StringsLoader)  # a SafeLoader subclass
         except yaml.YAMLError as e:
-            raise ValueError(f"API keys file {path} is neither JSON nor YAML: {e}") from e
+            raise ValueError(f"API keys file {path} is neither JSON nor valid YAML: {e}") from e
     if not isinstance(data, dict):
         raise TypeError(f"API keys file {path} must hold a mapping")
-    if isinstance(data.get("keys"), dict):
-        entries, shared = data["keys"], data.get("shared_namespaces") or []
-        unknown = set(data) - {"keys", "shared_namespaces"}
-        if unknown:
-            raise ValueError(f"API keys file {path}: unknown sections {sorted(unknown)}")
-    else:
-        entries, shared = data, []
-    if not isinstance(shared, list):
-        raise TypeError(f"API keys file {path}: shared_namespaces must be a list")
-    keys: dict[str, Tenant] = {}
-    for key, value in entries.items():
-        if isinstance(value, str):
-            keys[str(key)] = Tenant(value)
-        elif isinstance(value, dict) and isinstance(value.get("tenant"), str):
-            keys[str(key)] = Tenant(value["tenant"], admin=bool(value.get("admin", False)))
+    try:
+        if isinstance(data.get("keys"), dict):
+            full = _FullFile.model_validate(data)
+            entries, shared = full.keys, full.shared_namespaces
         else:
-            raise TypeError(
-                f"API keys file {path}: the value of a key must be a tenant name or "
-                "{tenant: NAME, admin: BOOL}"
-            )
+            entries, shared = _FlatFile.model_validate({"entries": data}).entries, []
+    except ValidationError as e:
+        # Of a union's failures, the deepest says most ("admin: should be a valid boolean"
+        # rather than "should be a valid string").
+        first = max(e.errors(), key=lambda x: len(x["loc"]))
+        tags = {"entries", "str", "_Entry"}
+        where = ".".join(str(p) for p in first["loc"] if p not in tags)
+        raise ValueError(f"API keys file {path}: {where}: {first['msg']}") from None
+    keys = {
+        k: Tenant(v) if isinstance(v, str) else Tenant(v.tenant, admin=v.admin)
+        for k, v in entries.items()
+    }
     if not keys:
         raise ValueError(f"API keys file {path} holds no keys")
-    return keys, [str(s) for s in shared]
+    return keys, list(shared)

@@ -2,7 +2,9 @@
 
 Authenticated like the completions routes, and scoped the same way: a prompt is warmed or looked
 up in the caller's namespace (its tenant, plus ``cache_salt``), which the server derives.
-Invalidating another tenant's namespace, or all of them, takes an admin key.
+Invalidating another tenant's namespace, or all of them, takes an admin key. Prompts are
+validated like a completion's (vocabulary, at most the context length) before they are hashed.
+``/stats`` shows an admin everything and anyone else only their own tenant's numbers.
 """
 
 from __future__ import annotations
@@ -12,27 +14,16 @@ from dataclasses import asdict, is_dataclass
 
 from fastapi import APIRouter, Request
 
-from prefixcache.server.errors import APIError
+from prefixcache.server.errors import APIError, from_engine_error, internal_error, request_id_of
 from prefixcache.server.protocol import (
     CacheInvalidateRequest,
     CacheLookupRequest,
     CacheWarmRequest,
-    _CacheQuery,
     parse_body,
 )
-from prefixcache.server.serving import Serving, accept, engine_error
+from prefixcache.server.serving import Serving, accept
 
 router = APIRouter(prefix="/v1/cache")
-
-
-def _prompt_ids(s: Serving, req: _CacheQuery) -> list[int]:
-    req.check_one_input()
-    if req.messages is not None:
-        return s.chat_prompt(req.messages, req.add_generation_prompt)
-    ids = s.encode_text(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-    if not ids:
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    return ids
 
 
 def _as_dict(x) -> dict:
@@ -46,19 +37,18 @@ def _as_dict(x) -> dict:
 @router.post("/warm")
 async def warm(request: Request) -> dict:
     """Prefill a prompt into the cache (no tokens generated); optionally pin it for a TTL."""
-    s, _tenant, req, namespace = await accept(request, CacheWarmRequest)
-    ids = _prompt_ids(s, req)
+    s, tenant, req, namespace = await accept(request, CacheWarmRequest)
+    ids = await s.cache_prompt(req)
     if req.ttl_seconds is not None and not req.pin:
         raise APIError(400, "ttl_seconds applies to pinned prompts: set pin: true", param="pin")
     try:
         result = await s.engine.warm(
-            ids, namespace=namespace, pin=req.pin, ttl_seconds=req.ttl_seconds
-        )
-    except Exception as e:
-        err = engine_error(e)
-        if err is e:
-            raise
-        raise err from e
+            ids, namespace=namespace, pin=req.pin, ttl_seconds=req.ttl_seconds,
+            tenant=tenant.name, quota=not tenant.admin,
+        )  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - typed errors map to 4xx, the rest is a logged 500
+        rid = request_id_of(request.scope)
+        raise (from_engine_error(e, rid) or internal_error(rid, e)) from None
     return {**_as_dict(result), "namespace": namespace}
 
 
@@ -66,7 +56,7 @@ async def warm(request: Request) -> dict:
 async def lookup(request: Request) -> dict:
     """How many tokens of a prompt would hit the cache now. Changes nothing."""
     s, _tenant, req, namespace = await accept(request, CacheLookupRequest)
-    ids = _prompt_ids(s, req)
+    ids = await s.cache_prompt(req)
     # Engine queries take its lock, which a running step holds: wait for it off the event loop.
     result = await asyncio.to_thread(s.engine.lookup, ids, namespace)
     return {**_as_dict(result), "namespace": namespace}
@@ -77,7 +67,7 @@ async def invalidate(request: Request) -> dict:
     """Drop the cached blocks of a namespace; blocks running requests hold go when released."""
     s: Serving = request.app.state.serving
     tenant = s.tenants.authenticate(request.headers.get("authorization"))
-    req = await parse_body(request, CacheInvalidateRequest)
+    req = await parse_body(request, CacheInvalidateRequest, s.limits)
     if req.all:
         if req.namespace is not None or req.cache_salt is not None:
             raise APIError(400, "'all' excludes 'namespace' and 'cache_salt'", param="all")
@@ -109,14 +99,24 @@ async def invalidate(request: Request) -> dict:
 
 @router.get("/stats")
 async def stats(request: Request) -> dict:
-    """The engine's cache statistics, plus its live request counts and KV usage."""
+    """Admin: the engine's cache statistics, live request counts and KV geometry. Anyone else:
+    their own tenant's numbers and namespaces only (the pool is shared, its counts are not)."""
     s: Serving = request.app.state.serving
-    s.tenants.authenticate(request.headers.get("authorization"))
-    return await asyncio.to_thread(_stats, s.engine)
+    tenant = s.tenants.authenticate(request.headers.get("authorization"))
+    if tenant.admin:
+        return await asyncio.to_thread(_stats, s.engine)
+    own = await asyncio.to_thread(
+        s.engine.tenant_stats, tenant.name, lambda ns: ns is not None and s.tenants.owns(tenant, ns)
+    )
+    out = _as_dict(own)
+    out["hit_rate"] = own.hit_rate
+    out["kv"] = dict(s.engine.kv_info)
+    return out
 
 
 def _stats(engine) -> dict:
+    st = engine.engine_stats()
     out = dict(engine.cache_stats())
-    out["engine"] = _as_dict(engine.engine_stats())
+    out["engine"] = _as_dict(st)
     out["kv"] = dict(engine.kv_info)
     return out

@@ -5,9 +5,37 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import fields
+
+from prefixcache.config import parse_bytes
+from prefixcache.server.limits import ServerLimits
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+
+_LIMIT_HELP = {
+    "max_body_bytes": "largest request body (bytes or e.g. 4MiB); 413 above",
+    "max_json_depth": "deepest JSON nesting accepted",
+    "max_n": "choices per prompt",
+    "max_prompts_per_request": "prompts in one /v1/completions request",
+    "max_logprobs": "top logprobs per token",
+    "max_stop_sequences": "stop strings per request",
+    "max_stop_chars": "characters per stop string",
+    "max_stop_token_ids": "stop token ids per request",
+    "max_messages": "chat messages per request",
+    "body_timeout": "seconds for a request body to arrive (408 after)",
+    "header_timeout": "seconds for a connection to send a request's headers (closed after)",
+    "keep_alive_timeout": "seconds an idle keep-alive connection stays open",
+    "send_timeout": "seconds a client may take to accept a streamed chunk (cancelled after)",
+    "max_connections": "open connections; more are closed at once",
+}
+
+
+def _limit_type(name: str):
+    if name == "max_body_bytes":
+        return parse_bytes
+    default = next(f.default for f in fields(ServerLimits) if f.name == name)
+    return float if isinstance(default, float) else int
 
 
 def register(subparsers) -> None:
@@ -51,10 +79,43 @@ def register(subparsers) -> None:
         help="more waiting requests than this are refused with 429",
     )
     m.add_argument(
+        "--max-waiting-per-tenant",
+        type=int,
+        default=None,
+        help="waiting sequences one tenant may hold; more get 429 (default: half of "
+        "--max-waiting-requests)",
+    )
+    m.add_argument(
         "--pin-budget-fraction",
         type=float,
         default=0.25,
         help="share of the KV pool pinned prompts may hold",
+    )
+    m.add_argument(
+        "--pin-quota-fraction",
+        type=float,
+        default=0.5,
+        help="share of the pin budget one non-admin tenant may hold",
+    )
+    m.add_argument(
+        "--max-pin-ttl",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="longest pin; a pin without ttl_seconds gets this one",
+    )
+    m.add_argument(
+        "--max-pending-deltas",
+        type=int,
+        default=1024,
+        help="a stream whose reader leaves more deltas unread is cancelled",
+    )
+    m.add_argument(
+        "--health-stall-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="/health is 503 when work waits and no step finished for this long",
     )
     m.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     m.add_argument(
@@ -95,6 +156,20 @@ def register(subparsers) -> None:
         help="a cache_salt every tenant shares (repeatable), e.g. 'public'",
     )
     s.add_argument(
+        "--metrics-key",
+        default=None,
+        help="require this key (or an admin key) as a bearer token on /metrics "
+        "(default: /metrics is open, as in vLLM)",
+    )
+    lim = p.add_argument_group("limits (see docs/server.md)")
+    for f in fields(ServerLimits):
+        lim.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=_limit_type(f.name),
+            default=f.default,
+            help=_LIMIT_HELP.get(f.name),
+        )
+    s.add_argument(
         "--log-requests",
         default=None,
         metavar="FILE",
@@ -134,13 +209,15 @@ def run_serve(args: argparse.Namespace) -> int:
             shared_namespaces=args.shared_namespace,
         )
         config = _engine_config(args)
+        limits = _limits(args)
         request_log = _request_log(args.log_requests, args.block_size)
     except (ValueError, TypeError) as e:
         print(f"prefixcache serve: {e}", file=sys.stderr)
         return 2
 
-    from prefixcache.engine import AsyncEngine
+    from prefixcache.async_engine import AsyncEngine
     from prefixcache.server.app import create_app
+    from prefixcache.server.http import protocol_class
 
     engine = AsyncEngine(config)
     app = create_app(
@@ -149,6 +226,9 @@ def run_serve(args: argparse.Namespace) -> int:
         tenants=tenants,
         request_log=request_log,
         on_ready=lambda: print(_banner(engine, tenants, args), flush=True),
+        limits=limits,
+        metrics_key=args.metrics_key,
+        drain_timeout=args.graceful_shutdown_timeout,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -157,8 +237,11 @@ def run_serve(args: argparse.Namespace) -> int:
             port=args.port,
             log_level=args.log_level,
             access_log=args.access_log,
-            # SIGTERM: stop accepting, let running requests finish (all of them by default).
+            # SIGTERM: stop accepting, let running requests finish (all of them by default);
+            # past the timeout uvicorn cancels them, which aborts their engine requests.
             timeout_graceful_shutdown=args.graceful_shutdown_timeout,
+            http=protocol_class(limits.max_connections, limits.header_timeout),
+            timeout_keep_alive=limits.keep_alive_timeout,
         )
     )
     server.run()
@@ -183,8 +266,17 @@ def _engine_config(args: argparse.Namespace):
         device=args.device,
         seed=args.seed,
         max_waiting_requests=args.max_waiting_requests,
+        max_waiting_per_tenant=args.max_waiting_per_tenant,
         pin_budget_fraction=args.pin_budget_fraction,
+        pin_quota_fraction=args.pin_quota_fraction,
+        max_pin_ttl_seconds=args.max_pin_ttl,
+        max_pending_deltas=args.max_pending_deltas,
+        health_stall_seconds=args.health_stall_timeout,
     )
+
+
+def _limits(args: argparse.Namespace) -> ServerLimits:
+    return ServerLimits(**{f.name: getattr(args, f.name) for f in fields(ServerLimits)})
 
 
 def _request_log(path: str | None, block_size: int):

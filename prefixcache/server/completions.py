@@ -14,12 +14,14 @@ import logging
 import math
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from prefixcache.request import StreamDelta
-from prefixcache.server.errors import APIError
+from prefixcache.server.errors import APIError, from_engine_error, internal_error, request_id_of
+from prefixcache.server.http import TimedStreamingResponse
 from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest
-from prefixcache.server.serving import Choice, Run, Serving, accept, engine_error
+from prefixcache.server.run import Choice, Run
+from prefixcache.server.serving import Serving, accept
 
 log = logging.getLogger("prefixcache.server")
 router = APIRouter()
@@ -32,11 +34,10 @@ _DISCONNECT_POLL_S = 0.25
 async def completions(request: Request) -> Response:
     s, tenant, req, namespace = await accept(request, CompletionRequest)
     req.check_unsupported()
-    prompts = s.completion_prompts(req)
+    s.check_generation_limits(req, req.logprobs)
+    prompts = await s.completion_prompts(req)
     params = [
-        s.sampling_params(
-            req, len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs, req.seed
-        )
+        s.sampling_params(req, len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs)
         for ids in prompts
     ]
     run = s.start(
@@ -50,12 +51,13 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     s, tenant, req, namespace = await accept(request, ChatCompletionRequest)
     req.check_unsupported()
-    ids = s.chat_prompt(req.messages, req.add_generation_prompt)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     k = (req.top_logprobs or 0) if req.logprobs else None
+    s.check_generation_limits(req, k)
+    ids = await s.chat_prompt(req.messages, req.add_generation_prompt)
     max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
-    params = s.sampling_params(req, len(ids), max_tokens, None, k, req.seed)
+    params = s.sampling_params(req, len(ids), max_tokens, None, k)
     run = s.start(
         "chatcmpl", [ids], [params], req.n, tenant, namespace, req.priority, req.return_cache_info
     )
@@ -64,9 +66,11 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def _respond(request: Request, run: Run, fmt, stream: bool, include_usage: bool) -> Response:
+    rid = request_id_of(request.scope)
     if stream:
-        return StreamingResponse(
-            _sse(run, fmt, include_usage),
+        return TimedStreamingResponse(
+            _sse(run, fmt, include_usage, rid),
+            send_timeout=run.serving.limits.send_timeout,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -81,11 +85,9 @@ async def _respond(request: Request, run: Run, fmt, stream: bool, include_usage:
                 return Response(status_code=499)  # nobody reads it; the finally aborts the run
         try:
             task.result()
-        except Exception as e:
-            err = engine_error(e)  # a request the engine thread refused: 400, not 500
-            if err is e:
-                raise
-            raise err from e
+        except Exception as e:  # noqa: BLE001 - mapped by type; the rest is a logged 500
+            # A request the engine refused or failed: its typed error says which status.
+            raise (from_engine_error(e, rid) or internal_error(rid, e)) from None
         return JSONResponse(fmt.response())
     finally:
         run.close()
@@ -95,9 +97,10 @@ def _event(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def _sse(run: Run, fmt, include_usage: bool):
+async def _sse(run: Run, fmt, include_usage: bool, request_id: str | None):
     """Server-sent events; ``run.close()`` in ``finally`` aborts the run if the client leaves
-    (Starlette cancels this generator when it sees the disconnect)."""
+    (Starlette cancels this generator when it sees the disconnect). An error after the 200 was
+    sent is one error event in OpenAI's format, then ``[DONE]``."""
     try:
         for c in run.choices:
             first = fmt.first_chunk(c)
@@ -110,11 +113,8 @@ async def _sse(run: Run, fmt, include_usage: bool):
         if include_usage:
             yield _event(fmt.envelope([], usage=run.usage()))
         yield "data: [DONE]\n\n"
-    except Exception as e:
-        err = engine_error(e)
-        if not isinstance(err, APIError):
-            log.exception("stream %s failed", run.id)
-            err = APIError(500, f"generation failed: {type(e).__name__}: {e}")
+    except Exception as e:  # noqa: BLE001 - the 200 is sent: the error is an event
+        err = from_engine_error(e, request_id) or internal_error(request_id, e)
         yield _event(err.body())
         yield "data: [DONE]\n\n"
     finally:

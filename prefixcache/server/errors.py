@@ -3,18 +3,32 @@
 Every failure the server returns goes through :class:`APIError` or one of the handlers installed
 by :func:`install_error_handlers`, so clients (the ``openai`` package included) always get a body
 they can parse, whatever went wrong: malformed JSON, a wrong type, an unknown route, a full queue.
+
+The engine's typed errors (prefixcache/errors.py) map to statuses by class in
+:func:`from_engine_error`; nothing matches message text. A 5xx means a fault of ours: its body
+says only "internal error" and the request id (``X-Request-Id``), and the log has the traceback
+under that id. Internal exception text never reaches a client.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from prefixcache.errors import (
+    EngineShutDownError,
+    InvalidRequestError,
+    QueueFullError,
+    SequenceFailedError,
+    SlowConsumerError,
+)
 
 log = logging.getLogger("prefixcache.server")
 
@@ -26,6 +40,8 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -73,6 +89,40 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
     }
 
 
+def from_engine_error(e: BaseException, request_id: str | None = None) -> APIError | None:
+    """The API error for one of the engine's typed errors; None for anything else (a bug,
+    which the caller logs and answers with :func:`internal_error`)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineShutDownError):
+        return APIError(503, "the server is shutting down", code="shutting_down")
+    if isinstance(e, QueueFullError):  # TenantQuotaError included
+        return APIError(
+            429, f"server is busy: {e.message}", code=e.code,
+            headers={"Retry-After": str(max(1, round(e.retry_after)))},
+        )  # fmt: skip
+    if isinstance(e, InvalidRequestError):
+        return APIError(400, e.message, param=e.param, code=e.code)
+    if isinstance(e, SlowConsumerError):
+        return APIError(408, "the client did not read the response in time", code="slow_client")
+    if isinstance(e, SequenceFailedError):
+        return internal_error(request_id, e)
+    return None
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def internal_error(request_id: str | None, exc: BaseException | None = None) -> APIError:
+    """Our fault: logged with the traceback under the request id; the client gets the id only."""
+    log.error("request %s: internal error", request_id, exc_info=exc)
+    return APIError(
+        500, f"internal error (request id {request_id}); the server log has the details",
+        code="internal_error",
+    )  # fmt: skip
+
+
 def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     """A pydantic failure (wrong type, missing field) as a 422 naming the first bad field."""
     errors = exc.errors()
@@ -105,6 +155,36 @@ def install_error_handlers(app: FastAPI) -> None:
         ).response()
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        rid = request_id_of(request.scope)
+        err = from_engine_error(exc, rid) or internal_error(rid, exc)
+        resp = err.response()
+        if rid:
+            resp.headers["X-Request-Id"] = rid
+        return resp
+
+
+def request_id_of(scope) -> str | None:
+    return scope.get("state", {}).get("request_id")
+
+
+class RequestIdMiddleware:
+    """Gives every HTTP request an id (``X-Request-Id`` on the answer; in the log of a 5xx)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = new_request_id()
+        scope.setdefault("state", {})["request_id"] = rid
+        header = (b"x-request-id", rid.encode())
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

@@ -7,6 +7,9 @@ observed here, once per finished request, from the timestamps the engine put on 
 
 Each server owns its registry (not the process-global one), so several apps can live in one
 process (tests) without "duplicated timeseries" errors.
+
+``/metrics`` is open by default, as vLLM's is; it shows aggregate traffic of every tenant (no
+per-tenant labels). ``--metrics-key`` makes it require that key or an admin key.
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ _COUNTERS = (
         "Cached blocks evicted to make room.",
     ),
     ("prefixcache:num_preemptions", "num_preemptions_total", "Requests preempted."),
+    (
+        "prefixcache:num_fairness_preemptions",
+        "num_fairness_preemptions_total",
+        "Requests preempted to give a tenant under its fair share a slot.",
+    ),
 )
 _GAUGES = (
     ("prefixcache:num_requests_running", "num_running", "Requests in the running batch."),
@@ -63,9 +71,10 @@ _GAUGES = (
 
 
 class _EngineCollector:
-    def __init__(self, engine, model_name: str) -> None:
+    def __init__(self, engine, model_name: str, request_log=None) -> None:
         self._engine = engine
         self._model = model_name
+        self._request_log = request_log
 
     def describe(self):
         return []  # collected lazily: nothing to check at registration
@@ -80,14 +89,29 @@ class _EngineCollector:
             m = GaugeMetricFamily(name, doc, labels=["model_name"])
             m.add_metric([self._model], float(getattr(stats, attr)))
             yield m
+        extra = [
+            ("prefixcache:slow_consumers", "Streams cancelled because the reader fell behind.",
+             self._engine.slow_consumers_total),
+        ]  # fmt: skip
+        if self._request_log is not None:
+            extra += [
+                ("prefixcache:request_log_errors", "Request-log lines that failed to write.",
+                 self._request_log.errors_total),
+                ("prefixcache:request_log_dropped", "Request-log lines dropped (queue full).",
+                 self._request_log.dropped_total),
+            ]  # fmt: skip
+        for name, doc, value in extra:
+            m = CounterMetricFamily(name, doc, labels=["model_name"])
+            m.add_metric([self._model], float(value))
+            yield m
 
 
 class ServerMetrics:
-    def __init__(self, engine, model_name: str) -> None:
+    def __init__(self, engine, model_name: str, request_log=None) -> None:
         disable_created_metrics()  # no "_created" series, as in vLLM
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_EngineCollector(engine, model_name, request_log))
         labels = ["model_name"]
         self.ttft = Histogram(
             "prefixcache:time_to_first_token_seconds",

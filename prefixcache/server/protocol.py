@@ -1,27 +1,31 @@
 """Request bodies of the OpenAI API (plus vLLM's extra fields and the cache endpoints).
 
-Pydantic checks types and shapes (a failure is a 422 naming the field); value ranges are checked
-by :class:`prefixcache.request.SamplingParams` (a failure is a 400), so both the server and the
-offline API enforce the same rules. Fields OpenAI clients send that the engine does not use are
-ignored, as vLLM does; a non-default value of a feature the engine lacks is refused instead of
-being silently dropped.
+Pydantic checks types and shapes (a failure is a 422 naming the field; floats must be finite);
+value ranges are checked by :class:`prefixcache.request.SamplingParams` (a failure is a 400), so
+both the server and the offline API enforce the same rules, and the server's size limits
+(``limits.py``) by the serving layer (400). Fields OpenAI clients send that the engine does not
+use are ignored, as vLLM does; a non-default value of a feature the engine lacks is refused
+instead of being silently dropped. The body is read and parsed by ``body.py`` (size, time,
+strict JSON, valid text) before it gets here.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Literal, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from prefixcache.server.body import parse_json, read_body
 from prefixcache.server.errors import APIError, validation_error
+from prefixcache.server.limits import ServerLimits
 
 PromptInput = str | list[int] | list[str] | list[list[int]]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # allow_inf_nan: a float field never holds NaN or an infinity (1e400 parses as inf).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 _B = TypeVar("_B", bound=_Body)
@@ -35,7 +39,7 @@ class _Generation(_Body):
     """Fields common to completions and chat completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=16)
+    n: int = Field(1, ge=1)  # at most --max-n (serving.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -132,7 +136,7 @@ class _CacheQuery(_Body):
 
 class CacheWarmRequest(_CacheQuery):
     pin: bool = False
-    ttl_seconds: float | None = Field(None, gt=0)
+    ttl_seconds: float | None = Field(None, gt=0)  # at most the engine's max_pin_ttl_seconds
 
 
 class CacheLookupRequest(_CacheQuery):
@@ -146,15 +150,9 @@ class CacheInvalidateRequest(_Body):
     all: bool = False  # every namespace; admin only
 
 
-async def parse_body(request: Request, model: type[_B]) -> _B:
-    """The JSON body as ``model``: malformed JSON is a 400, a wrong shape a 422."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from e
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+async def parse_body(request: Request, model: type[_B], limits: ServerLimits) -> _B:
+    """The body as ``model``: size/time/JSON/text failures are 4xx (body.py), a wrong shape 422."""
+    data = parse_json(await read_body(request, limits), limits)
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -1,88 +1,72 @@
-"""From an API request to engine requests and back: prompts, sampling, choices, usage.
+"""From an API request to engine requests: prompts, limits, sampling, admission.
 
-One API request becomes ``len(prompts) * n`` engine requests ("choices"), started together and
-read through one merged stream. A :class:`Run` owns them: whoever starts a run must ``close()``
-it, which aborts every choice still running (client gone, error, cancellation), so no request
-ever outlives its HTTP connection and its blocks return to the pool.
+The order of checks is the order of costs: everything bounded by ``ServerLimits`` and the
+context length is checked before anything proportional to the input is done. Text is tokenized
+(and chat templates rendered) in a worker thread, never on the event loop; a text that cannot
+fit the context whatever it tokenizes to (longer than ``max_model_len`` times the longest token
+in characters) is refused without being tokenized. Token ids are checked against the vocabulary
+and the context before they are hashed or looked up.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import jinja2
 
-from prefixcache.request import CacheExplanation, SamplingParams, StreamDelta
+from prefixcache.engine_api import EngineAPI
+from prefixcache.errors import InvalidRequestError
+from prefixcache.request import SamplingParams
 from prefixcache.server.auth import Tenant, TenantDirectory
-from prefixcache.server.errors import APIError
+from prefixcache.server.errors import APIError, from_engine_error
+from prefixcache.server.limits import ServerLimits
 from prefixcache.server.metrics import ServerMetrics
-from prefixcache.server.protocol import ChatMessage, CompletionRequest, _Generation, parse_body
+from prefixcache.server.protocol import (
+    ChatMessage,
+    CompletionRequest,
+    _CacheQuery,
+    _Generation,
+    parse_body,
+)
+from prefixcache.server.run import Choice, Run
 
-QUEUE_FULL_RETRY_AFTER_S = 1
+PRIORITY_BOUND = 2**31 - 1
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-@dataclass
-class Choice:
-    """One engine request: choice ``index`` of the API response."""
-
-    index: int
-    prompt_index: int
-    request_id: str
-    prompt_token_ids: list[int]
-    stream: AsyncIterator[StreamDelta] | None = None
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    cache_info: CacheExplanation | None = None
-    started: bool = False  # has seen its first delta
-
-    def apply(self, d: StreamDelta) -> None:
-        self.text.append(d.text_delta)
-        self.token_ids.extend(d.new_token_ids)
-        if d.new_logprobs:
-            self.logprobs.extend(d.new_logprobs)
-        self.num_prompt_tokens = d.num_prompt_tokens
-        self.num_cached_tokens = d.num_cached_tokens
-        self.num_output_tokens = d.num_output_tokens
-        if d.cache_info is not None:
-            self.cache_info = d.cache_info
-        if d.finished:
-            self.finished = True
-            self.finish_reason = d.finish_reason
-            self.stop_reason = d.stop_reason
+def as_api_error(e: InvalidRequestError) -> APIError:
+    err = from_engine_error(e)
+    assert err is not None
+    return err
 
 
 class Serving:
-    """What the routes share: the engine, the tenants, the metrics, the request log."""
+    """What the routes share: the engine, the tenants, the limits, the metrics, the log."""
 
     def __init__(
         self,
-        engine,
+        engine: EngineAPI,
         served_model_names: list[str],
         tenants: TenantDirectory,
         metrics: ServerMetrics,
         request_log=None,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.engine = engine
         self.model_names = served_model_names
         self.tenants = tenants
         self.metrics = metrics
-        self.request_log = request_log
+        self.request_log = request_log  # a BackgroundRequestLog, or None
+        self.limits = limits or ServerLimits()
         self.tokenizer = engine.tokenizer
+        self._max_token_chars: int | None = None
+        self._chars_lock = threading.Lock()
 
     @property
     def model_name(self) -> str:
@@ -94,39 +78,116 @@ class Serving:
                 404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
             )
 
-    # -- prompts ----------------------------------------------------------------------------
+    # -- prompts (the sync parts run in a worker thread) ---------------------------------------
 
-    def encode_text(self, text: str) -> list[int]:
+    @property
+    def max_token_chars(self) -> int:
+        """The longest token of the vocabulary, in characters (computed once, ~0.2 s)."""
+        if self._max_token_chars is None:
+            with self._chars_lock:
+                if self._max_token_chars is None:
+                    backend = self.tokenizer.backend
+                    ids = [[i] for i in backend.get_vocab(with_added_tokens=True).values()]
+                    texts = backend.decode_batch(ids, skip_special_tokens=False)
+                    self._max_token_chars = max(1, max(map(len, texts), default=1))
+        return self._max_token_chars
+
+    def _check_text_fits(self, num_chars: int, param: str) -> None:
+        limit = self.engine.max_model_len
+        if num_chars > limit and num_chars > limit * self.max_token_chars:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens; a text of {num_chars} "
+                f"characters cannot fit (no token is longer than {self.max_token_chars}).",
+                param=param, code="context_length_exceeded",
+            )  # fmt: skip
+
+    def _ids(self, ids: list[int], param: str) -> list[int]:
+        try:
+            self.engine.validate_prompt(ids)
+        except InvalidRequestError as e:
+            raise as_api_error(replace_param(e, param)) from None
+        return ids
+
+    def _text(self, text: str, param: str) -> list[int]:
         """A text prompt's ids, BOS included when the model wants one (as the offline API)."""
-        return self.tokenizer.encode(text, add_special_tokens=True)
+        self._check_text_fits(len(text), param)
+        return self._ids(self.tokenizer.encode(text, add_special_tokens=True), param)
 
-    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        p = req.prompt
+    def _completion_prompts(self, p) -> list[list[int]]:
         if isinstance(p, str):
-            prompts = [self.encode_text(p)]
+            prompts = [("text", p)]
         elif p and all(isinstance(x, int) for x in p):
-            prompts = [list(p)]
-        elif p and all(isinstance(x, str) for x in p):
-            prompts = [self.encode_text(x) for x in p]
-        elif p:
-            prompts = [list(x) for x in p]
+            prompts = [("ids", p)]
         else:
-            prompts = []
-        if not prompts or any(len(ids) == 0 for ids in prompts):
+            prompts = [("text" if isinstance(x, str) else "ids", x) for x in p]
+        if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        return prompts
+        if len(prompts) > self.limits.max_prompts_per_request:
+            raise APIError(
+                400, f"at most {self.limits.max_prompts_per_request} prompts per request",
+                param="prompt", code="too_many_prompts",
+            )  # fmt: skip
+        return [self._text(x, "prompt") if k == "text" else self._ids(list(x), "prompt")
+                for k, x in prompts]  # fmt: skip
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    async def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        return await asyncio.to_thread(self._completion_prompts, req.prompt)
+
+    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        if len(messages) > self.limits.max_messages:
+            raise APIError(
+                400, f"at most {self.limits.max_messages} messages per request", param="messages"
+            )
         dicts = [m.as_template_dict() for m in messages]
+        self._check_text_fits(sum(len(d["content"]) for d in dicts), "messages")
         try:
             ids = self.tokenizer.encode_chat(dicts, add_generation_prompt=add_generation_prompt)
-        except (ValueError, KeyError, TypeError, jinja2.TemplateError) as e:
-            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
+        except (ValueError, KeyError, TypeError, jinja2.TemplateError):
+            # The template's own message may quote internals; say what is wrong in our words.
+            raise APIError(
+                400, "these messages cannot be rendered with the model's chat template "
+                "(check roles and their order)", param="messages",
+            ) from None  # fmt: skip
         if not ids:
             raise APIError(400, "messages render to an empty prompt", param="messages")
-        return list(ids)
+        return self._ids(list(ids), "messages")
+
+    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool):
+        return await asyncio.to_thread(self._chat_prompt, messages, add_generation_prompt)
+
+    async def cache_prompt(self, req: _CacheQuery) -> list[int]:
+        """The prompt of /v1/cache/warm and /lookup, validated like a completion's."""
+        req.check_one_input()
+        if req.messages is not None:
+            return await self.chat_prompt(req.messages, req.add_generation_prompt)
+        if isinstance(req.prompt, str):
+            return await asyncio.to_thread(self._text, req.prompt, "prompt")
+        return self._ids(list(req.prompt), "prompt")  # O(1) length check before the scan
 
     # -- sampling -----------------------------------------------------------------------------
+
+    def check_generation_limits(self, req: _Generation, logprobs: int | None) -> None:
+        lim = self.limits
+        if req.n > lim.max_n:
+            raise APIError(400, f"n must be at most {lim.max_n}", param="n")
+        stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        if len(stop) > lim.max_stop_sequences:
+            raise APIError(
+                400, f"at most {lim.max_stop_sequences} stop sequences", param="stop"
+            )
+        if any(len(s) > lim.max_stop_chars for s in stop):
+            raise APIError(
+                400, f"stop sequences are at most {lim.max_stop_chars} characters", param="stop"
+            )
+        if len(req.stop_token_ids or ()) > lim.max_stop_token_ids:
+            raise APIError(
+                400, f"at most {lim.max_stop_token_ids} stop_token_ids", param="stop_token_ids"
+            )
+        if logprobs is not None and logprobs > lim.max_logprobs:
+            raise APIError(400, f"logprobs must be at most {lim.max_logprobs}", param="logprobs")
+        if abs(req.priority) > PRIORITY_BOUND:
+            raise APIError(400, "priority must be a 32-bit integer", param="priority")
 
     def sampling_params(
         self,
@@ -135,7 +196,6 @@ class Serving:
         max_tokens: int | None,
         default_max_tokens: int | None,
         logprobs: int | None,
-        seed: int | None,
     ) -> SamplingParams:
         room = self.engine.max_model_len - prompt_len
         if max_tokens is None:
@@ -154,15 +214,15 @@ class Serving:
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if req.top_k is None else req.top_k,
-                seed=seed,
+                seed=req.seed,
                 stop=req.stop or (),
                 stop_token_ids=req.stop_token_ids or (),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
             )
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), param=_param_of(str(e))) from e
+        except InvalidRequestError as e:
+            raise as_api_error(e) from None
 
     # -- running ------------------------------------------------------------------------------
 
@@ -177,193 +237,59 @@ class Serving:
         priority: int = 0,
         explain: bool = False,
     ) -> Run:
-        """Add every choice to the engine; on any refusal abort those already added."""
+        """Add every choice to the engine; on any refusal abort those already added. The whole
+        request is admitted or refused at once (429 for a tenant over its share)."""
+        total = len(prompts) * n
+        cfg = self.engine.config
+        most = min(cfg.max_waiting_requests, cfg.tenant_waiting_limit)
+        if total > most:
+            raise APIError(
+                400, f"this request asks for {total} sequences (prompts x n); at most {most} "
+                "can ever wait at once", param="n", code="too_many_sequences",
+            )  # fmt: skip
         run = Run(self, new_id(prefix), tenant, namespace, n)
         try:
+            self.engine.check_admission(tenant.name, total)
             for p, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
                 for j in range(n):
                     index = p * n + j
                     choice = Choice(index, p, f"{run.id}-{index}", ids)
-                    # Choices of one prompt with a seed get seed, seed+1, ...: equal seeds would
-                    # make n copies of the same sample.
+                    # Choices of one prompt with a seed get seed, seed+1, ... (wrapping within
+                    # 64 bits): equal seeds would make n copies of the same sample.
                     choice_sp = sp
                     if sp.seed is not None and j:
-                        choice_sp = SamplingParams(**{**_fields(sp), "seed": sp.seed + j})
+                        choice_sp = replace(sp, seed=_wrap_seed(sp.seed + j))
                     choice.stream = self.engine.add_request(
-                        choice.request_id,
-                        ids,
-                        choice_sp,
-                        namespace=namespace,
-                        priority=priority,
-                        explain=explain,
-                    )
+                        choice.request_id, ids, choice_sp, namespace, priority, explain,
+                        tenant=tenant.name, explain_across_namespaces=tenant.admin,
+                    )  # fmt: skip
                     run.choices.append(choice)
         except BaseException as e:
             run.close()
-            raise engine_error(e) from e
+            err = from_engine_error(e)
+            if err is None:
+                raise
+            raise err from None
         return run
 
 
-def engine_error(e: BaseException) -> BaseException:
-    """Map what ``engine.add_request`` raises to an API error (other exceptions pass)."""
-    from prefixcache.engine import EngineShutDownError, QueueFullError
+def _wrap_seed(seed: int) -> int:
+    return (seed + 2**63) % 2**64 - 2**63
 
-    if isinstance(e, EngineShutDownError):
-        return APIError(503, f"server is shutting down: {e}", code="shutting_down")
-    if isinstance(e, QueueFullError):
-        return APIError(
-            429,
-            f"server is busy: {e}",
-            code="queue_full",
-            headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
-        )
-    if isinstance(e, ValueError):
-        msg = str(e)
-        code = "context_length_exceeded" if "length" in msg else None
-        return APIError(400, msg, param=_param_of(msg), code=code)
+
+def replace_param(e: InvalidRequestError, param: str) -> InvalidRequestError:
+    """The same error naming the API field the ids came from (prompt, messages)."""
+    if e.param in (None, "prompt") and param != e.param:
+        e.param = param
     return e
-
-
-class Run:
-    """The choices of one API request and their merged stream."""
-
-    def __init__(
-        self, serving: Serving, run_id: str, tenant: Tenant, namespace: str, n: int = 1
-    ) -> None:
-        self.serving = serving
-        self.n = n
-        self.id = run_id
-        self.tenant = tenant
-        self.namespace = namespace
-        self.created = int(time.time())
-        self.choices: list[Choice] = []
-        self._tasks: list[asyncio.Task] = []
-
-    async def deltas(self) -> AsyncIterator[tuple[Choice, StreamDelta]]:
-        """Every delta of every choice, as they come; each choice's deltas stay in order."""
-        if len(self.choices) == 1:
-            c = self.choices[0]
-            async for d in c.stream:
-                self._on_delta(c, d)
-                yield c, d
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(c: Choice) -> None:
-            try:
-                async for d in c.stream:
-                    queue.put_nowait((c, d))
-            except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
-                queue.put_nowait((c, e))
-            finally:
-                queue.put_nowait((c, None))
-
-        self._tasks = [asyncio.create_task(pump(c)) for c in self.choices]
-        live = len(self.choices)
-        while live:
-            c, item = await queue.get()
-            if item is None:
-                live -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                self._on_delta(c, item)
-                yield c, item
-
-    async def collect(self) -> None:
-        async for _ in self.deltas():
-            pass
-
-    def _on_delta(self, c: Choice, d: StreamDelta) -> None:
-        first = not c.started
-        c.started = True
-        c.apply(d)
-        s = self.serving
-        if first and s.request_log is not None and c.index == c.prompt_index * self.n:
-            self._log(c, d)  # once per prompt, not once per choice
-        if d.finished:
-            s.metrics.observe_finished(d)
-
-    def _log(self, c: Choice, d: StreamDelta) -> None:
-        s = self.serving
-        s.request_log.log(
-            time=d.metrics.arrival_time,
-            tenant=self.tenant.name,
-            namespace=self.namespace,
-            num_prompt_tokens=len(c.prompt_token_ids),
-            block_hashes=s.engine.block_hashes(c.prompt_token_ids, self.namespace),
-            num_cached_tokens=c.num_cached_tokens,
-            text=None,
-        )
-
-    def close(self) -> None:
-        """Abort every unfinished choice (idempotent); frees their blocks in the engine."""
-        for t in self._tasks:
-            t.cancel()
-        for c in self.choices:
-            if not c.finished:
-                c.finished = True
-                c.finish_reason = c.finish_reason or "abort"
-                self.serving.engine.abort(c.request_id)
-
-    # -- results ------------------------------------------------------------------------------
-
-    def usage(self) -> dict:
-        by_prompt: dict[int, list[Choice]] = {}
-        for c in self.choices:
-            by_prompt.setdefault(c.prompt_index, []).append(c)
-        prompt_tokens = sum(
-            cs[0].num_prompt_tokens or len(cs[0].prompt_token_ids) for cs in by_prompt.values()
-        )
-        # Tokens of a prompt no choice had to compute: the least any of its choices reused.
-        cached = sum(min(c.num_cached_tokens for c in cs) for cs in by_prompt.values())
-        completion_tokens = sum(c.num_output_tokens for c in self.choices)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-
-    def cache_info(self, c: Choice) -> dict | None:
-        info = c.cache_info
-        if info is None:
-            return None
-        reason = info.reason
-        # "the blocks exist under another namespace" would tell a tenant that someone else sent
-        # this prompt: only the admin hears it, others hear that nothing here had it.
-        if reason == "other_namespace" and not self.tenant.admin:
-            reason = "no_prior_request"
-        return {
-            "cached_tokens": info.cached_tokens,
-            "first_uncached_position": info.first_uncached_position,
-            "reason": reason,
-            "diverged_at": info.diverged_at,
-            "namespace": self.namespace,
-        }
-
-
-def _fields(sp: SamplingParams) -> dict:
-    from dataclasses import fields
-
-    return {f.name: getattr(sp, f.name) for f in fields(sp)}
-
-
-def _param_of(message: str) -> str | None:
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "logprobs", "stop", "seed"):
-        if message.startswith(name) or f" {name} " in message:
-            return name
-    if "prompt" in message:
-        return "prompt"
-    return None
 
 
 async def accept(request, schema):
     """The start of every generation and cache route: authenticate the caller, parse the body
-    as ``schema``, check the model name, and derive the cache namespace (never from the client
-    alone). Returns (serving, tenant, body, namespace)."""
+    as ``schema`` (bounded, strict), check the model name, and derive the cache namespace
+    (never from the client alone). Returns (serving, tenant, body, namespace)."""
     s: Serving = request.app.state.serving
     tenant = s.tenants.authenticate(request.headers.get("authorization"))
-    req = await parse_body(request, schema)
+    req = await parse_body(request, schema, s.limits)
     s.check_model(req.model)
     return s, tenant, req, s.tenants.namespace(tenant, req.cache_salt)

@@ -1,0 +1,111 @@
+"""Connection-level defences: header timeout, connection cap, send timeout.
+
+uvicorn (h11) has a keep-alive timeout but no limit on how long a client may take to send a
+request's headers, and ``limit_concurrency`` answers 503 only once a request has arrived, so 200
+half-sent requests hold 200 sockets forever. :func:`protocol_class` returns uvicorn's protocol
+with two additions:
+
+- **connection cap**: a connection beyond ``max_connections`` is closed as soon as it is made;
+- **header timeout**: a connection that has not completed a request's headers within
+  ``header_timeout`` seconds of being made (or of its previous response) is closed.
+
+:class:`TimedStreamingResponse` bounds each chunk's send: a client that stops reading a stream
+blocks our send on flow control; after ``send_timeout`` seconds the stream is closed (which
+aborts its engine requests and frees their blocks) and the connection dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from starlette.responses import StreamingResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("prefixcache.server")
+
+
+def protocol_class(max_connections: int, header_timeout: float) -> type[H11Protocol]:
+    class GuardedH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._header_timer: asyncio.TimerHandle | None = None
+            if len(self.connections) > max_connections:
+                log.warning("connection refused: %d open (limit %d)", len(self.connections) - 1,
+                            max_connections)  # fmt: skip
+                transport.close()
+                return
+            self._arm_header_timer()
+
+        def _arm_header_timer(self) -> None:
+            self._disarm_header_timer()
+            self._header_timer = self.loop.call_later(header_timeout, self._header_timed_out)
+
+        def _disarm_header_timer(self) -> None:
+            timer = getattr(self, "_header_timer", None)
+            if timer is not None:
+                timer.cancel()
+                self._header_timer = None
+
+        def _header_timed_out(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            # A request's headers arrived (uvicorn made its cycle): the timer is done.
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_header_timer()  # the next request on this connection, if any
+
+        def connection_lost(self, exc) -> None:
+            self._disarm_header_timer()
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
+
+
+class SlowClientError(Exception):
+    """The client did not take a response chunk within the send timeout."""
+
+
+class TimedStreamingResponse(StreamingResponse):
+    """A streaming response whose every chunk must be taken within ``send_timeout`` seconds."""
+
+    def __init__(self, content, *, send_timeout: float, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.send_timeout = send_timeout
+
+    async def stream_response(self, send) -> None:
+        async def timed(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.send_timeout)
+            except TimeoutError:
+                raise SlowClientError(
+                    f"a response chunk was not taken within {self.send_timeout:g} s"
+                ) from None
+
+        try:
+            await timed(
+                {"type": "http.response.start", "status": self.status_code,
+                 "headers": self.raw_headers}
+            )  # fmt: skip
+            async for chunk in self.body_iterator:
+                if not isinstance(chunk, bytes | memoryview):
+                    chunk = chunk.encode(self.charset)
+                await timed({"type": "http.response.body", "body": chunk, "more_body": True})
+            await timed({"type": "http.response.body", "body": b"", "more_body": False})
+        except SlowClientError as e:
+            log.warning("stream cancelled: %s", e)
+            raise
+        finally:
+            # Close the generator now (its finally aborts the run and frees the blocks) rather
+            # than whenever the garbage collector finalizes it.
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()

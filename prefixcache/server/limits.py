@@ -1,0 +1,45 @@
+"""Size and time limits of the HTTP edge, one frozen config (``prefixcache serve`` flags).
+
+Everything a client controls is bounded before it costs us anything proportional to it: the
+body before it is read (``Content-Length``) and while it is read, a text prompt before it is
+tokenized (a text longer than ``max_model_len`` times the longest token in characters cannot
+fit), token ids before they are hashed, lists the engine scans per generated token (stop strings,
+stop token ids) before the request starts. Defaults are generous for honest clients; see the
+"Limits" table in docs/server.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_body_bytes: int = 4 << 20  # 413 above; the whole context as JSON ids is ~60 KiB
+    max_json_depth: int = 32  # our bodies nest 4 levels; a deeper document is an attack
+    max_n: int = 16  # choices per prompt
+    max_prompts_per_request: int = 32  # prompts in one /v1/completions request
+    max_logprobs: int = 20  # top logprobs per token (the engine's own ceiling is 20 too)
+    max_stop_sequences: int = 16  # stop strings per request (OpenAI allows 4)
+    max_stop_chars: int = 256  # characters per stop string
+    max_stop_token_ids: int = 64
+    max_messages: int = 1024  # chat messages per request
+    # Time: a body must arrive within body_timeout; a connection must send a request's headers
+    # within header_timeout; a response chunk the client does not take within send_timeout
+    # cancels its request (a client that stopped reading).
+    body_timeout: float = 30.0
+    header_timeout: float = 10.0
+    keep_alive_timeout: float = 5.0
+    send_timeout: float = 30.0
+    max_connections: int = 512  # open connections; more are closed at once
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"{f.name} must be a number, got {v!r}")
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{f.name} must be a positive number, got {v!r}")
+        if self.max_logprobs > 20:
+            raise ValueError(f"max_logprobs is at most 20 (the engine's), got {self.max_logprobs}")
