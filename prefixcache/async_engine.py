@@ -137,7 +137,7 @@ class AsyncEngine:
     # ---- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
         self._closed = False  # a shut-down engine can be started again
-        if self._thread is not None:
+        if self._thread is not None and self._thread.is_alive():
             return
         self._stop = False
         self._crash = None

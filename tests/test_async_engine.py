@@ -14,11 +14,14 @@ from _helpers import shared_default_weights
 
 from prefixcache.async_engine import AsyncEngine, EngineShutDownError, QueueFullError
 from prefixcache.config import EngineConfig
+from prefixcache.errors import SlowConsumerError, TenantQuotaError
 from prefixcache.request import SamplingParams
 
 B = 16
 BYTES_PER_TOKEN = 46080  # default model, float32
-MAX_WAITING = 8
+MAX_WAITING = 8  # a tenant's share: half, 4
+MAX_PENDING = 16  # deltas a reader may leave unread
+STALL_S = 0.5
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 TEXT = (
@@ -38,6 +41,8 @@ def engine():
         kv_cache_memory=64 * B * BYTES_PER_TOKEN,
         max_num_batched_tokens=64,  # chunked prefill: streams interleave with prefills
         max_waiting_requests=MAX_WAITING,
+        max_pending_deltas=MAX_PENDING,
+        health_stall_seconds=STALL_S,
         seed=0,
     )
     with shared_default_weights():
@@ -198,6 +203,97 @@ def test_queue_full_error(engine, tok):
 
     results = asyncio.run(main())
     assert all(r[-1].finished and r[-1].num_output_tokens == 4 for r in results)
+    engine.check_integrity()
+    assert _in_use(engine) == 0
+
+
+def test_a_tenant_over_its_share_of_the_queue_is_refused_alone(engine, tok):
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    async def main():
+        await engine.start()
+        with engine._lock:  # a long step: nothing leaves the queue while it fills
+            mine = [engine.add_request(f"t{i}", _ids(tok, TEXT, 20 + i), sp, tenant="a")
+                    for i in range(MAX_WAITING // 2)]  # fmt: skip
+            with pytest.raises(TenantQuotaError) as e:
+                engine.add_request("t-over", _ids(tok, TEXT, 30), sp, tenant="a")
+            assert e.value.retry_after > 0 and isinstance(e.value, QueueFullError)
+            other = engine.add_request("u0", _ids(tok, OTHER, 20), sp, tenant="b")  # still room
+        return await asyncio.gather(*([_drain(s) for s in [*mine, other]]))
+
+    results = asyncio.run(main())
+    assert all(r[-1].finished for r in results)
+    engine.check_integrity()
+    assert _in_use(engine) == 0
+
+
+async def _drain(stream) -> list:
+    return [d async for d in stream]
+
+
+def test_a_reader_that_stops_reading_is_cancelled_and_its_blocks_freed(engine, tok):
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def main():
+        await engine.start()
+        before = engine.slow_consumers_total
+        stream = engine.add_request("stuck", _ids(tok, TEXT, 40), long)
+        deadline = time.monotonic() + 60  # cancelled after MAX_PENDING unread deltas
+        while engine.slow_consumers_total == before and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await _wait_idle(engine)
+        got, err = [], None
+        try:
+            async for d in stream:
+                got.append(d)
+        except SlowConsumerError as e:
+            err = e
+        return got, err, engine.slow_consumers_total - before
+
+    got, err, slow = asyncio.run(main())
+    assert isinstance(err, SlowConsumerError) and slow == 1
+    assert len(got) == MAX_PENDING  # what was queued is delivered, nothing more was made
+    engine.check_integrity()
+    assert _in_use(engine) == 0
+
+
+def test_health_reports_a_stalled_or_dead_engine_thread(engine, tok):
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    async def stalled():
+        await engine.start()
+        assert engine.health().ok
+        with engine._lock:  # a step that does not end (a hang), with work waiting
+            stream = engine.add_request("h0", _ids(tok, TEXT, 20), sp)
+            await asyncio.sleep(STALL_S * 3)
+            h = engine.health()
+        assert not h.ok and h.reason == "stalled" and h.has_work
+        await _drain(stream)
+        assert engine.health().ok
+
+    asyncio.run(stalled())
+
+    async def dead():
+        real_step = engine.engine.step
+
+        def crash():  # not an Exception: nothing in the loop may swallow it
+            raise SystemExit("injected: the engine thread dies")
+
+        engine.engine.step = crash
+        try:
+            with pytest.raises(EngineShutDownError):  # its consumer is not left waiting
+                await asyncio.wait_for(_drain(engine.add_request("h1", _ids(tok, OTHER, 20), sp)), 30)
+            assert engine.health().reason == "engine_thread_dead"
+            with pytest.raises(EngineShutDownError):  # nor is the next request
+                engine.add_request("h2", _ids(tok, OTHER, 20), sp)
+        finally:
+            engine.engine.step = real_step
+        engine.engine.abort("h1")
+        await engine.start()  # a new thread
+        assert engine.health().ok
+        assert (await _drain(engine.add_request("h3", _ids(tok, OTHER, 20), sp)))[-1].finished
+
+    asyncio.run(dead())
     engine.check_integrity()
     assert _in_use(engine) == 0
 

@@ -1,6 +1,7 @@
 """One sequence's failure is its own: sampling parameters are checked once at the edge, and a
 sequence that still fails in sampling or output processing is finished alone while every other
 sequence of its steps produces the tokens it produces alone. Fair admission across tenants.
+Explanations of a miss never read another tenant's namespace (no timing or content oracle).
 
 Runs on the session engines (real model); each test leaves them idle with no block in use.
 """
@@ -8,11 +9,13 @@ Runs on the session engines (real model); each test leaves them idle with no blo
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 from _helpers import PROSE, shared_default_weights
 
 from prefixcache import SamplingParams
+from prefixcache.cache.manager import MAX_CACHED_ROOTS
 from prefixcache.config import EngineConfig
 from prefixcache.engine import LLMEngine
 from prefixcache.errors import InvalidRequestError, SequenceFailedError
@@ -153,3 +156,28 @@ def test_a_flooding_tenant_does_not_hold_the_batch(llm_cold):
     got = [s.output_token_ids for s in a] + [victim.output_token_ids]
     assert got == [r.outputs[0].token_ids for r in refs]
     assert eng.pool.counts().in_use == 0
+
+
+# ---- no side channels through explanations --------------------------------------------------------
+def test_explaining_a_miss_reads_other_namespaces_only_for_admins(llm):
+    eng = llm.engine
+    ids = llm.get_tokenizer().encode(PROSE)[:40]
+    llm.generate([ids], GREEDY, cache_salt="side-a")  # "side-a" holds the prompt's blocks
+    spy = mock.patch.object(eng.kv, "root", wraps=eng.kv.root)
+    with spy as root:
+        e = eng.explain(ids, "side-b")
+    # Nothing of another namespace was even hashed: answer and cost are side-b's alone.
+    assert e.reason == "no_prior_request"
+    assert {c.args[0] for c in root.call_args_list} == {"side-b"}
+    assert eng.explain(ids, "side-b", across=True).reason == "other_namespace"  # the admin's view
+
+
+def test_the_namespace_registry_is_bounded(llm):
+    eng = llm.engine
+    short = llm.get_tokenizer().encode("Hi there")  # no full block: nothing is cached
+    for i in range(20):
+        llm.generate([short], SamplingParams(max_tokens=1), cache_salt=f"salt-{i}")
+    assert not any(str(ns).startswith("salt-") for ns in eng.pool.index.namespaces())
+    for i in range(MAX_CACHED_ROOTS + 10):  # every salt a client invents is a root
+        eng.kv.root(f"r{i}")
+    assert len(eng.kv._roots) <= MAX_CACHED_ROOTS
