@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in (
-    "group_linear.cpp", "decode_attention.cpp", "fused_ops.cpp", "decode_forward.cpp"
+    "group_linear.cpp", "decode_attention.cpp", "fused_ops.cpp", "decode_forward.cpp",
+    "prefill_attention.cpp",
 )]
 _HEADERS = [_HERE / n for n in ("vec.h", "group_gemv.h", "attention.h", "rowwise.h")]
 # -fopenmp: at::parallel_for is a header template that compiles to `#pragma omp parallel` in
@@ -122,6 +123,11 @@ def decode_attention(q, k_cache, v_cache, rows_off, rows, slots_off, slots, scal
     return torch.ops.prefixcache.decode_attention(
         q, k_cache, v_cache, rows_off, rows, slots_off, slots, scale
     )
+
+
+def prefill_attention(q, k, v, scale: float):
+    """Causal attention of q [T, H, D] over k, v [KVH, C, D] (the last T keys are q's own)."""
+    return torch.ops.prefixcache.prefill_attention(q, k, v, scale)
 
 
 def rms_norm(x, w, eps: float):

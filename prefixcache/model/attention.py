@@ -8,7 +8,8 @@ The batch is flat: the new tokens of every scheduled sequence, concatenated.
 
 Per layer: the new K/V are written to their slots first, then each sequence attends to its
 context gathered from the cache (slot ids computed once per step and shared by all layers).
-Prefill chunks attend one by one (``_attend``); the decodes of a step attend together, each
+Prefill chunks attend one by one (``_attend``, or the native flash-style kernel
+``kernels.prefill_attention`` in float32 on CPU); the decodes of a step attend together, each
 shared prefix once (decode_attention.py).
 
 Cache layout per layer: ``[KVH, slots, D]``, so a gather of slots yields each KV head's keys as
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixcache import kernels
 from prefixcache.model.decode_attention import (
     DecodeBatch,
     attend_decodes,
@@ -42,6 +44,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
     seqs: list[SeqAttention]  # prefill chunks, attended one by one
     decode: DecodeBatch | None = None
+    native: bool = False  # prefill chunks through kernels.prefill_attention (float32 CPU)
 
 
 def build_metadata(
@@ -83,7 +86,7 @@ def build_metadata(
         decode = build_decode_batch(
             dec_rows, dec_tables, dec_lens, block_size, device, share_prefixes, native
         )
-    return AttentionMetadata(slot_mapping, seqs, decode)
+    return AttentionMetadata(slot_mapping, seqs, decode, native)
 
 
 def paged_attention(
@@ -106,7 +109,11 @@ def paged_attention(
         else:
             ks = k_cache.index_select(1, s.ctx_slots)
             vs = v_cache.index_select(1, s.ctx_slots)
-        out[s.q_start : s.q_start + s.q_len] = _attend(qs, ks, vs, scale)
+        if meta.native:
+            o = kernels.prefill_attention(qs.contiguous(), ks.contiguous(), vs.contiguous(), scale)
+        else:
+            o = _attend(qs, ks, vs, scale)
+        out[s.q_start : s.q_start + s.q_len] = o
     if meta.decode is not None:
         out.index_copy_(
             0, meta.decode.rows, attend_decodes(q, k_cache, v_cache, meta.decode, scale)
