@@ -70,6 +70,30 @@ def test_int8_agrees_with_the_files_weights(engines, llm):
     assert agree >= INT8_AGREEMENT
 
 
+def test_int4_requantizes_float_weights_close_to_the_files(engines, llm):
+    """A checkpoint without 4-bit groups (float weights, as from a Hugging Face directory) gets
+    min/max groups of 32 in int4 mode. On this model the float weights lie on the file's 4-bit
+    grid already, so the requantized layers agree with the file's on most prompts."""
+    import dataclasses
+    from unittest import mock
+
+    from _helpers import _default_weights
+
+    floats = dataclasses.replace(_default_weights(), int4={}, int8={})
+    with mock.patch("prefixcache.engine.load_weights", lambda model: floats):
+        int4 = LLM(quantization="int4", kv_cache_memory="64MiB", seed=0)
+    assert int4.engine.runner.model.requantized
+    assert int4.engine.weights_format.startswith("q4 layers") and "q8 head" in int4.engine.weights_format
+    assert int4.engine.fingerprint != engines["none"].engine.fingerprint
+    prompts = _prompts(llm.get_tokenizer(), 24)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in engines["none"].generate(prompts, params, cache_salt="r")]
+    got = [o.outputs[0].token_ids for o in int4.generate(prompts, params)]
+    agree = sum(a == b for a, b in zip(ref, got)) / len(ref)
+    print(f"int4 requantized vs file weights: {agree:.2f} of prompts agree on 8 greedy tokens")
+    assert agree >= INT8_AGREEMENT
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_int8_cold_equals_warm_around_block_boundaries(engines, k):
     warm, cold = engines["int8"], engines["int8-cold"]
