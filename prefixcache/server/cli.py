@@ -136,6 +136,13 @@ def register(subparsers) -> None:
     s = p.add_argument_group("server")
     s.add_argument("--host", default=DEFAULT_HOST)
     s.add_argument("--port", type=int, default=DEFAULT_PORT)
+    s.add_argument(
+        "--fd",
+        type=int,
+        default=None,
+        help="serve on this inherited listening socket instead of binding --host/--port "
+        "(socket activation, supervisors)",
+    )
     keys = s.add_mutually_exclusive_group()
     keys.add_argument("--api-key", default=None, help="one key; its holder is the admin")
     keys.add_argument(
@@ -240,7 +247,10 @@ def run_serve(args: argparse.Namespace) -> int:
             # SIGTERM: stop accepting, let running requests finish (all of them by default);
             # past the timeout uvicorn cancels them, which aborts their engine requests.
             timeout_graceful_shutdown=args.graceful_shutdown_timeout,
-            http=protocol_class(limits.max_connections, limits.header_timeout),
+            fd=args.fd,
+            http=protocol_class(
+                limits.max_connections, limits.header_timeout, limits.send_timeout
+            ),
             timeout_keep_alive=limits.keep_alive_timeout,
         )
     )

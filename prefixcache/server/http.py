@@ -7,7 +7,10 @@ with two additions:
 
 - **connection cap**: a connection beyond ``max_connections`` is closed as soon as it is made;
 - **header timeout**: a connection that has not completed a request's headers within
-  ``header_timeout`` seconds of being made (or of its previous response) is closed.
+  ``header_timeout`` seconds of being made (or of its previous response) is closed;
+- **no lingering**: closing a transport waits until its buffered bytes are sent, forever if the
+  client stopped reading, and uvicorn's graceful shutdown waits for every connection to close.
+  A connection closed with bytes still buffered is aborted ``send_timeout`` seconds later.
 
 :class:`TimedStreamingResponse` bounds each chunk's send: a client that stops reading a stream
 blocks our send on flow control; after ``send_timeout`` seconds the stream is closed (which
@@ -25,15 +28,36 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger("prefixcache.server")
 
 
-def protocol_class(max_connections: int, header_timeout: float) -> type[H11Protocol]:
+class _NoLingerTransport:
+    """The connection's transport, whose ``close()`` turns into ``abort()`` after ``linger``
+    seconds when bytes are still buffered (the client does not read them)."""
+
+    def __init__(self, transport, loop: asyncio.AbstractEventLoop, linger: float) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._linger = linger
+
+    def close(self) -> None:
+        self._transport.close()
+        if self._transport.get_write_buffer_size() > 0:
+            self._loop.call_later(self._linger, self._transport.abort)  # no-op once closed
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
+def protocol_class(
+    max_connections: int, header_timeout: float, send_timeout: float
+) -> type[H11Protocol]:
     class GuardedH11Protocol(H11Protocol):
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self.transport = _NoLingerTransport(transport, self.loop, send_timeout)
             self._header_timer: asyncio.TimerHandle | None = None
             if len(self.connections) > max_connections:
                 log.warning("connection refused: %d open (limit %d)", len(self.connections) - 1,
                             max_connections)  # fmt: skip
-                transport.close()
+                transport.abort()
                 return
             self._arm_header_timer()
 
@@ -50,7 +74,7 @@ def protocol_class(max_connections: int, header_timeout: float) -> type[H11Proto
         def _header_timed_out(self) -> None:
             self._header_timer = None
             if not self.transport.is_closing():
-                self.transport.close()
+                self.transport.abort()
 
         def handle_events(self) -> None:
             super().handle_events()
@@ -90,6 +114,9 @@ class TimedStreamingResponse(StreamingResponse):
                     f"a response chunk was not taken within {self.send_timeout:g} s"
                 ) from None
 
+        # On SlowClientError the response just ends unfinished: uvicorn then closes the
+        # connection (aborted, as its buffer does not drain) and logs one line; nothing here is
+        # an error of ours, so there is no traceback and no 500 in our log.
         try:
             await timed(
                 {"type": "http.response.start", "status": self.status_code,
@@ -102,7 +129,6 @@ class TimedStreamingResponse(StreamingResponse):
             await timed({"type": "http.response.body", "body": b"", "more_body": False})
         except SlowClientError as e:
             log.warning("stream cancelled: %s", e)
-            raise
         finally:
             # Close the generator now (its finally aborts the run and frees the blocks) rather
             # than whenever the garbage collector finalizes it.

@@ -36,10 +36,16 @@ class ServerProcess:
         port: int | None = None,
         startup_timeout: float = 300.0,
         env: dict[str, str] | None = None,
+        listen_socket: socket.socket | None = None,
     ) -> None:
+        """``listen_socket``: a bound, listening socket the server inherits (``--fd``), for
+        tests that need socket options set before accept (e.g. a small send buffer)."""
         self.args = list(args)
         self.host = host
         self.port = port
+        self.listen_socket = listen_socket
+        if listen_socket is not None:
+            self.host, self.port = listen_socket.getsockname()[:2]
         self.startup_timeout = startup_timeout
         self.env = env
         self.proc: subprocess.Popen | None = None
@@ -52,8 +58,9 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         for attempt in range(3):  # a port taken between free_port() and bind: pick another
-            if self.port is None or attempt:
+            if self.listen_socket is None and (self.port is None or attempt):
                 self.port = free_port(self.host)
+            fds = () if self.listen_socket is None else (self.listen_socket.fileno(),)
             cmd = [
                 sys.executable,
                 "-m",
@@ -66,6 +73,7 @@ class ServerProcess:
                 "--log-level",
                 "warning",
                 "--no-access-log",
+                *(["--fd", str(fds[0])] if fds else []),
                 *self.args,
             ]
             self.proc = subprocess.Popen(
@@ -73,6 +81,7 @@ class ServerProcess:
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(self.env or {})},
+                pass_fds=fds,
             )
             if self._wait_ready():
                 return self
