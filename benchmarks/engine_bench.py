@@ -6,8 +6,9 @@ Measures, on the default model and in one run:
     that matmul rate;
   - warm/cold time to first token for a 2,000-token shared prefix + 50-token question;
   - prefix lookup time (hash + index walk) for a 32,000-token prompt;
-  - single-sequence decode tokens/s;
-  - bfloat16: the share of greedy outputs that agree cold vs warm (and float32 for contrast).
+  - single-sequence decode tokens/s, and decode throughput at batch 1, 4, 16, 64;
+  - start time of LLM() and the process RSS after it, the weight format in use;
+  - the share of greedy outputs that agree cold vs warm (float32; bfloat16 too with --bf16).
 
 Usage: .venv/bin/python benchmarks/engine_bench.py [--repeats 5] [--json results/engine.json]
 """
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache import LLM, SamplingParams
+from prefixcache.model.linear import DenseLinear
 
 TEXT = (
     "The history of the city is long and varied: it grew from a river crossing into a market "
@@ -59,11 +61,21 @@ def median_time(fn, repeats: int) -> float:
 
 
 def matmul_rate(tokens: int = 1024, repeats: int = 20) -> float:
-    """FLOP/s of the model's largest matmul shape ([tokens, 576] x [576, 1536]) in float32."""
+    """FLOP/s of the model's largest matmul shape ([tokens, 576] x [576, 1536]) in float32, the
+    better of MKL's F.linear and oneDNN with the weight packed once (what the dense layers use)."""
     x = torch.randn(tokens, 576)
     w = torch.randn(1536, 576)
-    dt = median_time(lambda: F.linear(x, w), repeats)
+    packed = DenseLinear(w)
+    dt = min(median_time(lambda: F.linear(x, w), repeats), median_time(lambda: packed(x), repeats))
     return 2 * tokens * 576 * 1536 / dt
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def flops_per_token(cfg, ctx: int) -> float:
@@ -84,11 +96,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default="results/engine_bench.json")
     ap.add_argument("--agreement-prompts", type=int, default=24)
+    ap.add_argument("--bf16", action="store_true",
+                    help="also bfloat16 (slow without AVX-512: bf16 matmuls run at ~20 GFLOP/s)")
     args = ap.parse_args()
     res: dict = {"machine": machine(), "command": "python benchmarks/engine_bench.py"}
     print(res["machine"])
 
+    t0 = time.perf_counter()
     warm_llm = LLM(kv_cache_memory="1GiB")
+    res.update(llm_start_s=time.perf_counter() - t0, rss_after_start_mib=rss_mib(),
+               weights=warm_llm.engine.weights_format)  # fmt: skip
+    print(f"LLM() {res['llm_start_s']:.1f} s, RSS {res['rss_after_start_mib']:.0f} MiB; "
+          f"{res['weights']}")  # fmt: skip
     cold_llm = LLM(kv_cache_memory="1GiB", enable_prefix_caching=False)
     tok = warm_llm.get_tokenizer()
     cfg = warm_llm.engine.model_config
@@ -162,16 +181,25 @@ def main() -> None:
     per_tok = statistics.median(decode_once(cold_llm) for _ in range(3))
     res.update(decode_tok_s=1 / per_tok)
     print(f"decode: {1 / per_tok:.1f} tok/s")
+    # decode throughput by batch size: 32-token prompts, 64 tokens each (as scheduler_bench)
+    res["decode_by_batch"] = {}
+    for bs in (1, 4, 16, 64):
+        prompts = [[rng.randrange(100, 40000) for _ in range(32)] for _ in range(bs)]
+        outs = cold_llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+        first = min(o.metrics.first_token_time for o in outs)
+        last = max(o.metrics.finished_time for o in outs)
+        res["decode_by_batch"][bs] = bs * 63 / (last - first)
+        print(f"decode batch {bs}: {res['decode_by_batch'][bs]:.1f} tok/s")
 
     # 5. cold/warm agreement, float32 and bfloat16
     res["agreement"] = {}
-    for dtype, (w_llm, c_llm) in {
-        "float32": (warm_llm, cold_llm),
-        "bfloat16": (
+    pairs = {"float32": (warm_llm, cold_llm)}
+    if args.bf16:
+        pairs["bfloat16"] = (
             LLM(kv_cache_memory="1GiB", dtype="bfloat16"),
             LLM(kv_cache_memory="1GiB", dtype="bfloat16", enable_prefix_caching=False),
-        ),
-    }.items():
+        )
+    for dtype, (w_llm, c_llm) in pairs.items():
         sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
         agree = 0
         first_diff = []
