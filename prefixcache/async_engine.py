@@ -183,20 +183,21 @@ class AsyncEngine:
         self.engine.validate_prompt(prompt_token_ids)
 
     def check_admission(self, tenant: str | None, num_sequences: int) -> None:
-        """Raise unless ``num_sequences`` more waiting sequences of ``tenant`` fit now."""
+        """Raise unless ``num_sequences`` more waiting sequences of ``tenant`` fit now. The
+        tenant's share is checked first: a tenant over it hears so (and nobody else is
+        refused because of it), whatever the state of the whole queue."""
+        if tenant is not None:
+            mine = self.num_waiting_of(tenant)
+            share = self.config.tenant_waiting_limit
+            if mine + num_sequences > share:
+                raise TenantQuotaError(
+                    f"this tenant has {mine} sequences waiting and asks for {num_sequences} "
+                    f"more (its share of the queue is {share})"
+                )
         total = self.num_waiting()
         limit = self.config.max_waiting_requests
         if total + num_sequences > limit:
             raise QueueFullError(f"{total} requests are waiting (limit {limit})")
-        if tenant is None:
-            return
-        mine = self.num_waiting_of(tenant)
-        share = self.config.tenant_waiting_limit
-        if mine + num_sequences > share:
-            raise TenantQuotaError(
-                f"this tenant has {mine} sequences waiting and asks for {num_sequences} more "
-                f"(its share of the queue is {share})"
-            )
 
     def add_request(
         self,
