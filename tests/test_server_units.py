@@ -1,5 +1,5 @@
-"""The server's model-free parts, in milliseconds: keys files, tenants and namespaces, the
-`serve` command line, OpenAI error bodies."""
+"""The server's model-free parts, in milliseconds: keys files (strict schema, reload), tenants and
+namespaces, the metrics key, the `serve` command line, OpenAI error bodies, malformed bodies."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from pydantic import ValidationError
 
 from prefixcache.cli import build_parser
 from prefixcache.server.auth import Tenant, TenantDirectory, load_keys_file
-from prefixcache.server.cli import _engine_config
+from prefixcache.server.body import parse_json
+from prefixcache.server.cli import _engine_config, _limits
 from prefixcache.server.errors import APIError, validation_error
+from prefixcache.server.limits import ServerLimits
 from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -140,6 +142,17 @@ def test_serve_command_line():
     assert (cfg.max_num_seqs, cfg.scheduling_policy) == (4, "lpm")
     with pytest.raises(SystemExit):  # one key or a keys file, not both
         build_parser().parse_args(["serve", "--api-key", "k", "--api-keys-file", "f"])
+    args = build_parser().parse_args([
+        "serve", "--max-body-bytes", "1MiB", "--max-n", "4", "--send-timeout", "2.5",
+        "--max-waiting-per-tenant", "7", "--max-pin-ttl", "60", "--metrics-key", "m",
+    ])  # fmt: skip
+    limits = _limits(args)
+    assert (limits.max_body_bytes, limits.max_n, limits.send_timeout) == (1 << 20, 4, 2.5)
+    cfg = _engine_config(args)
+    assert (cfg.tenant_waiting_limit, cfg.max_pin_ttl_seconds) == (7, 60.0)
+    assert args.metrics_key == "m"
+    with pytest.raises(ValueError):
+        ServerLimits(send_timeout=0)
 
 
 def test_validation_errors_name_the_field():
@@ -184,3 +197,29 @@ def test_engine_errors_map_to_openai_statuses_by_type():
     assert ours.status == 500 and "rid7" in ours.message and "secret" not in ours.message
     for other in (RuntimeError("x"), ValueError("maximum context length")):
         assert from_engine_error(other) is None  # an untyped error is a bug: a logged 500
+
+
+@pytest.mark.parametrize(
+    ("raw", "code", "param"),
+    [
+        (b'{"temperature": NaN}', "invalid_json", None),
+        (b'{"max_tokens": ' + b"9" * 5000 + b"}", "invalid_json", None),
+        (b"[" * 100_000 + b"]" * 100_000, "invalid_json", None),
+        (b'{"a":' * 40 + b"1" + b"}" * 40, "invalid_json", None),  # deeper than 32
+        (b'{"prompt": "ok \\ud800"}', "invalid_text", "prompt"),
+        (b'{"messages": [{"content": "\\udfff"}]}', "invalid_text", "messages.0.content"),
+        (b'{"\\ud800": 1}', "invalid_text", None),
+        (b"\xff{}", "invalid_json", None),
+        (b"[1]", "invalid_json", None),
+        (b"", "invalid_json", None),
+    ],
+)
+def test_malformed_bodies_are_400s_naming_the_problem(raw, code, param):
+    with pytest.raises(APIError) as e:
+        parse_json(raw, ServerLimits())
+    assert (e.value.status, e.value.code, e.value.param) == (400, code, param)
+
+
+def test_valid_text_and_paired_surrogates_pass():
+    data = parse_json(b'{"prompt": "emoji \\ud83d\\ude00", "n": 2}', ServerLimits())
+    assert data == {"prompt": "emoji \U0001f600", "n": 2}
