@@ -17,8 +17,18 @@ Two rules, both pure functions of the queues:
    cached and it resumes from them), and it only ever moves slots from a tenant over its share to
    one under it, so it cannot oscillate. While a tenant is alone it may use every slot.
 
+3. **Fair share of a step's tokens** (``token_caps``): with several tenants active, each one's
+   running sequences get at most ``max_num_batched_tokens // active tenants`` tokens first, so a
+   tenant's long prefills cannot take every step while another tenant's request waits for
+   admission. What a tenant leaves unused goes to the others at the end of the step (the
+   scheduler tops capped chunks up), so the cap costs no throughput.
+
+4. **Memory preemption** (``memory_victim``): when blocks run out, the newest sequence of the
+   tenant holding the most running sequences goes first (with one tenant: the newest, as before),
+   so a tenant's flood cannot push out another tenant's only request.
+
 Memory is not partitioned: a tenant's sequences compete for KV blocks as everyone's do, but
-their number is bounded by the share above and by the per-tenant waiting quota (async engine).
+their number is bounded by the shares above and by the per-tenant waiting quota (async engine).
 """
 
 from __future__ import annotations
@@ -90,3 +100,27 @@ def rebalance(
         counts[loser] -= 1
         counts[t] += 1
     return victims
+
+
+def token_caps(budget: int, running: Seq[Sequence], waiting: Seq[Sequence]) -> dict | None:
+    """Tokens each active tenant's running sequences may take first in a step; None (no cap)
+    while one tenant is alone."""
+    active = {s.tenant for s in running} | {s.tenant for s in waiting}
+    if len(active) < 2:
+        return None
+    share = max(1, budget // len(active))
+    return dict.fromkeys(active, share)
+
+
+def memory_victim(running: Seq[Sequence]) -> Sequence:
+    """The sequence to preempt when blocks run out: the newest of the tenant with the most
+    running sequences (ties: the tenant of the newest sequence)."""
+    counts = running_by_tenant(running)
+    newest = running[-1]
+    if len(counts) < 2:
+        return newest
+    most = max(counts.values())
+    if counts[newest.tenant] == most:
+        return newest
+    loser = next(t for t, n in counts.items() if n == most)
+    return next(s for s in reversed(running) if s.tenant == loser)

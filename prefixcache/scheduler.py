@@ -23,7 +23,13 @@ from dataclasses import dataclass, field
 from prefixcache.cache.hashing import BlockHash
 from prefixcache.cache.manager import KVCacheManager
 from prefixcache.config import EngineConfig
-from prefixcache.fairness import fair_order, rebalance, running_by_tenant
+from prefixcache.fairness import (
+    fair_order,
+    memory_victim,
+    rebalance,
+    running_by_tenant,
+    token_caps,
+)
 from prefixcache.request import RequestStatus
 from prefixcache.sequence import ScheduledSeq, Sequence
 
@@ -91,6 +97,7 @@ class Scheduler:
         budget -= out.num_batched_tokens
         if len(out.preempted) == fair_preempted:  # out of memory this step: admit nobody new
             self._schedule_waiting(out, budget)
+            self._top_up(out, self.config.max_num_batched_tokens - out.num_batched_tokens)
         self.counters.num_steps += 1
         self.counters.batched_tokens += out.num_batched_tokens
         for s in out.scheduled:
@@ -99,22 +106,60 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
+        """Running sequences in order, each tenant's within its token cap (fairness.py); when
+        blocks run out, ``memory_victim`` is preempted until the sequence fits."""
+        caps = token_caps(budget, self.running, self.waiting)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if caps is not None:
+                n = min(n, caps[seq.tenant])
+                if n <= 0:  # over its cap this step; may be topped up at the end
+                    i += 1
+                    continue
+            preempted_self = False
             while not self.kv.allocate_slots(seq, n):
-                victim = self.running[-1]
+                victim = memory_victim(self.running)
+                j = self.running.index(victim)
+                refund = next((x.num_new_tokens for x in out.scheduled if x.seq is victim), 0)
                 self._preempt(victim, out)
+                budget += refund
+                if caps is not None:
+                    caps[victim.tenant] += refund
                 if victim is seq:
+                    preempted_self = True
                     break
-            else:
-                out.scheduled.append(ScheduledSeq(seq, n))
-                budget -= n
-                i += 1
+                if j < i:
+                    i -= 1
+            if preempted_self:
+                continue  # running[i] is now the next sequence
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            if caps is not None:
+                caps[seq.tenant] -= n
+            i += 1
+
+    def _top_up(self, out: SchedulerOutput, budget: int) -> None:
+        """Give what the step has left to running sequences the token caps held back (capped
+        chunks grow, skipped ones run). Never preempts: only blocks that are free are used."""
+        if budget <= 0:
+            return
+        index = {id(x.seq): k for k, x in enumerate(out.scheduled)}
+        for seq in self.running:
+            if budget <= 0:
+                break
+            k = index.get(id(seq))
+            have = out.scheduled[k].num_new_tokens if k is not None else 0
+            extra = min(seq.num_tokens - seq.num_computed_tokens - have, budget)
+            if extra <= 0 or not self.kv.allocate_slots(seq, have + extra):
                 continue
-            # ``seq`` itself was preempted (it was the newest); nothing after it remains.
-            break
+            if k is None:
+                index[id(seq)] = len(out.scheduled)
+                out.scheduled.append(ScheduledSeq(seq, extra))
+            else:
+                out.scheduled[k] = ScheduledSeq(seq, have + extra)
+            budget -= extra
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

@@ -19,7 +19,7 @@ from prefixcache.cache.manager import MAX_CACHED_ROOTS
 from prefixcache.config import EngineConfig
 from prefixcache.engine import LLMEngine
 from prefixcache.errors import InvalidRequestError, SequenceFailedError
-from prefixcache.fairness import fair_order, fair_share, rebalance
+from prefixcache.fairness import fair_order, fair_share, memory_victim, rebalance, token_caps
 from prefixcache.request import GREEDY_TEMPERATURE_EPS
 from prefixcache.sequence import Sequence
 
@@ -134,6 +134,36 @@ def test_rebalance_preempts_only_tenants_over_their_share():
     victims = rebalance(waiting, running, max_num_seqs=4)
     assert [v.request_id for v in victims] == ["a3", "a2"]  # a's newest, down to its share
     assert rebalance(fair_order([_seq(5, "a")], {"a": 4}), running, 4) == []  # alone: all slots
+
+
+def test_token_caps_and_memory_victims_favour_the_tenant_with_less():
+    a = [_seq(i, "a") for i in range(3)]
+    b = [_seq(0, "b")]
+    assert token_caps(2048, a, []) is None  # alone: no cap
+    assert token_caps(2048, a, b) == {"a": 1024, "b": 1024}
+    assert memory_victim(a + b).request_id == "a2"  # not b's only sequence, though newest
+    assert memory_victim(a).request_id == "a2"
+
+
+def test_long_prefills_of_one_tenant_leave_room_in_every_step(llm_cold):
+    """Tenant a's prefills would take every token of the next steps; b's request is admitted at
+    once because a gets half a step while b waits, and what b leaves goes back to a."""
+    with shared_default_weights():
+        eng = LLMEngine(EngineConfig(kv_cache_memory="32MiB", max_num_batched_tokens=64, seed=0))
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    long = [PROSE[i * 50 :] for i in range(3)]  # ~150+ tokens each: several chunks of 64
+    a = [eng.add_request(f"a{i}", p, sp, tenant="a") for i, p in enumerate(long)]
+    eng.step()  # a alone: the whole step is a's
+    assert eng.scheduler.counters.batched_tokens == 64
+    b = eng.add_request("b0", PROSE[:60], sp, tenant="b")
+    eng.step()
+    assert b in eng.scheduler.running and b.num_computed_tokens > 0  # admitted, computing
+    assert eng.scheduler.counters.batched_tokens == 128  # and the step was still full
+    _run(eng)
+    refs = llm_cold.generate(long + [PROSE[:60]], sp)
+    assert [s.output_token_ids for s in a] + [b.output_token_ids] == [
+        r.outputs[0].token_ids for r in refs
+    ]
 
 
 def test_a_flooding_tenant_does_not_hold_the_batch(llm_cold):

@@ -37,6 +37,7 @@ class ServerProcess:
         startup_timeout: float = 300.0,
         env: dict[str, str] | None = None,
         listen_socket: socket.socket | None = None,
+        cwd: str | Path | None = None,
     ) -> None:
         """``listen_socket``: a bound, listening socket the server inherits (``--fd``), for
         tests that need socket options set before accept (e.g. a small send buffer)."""
@@ -44,6 +45,7 @@ class ServerProcess:
         self.host = host
         self.port = port
         self.listen_socket = listen_socket
+        self.cwd = cwd  # run from another checkout (benchmarks comparing commits)
         if listen_socket is not None:
             self.host, self.port = listen_socket.getsockname()[:2]
         self.startup_timeout = startup_timeout
@@ -82,6 +84,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(self.env or {})},
                 pass_fds=fds,
+                cwd=self.cwd,
             )
             if self._wait_ready():
                 return self
