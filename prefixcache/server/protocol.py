@@ -11,6 +11,7 @@ strict JSON, valid text) before it gets here.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Literal, TypeVar
 
 from fastapi import Request
@@ -150,10 +151,22 @@ class CacheInvalidateRequest(_Body):
     all: bool = False  # every namespace; admin only
 
 
+# Bodies larger than this are parsed and validated in a worker thread: a few MiB of JSON take
+# tens of milliseconds, which the event loop (every other request's stream) must not wait for.
+OFF_LOOP_BYTES = 256 << 10
+
+
 async def parse_body(request: Request, model: type[_B], limits: ServerLimits) -> _B:
     """The body as ``model``: size/time/JSON/text failures are 4xx (body.py), a wrong shape 422."""
-    data = parse_json(await read_body(request, limits), limits)
+    raw = await read_body(request, limits)
+    if len(raw) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(_parse, raw, model, limits)
+    return _parse(raw, model, limits)
+
+
+def _parse(raw: bytes, model: type[_B], limits: ServerLimits) -> _B:
+    data = parse_json(raw, limits)
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise validation_error(e) from e
+        raise validation_error(e) from None
