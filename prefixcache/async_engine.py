@@ -125,6 +125,7 @@ class AsyncEngine:
     def kv_info(self) -> dict:
         lay = self.engine.layout
         return {
+            "kv_cache_dtype": lay.kv_format.name,
             "num_blocks": lay.num_blocks,
             "block_size": lay.block_size,
             "bytes_per_token": lay.bytes_per_token,
@@ -172,7 +173,10 @@ class AsyncEngine:
         has_work = bool(self._inbox or self._streams)
         if self._thread is None:
             return EngineHealth(False, "not_started", since, has_work)
-        if not self._thread.is_alive():
+        # A recorded crash counts as dead at once: the thread sets it before failing its streams,
+        # so a consumer that just saw its stream fail must not find the engine "ok" while the
+        # thread is still on its way out.
+        if self._crash is not None or not self._thread.is_alive():
             return EngineHealth(False, "engine_thread_dead", since, has_work)
         if has_work and since > self.config.health_stall_seconds:
             return EngineHealth(False, "stalled", since, has_work)

@@ -22,6 +22,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # quantization"). auto: the file's own 4-bit weights run as int4 when it stores them so (GGUF
 # Q4_0/Q4_1) on CPU, otherwise none.
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")  # kv/formats.py
 
 
 def parse_bytes(value: str | float) -> int:
@@ -51,6 +52,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     quantization: str = "auto"
+    # How K/V are stored (kv/formats.py): auto = the model's dtype; bfloat16, int8, fp8_e4m3.
+    kv_cache_dtype: str = "auto"
     # Converted weights and tokenizer are kept here between starts (keyed by the model file's
     # digest and the cache format version); None turns the cache off.
     weights_cache_dir: str | Path | None = "auto"
@@ -95,6 +98,10 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"

@@ -23,6 +23,7 @@ from prefixcache.errors import (
     PinQuotaError,
     SequenceFailedError,
 )
+from prefixcache.kv.formats import kv_format
 from prefixcache.kv.pool import plan_kv_layout
 from prefixcache.model.loader import load_weights
 from prefixcache.model.paths import DEFAULT_MODEL_NAME, resolve_model_path
@@ -56,7 +57,8 @@ class LLMEngine:
                 f"max_model_len {config.max_model_len} exceeds the model's context length {model_max}"
             )
         self.max_model_len = config.max_model_len or model_max
-        layout = plan_kv_layout(weights.config, dtype, config.block_size, config.kv_cache_memory, device)
+        kv_fmt = kv_format(config.kv_cache_dtype, dtype)
+        layout = plan_kv_layout(weights.config, kv_fmt, config.block_size, config.kv_cache_memory, device)
         self.layout = layout
         fmt = weight_format(config.quantization, device)
         self.runner = ModelRunner(weights, dtype, device, self.max_model_len, layout, fmt)
@@ -65,8 +67,10 @@ class LLMEngine:
         # quantization when it changed the file's numbers (the group kernels running the file's
         # own groups compute what the dense layers compute, so they share keys).
         numbers = config.quantization if self.runner.model.requantized else "file"
+        # The KV format too: a block's stored K/V depend on it (int8 and float32 blocks never mix).
         self.fingerprint = hashlib.sha256(
-            f"{weights.weights_digest}|{self.tokenizer.fingerprint()}|{dtype}|{numbers}".encode()
+            f"{weights.weights_digest}|{self.tokenizer.fingerprint()}|{dtype}|{numbers}|"
+            f"kv:{kv_fmt.name}".encode()
         ).hexdigest()
         pool = BlockPool(
             layout.num_blocks,
@@ -81,9 +85,9 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self._generated_by_tenant: Counter = Counter()
         log.info(
-            "KV cache: %d bytes/token, %d blocks of %d tokens, capacity %d tokens (%.1f MiB), %s",
-            layout.bytes_per_token, layout.num_blocks, layout.block_size, layout.capacity_tokens,
-            layout.capacity_bytes / 2**20, dtype,
+            "KV cache: %s, %d bytes/token, %d blocks of %d tokens, capacity %d tokens (%.1f MiB)",
+            kv_fmt.name, layout.bytes_per_token, layout.num_blocks, layout.block_size,
+            layout.capacity_tokens, layout.capacity_bytes / 2**20,
         )  # fmt: skip
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -316,6 +320,9 @@ class LLMEngine:
             "capacity_bytes": st.capacity_bytes,
             "evicted_blocks": st.evicted_blocks_total,
             "enable_prefix_caching": st.enable_prefix_caching,
+            "kv_cache_dtype": self.layout.kv_format.name,
+            "bytes_per_token": self.layout.bytes_per_token,
+            "capacity_tokens": self.layout.capacity_tokens,
         }
 
     def stats(self) -> EngineStats:

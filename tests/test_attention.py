@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from prefixcache import kernels
+from prefixcache.kv.formats import kv_format
+from prefixcache.kv.pool import LayerKV
 from prefixcache.model import decode_attention as da
 from prefixcache.model.attention import build_metadata, paged_attention
 
@@ -55,7 +57,8 @@ class World:
             tables, done, new, BS, torch.device("cpu"), share_prefixes=share, native=native
         )
         k, v = self.k.clone(), self.v.clone()
-        out = paged_attention(q, k_new, v_new, k, v, meta, D**-0.5)
+        fmt = kv_format("auto", self.dtype)
+        out = paged_attention(q, k_new, v_new, LayerKV(k, v, None, None, fmt, native), meta, D**-0.5)
         refs, start = [], 0
         for table, c, n in zip(tables, done, new):
             pos = torch.arange(c + n)

@@ -118,6 +118,9 @@ def test_warm_then_lookup_shows_the_hit(alice):
     p = ids(1, 50)  # 3 full blocks; the last token is always recomputed
     assert alice.lookup(p) == 0
     before = alice.stats()
+    # The KV dtype and its size per token are reported (the default is the model dtype).
+    assert before["kv"]["kv_cache_dtype"] == "float32"
+    assert before["kv"]["bytes_per_token"] == 46080
     assert alice.lookup(p) == 0  # a lookup changes nothing
     assert alice.stats()["namespace_blocks"] == before["namespace_blocks"]
     w = alice.warm(p)

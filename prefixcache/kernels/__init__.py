@@ -31,9 +31,11 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in (
     "group_linear.cpp", "decode_attention.cpp", "fused_ops.cpp", "decode_forward.cpp",
-    "prefill_attention.cpp",
+    "prefill_attention.cpp", "kv_store.cpp",
 )]
-_HEADERS = [_HERE / n for n in ("vec.h", "group_gemv.h", "attention.h", "rowwise.h")]
+_HEADERS = [
+    _HERE / n for n in ("vec.h", "group_gemv.h", "attention.h", "rowwise.h", "kv_codec.h")
+]
 # -fopenmp: at::parallel_for is a header template that compiles to `#pragma omp parallel` in
 # our library; without the flag it runs on one thread. The library then needs libgomp.so.1,
 # which resolves to the copy torch has already loaded (one OpenMP runtime, one thread pool).
@@ -119,9 +121,20 @@ def _build() -> None:
     )
 
 
-def decode_attention(q, k_cache, v_cache, rows_off, rows, slots_off, slots, scale: float):
+def decode_attention(q, kv, parts, scale: float):
+    """Decode attention of q [B, H, D] over one layer's cache ``kv`` (kv.pool.LayerKV), read in
+    place in its storage format, for the step's NativeParts."""
     return torch.ops.prefixcache.decode_attention(
-        q, k_cache, v_cache, rows_off, rows, slots_off, slots, scale
+        q, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.fmt.code, parts.rows_off, parts.rows,
+        parts.slots_off, parts.slots, scale,
+    )  # fmt: skip
+
+
+def kv_store(kv, slots, k_new, v_new):
+    """Quantize and write new K, V [T, KVH, D] into ``kv`` (a LayerKV) at ``slots``; returns
+    the stored values as float32 (kv_store.cpp; the same bytes as KVFormat.quantize)."""
+    return torch.ops.prefixcache.kv_store(
+        kv.k, kv.v, kv.k_scale, kv.v_scale, kv.fmt.code, slots, k_new, v_new
     )
 
 
@@ -142,14 +155,16 @@ def rope_(qkv, heads: int, cos, sin) -> None:
     torch.ops.prefixcache.rope_(qkv, heads, cos, sin)
 
 
-def decode_forward(x, cos, sin, layers, kv_k, kv_v, slot_mapping, parts, num_heads: int,
+def decode_forward(x, cos, sin, layers, kv, slot_mapping, parts, num_heads: int,
                    num_kv_heads: int, eps: float, scale: float):
     """Every decoder layer of a decode-only step in one call (decode_forward.cpp). ``layers`` is
     (input_norms, post_norms, qkv, o, gate_up, down, kinds, qkv_bias) as lists over layers;
-    ``parts`` the step's NativeParts. Returns the final hidden states [B, hidden]."""
+    ``kv`` the pool (kv.pool.KVCache); ``parts`` the step's NativeParts. Returns the final
+    hidden states [B, hidden]."""
     return torch.ops.prefixcache.decode_forward(
-        x, cos, sin, *layers, kv_k, kv_v, slot_mapping, parts.rows_off, parts.rows,
-        parts.slots_off, parts.slots, num_heads, num_kv_heads, eps, scale,
+        x, cos, sin, *layers, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.fmt.code, slot_mapping,
+        parts.rows_off, parts.rows, parts.slots_off, parts.slots, num_heads, num_kv_heads, eps,
+        scale,
     )  # fmt: skip
 
 

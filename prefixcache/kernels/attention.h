@@ -11,6 +11,7 @@
 #include <limits>
 #include <vector>
 
+#include "kv_codec.h"
 #include "vec.h"
 
 namespace prefixcache {
@@ -32,18 +33,50 @@ struct Item {
   int64_t part, kvh, cost;
 };
 
+// One layer's K or V in the cache: [KVH, N, D] in a storage format (kv_codec.h), with a
+// float32 scale per (KV head, slot) for scaled formats.
+struct KVSource {
+  const uint8_t* data;
+  const float* scale;  // null unless scaled
+  int64_t code;
+};
+
+// Scratch of one thread: scores, and the item's K/V rows as float32 when the cache stores them
+// in another format (each row is read and converted once per item).
+struct Scratch {
+  std::vector<float> scores, k, v;
+};
+
 // Softmax pieces of rows [r0, r1) of one part, heads [h0, h0 + g), over the part's slots.
-inline void attend_item(const float* q, const float* k, const float* v, int64_t n_slots_total, int64_t h,
-                 int64_t d, const int64_t* rows, int64_t nr, const int64_t* slots, int64_t ns,
-                 int64_t kvh, int64_t g, float scale, float* pm, float* pl, float* po,
-                 std::vector<float>& scores) {
-  const float* kh = k + kvh * n_slots_total * d;
-  const float* vh = v + kvh * n_slots_total * d;
+inline void attend_item(const float* q, const KVSource& k, const KVSource& v, int64_t n_slots_total,
+                        int64_t h, int64_t d, const int64_t* rows, int64_t nr, const int64_t* slots,
+                        int64_t ns, int64_t kvh, int64_t g, float scale, float* pm, float* pl,
+                        float* po, Scratch& sc) {
+  // Row j of the item as float32: in place for float32 caches, else converted once.
+  const float* kbase = nullptr;
+  const float* vbase = nullptr;
+  const bool direct = k.code == kF32;
+  if (direct) {
+    kbase = reinterpret_cast<const float*>(k.data) + kvh * n_slots_total * d;
+    vbase = reinterpret_cast<const float*>(v.data) + kvh * n_slots_total * d;
+  } else {
+    sc.k.resize(static_cast<size_t>(ns * d));
+    sc.v.resize(static_cast<size_t>(ns * d));
+    const int64_t es = kv_elem_size(k.code);
+    for (int64_t j = 0; j < ns; ++j) {
+      const int64_t at = kvh * n_slots_total + slots[j];
+      load_row(k.code, k.data + at * d * es, k.scale ? k.scale[at] : 1.f, d, sc.k.data() + j * d);
+      load_row(v.code, v.data + at * d * es, v.scale ? v.scale[at] : 1.f, d, sc.v.data() + j * d);
+    }
+  }
+  const auto krow = [&](int64_t j) { return direct ? kbase + slots[j] * d : sc.k.data() + j * d; };
+  const auto vrow = [&](int64_t j) { return direct ? vbase + slots[j] * d : sc.v.data() + j * d; };
+  std::vector<float>& scores = sc.scores;
   const int64_t nq = nr * g;
   scores.resize(static_cast<size_t>(nq * ns));
   // scores[qi, j] = q . K[slot_j] * scale, slots outer so a K row is read once for all queries
   for (int64_t j = 0; j < ns; ++j) {
-    const float* kr = kh + slots[j] * d;
+    const float* kr = krow(j);
     for (int64_t r = 0; r < nr; ++r) {
       const float* qr = q + (rows[r] * h + kvh * g) * d;
       for (int64_t gi = 0; gi < g; ++gi) {
@@ -79,7 +112,7 @@ inline void attend_item(const float* q, const float* k, const float* v, int64_t 
     for (int64_t c = 0; c < nv; ++c) acc[c] = _mm256_setzero_ps();
     for (j = 0; j < ns; ++j) {
       const __m256 p = _mm256_set1_ps(s[j]);
-      const float* vr = vh + slots[j] * d;
+      const float* vr = vrow(j);
       for (int64_t c = 0; c < nv; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * c), acc[c]);
     }
     const int64_t r = qi / g, gi = qi % g;
@@ -133,15 +166,15 @@ inline DecodePlan make_plan(int64_t b, int64_t h, int64_t d, int64_t kvh, int64_
 }
 
 // The items of thread t: softmax pieces into pm [total_rows, H], pl, po [total_rows, H, D].
-inline void attend_thread(const DecodePlan& p, int64_t t, const float* q, const float* k,
-                          const float* v, float scale, float* pm, float* pl, float* po,
-                          std::vector<float>& scores) {
+inline void attend_thread(const DecodePlan& p, int64_t t, const float* q, const KVSource& k,
+                          const KVSource& v, float scale, float* pm, float* pl, float* po,
+                          Scratch& scratch) {
   if (t >= static_cast<int64_t>(p.per_thread.size())) return;
   for (const Item& it : p.per_thread[t]) {
     const int64_t r0 = p.ro[it.part], nr = p.ro[it.part + 1] - r0;
     const int64_t s0 = p.so[it.part], ns = p.so[it.part + 1] - s0;
     attend_item(q, k, v, p.n, p.h, p.d, p.rp + r0, nr, p.sp + s0, ns, it.kvh, p.g, scale,
-                pm + r0 * p.h, pl + r0 * p.h, po + r0 * p.h * p.d, scores);
+                pm + r0 * p.h, pl + r0 * p.h, po + r0 * p.h * p.d, scratch);
   }
 }
 

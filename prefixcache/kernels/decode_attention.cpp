@@ -44,13 +44,18 @@ void check_parts(const at::Tensor& rows_off, const at::Tensor& rows, const at::T
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& rows_off,
-                            const at::Tensor& rows, const at::Tensor& slots_off,
-                            const at::Tensor& slots, double scale) {
+                            const at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scale,
+                            const c10::optional<at::Tensor>& v_scale, int64_t code,
+                            const at::Tensor& rows_off, const at::Tensor& rows,
+                            const at::Tensor& slots_off, const at::Tensor& slots, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [B, H, D] float32");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.scalar_type() == at::kFloat && v_cache.sizes() == k_cache.sizes(),
-              "k_cache, v_cache: [KVH, N, D] float32 contiguous");
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  k_cache.element_size() == prefixcache::kv_elem_size(code),
+              "k_cache, v_cache: [KVH, N, D] contiguous, in the storage of `code`");
+  const bool scaled = code == prefixcache::kI8 || code == prefixcache::kFP8;
+  TORCH_CHECK(code >= 0 && code <= 3, "code 0..3");
+  TORCH_CHECK(k_scale.has_value() == scaled && v_scale.has_value() == scaled, "scales iff int8/fp8");
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
   const int64_t kvh = k_cache.size(0), n = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == d && d % 8 == 0 && d <= prefixcache::kMaxD, "head_dim a multiple of 8, <= 256");
@@ -66,12 +71,20 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   at::Tensor po = at::empty({plan.total_rows, h, d}, q.options());
   at::Tensor out = at::empty({b, h, d}, q.options());
   const float* qp = q.data_ptr<float>();
+  if (scaled) {
+    TORCH_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() &&
+                    k_scale->numel() == kvh * n && v_scale->sizes() == k_scale->sizes() &&
+                    v_scale->is_contiguous(), "scales: [KVH, N] float32 contiguous");
+  }
+  const prefixcache::KVSource ks{static_cast<const uint8_t*>(k_cache.data_ptr()),
+                                 scaled ? k_scale->data_ptr<float>() : nullptr, code};
+  const prefixcache::KVSource vs{static_cast<const uint8_t*>(v_cache.data_ptr()),
+                                 scaled ? v_scale->data_ptr<float>() : nullptr, code};
   at::parallel_for(0, static_cast<int64_t>(plan.per_thread.size()), 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores;
+    prefixcache::Scratch scratch;
     for (int64_t t = t0; t < t1; ++t) {
-      prefixcache::attend_thread(plan, t, qp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                                 static_cast<float>(scale), pm.data_ptr<float>(),
-                                 pl.data_ptr<float>(), po.data_ptr<float>(), scores);
+      prefixcache::attend_thread(plan, t, qp, ks, vs, static_cast<float>(scale), pm.data_ptr<float>(),
+                                 pl.data_ptr<float>(), po.data_ptr<float>(), scratch);
     }
   });
   TORCH_CHECK(prefixcache::merge_rows(plan, 0, b, pm.data_ptr<float>(), pl.data_ptr<float>(),
@@ -84,8 +97,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 
 TORCH_LIBRARY_FRAGMENT(prefixcache, lib) {
   lib.def(
-      "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor rows_off, Tensor rows, "
-      "Tensor slots_off, Tensor slots, float scale) -> Tensor");
+      "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
+      "int code, Tensor rows_off, Tensor rows, Tensor slots_off, Tensor slots, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, lib) {

@@ -93,6 +93,8 @@ at::Tensor decode_forward(const at::Tensor& x_in, const at::Tensor& cos, const a
                           at::TensorList qkv_w, at::TensorList o_w, at::TensorList gate_up_w,
                           at::TensorList down_w, at::IntArrayRef kinds, at::TensorList qkv_bias,
                           const at::Tensor& kv_k, const at::Tensor& kv_v,
+                          const c10::optional<at::Tensor>& kv_k_scale,
+                          const c10::optional<at::Tensor>& kv_v_scale, int64_t kv_code,
                           const at::Tensor& slot_mapping, const at::Tensor& rows_off,
                           const at::Tensor& rows, const at::Tensor& slots_off,
                           const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads,
@@ -100,8 +102,12 @@ at::Tensor decode_forward(const at::Tensor& x_in, const at::Tensor& cos, const a
   check_f32(x_in, "x");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
-  check_f32(kv_k, "kv_k");
-  check_f32(kv_v, "kv_v");
+  TORCH_CHECK(kv_code >= 0 && kv_code <= 3, "kv code 0..3");
+  const bool scaled = kv_code == prefixcache::kI8 || kv_code == prefixcache::kFP8;
+  TORCH_CHECK(kv_k.is_contiguous() && kv_v.is_contiguous() && kv_v.scalar_type() == kv_k.scalar_type() &&
+                  kv_k.element_size() == prefixcache::kv_elem_size(kv_code),
+              "kv_k, kv_v: contiguous, in the storage of kv_code");
+  TORCH_CHECK(kv_k_scale.has_value() == scaled && kv_v_scale.has_value() == scaled, "scales iff int8/fp8");
   const int64_t layers = static_cast<int64_t>(qkv_w.size());
   TORCH_CHECK(input_norms.size() == qkv_w.size() && post_norms.size() == qkv_w.size() &&
                   o_w.size() == qkv_w.size() && gate_up_w.size() == qkv_w.size() &&
@@ -185,7 +191,18 @@ at::Tensor decode_forward(const at::Tensor& x_in, const at::Tensor& cos, const a
   const float* cp = cos.data_ptr<float>();
   const float* snp = sin.data_ptr<float>();
   const float eps = static_cast<float>(eps_d), scale = static_cast<float>(scale_d);
-  const int64_t layer_stride = kvh * n_slots * d;
+  const int64_t layer_stride = kvh * n_slots;  // elements per layer of the scales; x d for K/V
+  const int64_t es = prefixcache::kv_elem_size(kv_code);
+  if (scaled) {
+    TORCH_CHECK(kv_k_scale->scalar_type() == at::kFloat && kv_k_scale->is_contiguous() &&
+                    kv_k_scale->numel() == kv_k.size(0) * layer_stride &&
+                    kv_v_scale->sizes() == kv_k_scale->sizes() && kv_v_scale->is_contiguous(),
+                "scales: [L, KVH, N] float32 contiguous");
+  }
+  uint8_t* kbase = static_cast<uint8_t*>(kv_k.data_ptr());
+  uint8_t* vbase = static_cast<uint8_t*>(kv_v.data_ptr());
+  float* ksbase = scaled ? kv_k_scale->data_ptr<float>() : nullptr;
+  float* vsbase = scaled ? kv_v_scale->data_ptr<float>() : nullptr;
   std::atomic<bool> merged_ok{true};
 
   int team = 1;
@@ -200,12 +217,17 @@ at::Tensor decode_forward(const at::Tensor& x_in, const at::Tensor& cos, const a
       barrier = keep.back().get();
     }  // implicit barrier: every thread sees team and barrier
     const int t = omp_get_thread_num(), nt = team;
-    std::vector<float> scores;
+    prefixcache::Scratch scratch;
+    std::vector<float> seen(static_cast<size_t>(d));
+    float unused_scale;
     const auto [r0, r1] = share(b, t, nt, 1);
     for (int64_t l = 0; l < layers; ++l) {
       const int64_t* kind = kinds.data() + 4 * l;
-      float* kl = kv_k.data_ptr<float>() + l * layer_stride;
-      float* vl = kv_v.data_ptr<float>() + l * layer_stride;
+      uint8_t* kl = kbase + l * layer_stride * d * es;
+      uint8_t* vl = vbase + l * layer_stride * d * es;
+      float* ksl = scaled ? ksbase + l * layer_stride : nullptr;
+      float* vsl = scaled ? vsbase + l * layer_stride : nullptr;
+      const prefixcache::KVSource ksrc{kl, ksl, kv_code}, vsrc{vl, vsl, kv_code};
       const float* in_norm = input_norms[l].data_ptr<float>();
       const float* post_norm = post_norms[l].data_ptr<float>();
       // xn = rms_norm(x)
@@ -221,19 +243,23 @@ at::Tensor decode_forward(const at::Tensor& x_in, const at::Tensor& cos, const a
         }
       }
       barrier->wait();
-      // rotate q and k; K and V into their cache slots; q into [B, H, D]
+      // rotate q and k; K and V into their cache slots (stored in the KV format; this step
+      // attends to them as stored, read back from the cache); q into [B, H, D]
       for (int64_t r = r0; r < r1; ++r) {
         float* row = qkvp + r * width;
         prefixcache::rope_row(row, h + kvh, cp + r * d, snp + r * d, d);
         for (int64_t kh = 0; kh < kvh; ++kh) {
-          std::memcpy(kl + (kh * n_slots + slot[r]) * d, row + (h + kh) * d, d * sizeof(float));
-          std::memcpy(vl + (kh * n_slots + slot[r]) * d, row + (h + kvh + kh) * d, d * sizeof(float));
+          const int64_t at_ = kh * n_slots + slot[r];
+          prefixcache::store_row(kv_code, row + (h + kh) * d, d, kl + at_ * d * es,
+                                 scaled ? ksl + at_ : &unused_scale, seen.data());
+          prefixcache::store_row(kv_code, row + (h + kvh + kh) * d, d, vl + at_ * d * es,
+                                 scaled ? vsl + at_ : &unused_scale, seen.data());
         }
         std::memcpy(qp + r * h * d, row, h * d * sizeof(float));
       }
       barrier->wait();
       for (int64_t i = t; i < static_cast<int64_t>(plan.per_thread.size()); i += nt) {
-        prefixcache::attend_thread(plan, i, qp, kl, vl, scale, pmp, plp, pop, scores);
+        prefixcache::attend_thread(plan, i, qp, ksrc, vsrc, scale, pmp, plp, pop, scratch);
       }
       barrier->wait();
       if (!prefixcache::merge_rows(plan, r0, r1, pmp, plp, pop, attnp)) merged_ok = false;
@@ -273,7 +299,8 @@ TORCH_LIBRARY_FRAGMENT(prefixcache, lib) {
   lib.def(
       "decode_forward(Tensor x, Tensor cos, Tensor sin, Tensor[] input_norms, Tensor[] post_norms, "
       "Tensor[] qkv, Tensor[] o, Tensor[] gate_up, Tensor[] down, int[] kinds, Tensor[] qkv_bias, "
-      "Tensor(a!) kv_k, Tensor(b!) kv_v, Tensor slot_mapping, Tensor rows_off, Tensor rows, "
+      "Tensor(a!) kv_k, Tensor(b!) kv_v, Tensor(c!)? kv_k_scale, Tensor(d!)? kv_v_scale, int kv_code, "
+      "Tensor slot_mapping, Tensor rows_off, Tensor rows, "
       "Tensor slots_off, Tensor slots, int num_heads, int num_kv_heads, float eps, float scale) -> Tensor");
 }
 

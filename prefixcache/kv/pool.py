@@ -1,7 +1,8 @@
 """The KV tensors of the paged cache, sized from a byte budget.
 
 Layout: one tensor per K and V, ``[num_layers, num_kv_heads, num_blocks * block_size, head_dim]``
-(KV head before slot: a gather of a context's slots gives each head's keys contiguously).
+(KV head before slot: a gather of a context's slots gives each head's keys contiguously), in
+the KV dtype's storage type, plus per-(token, head) scales for int8/fp8 (kv/formats.py).
 A token's KV lives at slot ``block_id * block_size + offset``; the block ids come from the
 torch-free block pool, so this module never decides which block holds what.
 """
@@ -14,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixcache import kernels
 from prefixcache.config import parse_bytes
+from prefixcache.kv.formats import KVFormat
 from prefixcache.model.loader import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,7 @@ class KVLayout:
     num_blocks: int
     block_size: int
     bytes_per_token: int
+    kv_format: KVFormat
 
     @property
     def capacity_tokens(self) -> int:
@@ -51,12 +55,12 @@ class KVLayout:
 
 def plan_kv_layout(
     config: ModelConfig,
-    dtype: torch.dtype,
+    fmt: KVFormat,
     block_size: int,
     kv_cache_memory: str | int | None,
     device: torch.device,
 ) -> KVLayout:
-    per_token = config.kv_bytes_per_token(dtype)
+    per_token = fmt.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim)
     if kv_cache_memory is None:
         budget = min(int(_available_bytes(device) * _DEFAULT_SHARE), _DEFAULT_CAP)
     else:
@@ -67,15 +71,72 @@ def plan_kv_layout(
             f"kv_cache_memory of {budget} bytes holds no block: one block of {block_size} tokens "
             f"needs {per_token * block_size} bytes"
         )
-    return KVLayout(num_blocks, block_size, per_token)
+    return KVLayout(num_blocks, block_size, per_token, fmt)
 
 
 class KVCache:
-    def __init__(self, config: ModelConfig, layout: KVLayout, dtype: torch.dtype, device: torch.device):
+    """The pool's tensors: K and V ``[layers, kv_heads, slots, head_dim]`` in the storage dtype,
+    and for scaled formats one float32 scale per (layer, kv head, slot)."""
+
+    def __init__(self, config: ModelConfig, layout: KVLayout, device: torch.device):
         self.layout = layout
+        self.fmt = fmt = layout.kv_format
         shape = (config.num_layers, config.num_kv_heads, layout.capacity_tokens, config.head_dim)
         # Never read before written (attention reads only slots of computed tokens). empty, not
         # zeros: zeroing 4 GiB took 2-3 s of every start, and on CPU an allocation this size is
         # fresh pages the OS maps on first touch (they read as zero anyway).
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k = torch.empty(shape, dtype=fmt.storage, device=device)
+        self.v = torch.empty(shape, dtype=fmt.storage, device=device)
+        self.k_scale = self.v_scale = None
+        if fmt.scaled:
+            self.k_scale = torch.empty(shape[:3], dtype=torch.float32, device=device)
+            self.v_scale = torch.empty(shape[:3], dtype=torch.float32, device=device)
+
+    def layer(self, i: int, native: bool = False) -> LayerKV:
+        ks = None if self.k_scale is None else self.k_scale[i]
+        vs = None if self.v_scale is None else self.v_scale[i]
+        return LayerKV(self.k[i], self.v[i], ks, vs, self.fmt, native)
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's cache: K, V ``[kv_heads, slots, head_dim]`` and their scales ``[kv_heads,
+    slots]`` (None unscaled). ``native``: quantize with the C++ kernels (same numbers)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    fmt: KVFormat
+    native: bool = False
+
+    def store(self, slots: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor):
+        """Write the new tokens' K, V ``[T, kv_heads, head_dim]`` at ``slots``; returns what was
+        stored, as the float32 (or compute-dtype) values every attention read will see."""
+        if self.native:
+            return kernels.kv_store(self, slots, k_new, v_new)
+        seen = []
+        for cache, scales, x in ((self.k, self.k_scale, k_new), (self.v, self.v_scale, v_new)):
+            q, s = self.fmt.quantize(x)
+            _raw(cache).index_copy_(1, slots, _raw(q).transpose(0, 1))
+            if s is not None:
+                scales.index_copy_(1, slots, s.transpose(0, 1))
+            seen.append(x if q.dtype == x.dtype else self.fmt.dequantize(q, s).to(x.dtype))
+        return seen[0], seen[1]
+
+    def gather(self, slots: torch.Tensor, dtype: torch.dtype):
+        """K, V of ``slots`` as ``[kv_heads, n, head_dim]`` in ``dtype`` (dequantized)."""
+        out = []
+        for cache, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            q = _raw(cache).index_select(1, slots).view(cache.dtype)
+            if q.dtype == dtype and scales is None:
+                out.append(q)
+                continue
+            s = None if scales is None else scales.index_select(1, slots)
+            out.append(self.fmt.dequantize(q, s).to(dtype))
+        return out[0], out[1]
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as their bytes: torch's CPU index_copy_/index_select do not take fp8."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.int8 else t

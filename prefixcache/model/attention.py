@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixcache import kernels
+from prefixcache.kv.pool import LayerKV
 from prefixcache.model.decode_attention import (
     DecodeBatch,
     attend_decodes,
@@ -93,31 +94,27 @@ def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k_new: torch.Tensor,  # [T, KVH, D]
     v_new: torch.Tensor,  # [T, KVH, D]
-    k_cache: torch.Tensor,  # [KVH, slots, D] (one layer)
-    v_cache: torch.Tensor,
+    kv: LayerKV,  # one layer's cache
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
-    k_cache.index_copy_(1, meta.slot_mapping, k_new.transpose(0, 1))
-    v_cache.index_copy_(1, meta.slot_mapping, v_new.transpose(0, 1))
+    # Stored first, in the KV format; attention sees the stored values, new tokens included.
+    k_seen, v_seen = kv.store(meta.slot_mapping, k_new, v_new)
     out = torch.empty_like(q)
     for s in meta.seqs:
         qs = q[s.q_start : s.q_start + s.q_len]  # [q, H, D]
         if s.ctx_slots is None:  # the context is exactly the new tokens: no gather
-            ks = k_new[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [KVH, ctx, D]
-            vs = v_new[s.q_start : s.q_start + s.q_len].transpose(0, 1)
+            ks = k_seen[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [KVH, ctx, D]
+            vs = v_seen[s.q_start : s.q_start + s.q_len].transpose(0, 1)
         else:
-            ks = k_cache.index_select(1, s.ctx_slots)
-            vs = v_cache.index_select(1, s.ctx_slots)
+            ks, vs = kv.gather(s.ctx_slots, q.dtype)
         if meta.native:
             o = kernels.prefill_attention(qs.contiguous(), ks.contiguous(), vs.contiguous(), scale)
         else:
             o = _attend(qs, ks, vs, scale)
         out[s.q_start : s.q_start + s.q_len] = o
     if meta.decode is not None:
-        out.index_copy_(
-            0, meta.decode.rows, attend_decodes(q, k_cache, v_cache, meta.decode, scale)
-        )
+        out.index_copy_(0, meta.decode.rows, attend_decodes(q, kv, meta.decode, scale))
     return out
 
 

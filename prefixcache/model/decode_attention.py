@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixcache import kernels
+from prefixcache.kv.pool import LayerKV
 
 # A segment is worth its fixed cost (about a dozen tensor ops per layer) only when it replaces a
 # few gathers of a long run: at least this many sequences and blocks.
@@ -218,25 +219,21 @@ def _tail_bucket(rows: list[int], tails: list[torch.Tensor], only: bool, device)
 
 def attend_decodes(
     q: torch.Tensor,  # [T, H, D] the whole flat batch's queries
-    k_cache: torch.Tensor,  # [KVH, slots, D] (one layer)
-    v_cache: torch.Tensor,
+    kv: LayerKV,  # one layer's cache
     d: DecodeBatch,
     scale: float,
 ) -> torch.Tensor:  # [Bd, H, D]
     bd, (_, h, dim) = d.rows.shape[0], q.shape
     if d.native is not None:
-        n = d.native
         qd = q.index_select(0, d.rows)  # [Bd, H, D] contiguous
-        return kernels.decode_attention(
-            qd, k_cache, v_cache, n.rows_off, n.rows, n.slots_off, n.slots, scale
-        )
-    kvh = k_cache.shape[0]
+        return kernels.decode_attention(qd, kv, d.native, scale)
+    kvh = kv.k.shape[0]
     g = h // kvh
     # Query heads that share a KV head side by side; the KV head is the batch dimension of
     # every matmul below, so no K/V is ever expanded to H heads.
     qd = q.index_select(0, d.rows).view(bd, kvh, g, dim).transpose(0, 1)  # [KVH, Bd, G, D]
     if not d.segments and len(d.tails) == 1:  # plain softmax: the whole context is the tail
-        probs, vt = _tail_scores(qd, k_cache, v_cache, d.tails[0], scale)
+        probs, vt = _tail_scores(qd, kv, d.tails[0], scale)
         probs = torch.softmax(probs, dim=-1).to(vt.dtype)
         return torch.matmul(probs, vt).transpose(0, 1).reshape(bd, h, dim)
 
@@ -245,7 +242,7 @@ def attend_decodes(
     l_tail = torch.empty_like(m_tail)
     o_tail = torch.empty(kvh, bd, g, dim, dtype=torch.float32, device=q.device)
     for bucket in d.tails:
-        scores, vt = _tail_scores(qd, k_cache, v_cache, bucket, scale)
+        scores, vt = _tail_scores(qd, kv, bucket, scale)
         m = scores.amax(-1)
         p = torch.exp(scores - m.unsqueeze(-1))
         l, o = p.sum(-1), torch.matmul(p.to(vt.dtype), vt).float()
@@ -260,8 +257,7 @@ def attend_decodes(
     for seg in d.segments:
         m = seg.rows.shape[0]
         qs = qd.index_select(1, seg.rows).reshape(kvh, m * g, dim)  # [KVH, m G, D]
-        ks = k_cache.index_select(1, seg.slots)  # [KVH, S, D]: gathered once for m rows
-        vs = v_cache.index_select(1, seg.slots)
+        ks, vs = kv.gather(seg.slots, q.dtype)  # [KVH, S, D]: gathered once for m rows
         s = torch.bmm(qs, ks.transpose(1, 2)).float().mul_(scale)  # [KVH, m G, S]
         ms = s.amax(-1)
         ps = torch.exp(s - ms.unsqueeze(-1))
@@ -283,15 +279,14 @@ def attend_decodes(
     return out.to(q.dtype).transpose(0, 1).reshape(bd, h, dim)
 
 
-def _tail_scores(qd, k_cache, v_cache, bucket: TailBucket, scale):
+def _tail_scores(qd, kv: LayerKV, bucket: TailBucket, scale):
     """Float32 scores [KVH, b, G, C] (padding at -inf) of a bucket's rows, and their V."""
     kvh, _, _, dim = qd.shape
     b, c = bucket.slots.shape
     if bucket.rows is not None:
         qd = qd.index_select(1, bucket.rows)
-    flat = bucket.slots.reshape(-1)
-    kt = k_cache.index_select(1, flat).view(kvh, b, c, dim)  # [KVH, b, C, D]
-    vt = v_cache.index_select(1, flat).view(kvh, b, c, dim)
+    kt, vt = kv.gather(bucket.slots.reshape(-1), qd.dtype)
+    kt, vt = kt.view(kvh, b, c, dim), vt.view(kvh, b, c, dim)  # [KVH, b, C, D]
     scores = torch.matmul(qd, kt.transpose(-1, -2)).float().mul_(scale)
     if bucket.pad is not None:
         scores.masked_fill_(bucket.pad, float("-inf"))

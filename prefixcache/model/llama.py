@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache import kernels
+from prefixcache.kv.pool import KVCache, LayerKV
 from prefixcache.model.attention import AttentionMetadata, paged_attention
 from prefixcache.model.linear import LARGE_M, GroupLinear, make_linear
 from prefixcache.model.loader import Int4Groups, Int8Groups, LoadedWeights, ModelConfig
@@ -94,7 +95,7 @@ class DecoderLayer:
         self.scale = self.d**-0.5
         self.native = native  # the fused C++ element-wise ops (float32 on CPU)
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+    def __call__(self, x, cos, sin, kv: LayerKV, meta: AttentionMetadata):
         t, h, kvh, d, native = x.shape[0], self.h, self.kvh, self.d, self.native
         qkv = self.qkv_proj(rms_norm(x, self.input_norm, self.eps, native))  # [T, (H + 2 KVH) D]
         if native:
@@ -103,7 +104,7 @@ class DecoderLayer:
         else:
             qk = rotate(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)  # [T, H + KVH, D]
         v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
-        o = paged_attention(qk[:, :h], qk[:, h:], v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        o = paged_attention(qk[:, :h], qk[:, h:], v, kv, meta, self.scale)  # [T, H, D]
         x = self.o_proj(o.reshape(t, h * d)).add_(x)
         gate_up = self.gate_up_proj(rms_norm(x, self.post_norm, self.eps, native))
         if native:
@@ -240,8 +241,7 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_k: torch.Tensor,  # [L, KVH, slots, D]
-        kv_v: torch.Tensor,
+        kv: KVCache,  # the paged pool: K, V [L, KVH, slots, D] in its KV format
         meta: AttentionMetadata,
         logits_index: torch.Tensor,  # [N] rows of the batch that need logits
     ) -> torch.Tensor:  # [N, vocab] float32
@@ -253,12 +253,12 @@ class LlamaModel:
             # a decode-only step: every layer in one native call, the same numbers
             cfg = self.config
             x = kernels.decode_forward(
-                x, cos, sin, self.fused_layers, kv_k, kv_v, meta.slot_mapping, d.native,
+                x, cos, sin, self.fused_layers, kv, meta.slot_mapping, d.native,
                 cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cfg.head_dim**-0.5,
             )  # fmt: skip
         else:
             for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, kv_k[i], kv_v[i], meta)
+                x = layer(x, cos, sin, kv.layer(i, self.native), meta)
         # Logits only where a token is sampled: the last position of each finished prefill and
         # every decode. Projecting all T rows onto a 49k vocabulary would dominate prefill.
         h = rms_norm(x.index_select(0, logits_index), self.norm, self.config.rms_norm_eps, self.native)

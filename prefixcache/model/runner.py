@@ -62,7 +62,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = layout.block_size
         self.model = LlamaModel(weights, max_model_len, dtype, device, weight_format)
-        self.kv = KVCache(weights.config, layout, dtype, device)
+        self.kv = KVCache(weights.config, layout, device)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
@@ -89,8 +89,7 @@ class ModelRunner:
         return self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),
-            self.kv.k,
-            self.kv.v,
+            self.kv,
             meta,
             torch.tensor(logits_rows, dtype=torch.long, device=dev),
         )
@@ -100,11 +99,10 @@ class ModelRunner:
         """Next-token logits at every position of one prompt, [len(ids), vocab] float32, from a
         single prefill on a private KV cache (the engine's pool is not touched): for quality
         measurements (perplexity, KL between weight formats) and parity tests."""
-        cfg, bs, n = self.config, self.block_size, len(ids)
+        bs, n = self.block_size, len(ids)
         nblocks = -(-n // bs)
-        shape = (cfg.num_layers, cfg.num_kv_heads, nblocks * bs, cfg.head_dim)
-        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        lay = self.kv.layout
+        private = KVCache(self.config, KVLayout(nblocks, bs, lay.bytes_per_token, lay.kv_format), self.device)
         meta = build_metadata([list(range(nblocks))], [0], [n], bs, self.device, native=self.model.native)
         rows = torch.arange(n, device=self.device)
-        return self.model(torch.tensor(ids, device=self.device), rows, k, v, meta, rows)
+        return self.model(torch.tensor(ids, device=self.device), rows, private, meta, rows)
