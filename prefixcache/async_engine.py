@@ -138,6 +138,10 @@ class AsyncEngine:
     # ---- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
         self._closed = False  # a shut-down engine can be started again
+        if self._thread is not None and self._crash is not None:
+            # A crashed thread is on its way out (its streams are already failed): wait for it
+            # off the event loop, then start a new one below.
+            await asyncio.to_thread(self._thread.join, 5.0)
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop = False
