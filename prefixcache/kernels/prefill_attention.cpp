@@ -30,19 +30,113 @@ constexpr int64_t kKeys = 32;   // keys per block: 4 vectors of scores per query
 constexpr int64_t kRows = 16;   // query rows per work item
 constexpr int64_t kMaxD = 256;
 
-// One item: query rows [i0, i1) of KV head kh (all G query heads of it).
+// Scores of up to two queries against one transposed key block: s = scale * q . K[j]. Two queries
+// share each load of the block and give 8 independent FMA chains (one query alone is bound by
+// the latency of 4 chains); a missing second query (qb == nullptr) costs nothing.
+inline void block_scores(const float* kt, int64_t d, float scale, const float* qa, const float* qb,
+                         float* sa, float* sb) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  if (qb != nullptr) {
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int64_t dd = 0; dd < d; ++dd) {
+      const float* row = kt + dd * kKeys;
+      const __m256 k0 = _mm256_loadu_ps(row), k1 = _mm256_loadu_ps(row + 8);
+      const __m256 k2 = _mm256_loadu_ps(row + 16), k3 = _mm256_loadu_ps(row + 24);
+      const __m256 x = _mm256_set1_ps(qa[dd]), y = _mm256_set1_ps(qb[dd]);
+      a0 = _mm256_fmadd_ps(x, k0, a0); a1 = _mm256_fmadd_ps(x, k1, a1);
+      a2 = _mm256_fmadd_ps(x, k2, a2); a3 = _mm256_fmadd_ps(x, k3, a3);
+      b0 = _mm256_fmadd_ps(y, k0, b0); b1 = _mm256_fmadd_ps(y, k1, b1);
+      b2 = _mm256_fmadd_ps(y, k2, b2); b3 = _mm256_fmadd_ps(y, k3, b3);
+    }
+    const __m256 vs = _mm256_set1_ps(scale);
+    _mm256_store_ps(sb, _mm256_mul_ps(b0, vs)); _mm256_store_ps(sb + 8, _mm256_mul_ps(b1, vs));
+    _mm256_store_ps(sb + 16, _mm256_mul_ps(b2, vs)); _mm256_store_ps(sb + 24, _mm256_mul_ps(b3, vs));
+  } else {
+    for (int64_t dd = 0; dd < d; ++dd) {
+      const float* row = kt + dd * kKeys;
+      const __m256 x = _mm256_set1_ps(qa[dd]);
+      a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(row), a0);
+      a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(row + 8), a1);
+      a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(row + 16), a2);
+      a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(row + 24), a3);
+    }
+  }
+  const __m256 vs = _mm256_set1_ps(scale);
+  _mm256_store_ps(sa, _mm256_mul_ps(a0, vs)); _mm256_store_ps(sa + 8, _mm256_mul_ps(a1, vs));
+  _mm256_store_ps(sa + 16, _mm256_mul_ps(a2, vs)); _mm256_store_ps(sa + 24, _mm256_mul_ps(a3, vs));
+}
+
+// Online softmax step of one query over a block: s (scores, `visible` of them real) becomes the
+// block's weights exp(s - m_new) (exactly 0 past `visible`); m and l move to the new max;
+// returns the factor the running output is rescaled by.
+inline float block_softmax(float* s, int64_t visible, float& m, float& l) {
+  for (int64_t j = visible; j < kKeys; ++j) s[j] = -std::numeric_limits<float>::infinity();
+  const __m256 bmax = _mm256_max_ps(_mm256_max_ps(_mm256_load_ps(s), _mm256_load_ps(s + 8)),
+                                    _mm256_max_ps(_mm256_load_ps(s + 16), _mm256_load_ps(s + 24)));
+  const float m_new = std::max(m, hmax(bmax));
+  const float w_old = std::exp(m - m_new);
+  const __m256 vm = _mm256_set1_ps(m_new);
+  for (int64_t j = 0; j < kKeys; j += 8) _mm256_store_ps(s + j, exp256(_mm256_sub_ps(_mm256_load_ps(s + j), vm)));
+  // exp256 clamps, so a masked key weighs 1.6e-38, not 0: drop it exactly
+  for (int64_t j = visible; j < kKeys; ++j) s[j] = 0.f;
+  const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(s), _mm256_load_ps(s + 8)),
+                                   _mm256_add_ps(_mm256_load_ps(s + 16), _mm256_load_ps(s + 24)));
+  l = l * w_old + hsum(sum);
+  m = m_new;
+  return w_old;
+}
+
+// o = o * w + sum_j p[j] V[j] for up to two queries (ob == nullptr: one), over keys [0, nk) of
+// the block at vr. Four vectors of the head at a time, so two queries' accumulators and the
+// shared V loads fit the 16 registers; a weight of exactly 0 (a masked key) adds exactly 0.
+inline void block_values(const float* vr, int64_t d, int64_t nk, const float* pa, float wa, float* oa,
+                         const float* pb, float wb, float* ob) {
+  for (int64_t c0 = 0; c0 < d; c0 += 32) {
+    const int64_t nv = std::min<int64_t>(4, (d - c0) / 8);
+    __m256 x[4], y[4];
+    const __m256 va = _mm256_set1_ps(wa), vb = _mm256_set1_ps(wb);
+    for (int64_t c = 0; c < nv; ++c) {
+      x[c] = _mm256_mul_ps(_mm256_loadu_ps(oa + c0 + 8 * c), va);
+      if (ob != nullptr) y[c] = _mm256_mul_ps(_mm256_loadu_ps(ob + c0 + 8 * c), vb);
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      const float* row = vr + j * d + c0;
+      const __m256 p = _mm256_set1_ps(pa[j]);
+      if (ob != nullptr) {
+        const __m256 r = _mm256_set1_ps(pb[j]);
+        for (int64_t c = 0; c < nv; ++c) {
+          const __m256 vv = _mm256_loadu_ps(row + 8 * c);
+          x[c] = _mm256_fmadd_ps(p, vv, x[c]);
+          y[c] = _mm256_fmadd_ps(r, vv, y[c]);
+        }
+      } else {
+        for (int64_t c = 0; c < nv; ++c) x[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(row + 8 * c), x[c]);
+      }
+    }
+    for (int64_t c = 0; c < nv; ++c) {
+      _mm256_storeu_ps(oa + c0 + 8 * c, x[c]);
+      if (ob != nullptr) _mm256_storeu_ps(ob + c0 + 8 * c, y[c]);
+    }
+  }
+}
+
+// One item: query rows [i0, i1) of KV head kh (all G query heads of it). The item's queries are
+// taken two at a time (row-major over (row, head)); each keeps its own causal limit.
 void attend_rows(const float* q, const float* k, const float* v, float* out, int64_t t, int64_t c,
                  int64_t h, int64_t kvh_count, int64_t d, int64_t kh, int64_t i0, int64_t i1,
                  float scale, std::vector<float>& kt) {
-  const int64_t g = h / kvh_count, first = c - t, nv = d / 8;
+  const int64_t g = h / kvh_count, first = c - t;
   const float* kh_base = k + kh * c * d;
   const float* vh_base = v + kh * c * d;
   kt.resize(static_cast<size_t>(d * kKeys));
   const int64_t nq = (i1 - i0) * g;
   std::vector<float> m(nq, -std::numeric_limits<float>::infinity()), l(nq, 0.f);
   std::vector<float> acc(static_cast<size_t>(nq * d), 0.f);
+  auto qptr = [&](int64_t qi) { return q + ((i0 + qi / g) * h + kh * g + qi % g) * d; };
+  auto qpos = [&](int64_t qi) { return first + i0 + qi / g; };
   const int64_t last_key = first + i1 - 1;  // the highest position any row here sees
-  alignas(32) float s[kKeys];
+  alignas(32) float sa[kKeys];
+  alignas(32) float sb[kKeys];
   for (int64_t k0 = 0; k0 <= last_key; k0 += kKeys) {
     const int64_t nk = std::min(kKeys, last_key + 1 - k0);
     // K block transposed: kt[dd * kKeys + j] = K[k0 + j][dd] (zeros past nk)
@@ -50,64 +144,25 @@ void attend_rows(const float* q, const float* k, const float* v, float* out, int
       const float* kr = kh_base + (k0 + j) * d;
       for (int64_t dd = 0; dd < d; ++dd) kt[dd * kKeys + j] = j < nk ? kr[dd] : 0.f;
     }
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t pos = first + i;
-      if (pos < k0) continue;  // this whole key block is in the row's future
-      const int64_t visible = std::min(nk, pos - k0 + 1);
-      for (int64_t gi = 0; gi < g; ++gi) {
-        const int64_t qi = (i - i0) * g + gi;
-        const float* qv = q + (i * h + kh * g + gi) * d;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t dd = 0; dd < d; ++dd) {
-          const __m256 qb = _mm256_set1_ps(qv[dd]);
-          const float* row = kt.data() + dd * kKeys;
-          a0 = _mm256_fmadd_ps(qb, _mm256_loadu_ps(row), a0);
-          a1 = _mm256_fmadd_ps(qb, _mm256_loadu_ps(row + 8), a1);
-          a2 = _mm256_fmadd_ps(qb, _mm256_loadu_ps(row + 16), a2);
-          a3 = _mm256_fmadd_ps(qb, _mm256_loadu_ps(row + 24), a3);
-        }
-        const __m256 vs = _mm256_set1_ps(scale);
-        _mm256_store_ps(s, _mm256_mul_ps(a0, vs));
-        _mm256_store_ps(s + 8, _mm256_mul_ps(a1, vs));
-        _mm256_store_ps(s + 16, _mm256_mul_ps(a2, vs));
-        _mm256_store_ps(s + 24, _mm256_mul_ps(a3, vs));
-        for (int64_t j = visible; j < kKeys; ++j) s[j] = -std::numeric_limits<float>::infinity();
-        // online softmax: rescale what was accumulated to the new max
-        const __m256 bmax = _mm256_max_ps(_mm256_max_ps(_mm256_load_ps(s), _mm256_load_ps(s + 8)),
-                                          _mm256_max_ps(_mm256_load_ps(s + 16), _mm256_load_ps(s + 24)));
-        const float m_new = std::max(m[qi], hmax(bmax));
-        const float w_old = std::exp(m[qi] - m_new);
-        const __m256 vm = _mm256_set1_ps(m_new);
-        for (int64_t j = 0; j < kKeys; j += 8) {
-          _mm256_store_ps(s + j, exp256(_mm256_sub_ps(_mm256_load_ps(s + j), vm)));
-        }
-        // exp256 clamps, so a masked key weighs 1.6e-38, not 0: drop it exactly
-        for (int64_t j = visible; j < kKeys; ++j) s[j] = 0.f;
-        float block_sum = 0.f;
-        for (int64_t j = 0; j < visible; ++j) block_sum += s[j];
-        l[qi] = l[qi] * w_old + block_sum;
-        m[qi] = m_new;
-        float* o = acc.data() + qi * d;
-        __m256 ov[kMaxD / 8];
-        const __m256 wo = _mm256_set1_ps(w_old);
-        for (int64_t cc = 0; cc < nv; ++cc) ov[cc] = _mm256_mul_ps(_mm256_loadu_ps(o + 8 * cc), wo);
-        for (int64_t j = 0; j < visible; ++j) {
-          const __m256 p = _mm256_set1_ps(s[j]);
-          const float* vr = vh_base + (k0 + j) * d;
-          for (int64_t cc = 0; cc < nv; ++cc) ov[cc] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * cc), ov[cc]);
-        }
-        for (int64_t cc = 0; cc < nv; ++cc) _mm256_storeu_ps(o + 8 * cc, ov[cc]);
-      }
+    const float* vr = vh_base + k0 * d;
+    int64_t qi = 0;
+    while (qi < nq && qpos(qi) < k0) ++qi;  // rows whose whole future this block is
+    for (; qi < nq; qi += 2) {
+      const bool two = qi + 1 < nq;
+      const int64_t va = std::min(nk, qpos(qi) - k0 + 1);
+      const int64_t vb = two ? std::min(nk, qpos(qi + 1) - k0 + 1) : 0;
+      block_scores(kt.data(), d, scale, qptr(qi), two ? qptr(qi + 1) : nullptr, sa, sb);
+      const float wa = block_softmax(sa, va, m[qi], l[qi]);
+      const float wb = two ? block_softmax(sb, vb, m[qi + 1], l[qi + 1]) : 0.f;
+      block_values(vr, d, std::max(va, vb), sa, wa, acc.data() + qi * d, sb, wb,
+                   two ? acc.data() + (qi + 1) * d : nullptr);
     }
   }
-  for (int64_t i = i0; i < i1; ++i) {
-    for (int64_t gi = 0; gi < g; ++gi) {
-      const int64_t qi = (i - i0) * g + gi;
-      const float inv = 1.f / l[qi];
-      const float* o = acc.data() + qi * d;
-      float* dst = out + (i * h + kh * g + gi) * d;
-      for (int64_t cc = 0; cc < d; ++cc) dst[cc] = o[cc] * inv;
-    }
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const float inv = 1.f / l[qi];
+    const float* o = acc.data() + qi * d;
+    float* dst = out + ((i0 + qi / g) * h + kh * g + qi % g) * d;
+    for (int64_t cc = 0; cc < d; ++cc) dst[cc] = o[cc] * inv;
   }
 }
 
