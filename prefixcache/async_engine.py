@@ -406,9 +406,12 @@ class AsyncEngine:
 
     def invalidate(self, namespace: str | None, all_namespaces: bool | None = None) -> int:
         """Drop a namespace's cached blocks; ``namespace=None`` drops all namespaces."""
+        everything = namespace is None if all_namespaces is None else all_namespaces
         with self._lock:
-            everything = namespace is None if all_namespaces is None else all_namespaces
-            return self.engine.invalidate(namespace, everything)
+            n, ticket = self.engine.start_invalidate(namespace, everything)
+        # Deleting from disk / Redis happens outside the lock: steps go on meanwhile.
+        self.engine.tiers.wait(ticket)
+        return n
 
     def block_hashes(self, prompt_token_ids: list[int], namespace: str | None = None) -> list[bytes]:
         return self.engine.block_hashes(prompt_token_ids, namespace)

@@ -55,6 +55,8 @@ class EngineStats:
     capacity_bytes: int
     enable_prefix_caching: bool
     num_fairness_preemptions_total: int = 0
+    # One tiers.stats.TierStats per persistent tier (disk, redis), in lookup order; () if none.
+    tiers: tuple = ()
 
     @property
     def hit_rate(self) -> float:
