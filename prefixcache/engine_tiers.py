@@ -150,6 +150,7 @@ class EngineTiers:
             pool.release(m.block_ids)
         seq.tier_tokens = dict(got)
         self._by_tenant.setdefault(seq.tenant, Counter()).update(got)
+        self.manager.count_served({k: v // b for k, v in got.items()})
 
     def idle_wait(self) -> None:
         if self._jobs:

@@ -180,7 +180,7 @@ class TierManager:
                 job.found.append((ref, payload, tier.name))
                 hits += 1
             tier.counters.add(
-                hit_blocks=hits, hit_tokens=hits * bs, miss_blocks=len(rest) - hits,
+                read_blocks=hits, read_tokens=hits * bs, miss_blocks=len(rest) - hits,
                 read_bytes=sum(len(d) for d in datas[:hits]), restores=1,
                 restore_seconds_total=time.perf_counter() - t0,
             )  # fmt: skip
@@ -190,6 +190,14 @@ class TierManager:
         lower = [(ref, p) for ref, p, where in job.found if where != "disk"]
         if promote and lower:
             self._queue_write(job.namespace, lower, tuple(promote), job.generation)
+
+    def count_served(self, served: dict[str, int]) -> None:
+        """Blocks of each tier that were installed into the RAM pool (engine thread)."""
+        bs = self.layout.block_size
+        for t in self.tiers:
+            n = served.get(t.name, 0)
+            if n:
+                t.counters.add(hit_blocks=n, hit_tokens=n * bs)
 
     def cancel(self, job: RestoreJob) -> None:
         job.cancelled = True

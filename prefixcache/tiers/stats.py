@@ -13,8 +13,10 @@ class TierStats:
     name: str  # "disk" | "redis"
     enabled: bool  # false once the tier turned itself off (disk full, unwritable)
     available: bool  # reachable now (Redis up); a disabled tier is not available
-    hit_blocks: int  # blocks restored from this tier into the RAM pool
+    hit_blocks: int  # blocks restored from this tier into the RAM pool (served)
     hit_tokens: int
+    read_blocks: int  # blocks read and verified (a block two requests wait for is read twice)
+    read_tokens: int
     miss_blocks: int  # blocks looked up here and not found
     rejected_blocks: int  # found but corrupt, truncated or foreign: removed, never served
     written_blocks: int
@@ -32,8 +34,9 @@ class TierStats:
 
     @property
     def restore_tokens_per_second(self) -> float | None:
+        """Tokens read and verified per second of restore I/O."""
         s = self.restore_seconds_total
-        return self.hit_tokens / s if s > 0 else None
+        return self.read_tokens / s if s > 0 else None
 
 
 class TierCounters:
@@ -42,6 +45,7 @@ class TierCounters:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.hit_blocks = self.hit_tokens = self.miss_blocks = self.rejected_blocks = 0
+        self.read_blocks = self.read_tokens = 0
         self.written_blocks = self.written_bytes = self.read_bytes = 0
         self.dropped_writes = self.errors = self.restores = self.reconnects = 0
         self.restore_seconds_total = 0.0
@@ -62,7 +66,8 @@ class TierCounters:
         with self.lock:
             return TierStats(
                 name=name, enabled=enabled, available=available, hit_blocks=self.hit_blocks,
-                hit_tokens=self.hit_tokens, miss_blocks=self.miss_blocks,
+                hit_tokens=self.hit_tokens, read_blocks=self.read_blocks,
+                read_tokens=self.read_tokens, miss_blocks=self.miss_blocks,
                 rejected_blocks=self.rejected_blocks, written_blocks=self.written_blocks,
                 written_bytes=self.written_bytes, read_bytes=self.read_bytes,
                 dropped_writes=self.dropped_writes, errors=self.errors,

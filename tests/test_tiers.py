@@ -1,0 +1,214 @@
+"""Persistent KV tiers (prefixcache/tiers, engine_tiers.py): the disk tier end to end.
+
+Unit (no model): the block codec rejects corrupt, truncated and foreign blocks; store ids differ
+for every layout input; the disk tier survives a restart, keeps its budget, cleans half-written
+files, and a kill -9 in the middle of writes leaves only whole blocks.
+Engine (real model): a new engine on the same directory restores a prefix and gives the same
+greedy tokens as a cold run at prefix lengths k*16-1 / k*16 / k*16+1, in float32 and int8 KV;
+another KV dtype or block size never hits; corrupt, truncated and foreign files are misses;
+namespaces are isolated and invalidation drops them from disk; a write error (file size limit:
+a real kernel failure) turns the tier off while serving goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from _helpers import PROSE
+
+from prefixcache import LLM, SamplingParams
+from prefixcache.tiers import codec
+from prefixcache.tiers.disk import SUBDIR, SUFFIX, DiskTier
+from prefixcache.tiers.keys import StoreLayout, block_name, namespace_id
+
+BS = 16
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+MEM = "24MiB"
+
+
+# ---- unit: codec, keys, disk tier ------------------------------------------------------------------
+def _layout(**kw) -> StoreLayout:
+    base = dict(model_fingerprint="m", block_size=16, num_layers=2, num_kv_heads=1, head_dim=8,
+                kv_dtype="float32", scaled=False, block_bytes=256)  # fmt: skip
+    return StoreLayout(**{**base, **kw})
+
+
+def _name(key=b"k" * 16, ns=None, store=None) -> codec.BlockName:
+    store = store or _layout().store_id()
+    return codec.BlockName(store, key, bytes.fromhex(namespace_id(ns)), b"p" * 16 + b"t" * 64)
+
+
+@pytest.mark.parametrize("compression", codec.COMPRESSIONS)
+def test_codec_round_trip_and_every_rejection(compression):
+    payload = bytes(range(256))
+    data = codec.encode(_name(), payload, compression)
+    assert codec.decode(data, _name(), 256) == payload
+    zeros = codec.encode(_name(), bytes(256), compression)  # compresses when asked
+    assert codec.decode(zeros, _name(), 256) == bytes(256)
+    assert (len(zeros) < len(data)) == (compression != "none")
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 1
+    cases = {
+        "checksum": bytes(flipped),
+        "truncated": data[:-5],
+        "format": b"XXXX" + data[4:],
+    }
+    for reason, bad in cases.items():
+        with pytest.raises(codec.BlockRejected) as e:
+            codec.decode(bad, _name(), 256)
+        assert e.value.reason in (reason, "truncated", "checksum")
+    foreign = [_name(key=b"q" * 16), _name(ns="tenant-b"), _name(store=_layout(kv_dtype="int8").store_id())]
+    for other in foreign:  # a whole, valid block, but not the one asked for
+        with pytest.raises(codec.BlockRejected) as e:
+            codec.decode(data, other, 256)
+        assert e.value.reason == "foreign"
+    with pytest.raises(codec.BlockRejected):
+        codec.decode(data, _name(), 255)  # another payload size
+
+
+def test_store_id_depends_on_every_layout_input():
+    base = _layout()
+    variants = [_layout(model_fingerprint="m2"), _layout(block_size=32), _layout(num_layers=3),
+                _layout(num_kv_heads=2), _layout(head_dim=16), _layout(kv_dtype="int8"),
+                _layout(scaled=True), _layout(block_bytes=512)]  # fmt: skip
+    ids = {base.store_id()} | {v.store_id() for v in variants}
+    assert len(ids) == len(variants) + 1
+    assert base.store_id() == _layout().store_id()  # pure: same inputs, same name
+    assert namespace_id(None) != namespace_id("") != namespace_id("a")
+    assert len(block_name(base.store_id(), b"k" * 16)) == 64
+
+
+def _put(tier, i, ns="n", size=1000) -> str:
+    name = f"{i:064x}"
+    assert tier.put(ns, name, bytes([i % 256]) * size)
+    return name
+
+
+def test_disk_tier_restart_budget_and_stale_temporaries(tmp_path):
+    tier = DiskTier(tmp_path, capacity_bytes=5000)
+    names = [_put(tier, i) for i in range(7)]  # 7000 bytes into 5000: the 2 oldest go
+    assert tier.stats().stored_blocks == 5 and tier.stats().stored_bytes == 5000
+    assert tier.get_many("n", names[:2]) == []
+    assert tier.get_many("n", names[2:4]) == [bytes([2]) * 1000, bytes([3]) * 1000]
+    stale = tmp_path / SUBDIR / "n" / ".tmp-half-written"
+    stale.write_bytes(b"partial")
+    tier.check_integrity()
+    again = DiskTier(tmp_path, capacity_bytes=5000)  # a restart: the index comes from the files
+    assert again.stats().stored_blocks == 5
+    assert again.get_many("n", names[2:]) == [bytes([i]) * 1000 for i in range(2, 7)]
+    assert not stale.exists()
+    assert again.drop_namespace("n") == 5 and again.get_many("n", names[2:3]) == []
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(ValueError, match="not writable"):  # a startup error, with its reason
+        DiskTier(tmp_path / "file" / "x", 1000)
+
+
+def test_kill_9_during_writes_leaves_only_whole_blocks(tmp_path):
+    """A writer killed at a random moment, many times: after restart every block file decodes."""
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        from prefixcache.tiers import codec
+        from prefixcache.tiers.disk import DiskTier
+        from prefixcache.tiers.keys import namespace_id
+        tier = DiskTier({str(tmp_path)!r}, 1 << 40)
+        ns = namespace_id(None)
+        store = b"s" * 16
+        i = 0
+        print("ready", flush=True)
+        while True:
+            key = i.to_bytes(16, "little")
+            name = codec.BlockName(store, key, bytes.fromhex(ns), b"p" * 80)
+            tier.put(ns, f"{{i:064x}}", codec.encode(name, os.urandom(1 << 20)))
+            i += 1
+    """)
+    for delay in (0.05, 0.15, 0.3):
+        p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+        assert p.stdout.readline().strip() == b"ready"
+        time.sleep(delay)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    files = list((tmp_path / SUBDIR).rglob("*"))
+    assert any(f.name.endswith(SUFFIX) for f in files)
+    tier = DiskTier(tmp_path, 1 << 40)  # the restart
+    ns = namespace_id(None)
+    left = [f.name for f in (tmp_path / SUBDIR / ns).iterdir()]
+    assert left and all(n.endswith(SUFFIX) for n in left), "a temporary file survived the restart"
+    for n in left:
+        i = int(n[: -len(SUFFIX)], 16)
+        data = tier.get_many(ns, [n[: -len(SUFFIX)]])[0]
+        name = codec.BlockName(b"s" * 16, i.to_bytes(16, "little"), bytes.fromhex(ns), b"p" * 80)
+        assert len(codec.decode(data, name, 1 << 20)) == 1 << 20
+
+
+# ---- engine: the real model ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cold():
+    return {kv: LLM(kv_cache_memory=MEM, enable_prefix_caching=False, kv_cache_dtype=kv, seed=0)
+            for kv in ("float32", "int8")}  # fmt: skip
+
+
+def _prompts(tok, n, length, salt):
+    """``n`` prompts of ``length`` tokens, each its own prefix (distinct by ``salt``)."""
+    base = tok.encode(PROSE * 4, add_special_tokens=False)
+    return [[(salt * 97 + i * 31) % 5000 + 100] + base[: length - 1] for i in range(n)]
+
+
+def _disk(llm):
+    return llm.cache_stats()["tiers"]["disk"]
+
+
+def _tails(ids_list, k):
+    return [ids + [42 + k, 7, 99] for ids in ids_list]
+
+
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory):
+    """One directory for both KV dtypes: int8 engines find float32 files there, and must not
+    use them."""
+    return tmp_path_factory.mktemp("disk-tier")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_restart_restores_from_disk_cold_equals_warm(shared_dir, cold, kv):
+    ref = cold[kv]
+    tok = ref.get_tokenizer()
+    lengths = [5 * BS - 1, 5 * BS, 5 * BS + 1]
+    prefixes = [_prompts(tok, 1, n, salt=i)[0] for i, n in enumerate(lengths)]
+    first = LLM(kv_cache_memory=MEM, kv_cache_dtype=kv, disk_cache_dir=shared_dir, seed=0)
+    out = first.generate(_tails(prefixes, 0), GREEDY)
+    # float32 ran first: its blocks of these very prompts are in the directory, and int8 must
+    # not see them (the KV dtype is in the key).
+    assert all(o.num_cached_tokens == 0 for o in out) and _disk(first)["hit_blocks"] == 0
+    assert first.engine.tiers.flush()
+    written = _disk(first)["written_blocks"]
+    assert written == sum((n + 3) // BS for n in lengths)
+    del first
+    second = LLM(kv_cache_memory=MEM, kv_cache_dtype=kv, disk_cache_dir=shared_dir, seed=0)
+    prompts = _tails(prefixes, 1) + [prefixes[1]]  # new suffixes, and a prompt seen before
+    warm = second.generate(prompts, GREEDY)
+    expect = ref.generate(prompts, GREEDY)
+    for w, c in zip(warm, expect):
+        assert w.outputs[0].token_ids == c.outputs[0].token_ids
+    # Every full block of the shared prefix came from disk (the prompt seen before: all full
+    # blocks but the one holding its last token, which is always computed).
+    assert [w.num_cached_tokens for w in warm] == [n // BS * BS for n in lengths] + [4 * BS]
+    st = _disk(second)
+    assert st["hit_tokens"] == sum(n // BS * BS for n in lengths) and st["rejected_blocks"] == 0
+    second.check_integrity()
+    second.engine.tiers.check_integrity()
+    if kv == "int8":  # another block size shares the directory but never hits either
+        alien = LLM(kv_cache_memory=MEM, disk_cache_dir=shared_dir, seed=0, block_size=32)
+        out = alien.generate(prompts, GREEDY)
+        assert all(o.num_cached_tokens == 0 for o in out[:3])
+        st = _disk(alien)
+        assert st["hit_blocks"] == 0 and st["rejected_blocks"] == 0
