@@ -212,3 +212,79 @@ def test_restart_restores_from_disk_cold_equals_warm(shared_dir, cold, kv):
         assert all(o.num_cached_tokens == 0 for o in out[:3])
         st = _disk(alien)
         assert st["hit_blocks"] == 0 and st["rejected_blocks"] == 0
+
+
+def _block_file(llm, root: Path, ids, i, namespace=None) -> Path:
+    key = llm.engine.block_hashes(ids, namespace)[i]
+    name = block_name(llm.engine.tiers.manager.store_id, key)
+    return root / SUBDIR / namespace_id(namespace) / (name + SUFFIX)
+
+
+@pytest.mark.slow
+def test_corrupt_truncated_foreign_files_tenants_invalidation_and_disk_full(tmp_path, cold):
+    ref = cold["float32"]
+    tok = ref.get_tokenizer()
+    prompts = [p + [11, 12, 13] for p in _prompts(tok, 3, 5 * BS, salt=7)]
+    secret = _prompts(tok, 1, 4 * BS + 3, salt=8)[0]
+    writer = LLM(kv_cache_memory=MEM, disk_cache_dir=tmp_path, seed=0)
+    writer.generate(prompts, GREEDY)
+    writer.generate([secret], GREEDY, cache_salt="tenant-a")
+    assert writer.engine.tiers.flush()
+    files = [_block_file(writer, tmp_path, p, 2) for p in prompts]
+    assert all(f.exists() for f in files)
+    data = files[0].read_bytes()
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x10
+    files[0].write_bytes(bytes(flipped))  # a flipped bit in the payload
+    files[1].write_bytes(files[1].read_bytes()[:-1000])  # a torn write
+    files[2].write_bytes(_block_file(writer, tmp_path, prompts[0], 3).read_bytes())  # another block
+    del writer
+
+    reader = LLM(kv_cache_memory=MEM, disk_cache_dir=tmp_path, seed=0)
+    out = reader.generate(prompts, GREEDY)
+    expect = ref.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in out] == [c.outputs[0].token_ids for c in expect]
+    assert [o.num_cached_tokens for o in out] == [2 * BS] * 3  # up to the bad block, not past it
+    st = _disk(reader)
+    assert st["rejected_by_reason"] == {"checksum": 1, "truncated": 1, "foreign": 1}
+    assert reader.engine.tiers.flush()
+    again = DiskTier(tmp_path, 1 << 30)  # removed, then written again whole by the recompute
+    for f in files:
+        ns, name = f.parent.name, f.name[: -len(SUFFIX)]
+        assert again.get_many(ns, [name]) and f.read_bytes() != b""
+    assert _disk(reader)["written_blocks"] == 3  # the rejected ones; their successors were there
+    out = reader.generate(prompts, GREEDY)  # and now they are RAM hits, still cold == warm
+    assert [o.outputs[0].token_ids for o in out] == [c.outputs[0].token_ids for c in expect]
+
+    # Tenants: the namespace is in every key; another tenant's same prompt never hits the disk.
+    hits = _disk(reader)["hit_blocks"]
+    other = reader.generate([secret], GREEDY, cache_salt="tenant-b")[0]
+    assert other.num_cached_tokens == 0 and _disk(reader)["hit_blocks"] == hits
+    own = reader.generate([secret], GREEDY, cache_salt="tenant-a")[0]
+    assert own.num_cached_tokens == 4 * BS and _disk(reader)["hit_blocks"] == hits + 4
+    # Invalidation drops the namespace from RAM and disk: nothing of it comes back.
+    ns_dir = tmp_path / SUBDIR / namespace_id("tenant-a")
+    assert ns_dir.exists()
+    reader.engine.invalidate("tenant-a")
+    assert not ns_dir.exists()
+    again = reader.generate([secret], GREEDY, cache_salt="tenant-a")[0]
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == ref.generate([secret], GREEDY)[0].outputs[0].token_ids
+
+    # A write the kernel refuses (here: over the file size limit, EFBIG; a full disk is ENOSPC,
+    # the same path) turns the tier off; serving goes on, cold == warm.
+    fresh = [p + [5] for p in _prompts(tok, 1, 3 * BS, salt=9)]
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        out = reader.generate(fresh, GREEDY)
+        assert reader.engine.tiers.flush()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    st = _disk(reader)
+    assert st["enabled"] is False and st["errors"] >= 1
+    assert out[0].outputs[0].token_ids == ref.generate(fresh, GREEDY)[0].outputs[0].token_ids
+    assert not list((tmp_path / SUBDIR).rglob(".tmp-*"))  # the failed write left nothing
+    out = reader.generate(prompts[:1], GREEDY)  # still serving, from RAM
+    assert out[0].outputs[0].token_ids == expect[0].outputs[0].token_ids
+    reader.check_integrity()
