@@ -12,7 +12,6 @@ a real kernel failure) turns the tier off while serving goes on.
 
 from __future__ import annotations
 
-import os
 import resource
 import signal
 import subprocess
@@ -36,8 +35,8 @@ MEM = "24MiB"
 
 # ---- unit: codec, keys, disk tier ------------------------------------------------------------------
 def _layout(**kw) -> StoreLayout:
-    base = dict(model_fingerprint="m", block_size=16, num_layers=2, num_kv_heads=1, head_dim=8,
-                kv_dtype="float32", scaled=False, block_bytes=256)  # fmt: skip
+    base = {"model_fingerprint": "m", "block_size": 16, "num_layers": 2, "num_kv_heads": 1,
+            "head_dim": 8, "kv_dtype": "float32", "scaled": False, "block_bytes": 256}
     return StoreLayout(**{**base, **kw})
 
 
