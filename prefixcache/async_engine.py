@@ -163,6 +163,8 @@ class AsyncEngine:
             self._thread = None
         for rid in list(self._streams):
             self._fail(rid, EngineShutDownError("engine shut down"))
+        # Blocks queued for disk / Redis are written before we return: a restart finds them.
+        await asyncio.to_thread(self.engine.tiers.flush, 30.0)
 
     def _thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

@@ -388,6 +388,7 @@ class LLMEngine:
                 for ns in index.namespaces()
                 if ns is not None and owns(ns)
             },
+            tier_hit_tokens=self.tiers.tenant_tokens(tenant),
         )
 
     def check_integrity(self) -> None:

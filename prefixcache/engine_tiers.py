@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections import Counter, OrderedDict
 from dataclasses import asdict
 from pathlib import Path
@@ -85,11 +86,15 @@ class EngineTiers:
         self._jobs: dict[str, tuple[Sequence, RestoreJob, int]] = {}  # rid -> (seq, job, first)
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._by_tenant: dict[str | None, Counter] = {}
+        # Queued writes are flushed and the I/O threads stopped when the engine goes away or
+        # the interpreter exits (the offline LLM has no shutdown call): a restart finds them.
+        weakref.finalize(self, manager.close)
 
     # ---- restore ---------------------------------------------------------------------------------
     def on_add(self, seq: Sequence) -> None:
         if not self.kv.enable_caching:
             return
+        seq.tier_tokens = {}
         m = self.kv.match(seq)  # hashes the usable full blocks into seq.block_keys
         first, n_full = len(m.block_ids), (seq.num_tokens - 1) // self.block_size
         n_full = min(n_full, self.kv.pool.num_blocks - self.kv.pool.max_pinned_blocks)
