@@ -153,6 +153,8 @@ class EngineTiers:
             pool.release(ids)
         finally:
             pool.release(m.block_ids)
+        if seq.explain:  # explained at arrival, before the restore: say what it gets now
+            seq.cache_info = self.kv.explain(seq.prompt_token_ids, seq.namespace, ())
         seq.tier_tokens = dict(got)
         self._by_tenant.setdefault(seq.tenant, Counter()).update(got)
         self.manager.count_served({k: v // b for k, v in got.items()})
