@@ -213,7 +213,9 @@ class LLMEngine:
         # A failure from here on belongs to one sequence: it is finished alone (finish_reason
         # "error", seq.error set) and every other sequence of the step goes on unchanged. The
         # forward pass itself is shared; if it raises, the caller fails the whole batch.
+        t0 = time.perf_counter()
         logits = self.runner.execute(out.scheduled)
+        self.tiers.observe_step(_prompt_tokens(out.scheduled), time.perf_counter() - t0)
         sampling = [s for s in out.scheduled if s.samples]
         sampled = sample(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
         failed: dict[int, BaseException] = {}
@@ -311,7 +313,7 @@ class LLMEngine:
 
     def invalidate(self, namespace: str | None, all_namespaces: bool = False) -> int:
         """Drop a namespace (or all) from the RAM pool and every tier. Returns the RAM blocks
-        dropped; a tier that cannot be reached raises ConnectionError after the rest is done."""
+        dropped; a tier that cannot be reached: TierUnavailableError, after the rest is done."""
         n, ticket = self.start_invalidate(namespace, all_namespaces)
         self.tiers.wait(ticket)
         return n
@@ -393,6 +395,14 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.scheduler.live_block_tables())
+        self.tiers.check_integrity()
+
+
+def _prompt_tokens(scheduled) -> int:
+    return sum(
+        max(0, min(s.num_new_tokens, s.seq.num_prompt_tokens - s.seq.num_computed_tokens))
+        for s in scheduled
+    )
 
 
 def __getattr__(name: str):

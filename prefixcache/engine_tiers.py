@@ -38,6 +38,7 @@ from prefixcache.tiers.manager import BlockRef, RestoreJob, TierManager
 log = logging.getLogger(__name__)
 
 IDLE_WAIT = 0.005  # seconds a step with nothing to run waits for a restore
+MIN_PREFILL_SAMPLE = 256  # prompt tokens a step needs to count as a prefill-speed sample
 _RECENT_KEYS = 65536  # keys known to be in the tiers already (written or restored): not rewritten
 
 
@@ -62,6 +63,7 @@ class NoTiers:
     def install_completed(self) -> None: ...
     def offload(self, seq: Sequence, first_block: int) -> None: ...
     def idle_wait(self) -> None: ...
+    def observe_step(self, prefill_tokens: int, seconds: float) -> None: ...
     def start_invalidate(self, namespace, all_namespaces: bool) -> None: ...
     def wait(self, ticket) -> dict[str, int]:
         return {}
@@ -144,12 +146,13 @@ class EngineTiers:
             got: Counter = Counter()
             for i, (bid, (ref, payload, where)) in enumerate(zip(ids, todo), start=have):
                 self.cache.write_block(bid, payload)
-                pool.register(
+                holder = pool.register(
                     bid, ref.key, ref.key_input[:KEY_BYTES], tokens[i * b : (i + 1) * b],
                     seq.namespace,
                 )  # fmt: skip
                 self._remember(ref.key)
-                got[where] += b
+                if holder == bid:  # else RAM had this one already; ours goes back free
+                    got[where] += b
             pool.release(ids)
         finally:
             pool.release(m.block_ids)
@@ -158,6 +161,12 @@ class EngineTiers:
         seq.tier_tokens = dict(got)
         self._by_tenant.setdefault(seq.tenant, Counter()).update(got)
         self.manager.count_served({k: v // b for k, v in got.items()})
+
+    def observe_step(self, prefill_tokens: int, seconds: float) -> None:
+        """A step's prompt tokens and forward time: steps mostly of prefill teach the tiers
+        what recomputing costs (a tier slower than that is skipped)."""
+        if prefill_tokens >= MIN_PREFILL_SAMPLE:
+            self.manager.observe_prefill(prefill_tokens, seconds)
 
     def idle_wait(self) -> None:
         if self._jobs:

@@ -27,6 +27,7 @@ from prefixcache import LLM, SamplingParams
 from prefixcache.tiers import codec
 from prefixcache.tiers.disk import SUBDIR, SUFFIX, DiskTier
 from prefixcache.tiers.keys import StoreLayout, block_name, namespace_id
+from prefixcache.tiers.manager import PROBE_EVERY, BlockRef, TierManager
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -110,6 +111,30 @@ def test_disk_tier_restart_budget_and_stale_temporaries(tmp_path):
         DiskTier(tmp_path / "file" / "x", 1000)
 
 
+def test_a_tier_slower_than_prefill_is_skipped_but_probed(tmp_path):
+    disk = DiskTier(tmp_path, 1 << 20)
+    m = TierManager([disk], _layout())
+    ref = BlockRef(b"k" * 16, b"p" * 16 + b"t" * 64)
+    m.offload("ns", [(ref, bytes(range(256)))])
+    assert m.flush()
+
+    def restore() -> int:
+        job = m.submit_restore("r", "ns", [ref])
+        while not job.done:
+            m.wait_completed(0.05)
+        m.take_completed()
+        return len(job.found)
+
+    assert restore() == 1  # the tier's speed is measured
+    m.observe_prefill(10**12, 1.0)  # recomputing is faster than any disk
+    got = [restore() for _ in range(PROBE_EVERY)]
+    assert got.count(1) == 1 and disk.stats().skipped_slow == PROBE_EVERY - 1  # one probe
+    for _ in range(200):  # prefill turns slow (a moving average: it takes a while)
+        m.observe_prefill(1, 1.0)
+    assert [restore() for _ in range(3)] == [1, 1, 1]
+    m.close()
+
+
 def test_kill_9_during_writes_leaves_only_whole_blocks(tmp_path):
     """A writer killed at a random moment, many times: after restart every block file decodes."""
     script = textwrap.dedent(f"""
@@ -150,9 +175,11 @@ def test_kill_9_during_writes_leaves_only_whole_blocks(tmp_path):
 
 # ---- engine: the real model ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def cold():
-    return {kv: LLM(kv_cache_memory=MEM, enable_prefix_caching=False, kv_cache_dtype=kv, seed=0)
-            for kv in ("float32", "int8")}  # fmt: skip
+def cold(llm_cold):
+    """The references for cold == warm: the suite's float32 engine without caching, and one in
+    int8 (its own numbers)."""
+    int8 = LLM(kv_cache_memory=MEM, enable_prefix_caching=False, kv_cache_dtype="int8", seed=0)
+    return {"float32": llm_cold, "int8": int8}
 
 
 def _prompts(tok, n, length, salt):
@@ -169,30 +196,20 @@ def _tails(ids_list, k):
     return [ids + [42 + k, 7, 99] for ids in ids_list]
 
 
-@pytest.fixture(scope="module")
-def shared_dir(tmp_path_factory):
-    """One directory for both KV dtypes: int8 engines find float32 files there, and must not
-    use them."""
-    return tmp_path_factory.mktemp("disk-tier")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("kv", ["float32", "int8"])
-def test_restart_restores_from_disk_cold_equals_warm(shared_dir, cold, kv):
-    ref = cold[kv]
+def test_restart_restores_from_disk_cold_equals_warm_int8(tmp_path, cold):
+    """In int8 KV (blocks with scales), at k*16-1 / k*16 / k*16+1; float32 restores are
+    checked below and in test_tiers_redis.py, float32 at these lengths there."""
+    ref = cold["int8"]
     tok = ref.get_tokenizer()
     lengths = [5 * BS - 1, 5 * BS, 5 * BS + 1]
     prefixes = [_prompts(tok, 1, n, salt=i)[0] for i, n in enumerate(lengths)]
-    first = LLM(kv_cache_memory=MEM, kv_cache_dtype=kv, disk_cache_dir=shared_dir, seed=0)
-    out = first.generate(_tails(prefixes, 0), GREEDY)
-    # float32 ran first: its blocks of these very prompts are in the directory, and int8 must
-    # not see them (the KV dtype is in the key).
-    assert all(o.num_cached_tokens == 0 for o in out) and _disk(first)["hit_blocks"] == 0
+    first = LLM(kv_cache_memory=MEM, kv_cache_dtype="int8", disk_cache_dir=tmp_path, seed=0)
+    first.generate(_tails(prefixes, 0), GREEDY)
     assert first.engine.tiers.flush()
-    written = _disk(first)["written_blocks"]
-    assert written == sum((n + 3) // BS for n in lengths)
+    assert _disk(first)["written_blocks"] == sum((n + 3) // BS for n in lengths)
     del first
-    second = LLM(kv_cache_memory=MEM, kv_cache_dtype=kv, disk_cache_dir=shared_dir, seed=0)
+    second = LLM(kv_cache_memory=MEM, kv_cache_dtype="int8", disk_cache_dir=tmp_path, seed=0)
     prompts = _tails(prefixes, 1) + [prefixes[1]]  # new suffixes, and a prompt seen before
     warm = second.generate(prompts, GREEDY)
     expect = ref.generate(prompts, GREEDY)
@@ -204,13 +221,12 @@ def test_restart_restores_from_disk_cold_equals_warm(shared_dir, cold, kv):
     st = _disk(second)
     assert st["hit_tokens"] == sum(n // BS * BS for n in lengths) and st["rejected_blocks"] == 0
     second.check_integrity()
-    second.engine.tiers.check_integrity()
-    if kv == "int8":  # another block size shares the directory but never hits either
-        alien = LLM(kv_cache_memory=MEM, disk_cache_dir=shared_dir, seed=0, block_size=32)
-        out = alien.generate(prompts, GREEDY)
-        assert all(o.num_cached_tokens == 0 for o in out[:3])
-        st = _disk(alien)
-        assert st["hit_blocks"] == 0 and st["rejected_blocks"] == 0
+    # Another KV dtype shares the directory but never hits on these blocks (nor reads them).
+    alien = LLM(kv_cache_memory=MEM, disk_cache_dir=tmp_path, seed=0)
+    out = alien.generate(prompts, GREEDY)
+    assert all(o.num_cached_tokens == 0 for o in out)
+    st = _disk(alien)
+    assert st["hit_blocks"] == 0 and st["read_blocks"] == 0 and st["rejected_blocks"] == 0
 
 
 def _block_file(llm, root: Path, ids, i, namespace=None) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -109,9 +110,11 @@ class KVCache:
         flat = [_bytes_of(p.contiguous()).reshape(-1) for p in self._block_parts(block_id)]
         return torch.cat(flat).cpu().numpy().tobytes()
 
-    def write_block(self, block_id: int, data: bytes) -> None:
+    def write_block(self, block_id: int, data: bytes | memoryview) -> None:
         """Put ``read_block``'s bytes back into a block (a restore from a tier)."""
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        with warnings.catch_warnings():  # only read from: a read-only buffer is fine, no copy
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(data, dtype=torch.uint8)
         off = 0
         for dst in self._block_parts(block_id):
             n = dst.numel() * dst.element_size()

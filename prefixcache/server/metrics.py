@@ -90,6 +90,11 @@ _TIER_COUNTERS = (
     ("prefixcache:tier_restores", "restores", "Restore reads from the tier."),
     ("prefixcache:tier_restore_seconds", "restore_seconds_total", "Time spent in restore reads."),
     ("prefixcache:tier_reconnects", "reconnects", "Times the tier came back after a failure."),
+    (
+        "prefixcache:tier_skipped_slow",
+        "skipped_slow",
+        "Restores that skipped the tier: measured slower than prefilling.",
+    ),
 )
 _TIER_GAUGES = (
     ("prefixcache:tier_enabled", "enabled", "1 unless the tier turned itself off (disk full...)."),

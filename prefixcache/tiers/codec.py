@@ -100,8 +100,9 @@ def encode(name: BlockName, payload: bytes, compression: str = "none") -> bytes:
     return body + xxh3_128_digest(body)
 
 
-def decode(data: bytes, expected: BlockName, payload_bytes: int) -> bytes:
-    """The payload of ``data`` if it is exactly the block ``expected`` names, else raises."""
+def decode(data: bytes, expected: BlockName, payload_bytes: int) -> bytes | memoryview:
+    """The payload of ``data`` if it is exactly the block ``expected`` names, else raises. An
+    uncompressed payload is a view into ``data`` (no copy: a restore moves ~0.7 MB per block)."""
     if len(data) < HEADER_BYTES + CHECKSUM_BYTES:
         raise BlockRejected("truncated", f"{len(data)} bytes")
     magic, version, method, _, store_id, key, ns, n_in, n_raw, n_stored = _HEAD.unpack_from(data)
@@ -123,9 +124,9 @@ def decode(data: bytes, expected: BlockName, payload_bytes: int) -> bytes:
         or n_raw != payload_bytes
     ):
         raise BlockRejected("foreign", "another block, model, namespace or layout")
-    stored = data[HEADER_BYTES + n_in : -CHECKSUM_BYTES]
+    stored = memoryview(data)[HEADER_BYTES + n_in : -CHECKSUM_BYTES]
     if method == 0:
-        payload = bytes(stored)
+        payload = stored
     else:
         try:
             payload = _decompress(method, stored, n_raw)

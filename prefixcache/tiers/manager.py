@@ -36,6 +36,25 @@ from prefixcache.tiers.stats import TierStats
 log = logging.getLogger(__name__)
 
 MAX_GENERATIONS = 65536  # namespaces remembered as invalidated (then a global epoch moves on)
+PROBE_EVERY = 16  # a tier measured slower than prefill is still read on every 16th restore
+
+
+class Rates:
+    """Exponential moving averages of tokens per second, by name (a tier, "prefill")."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight
+        self._lock = threading.Lock()
+        self._ema: dict[str, float] = {}
+
+    def observe(self, name: str, value: float) -> None:
+        with self._lock:
+            old = self._ema.get(name)
+            self._ema[name] = value if old is None else old + self.weight * (value - old)
+
+    def get(self, name: str) -> float | None:
+        with self._lock:
+            return self._ema.get(name)
 
 
 @dataclass(frozen=True)
@@ -95,6 +114,8 @@ class TierManager:
         self._busy_writes = 0
         self._epoch = 0
         self._ns_gen: dict[str | None, int] = {}
+        self._rates = Rates()
+        self._probes: dict[str, int] = {}
         self._stop = False
         self._threads = [
             threading.Thread(target=self._reader, name="prefixcache-tier-reader", daemon=True),
@@ -165,6 +186,9 @@ class TierManager:
             rest = job.blocks[len(job.found) :]
             if not rest:
                 break
+            if self._too_slow(tier):
+                tier.counters.add(skipped_slow=1)
+                continue
             t0 = time.perf_counter()
             datas = tier.get_many(ns_id, [block_name(self.store_id, r.key) for r in rest])
             hits = 0
@@ -179,17 +203,36 @@ class TierManager:
                     break
                 job.found.append((ref, payload, tier.name))
                 hits += 1
+            dt = time.perf_counter() - t0
             tier.counters.add(
                 read_blocks=hits, read_tokens=hits * bs, miss_blocks=len(rest) - hits,
                 read_bytes=sum(len(d) for d in datas[:hits]), restores=1,
-                restore_seconds_total=time.perf_counter() - t0,
+                restore_seconds_total=dt,
             )  # fmt: skip
+            if hits and dt > 0:
+                self._rates.observe(tier.name, hits * bs / dt)
             if hits < len(rest):
                 missing_from.append(tier)
         promote = [t for t in missing_from if t.name == "disk"]
         lower = [(ref, p) for ref, p, where in job.found if where != "disk"]
         if promote and lower:
             self._queue_write(job.namespace, lower, tuple(promote), job.generation)
+
+    # ---- restore vs recompute ------------------------------------------------------------------
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill-dominated step (engine thread): its tokens per second."""
+        if tokens > 0 and seconds > 0:
+            self._rates.observe("prefill", tokens / seconds)
+
+    def _too_slow(self, tier) -> bool:
+        """Loading from ``tier`` is measured slower than prefilling: skip it (the request
+        recomputes), except for every ``PROBE_EVERY``-th restore, which keeps the tier's
+        figure fresh (a Redis that was slow for a while must get its chance back)."""
+        mine, prefill = self._rates.get(tier.name), self._rates.get("prefill")
+        if mine is None or prefill is None or mine >= prefill:
+            return False
+        self._probes[tier.name] = self._probes.get(tier.name, 0) + 1
+        return self._probes[tier.name] % PROBE_EVERY != 0
 
     def count_served(self, served: dict[str, int]) -> None:
         """Blocks of each tier that were installed into the RAM pool (engine thread)."""

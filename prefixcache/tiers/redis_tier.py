@@ -37,11 +37,13 @@ class RedisTier:
         from redis.retry import Retry
 
         self._errors = (redis.RedisError, OSError)
-        # No client-side retries: a failure is handled here (back-off), never by sleeping in
-        # the I/O thread while restores wait.
+        # One immediate retry on a connection error, none on a timeout: after Redis restarted,
+        # the first command on each pooled connection fails (reset); the retry takes a new
+        # one. Anything more is handled here (back-off), never by sleeping in the I/O thread.
         self.client = redis.Redis.from_url(
             url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0,
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+            health_check_interval=0,
         )  # fmt: skip
         self.url_for_logs = _without_password(url)
         self.counters = TierCounters()

@@ -30,6 +30,7 @@ class TierStats:
     restores: int  # restore jobs that read from this tier
     restore_seconds_total: float  # time those reads took
     reconnects: int = 0
+    skipped_slow: int = 0  # restores that skipped this tier: measured slower than prefilling
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -48,6 +49,7 @@ class TierCounters:
         self.read_blocks = self.read_tokens = 0
         self.written_blocks = self.written_bytes = self.read_bytes = 0
         self.dropped_writes = self.errors = self.restores = self.reconnects = 0
+        self.skipped_slow = 0
         self.restore_seconds_total = 0.0
         self.rejected_by_reason: dict[str, int] = {}
 
@@ -74,5 +76,6 @@ class TierCounters:
                 stored_blocks=stored_blocks, stored_bytes=stored_bytes,
                 capacity_bytes=capacity_bytes, restores=self.restores,
                 restore_seconds_total=self.restore_seconds_total, reconnects=self.reconnects,
+                skipped_slow=self.skipped_slow,
                 rejected_by_reason=dict(self.rejected_by_reason),
             )  # fmt: skip
