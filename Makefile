@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # Tests run in parallel-safe order on 2 cores; pass more pytest flags with ARGS="...".
 ARGS    ?=
 
-.PHONY: install serve test test-fast bench lint clean
+.PHONY: install install-redis serve test test-fast bench lint clean
 
 install: $(STAMP)
 
@@ -23,13 +23,17 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "from prefixcache import kernels; kernels.available()"
 	touch $(STAMP)
 
+# The Redis tier's tests start their own redis-server (Debian's package; we run as root).
+install-redis:
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+
 serve: install
 	$(BIN)/prefixcache serve $(ARGS)
 
-test: install
+test: install install-redis
 	$(BIN)/python -m pytest -q $(ARGS)
 
-test-fast: install
+test-fast: install install-redis
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
 bench: install

@@ -167,6 +167,8 @@ class AsyncEngine:
             self._thread = None
         for rid in list(self._streams):
             self._fail(rid, EngineShutDownError("engine shut down"))
+        # Blocks queued for disk / Redis are written before we return: a restart finds them.
+        await asyncio.to_thread(self.engine.tiers.flush, 30.0)
 
     def _thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -410,9 +412,12 @@ class AsyncEngine:
 
     def invalidate(self, namespace: str | None, all_namespaces: bool | None = None) -> int:
         """Drop a namespace's cached blocks; ``namespace=None`` drops all namespaces."""
+        everything = namespace is None if all_namespaces is None else all_namespaces
         with self._lock:
-            everything = namespace is None if all_namespaces is None else all_namespaces
-            return self.engine.invalidate(namespace, everything)
+            n, ticket = self.engine.start_invalidate(namespace, everything)
+        # Deleting from disk / Redis happens outside the lock: steps go on meanwhile.
+        self.engine.tiers.wait(ticket)
+        return n
 
     def block_hashes(self, prompt_token_ids: list[int], namespace: str | None = None) -> list[bytes]:
         return self.engine.block_hashes(prompt_token_ids, namespace)

@@ -23,6 +23,38 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Q4_0/Q4_1) on CPU, otherwise none.
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")  # kv/formats.py
+TIER_COMPRESSIONS = ("none", "lz4", "zstd")  # tiers/codec.py
+REMOTE_CACHE_SCHEMES = ("redis", "rediss")
+
+
+def check_remote_cache_url(url: str) -> None:
+    """``redis://[:password@]host:port/db`` or ``rediss://...``; raises ValueError saying what
+    is wrong (a typo is a startup error, never a server that silently caches nothing)."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+        port = u.port
+    except ValueError as e:
+        raise ValueError(f"remote cache URL {_hide_password(url)!r} is invalid: {e}") from None
+    if u.scheme not in REMOTE_CACHE_SCHEMES:
+        raise ValueError(
+            f"remote cache URL {_hide_password(url)!r} must start with redis:// or rediss://"
+        )
+    if not u.hostname:
+        raise ValueError(f"remote cache URL {_hide_password(url)!r} names no host")
+    if port is None:
+        raise ValueError(f"remote cache URL {_hide_password(url)!r} names no port (e.g. :6379)")
+    db = u.path.lstrip("/")
+    if db and not db.isdigit():
+        raise ValueError(f"remote cache URL {_hide_password(url)!r}: database must be a number")
+    if u.query or u.fragment:
+        raise ValueError(f"remote cache URL {_hide_password(url)!r}: no query or fragment allowed")
+
+
+def _hide_password(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    return scheme + sep + ("***@" + rest.split("@", 1)[1] if "@" in rest else rest)
 
 
 def parse_bytes(value: str | float) -> int:
@@ -57,6 +89,13 @@ class EngineConfig:
     # Converted weights and tokenizer are kept here between starts (keyed by the model file's
     # digest and the cache format version); None turns the cache off.
     weights_cache_dir: str | Path | None = "auto"
+    # Persistent KV tiers behind the RAM pool (tiers/, docs/engine.md "Cache tiers"): a local
+    # disk directory ("auto": kv/ under the user cache directory; None: off) of at most
+    # disk_cache_size bytes, and a Redis shared by replicas (redis://[:password@]host:port/db).
+    disk_cache_dir: str | Path | None = None
+    disk_cache_size: str | int = "10GiB"
+    remote_cache: str | None = None
+    tier_compression: str = "none"  # none | lz4 | zstd; used per block only where it pays
     device: str = "cpu"
     seed: int = 0
     max_waiting_requests: int = 256
@@ -105,6 +144,17 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        if self.disk_cache_dir is not None:
+            if str(self.disk_cache_dir).strip() == "":
+                raise ValueError("disk_cache_dir must be a directory, 'auto' or None")
+            parse_bytes(self.disk_cache_size)
+        if self.remote_cache is not None:
+            check_remote_cache_url(self.remote_cache)
+        if self.tier_compression not in TIER_COMPRESSIONS:
+            raise ValueError(
+                f"tier_compression must be one of {TIER_COMPRESSIONS}, "
+                f"got {self.tier_compression!r}"
             )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -17,6 +17,7 @@ from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.manager import KVCacheManager, blocks_needed
 from prefixcache.config import EngineConfig
 from prefixcache.engine_api import EngineStats, LookupResult, TenantStats
+from prefixcache.engine_tiers import build_tiers, tier_dict
 from prefixcache.errors import (
     ContextLengthError,
     InvalidRequestError,
@@ -79,6 +80,8 @@ class LLMEngine:
         )
         self.kv = KVCacheManager(pool, self.fingerprint, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
+        # Disk and Redis behind the pool (engine_tiers.py); NoTiers when none is configured.
+        self.tiers = build_tiers(config, self.fingerprint, weights.config, self.kv, self.runner.kv)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
         self._n_added = 0
@@ -175,6 +178,7 @@ class LLMEngine:
         self._n_added += 1
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+        self.tiers.on_add(seq)
         return seq
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -183,6 +187,7 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.remove(seq)
+        self.tiers.forget(seq)
         if not seq.finished:
             seq.finish_reason = "abort"
             seq.status = RequestStatus.FINISHED
@@ -196,8 +201,10 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """One batch: schedule, run, postprocess. Returns the sequences that got a new token."""
         self.pool.expire_pins()
+        self.tiers.install_completed()
         out = self.scheduler.schedule()
         if not out.scheduled:
+            self.tiers.idle_wait()  # only restores are left: wait for one, briefly
             return []
         now = time.time()
         for s in out.scheduled:
@@ -206,14 +213,18 @@ class LLMEngine:
         # A failure from here on belongs to one sequence: it is finished alone (finish_reason
         # "error", seq.error set) and every other sequence of the step goes on unchanged. The
         # forward pass itself is shared; if it raises, the caller fails the whole batch.
+        t0 = time.perf_counter()
         logits = self.runner.execute(out.scheduled)
+        self.tiers.observe_step(_prompt_tokens(out.scheduled), time.perf_counter() - t0)
         sampling = [s for s in out.scheduled if s.samples]
         sampled = sample(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
         failed: dict[int, BaseException] = {}
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
+            registered = s.seq.num_registered_blocks
             try:
                 self.kv.commit(s.seq)
+                self.tiers.offload(s.seq, registered)  # write-through to disk / Redis
             except Exception as e:  # noqa: BLE001 - isolated to this sequence
                 failed[id(s.seq)] = e
         updated: list[Sequence] = []
@@ -301,7 +312,17 @@ class LLMEngine:
         return ttl
 
     def invalidate(self, namespace: str | None, all_namespaces: bool = False) -> int:
-        return self.pool.invalidate(namespace, all_namespaces)
+        """Drop a namespace (or all) from the RAM pool and every tier. Returns the RAM blocks
+        dropped; a tier that cannot be reached: TierUnavailableError, after the rest is done."""
+        n, ticket = self.start_invalidate(namespace, all_namespaces)
+        self.tiers.wait(ticket)
+        return n
+
+    def start_invalidate(self, namespace: str | None, all_namespaces: bool = False):
+        """The RAM part now, the tiers' deletion queued: (RAM blocks dropped, ticket for
+        ``tiers.wait``). The async engine waits for the ticket outside its lock."""
+        n = self.pool.invalidate(namespace, all_namespaces)
+        return n, self.tiers.start_invalidate(namespace, all_namespaces)
 
     def cache_stats(self) -> dict:
         """The offline API's view of ``stats()`` (the keys documented in docs/engine.md)."""
@@ -323,6 +344,7 @@ class LLMEngine:
             "kv_cache_dtype": self.layout.kv_format.name,
             "bytes_per_token": self.layout.bytes_per_token,
             "capacity_tokens": self.layout.capacity_tokens,
+            "tiers": {t.name: tier_dict(t) for t in st.tiers},
         }
 
     def stats(self) -> EngineStats:
@@ -348,6 +370,7 @@ class LLMEngine:
             capacity_bytes=self.layout.capacity_bytes,
             enable_prefix_caching=self.kv.enable_caching,
             num_fairness_preemptions_total=self.scheduler.counters.fairness_preemptions,
+            tiers=tuple(self.tiers.stats()),
         )
 
     def tenant_stats(self, tenant: str | None, owns: Callable[[str | None], bool]) -> TenantStats:
@@ -367,10 +390,19 @@ class LLMEngine:
                 for ns in index.namespaces()
                 if ns is not None and owns(ns)
             },
+            tier_hit_tokens=self.tiers.tenant_tokens(tenant),
         )
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.scheduler.live_block_tables())
+        self.tiers.check_integrity()
+
+
+def _prompt_tokens(scheduled) -> int:
+    return sum(
+        max(0, min(s.num_new_tokens, s.seq.num_prompt_tokens - s.seq.num_computed_tokens))
+        for s in scheduled
+    )
 
 
 def __getattr__(name: str):

@@ -11,7 +11,7 @@ No torch here, and no engine import: plain data and a ``typing.Protocol``.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from prefixcache.config import EngineConfig
@@ -55,6 +55,8 @@ class EngineStats:
     capacity_bytes: int
     enable_prefix_caching: bool
     num_fairness_preemptions_total: int = 0
+    # One tiers.stats.TierStats per persistent tier (disk, redis), in lookup order; () if none.
+    tiers: tuple = ()
 
     @property
     def hit_rate(self) -> float:
@@ -74,6 +76,8 @@ class TenantStats:
     generation_tokens_total: int
     pinned_blocks: int  # blocks this tenant holds a pin on (its quota's use)
     namespace_blocks: dict[str, int]  # its namespaces -> blocks indexed there now
+    # Its prompt tokens restored from each persistent tier (disk, redis); {} without tiers.
+    tier_hit_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:

@@ -9,6 +9,8 @@ The server maps each class to one HTTP status by its type, never by matching mes
     QueueFullError                     429  too many waiting requests (all tenants); retry later
       TenantQuotaError                 429  this tenant holds its share of the queue; retry later
     EngineShutDownError                503  the engine takes no new requests
+    TierUnavailableError               503  a cache tier (Redis) could not be reached for a
+                                            cache-control call (invalidate); retry later
     SequenceFailedError                500  our fault: one sequence failed in sampling or output
                                             processing; the others in its step went on
     SlowConsumerError                  -    the stream's reader fell too far behind; the request
@@ -67,6 +69,13 @@ class TenantQuotaError(QueueFullError):
 
 class EngineShutDownError(EngineError, RuntimeError):
     """The engine is shutting down or shut down: it takes no new requests."""
+
+
+class TierUnavailableError(EngineError, RuntimeError):
+    """A persistent cache tier (Redis) could not be reached for a cache-control call; what
+    could be done (the RAM pool, the other tiers) was done."""
+
+    code = "cache_tier_unavailable"
 
 
 class SequenceFailedError(EngineError, RuntimeError):

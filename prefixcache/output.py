@@ -87,6 +87,7 @@ class OutputProcessor:
             stop_reason=seq.stop_reason,
             prompt_token_ids=seq.prompt_token_ids if first else [],
             cache_info=seq.cache_info if first else None,
+            tier_tokens=seq.tier_tokens,
         )
 
     @staticmethod

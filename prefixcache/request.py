@@ -152,6 +152,9 @@ class StreamDelta:
     prompt_token_ids: list[int] = field(default_factory=list)
     # Set on the first delta when the request asked for an explanation of its hit or miss.
     cache_info: CacheExplanation | None = None
+    # Of num_cached_tokens, the tokens restored from each persistent tier ("disk", "redis");
+    # None when the engine has no tiers.
+    tier_tokens: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         if self.waiting and len(self.running) >= self.config.max_num_seqs:
-            for victim in rebalance(self._order_waiting(), self.running, self.config.max_num_seqs):
+            ready = [s for s in self._order_waiting() if not s.restoring]
+            for victim in rebalance(ready, self.running, self.config.max_num_seqs):
                 self._preempt(victim, out)
                 self.counters.fairness_preemptions += 1
         fair_preempted = len(out.preempted)
@@ -204,6 +205,8 @@ class Scheduler:
         for seq in self._order_waiting():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if seq.restoring:
+                continue  # its blocks are on their way from a persistent tier; others go first
             m = self.kv.match(seq)
             nb = len(m.block_ids)
             if nb < len(seq.block_keys) and seq.block_keys[nb] in pending:

@@ -35,6 +35,9 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks of block_table findable in the index
     num_computed_tokens: int = 0  # tokens whose KV is in the blocks of block_table
     num_cached_tokens: int | None = None  # tokens served from cache at first admission
+    # Blocks are being loaded from a persistent tier (engine_tiers.py): not admitted meanwhile.
+    restoring: bool = False
+    tier_tokens: dict[str, int] | None = None  # tokens restored per tier ("disk", "redis")
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,39 @@ class KVCache:
             self.k_scale = torch.empty(shape[:3], dtype=torch.float32, device=device)
             self.v_scale = torch.empty(shape[:3], dtype=torch.float32, device=device)
 
+    # ---- whole blocks, as bytes (the persistent tiers; tiers/codec.py) ---------------------------
+    def _block_parts(self, block_id: int) -> list[torch.Tensor]:
+        """Views of one block: K, V ``[layers, kv_heads, block_size, head_dim]``, then the K, V
+        scales ``[layers, kv_heads, block_size]`` of scaled formats. The order is the stored
+        payload's; changing it needs a new ``tiers.keys.CODEC_VERSION``."""
+        bs = self.layout.block_size
+        s = slice(block_id * bs, (block_id + 1) * bs)
+        parts = [self.k[:, :, s], self.v[:, :, s]]
+        if self.k_scale is not None:
+            parts += [self.k_scale[:, :, s], self.v_scale[:, :, s]]
+        return parts
+
+    def read_block(self, block_id: int) -> bytes:
+        """The block's K/V (and scales) as stored, ``layout.block_size * bytes_per_token`` bytes."""
+        flat = [_bytes_of(p.contiguous()).reshape(-1) for p in self._block_parts(block_id)]
+        return torch.cat(flat).cpu().numpy().tobytes()
+
+    def write_block(self, block_id: int, data: bytes | memoryview) -> None:
+        """Put ``read_block``'s bytes back into a block (a restore from a tier)."""
+        with warnings.catch_warnings():  # only read from: a read-only buffer is fine, no copy
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(data, dtype=torch.uint8)
+        off = 0
+        for dst in self._block_parts(block_id):
+            n = dst.numel() * dst.element_size()
+            if off + n > src.numel():
+                raise ValueError(f"block payload of {len(data)} bytes is too short")
+            raw = _bytes_of(dst)  # [..., head_dim * element size] view of the same memory
+            raw.copy_(src[off : off + n].view(raw.shape).to(dst.device))
+            off += n
+        if off != src.numel():
+            raise ValueError(f"block payload of {len(data)} bytes, {off} expected")
+
     def layer(self, i: int, native: bool = False) -> LayerKV:
         ks = None if self.k_scale is None else self.k_scale[i]
         vs = None if self.v_scale is None else self.v_scale[i]
@@ -135,6 +169,11 @@ class LayerKV:
             s = None if scales is None else scales.index_select(1, slots)
             out.append(self.fmt.dequantize(q, s).to(dtype))
         return out[0], out[1]
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's memory as uint8, the last dimension widened by the element size."""
+    return t.view(torch.uint8)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,7 @@ async def invalidate(request: Request) -> dict:
             raise APIError(403, "invalidating every namespace needs an admin key", param="all")
         return {
             "namespace": None,
-            "dropped_blocks": await asyncio.to_thread(s.engine.invalidate, None),
+            "dropped_blocks": await _invalidate(request, s.engine, None),
         }
     if req.namespace is not None and req.cache_salt is not None:
         raise APIError(400, "give 'namespace' or 'cache_salt', not both", param="namespace")
@@ -93,8 +93,18 @@ async def invalidate(request: Request) -> dict:
             raise APIError(
                 403, "invalidating a shared namespace needs an admin key", param="cache_salt"
             )
-    dropped = await asyncio.to_thread(s.engine.invalidate, namespace)
+    dropped = await _invalidate(request, s.engine, namespace)
     return {"namespace": namespace, "dropped_blocks": dropped}
+
+
+async def _invalidate(request: Request, engine, namespace: str | None) -> int:
+    """RAM blocks dropped; the namespace goes from the disk and Redis tiers too (503 when a
+    tier cannot be reached: retry, the RAM part is done)."""
+    try:
+        return await asyncio.to_thread(engine.invalidate, namespace)
+    except Exception as e:  # noqa: BLE001 - typed errors map to 4xx/503, the rest is a 500
+        rid = request_id_of(request.scope)
+        raise (from_engine_error(e, rid) or internal_error(rid, e)) from None
 
 
 @router.get("/stats")

@@ -138,6 +138,33 @@ def register(subparsers) -> None:
         help="where converted weights are kept between starts ('auto': the user cache "
         "directory; 'none': off)",
     )
+    t = p.add_argument_group("persistent KV tiers (docs/engine.md, 'Cache tiers')")
+    t.add_argument(
+        "--disk-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="keep KV blocks on disk under DIR ('auto': kv/ in the user cache directory): a "
+        "restart finds them. Off by default",
+    )
+    t.add_argument(
+        "--disk-cache-size",
+        default="10GiB",
+        metavar="SIZE",
+        help="most bytes the disk tier holds (LRU), e.g. 10GiB",
+    )
+    t.add_argument(
+        "--remote-cache",
+        default=None,
+        metavar="URL",
+        help="share KV blocks with other replicas through Redis/Valkey: "
+        "redis://[:password@]host:port/db (rediss:// for TLS)",
+    )
+    t.add_argument(
+        "--tier-compression",
+        default="none",
+        choices=("none", "lz4", "zstd"),
+        help="compress stored blocks where it pays (float32 KV hardly compresses)",
+    )
     m.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     m.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("server")
@@ -233,7 +260,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from prefixcache.server.app import create_app
     from prefixcache.server.http import protocol_class
 
-    engine = AsyncEngine(config)
+    try:
+        engine = AsyncEngine(config)
+    except ValueError as e:  # what only the engine can check: the model, the disk tier's dir
+        print(f"prefixcache serve: {e}", file=sys.stderr)
+        return 2
     app = create_app(
         engine,
         served_model_names=args.served_model_name,
@@ -290,6 +321,10 @@ def _engine_config(args: argparse.Namespace):
         max_pin_ttl_seconds=args.max_pin_ttl,
         max_pending_deltas=args.max_pending_deltas,
         health_stall_seconds=args.health_stall_timeout,
+        disk_cache_dir=args.disk_cache_dir,
+        disk_cache_size=args.disk_cache_size,
+        remote_cache=args.remote_cache,
+        tier_compression=args.tier_compression,
     )
 
 
@@ -329,4 +364,14 @@ def _banner(engine, tenants, args) -> str:
         f"{kv['block_size']}), {kv['bytes_per_token']} bytes/token, {size_text}; "
         f"prefix caching {caching}"
     )
-    return "\n".join([model, cache, f"  auth: {auth}", f"  serving at {url}  (base_url {url}/v1)"])
+    lines = [model, cache]
+    tiers = []
+    if engine.config.disk_cache_dir and engine.config.enable_prefix_caching:
+        tiers.append(f"disk {engine.config.disk_cache_dir} ({engine.config.disk_cache_size})")
+    if engine.config.remote_cache and engine.config.enable_prefix_caching:
+        scheme, _, rest = engine.config.remote_cache.partition("://")
+        tiers.append(f"redis {scheme}://{rest.split('@', 1)[-1]}")
+    if tiers:
+        lines.append(f"  KV tiers: {', '.join(tiers)}")
+    lines += [f"  auth: {auth}", f"  serving at {url}  (base_url {url}/v1)"]
+    return "\n".join(lines)

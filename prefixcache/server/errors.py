@@ -28,6 +28,7 @@ from prefixcache.errors import (
     QueueFullError,
     SequenceFailedError,
     SlowConsumerError,
+    TierUnavailableError,
 )
 
 log = logging.getLogger("prefixcache.server")
@@ -96,6 +97,8 @@ def from_engine_error(e: BaseException, request_id: str | None = None) -> APIErr
         return e
     if isinstance(e, EngineShutDownError):
         return APIError(503, "the server is shutting down", code="shutting_down")
+    if isinstance(e, TierUnavailableError):
+        return APIError(503, str(e), code=e.code)
     if isinstance(e, QueueFullError):  # TenantQuotaError included
         return APIError(
             429, f"server is busy: {e.message}", code=e.code,

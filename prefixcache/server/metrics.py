@@ -69,6 +69,54 @@ _GAUGES = (
     ),
 )
 
+# Per persistent tier (label "tier": disk, redis): (name without "_total", TierStats attribute, help)
+_TIER_COUNTERS = (
+    ("prefixcache:tier_hit_tokens", "hit_tokens", "Prompt tokens restored from the tier."),
+    ("prefixcache:tier_miss_blocks", "miss_blocks", "Blocks looked up in the tier and missing."),
+    ("prefixcache:tier_read_bytes", "read_bytes", "Bytes read from the tier (verified blocks)."),
+    ("prefixcache:tier_written_blocks", "written_blocks", "Blocks written to the tier."),
+    ("prefixcache:tier_written_bytes", "written_bytes", "Bytes written to the tier."),
+    (
+        "prefixcache:tier_rejected_blocks",
+        "rejected_blocks",
+        "Blocks found corrupt, truncated or foreign: removed, recomputed, never served.",
+    ),
+    (
+        "prefixcache:tier_dropped_writes",
+        "dropped_writes",
+        "Blocks not written (queue full, tier off or unreachable).",
+    ),
+    ("prefixcache:tier_errors", "errors", "I/O or connection errors of the tier."),
+    ("prefixcache:tier_restores", "restores", "Restore reads from the tier."),
+    ("prefixcache:tier_restore_seconds", "restore_seconds_total", "Time spent in restore reads."),
+    ("prefixcache:tier_reconnects", "reconnects", "Times the tier came back after a failure."),
+    (
+        "prefixcache:tier_skipped_slow",
+        "skipped_slow",
+        "Restores that skipped the tier: measured slower than prefilling.",
+    ),
+)
+_TIER_GAUGES = (
+    ("prefixcache:tier_enabled", "enabled", "1 unless the tier turned itself off (disk full...)."),
+    ("prefixcache:tier_available", "available", "1 when the tier is reachable now."),
+    ("prefixcache:tier_stored_bytes", "stored_bytes", "Bytes the tier holds (disk only)."),
+)
+
+
+def _tier_families(model: str, tiers):
+    for name, attr, doc in _TIER_COUNTERS:
+        m = CounterMetricFamily(name, doc, labels=["model_name", "tier"])
+        for t in tiers:
+            m.add_metric([model, t.name], float(getattr(t, attr)))
+        yield m
+    for name, attr, doc in _TIER_GAUGES:
+        m = GaugeMetricFamily(name, doc, labels=["model_name", "tier"])
+        for t in tiers:
+            value = getattr(t, attr)
+            if value is not None:
+                m.add_metric([model, t.name], float(value))
+        yield m
+
 
 class _EngineCollector:
     def __init__(self, engine, model_name: str, request_log=None) -> None:
@@ -89,6 +137,8 @@ class _EngineCollector:
             m = GaugeMetricFamily(name, doc, labels=["model_name"])
             m.add_metric([self._model], float(getattr(stats, attr)))
             yield m
+        if stats.tiers:
+            yield from _tier_families(self._model, stats.tiers)
         extra = [
             ("prefixcache:slow_consumers", "Streams cancelled because the reader fell behind.",
              self._engine.slow_consumers_total),

@@ -47,6 +47,7 @@ class Choice:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     cache_info: CacheExplanation | None = None
+    tier_tokens: dict[str, int] | None = None
     started: bool = False  # has seen its first delta
 
     def apply(self, d: StreamDelta) -> None:
@@ -59,6 +60,7 @@ class Choice:
         self.num_output_tokens = d.num_output_tokens
         if d.cache_info is not None:
             self.cache_info = d.cache_info
+        self.tier_tokens = d.tier_tokens
         if d.finished:
             self.finished = True
             self.finish_reason = d.finish_reason
@@ -172,4 +174,15 @@ class Run:
             "reason": info.reason,
             "diverged_at": info.diverged_at,
             "namespace": self.namespace,
+            **self._tiers(c),
         }
+
+    @staticmethod
+    def _tiers(c: Choice) -> dict:
+        """Where the cached tokens came from: the RAM pool, or restored from disk / Redis
+        (only on a server with tiers)."""
+        if c.tier_tokens is None:
+            return {}
+        restored = {k: min(v, c.num_cached_tokens) for k, v in c.tier_tokens.items()}
+        ram = max(0, c.num_cached_tokens - sum(restored.values()))
+        return {"cached_tokens_by_tier": {"ram": ram, **restored}}

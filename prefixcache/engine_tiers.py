@@ -1,0 +1,260 @@
+"""The engine's side of the persistent tiers (prefixcache/tiers): restore on admission,
+write-through of new blocks, and installing restored blocks into the RAM pool.
+
+Flow of a restore:
+1. ``on_add`` (engine thread, when a request arrives): the request's full blocks beyond what
+   RAM holds are handed to the reader thread, and the request is marked ``restoring``; the
+   scheduler leaves it in the queue while everything else runs.
+2. At the start of each step ``install_completed`` takes the finished restores: the blocks
+   found are copied into fresh pool blocks and registered in the prefix index exactly like
+   computed ones (then released: cached, evictable); the request stops restoring and its
+   admission in the same step hits on them like on any cached block.
+3. A restore that found nothing, was invalidated meanwhile, or whose request was aborted,
+   installs nothing. The step never waits on it while other work exists; when nothing else
+   can run, the step waits at most ``IDLE_WAIT`` seconds for a restore to finish.
+
+``NoTiers`` is the strategy without tiers: every hook is a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections import Counter, OrderedDict
+from dataclasses import asdict
+from pathlib import Path
+
+from prefixcache.cache.hashing import KEY_BYTES, block_chunks
+from prefixcache.cache.manager import KVCacheManager
+from prefixcache.config import EngineConfig, parse_bytes
+from prefixcache.errors import TierUnavailableError
+from prefixcache.kv.pool import KVCache
+from prefixcache.model.loader import ModelConfig
+from prefixcache.sequence import Sequence
+from prefixcache.tiers.keys import StoreLayout
+from prefixcache.tiers.manager import BlockRef, RestoreJob, TierManager
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT = 0.005  # seconds a step with nothing to run waits for a restore
+MIN_PREFILL_SAMPLE = 256  # prompt tokens a step needs to count as a prefill-speed sample
+_RECENT_KEYS = 65536  # keys known to be in the tiers already (written or restored): not rewritten
+
+
+def resolve_disk_dir(setting: str | Path) -> Path:
+    """``auto``: ``kv/`` under the user cache directory (as the weights cache resolves it)."""
+    if str(setting) != "auto":
+        return Path(setting).expanduser()
+    if os.environ.get("PREFIXCACHE_CACHE_DIR"):
+        base = Path(os.environ["PREFIXCACHE_CACHE_DIR"]).expanduser()
+    elif os.environ.get("XDG_CACHE_HOME"):
+        base = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "prefixcache"
+    else:
+        base = Path.home() / ".cache" / "prefixcache"
+    return base / "kv"
+
+
+class NoTiers:
+    active = False
+
+    def on_add(self, seq: Sequence) -> None: ...
+    def forget(self, seq: Sequence) -> None: ...
+    def install_completed(self) -> None: ...
+    def offload(self, seq: Sequence, first_block: int) -> None: ...
+    def idle_wait(self) -> None: ...
+    def observe_step(self, prefill_tokens: int, seconds: float) -> None: ...
+    def start_invalidate(self, namespace, all_namespaces: bool) -> None: ...
+    def wait(self, ticket) -> dict[str, int]:
+        return {}
+    def stats(self) -> list:
+        return []
+    def tenant_tokens(self, tenant) -> dict[str, int]:
+        return {}
+    def flush(self, timeout: float = 30.0) -> bool:
+        return True
+    def check_integrity(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class EngineTiers:
+    active = True
+
+    def __init__(self, manager: TierManager, kv: KVCacheManager, cache: KVCache):
+        self.manager = manager
+        self.kv = kv
+        self.cache = cache
+        self.block_size = kv.block_size
+        self._jobs: dict[str, tuple[Sequence, RestoreJob, int]] = {}  # rid -> (seq, job, first)
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._by_tenant: dict[str | None, Counter] = {}
+        # Queued writes are flushed and the I/O threads stopped when the engine goes away or
+        # the interpreter exits (the offline LLM has no shutdown call): a restart finds them.
+        weakref.finalize(self, manager.close)
+
+    # ---- restore ---------------------------------------------------------------------------------
+    def on_add(self, seq: Sequence) -> None:
+        if not self.kv.enable_caching:
+            return
+        seq.tier_tokens = {}
+        m = self.kv.match(seq)  # hashes the usable full blocks into seq.block_keys
+        first, n_full = len(m.block_ids), (seq.num_tokens - 1) // self.block_size
+        n_full = min(n_full, self.kv.pool.num_blocks - self.kv.pool.max_pinned_blocks)
+        if first >= n_full or not self.manager.may_have(seq.namespace, seq.block_keys[first]):
+            return
+        b = self.block_size
+        chunks = block_chunks(seq.all_token_ids, b, start_block=first, num_tokens=n_full * b)
+        refs = []
+        for i, chunk in enumerate(chunks, start=first):
+            parent = seq.block_keys[i - 1] if i else seq.root
+            refs.append(BlockRef(seq.block_keys[i], parent + chunk))
+        job = self.manager.submit_restore(seq.request_id, seq.namespace, refs)
+        seq.restoring = True
+        self._jobs[seq.request_id] = (seq, job, first)
+
+    def forget(self, seq: Sequence) -> None:
+        """The request left (finished, aborted): its restore installs nothing."""
+        entry = self._jobs.pop(seq.request_id, None)
+        if entry is not None and entry[0] is seq:
+            self.manager.cancel(entry[1])
+            seq.restoring = False
+
+    def install_completed(self) -> None:
+        for job in self.manager.take_completed():
+            entry = self._jobs.get(job.request_id)
+            if entry is None or entry[1] is not job:
+                continue  # aborted meanwhile
+            del self._jobs[job.request_id]
+            seq, _, first = entry
+            seq.restoring = False
+            if job.found and self.manager.is_current(job):
+                self._install(seq, job, first)
+
+    def _install(self, seq: Sequence, job: RestoreJob, first: int) -> None:
+        pool, b = self.kv.pool, self.block_size
+        m = self.kv.match(seq)  # what RAM holds now (blocks may have come or gone meanwhile)
+        have = len(m.block_ids)
+        if have < first:
+            return  # part of the prefix was evicted meanwhile: the restored blocks cannot chain
+        todo = job.found[have - first :]
+        if not todo:
+            return
+        pool.acquire(m.block_ids)  # our allocation must not evict the prefix we extend
+        try:
+            ids = pool.allocate(min(len(todo), pool.num_allocatable)) or []
+            tokens = seq.all_token_ids
+            got: Counter = Counter()
+            for i, (bid, (ref, payload, where)) in enumerate(zip(ids, todo), start=have):
+                self.cache.write_block(bid, payload)
+                holder = pool.register(
+                    bid, ref.key, ref.key_input[:KEY_BYTES], tokens[i * b : (i + 1) * b],
+                    seq.namespace,
+                )  # fmt: skip
+                self._remember(ref.key)
+                if holder == bid:  # else RAM had this one already; ours goes back free
+                    got[where] += b
+            pool.release(ids)
+        finally:
+            pool.release(m.block_ids)
+        if seq.explain:  # explained at arrival, before the restore: say what it gets now
+            seq.cache_info = self.kv.explain(seq.prompt_token_ids, seq.namespace, ())
+        seq.tier_tokens = dict(got)
+        self._by_tenant.setdefault(seq.tenant, Counter()).update(got)
+        self.manager.count_served({k: v // b for k, v in got.items()})
+
+    def observe_step(self, prefill_tokens: int, seconds: float) -> None:
+        """A step's prompt tokens and forward time: steps mostly of prefill teach the tiers
+        what recomputing costs (a tier slower than that is skipped)."""
+        if prefill_tokens >= MIN_PREFILL_SAMPLE:
+            self.manager.observe_prefill(prefill_tokens, seconds)
+
+    def idle_wait(self) -> None:
+        if self._jobs:
+            self.manager.wait_completed(IDLE_WAIT)
+
+    # ---- write-through ---------------------------------------------------------------------------
+    def offload(self, seq: Sequence, first_block: int) -> None:
+        """Queue the blocks ``seq`` registered since ``first_block`` for every tier."""
+        b = self.block_size
+        n = seq.num_registered_blocks
+        if n <= first_block:
+            return
+        chunks = block_chunks(seq.all_token_ids, b, start_block=first_block, num_tokens=n * b)
+        out = []
+        for i, chunk in enumerate(chunks, start=first_block):
+            key = seq.block_keys[i]
+            if key in self._known:
+                continue
+            parent = seq.block_keys[i - 1] if i else seq.root
+            out.append((BlockRef(key, parent + chunk), self.cache.read_block(seq.block_table[i])))
+            self._remember(key)
+        self.manager.offload(seq.namespace, out)
+
+    def _remember(self, key: bytes) -> None:
+        self._known[key] = None
+        self._known.move_to_end(key)
+        if len(self._known) > _RECENT_KEYS:
+            self._known.popitem(last=False)
+
+    # ---- control and facts -----------------------------------------------------------------------
+    def start_invalidate(self, namespace: str | None, all_namespaces: bool):
+        """Engine thread (under the engine lock, with the RAM pool's invalidation): from now on
+        nothing of the namespace is written or installed. Returns a ticket to ``wait``."""
+        self._known.clear()  # a dropped block must be written again when it is recomputed
+        return self.manager.start_invalidate(namespace, all_namespaces)
+
+    def wait(self, ticket) -> dict[str, int]:
+        """Any thread: wait for the tiers to delete it (TierUnavailableError if one cannot)."""
+        try:
+            return self.manager.wait_invalidate(ticket)
+        except ConnectionError as e:
+            raise TierUnavailableError(f"the namespace was dropped from RAM, but {e}") from None
+
+    def stats(self) -> list:
+        return self.manager.stats()
+
+    def tenant_tokens(self, tenant: str | None) -> dict[str, int]:
+        return dict(self._by_tenant.get(tenant, {}))
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        return self.manager.flush(timeout)
+
+    def check_integrity(self) -> None:
+        for seq, job, _ in self._jobs.values():
+            assert seq.restoring and seq.request_id == job.request_id, "restore bookkeeping"
+        self.manager.check_integrity()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def tier_dict(t) -> dict:
+    """A TierStats as the plain dict of ``cache_stats()["tiers"][name]``."""
+    d = asdict(t)
+    d["restore_tokens_per_second"] = t.restore_tokens_per_second
+    return d
+
+
+def build_tiers(config: EngineConfig, fingerprint: str, model: ModelConfig,
+                kv: KVCacheManager, cache: KVCache):  # fmt: skip
+    """The tiers the config asks for (``NoTiers`` when none, or caching is off)."""
+    if not config.enable_prefix_caching or not (config.disk_cache_dir or config.remote_cache):
+        return NoTiers()
+    lay = cache.layout
+    layout = StoreLayout(
+        model_fingerprint=fingerprint, block_size=lay.block_size, num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, kv_dtype=lay.kv_format.name,
+        scaled=lay.kv_format.scaled, block_bytes=lay.block_size * lay.bytes_per_token,
+    )  # fmt: skip
+    tiers = []
+    if config.disk_cache_dir:
+        from prefixcache.tiers.disk import DiskTier
+
+        path = resolve_disk_dir(config.disk_cache_dir)
+        tiers.append(DiskTier(path, parse_bytes(config.disk_cache_size)))
+    if config.remote_cache:
+        from prefixcache.tiers.redis_tier import RedisTier
+
+        tiers.append(RedisTier(config.remote_cache))
+    log.info("KV tiers: %s", ", ".join(t.name for t in tiers))
+    return EngineTiers(TierManager(tiers, layout, config.tier_compression), kv, cache)

@@ -1,0 +1,65 @@
+"""Names of stored blocks: what a tier key is made of, and why two keys never alias.
+
+A block's chain key (cache/hashing.py, format v2) already depends on the key format version,
+the block size, the model fingerprint (weights digest, tokenizer, dtype, quantization, KV dtype:
+``LLMEngine.fingerprint``), the namespace and every token up to the block. A stored block is
+named by that key plus the *store id*: a hash of the codec version and the KV layout (layers,
+KV heads, head dim, storage dtype, scales). So a block written by a different model, dtype, KV
+dtype, block size, layout or codec is never even looked up, and the header stored with every
+block repeats all of it for the load-time check (codec.py).
+
+The namespace also names a *directory* (disk) or a key prefix (Redis), as a hash: tenant names
+are hostile strings and never become file names; dropping a namespace from a tier is one
+directory or one prefix scan. Everything here is a pure function of its arguments: the same
+block has the same name in every process, after every restart, on every replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xxhash import xxh3_128_digest
+
+from prefixcache.cache.hashing import KEY_FORMAT_VERSION
+
+# Bumped whenever the stored bytes of a block (codec.py) change meaning: it enters the store id.
+CODEC_VERSION = 1
+_STORE_TAG = b"prefixcache/kv-store"
+_NS_TAG = b"prefixcache/namespace"
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """What the bytes of one stored block depend on besides its chain key."""
+
+    model_fingerprint: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str  # the KV format's name (float32, bfloat16, int8, fp8_e4m3, ...)
+    scaled: bool  # a float32 scale per (token, KV head) follows K and V
+    block_bytes: int  # payload bytes of one block (block_size * bytes_per_token)
+
+    def describe(self) -> str:
+        return (
+            f"keys:v{KEY_FORMAT_VERSION}|codec:v{CODEC_VERSION}|model:{self.model_fingerprint}|"
+            f"bs:{self.block_size}|layers:{self.num_layers}|kvh:{self.num_kv_heads}|"
+            f"hd:{self.head_dim}|kv:{self.kv_dtype}|scaled:{int(self.scaled)}|"
+            f"bytes:{self.block_bytes}"
+        )
+
+    def store_id(self) -> bytes:
+        """16 bytes naming the layout; in every stored block's name and header."""
+        return xxh3_128_digest(_STORE_TAG + self.describe().encode())
+
+
+def namespace_id(namespace: str | None) -> str:
+    """A file- and key-safe name for a namespace (32 hex chars). None and "" differ."""
+    raw = b"\x00" if namespace is None else b"\x01" + namespace.encode("utf-8")
+    return xxh3_128_digest(_NS_TAG + raw).hex()
+
+
+def block_name(store_id: bytes, block_key: bytes) -> str:
+    """The name of one stored block inside its namespace (64 hex chars)."""
+    return store_id.hex() + block_key.hex()

@@ -1,0 +1,383 @@
+"""The tiers behind the RAM pool, driven by two I/O threads so that no step waits on them.
+
+    engine thread                      reader thread                 writer thread
+    submit_restore(blocks) ──queue──▶  disk, then Redis for what     (FIFO)
+                                       disk lacked; decode + verify  write-through of new
+    take_completed() ◀──── done ────── (codec.py)                    blocks; invalidation
+    offload(blocks) ─────────────────────────────────────────queue──▶
+
+Decisions:
+- **Write-through, not write-on-evict.** A block is queued for every tier when it is first
+  registered in the RAM pool. Writing only at eviction would lose every block still in RAM at a
+  restart or a crash (the restart case is the point of a disk tier), and an eviction happens
+  inside an allocation, where copying out KV would put I/O-sized work on the step. The copy
+  into the queue is one memcpy of the block; the queue is bounded in bytes and a full queue
+  drops writes (counted), it never blocks the step.
+- **Order of the tiers.** Disk first (local, cheaper), then Redis for the blocks disk lacks;
+  blocks found only in Redis are also written to disk. A chain stops at its first missing
+  block: later blocks are useless without it.
+- **Invalidation is ordered after every write queued before it** (it runs on the writer thread,
+  whose queue is FIFO), and each namespace has a generation: writes and restores of an older
+  generation are dropped, so nothing of an invalidated namespace comes back from a queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from prefixcache.tiers import codec
+from prefixcache.tiers.keys import StoreLayout, block_name, namespace_id
+from prefixcache.tiers.stats import TierStats
+
+log = logging.getLogger(__name__)
+
+MAX_GENERATIONS = 65536  # namespaces remembered as invalidated (then a global epoch moves on)
+PROBE_EVERY = 16  # a tier measured slower than prefill is still read on every 16th restore
+
+
+class Rates:
+    """Exponential moving averages of tokens per second, by name (a tier, "prefill")."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight
+        self._lock = threading.Lock()
+        self._ema: dict[str, float] = {}
+
+    def observe(self, name: str, value: float) -> None:
+        with self._lock:
+            old = self._ema.get(name)
+            self._ema[name] = value if old is None else old + self.weight * (value - old)
+
+    def get(self, name: str) -> float | None:
+        with self._lock:
+            return self._ema.get(name)
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """One full block of a chain: its key and key input (parent key || encoded token ids)."""
+
+    key: bytes
+    key_input: bytes
+
+
+@dataclass
+class RestoreJob:
+    request_id: str
+    namespace: str | None
+    blocks: list[BlockRef]
+    generation: tuple[int, int]
+    # Filled by the reader: the leading blocks found, with their payload and the tier's name.
+    found: list[tuple[BlockRef, bytes, str]] = field(default_factory=list)
+    done: bool = False
+    cancelled: bool = False
+
+
+@dataclass
+class _Write:
+    namespace: str | None
+    ns_id: str
+    generation: tuple[int, int]
+    blocks: list[tuple[BlockRef, bytes]]
+    tiers: tuple  # the tiers to write to
+    nbytes: int
+
+
+@dataclass
+class _Invalidate:
+    ns_id: str | None
+    done: threading.Event = field(default_factory=threading.Event)
+    dropped: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+class TierManager:
+    def __init__(self, tiers: list, layout: StoreLayout, compression: str = "none",
+                 max_queued_bytes: int = 512 << 20):  # fmt: skip
+        if not tiers:
+            raise ValueError("a TierManager needs at least one tier")
+        self.tiers = tiers
+        self.layout = layout
+        self.store_id = layout.store_id()
+        self.compression = compression
+        self.max_queued_bytes = max_queued_bytes
+        self._cv = threading.Condition()
+        self._restores: deque[RestoreJob] = deque()
+        self._writes: deque[_Write | _Invalidate] = deque()
+        self._completed: list[RestoreJob] = []
+        self._done_event = threading.Event()
+        self._queued_bytes = 0
+        self._busy_writes = 0
+        self._epoch = 0
+        self._ns_gen: dict[str | None, int] = {}
+        self._rates = Rates()
+        self._probes: dict[str, int] = {}
+        self._stop = False
+        self._threads = [
+            threading.Thread(target=self._reader, name="prefixcache-tier-reader", daemon=True),
+            threading.Thread(target=self._writer, name="prefixcache-tier-writer", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ---- names ----------------------------------------------------------------------------------
+    def generation(self, namespace: str | None) -> tuple[int, int]:
+        with self._cv:
+            return self._epoch, self._ns_gen.get(namespace, 0)
+
+    def is_current(self, job: RestoreJob) -> bool:
+        return not job.cancelled and self.generation(job.namespace) == job.generation
+
+    def _expected(self, ns_id: str, ref: BlockRef) -> codec.BlockName:
+        return codec.BlockName(self.store_id, ref.key, bytes.fromhex(ns_id), ref.key_input)
+
+    # ---- restores (engine thread submits, reader thread runs) -----------------------------------
+    def submit_restore(self, request_id: str, namespace: str | None,
+                       blocks: list[BlockRef]) -> RestoreJob:  # fmt: skip
+        job = RestoreJob(request_id, namespace, blocks, self.generation(namespace))
+        with self._cv:
+            self._restores.append(job)
+            self._cv.notify_all()
+        return job
+
+    def may_have(self, namespace: str | None, key: bytes) -> bool:
+        """False only when every tier knows, without I/O, that it lacks this block (the disk
+        tier's index): then a restore is not worth a trip through the reader thread."""
+        ns_id, name = namespace_id(namespace), block_name(self.store_id, key)
+        return any(not t.knows_contents or t.contains(ns_id, name) for t in self.tiers)
+
+    def take_completed(self) -> list[RestoreJob]:
+        with self._cv:
+            out, self._completed = self._completed, []
+            self._done_event.clear()
+        return out
+
+    def wait_completed(self, timeout: float) -> None:
+        self._done_event.wait(timeout)
+
+    def _reader(self) -> None:
+        while True:
+            with self._cv:
+                while not self._restores and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                job = self._restores.popleft()
+            if not job.cancelled:
+                try:
+                    self._restore(job)
+                except Exception:  # a bug here must cost a miss, not the thread
+                    log.exception("restore for %s failed; the request recomputes", job.request_id)
+                    job.found = []
+            job.done = True
+            with self._cv:
+                self._completed.append(job)
+                self._done_event.set()
+
+    def _restore(self, job: RestoreJob) -> None:
+        ns_id = namespace_id(job.namespace)
+        bs = self.layout.block_size
+        missing_from: list = []  # tiers that lacked blocks found later (promotion targets)
+        for tier in self.tiers:
+            rest = job.blocks[len(job.found) :]
+            if not rest:
+                break
+            if self._too_slow(tier):
+                tier.counters.add(skipped_slow=1)
+                continue
+            t0 = time.perf_counter()
+            datas = tier.get_many(ns_id, [block_name(self.store_id, r.key) for r in rest])
+            hits = 0
+            for ref, data in zip(rest, datas):
+                try:
+                    payload = codec.decode(data, self._expected(ns_id, ref), self.layout.block_bytes)
+                except codec.BlockRejected as e:
+                    tier.counters.reject(e.reason)
+                    log.warning("%s tier: block %s rejected (%s); removed, recomputed",
+                                tier.name, ref.key.hex(), e)  # fmt: skip
+                    tier.remove(ns_id, block_name(self.store_id, ref.key))
+                    break
+                job.found.append((ref, payload, tier.name))
+                hits += 1
+            dt = time.perf_counter() - t0
+            tier.counters.add(
+                read_blocks=hits, read_tokens=hits * bs, miss_blocks=len(rest) - hits,
+                read_bytes=sum(len(d) for d in datas[:hits]), restores=1,
+                restore_seconds_total=dt,
+            )  # fmt: skip
+            if hits and dt > 0:
+                self._rates.observe(tier.name, hits * bs / dt)
+            if hits < len(rest):
+                missing_from.append(tier)
+        promote = [t for t in missing_from if t.name == "disk"]
+        lower = [(ref, p) for ref, p, where in job.found if where != "disk"]
+        if promote and lower:
+            self._queue_write(job.namespace, lower, tuple(promote), job.generation)
+
+    # ---- restore vs recompute ------------------------------------------------------------------
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill-dominated step (engine thread): its tokens per second."""
+        if tokens > 0 and seconds > 0:
+            self._rates.observe("prefill", tokens / seconds)
+
+    def _too_slow(self, tier) -> bool:
+        """Loading from ``tier`` is measured slower than prefilling: skip it (the request
+        recomputes), except for every ``PROBE_EVERY``-th restore, which keeps the tier's
+        figure fresh (a Redis that was slow for a while must get its chance back)."""
+        mine, prefill = self._rates.get(tier.name), self._rates.get("prefill")
+        if mine is None or prefill is None or mine >= prefill:
+            return False
+        self._probes[tier.name] = self._probes.get(tier.name, 0) + 1
+        return self._probes[tier.name] % PROBE_EVERY != 0
+
+    def count_served(self, served: dict[str, int]) -> None:
+        """Blocks of each tier that were installed into the RAM pool (engine thread)."""
+        bs = self.layout.block_size
+        for t in self.tiers:
+            n = served.get(t.name, 0)
+            if n:
+                t.counters.add(hit_blocks=n, hit_tokens=n * bs)
+
+    def cancel(self, job: RestoreJob) -> None:
+        job.cancelled = True
+
+    @property
+    def pending_restores(self) -> int:
+        with self._cv:
+            return len(self._restores)
+
+    # ---- writes ---------------------------------------------------------------------------------
+    def offload(self, namespace: str | None, blocks: list[tuple[BlockRef, bytes]]) -> None:
+        """Queue newly computed blocks for every tier (never blocks; drops when the queue is full)."""
+        if blocks:
+            self._queue_write(namespace, blocks, tuple(self.tiers), self.generation(namespace))
+
+    def _queue_write(self, namespace, blocks, tiers, generation) -> None:
+        nbytes = sum(len(p) for _, p in blocks)
+        with self._cv:
+            if self._queued_bytes + nbytes > self.max_queued_bytes:
+                full = True
+            else:
+                full = False
+                self._queued_bytes += nbytes
+                self._writes.append(
+                    _Write(namespace, namespace_id(namespace), generation, blocks, tiers, nbytes)
+                )
+                self._cv.notify_all()
+        if full:
+            for t in tiers:
+                t.counters.add(dropped_writes=len(blocks))
+
+    def _writer(self) -> None:
+        while True:
+            with self._cv:
+                while not self._writes and not self._stop:
+                    self._cv.wait()
+                if self._stop and not self._writes:
+                    return
+                item = self._writes.popleft()
+                self._busy_writes += 1
+            try:
+                if isinstance(item, _Invalidate):
+                    self._run_invalidate(item)
+                else:
+                    self._run_write(item)
+            except Exception:  # a bug here must cost a write, not the thread
+                log.exception("tier write failed")
+            finally:
+                with self._cv:
+                    self._busy_writes -= 1
+                    if isinstance(item, _Write):
+                        self._queued_bytes -= item.nbytes
+                    self._cv.notify_all()
+
+    def _run_write(self, w: _Write) -> None:
+        if self.generation(w.namespace) != w.generation:
+            return  # invalidated after it was queued
+        for ref, payload in w.blocks:
+            name = block_name(self.store_id, ref.key)
+            data = None
+            for tier in w.tiers:
+                if tier.contains(w.ns_id, name):
+                    continue
+                if data is None:
+                    data = codec.encode(self._expected(w.ns_id, ref), payload, self.compression)
+                tier.put(w.ns_id, name, data)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued write has run (tests, shutdown). False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._writes or self._busy_writes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    # ---- invalidation ---------------------------------------------------------------------------
+    def start_invalidate(self, namespace: str | None, all_namespaces: bool = False) -> _Invalidate:
+        """Drop a namespace (or everything) from every tier, in the writer's order: writes
+        queued before it run first, then are deleted; queued writes and in-flight restores of
+        the namespace are dropped from now on. ``wait_invalidate`` waits for the deletion."""
+        with self._cv:
+            if all_namespaces:
+                self._epoch += 1
+                self._ns_gen.clear()
+            else:
+                if len(self._ns_gen) >= MAX_GENERATIONS:
+                    self._epoch += 1
+                    self._ns_gen.clear()
+                self._ns_gen[namespace] = self._ns_gen.get(namespace, 0) + 1
+            job = _Invalidate(None if all_namespaces else namespace_id(namespace))
+            self._writes.append(job)
+            self._cv.notify_all()
+        return job
+
+    @staticmethod
+    def wait_invalidate(job: _Invalidate, timeout: float = 60.0) -> dict[str, int]:
+        """Blocks dropped per tier. Raises ConnectionError when a tier could not be reached (the
+        others are dropped anyway)."""
+        if not job.done.wait(timeout):
+            raise ConnectionError("dropping the namespace from the cache tiers timed out")
+        if job.error:
+            raise ConnectionError(job.error)
+        return job.dropped
+
+    def invalidate(self, namespace: str | None, all_namespaces: bool = False) -> dict[str, int]:
+        return self.wait_invalidate(self.start_invalidate(namespace, all_namespaces))
+
+    def _run_invalidate(self, job: _Invalidate) -> None:
+        errors = []
+        for tier in self.tiers:
+            try:
+                job.dropped[tier.name] = tier.drop_namespace(job.ns_id)
+            except Exception as e:  # noqa: BLE001 - reported to the caller
+                errors.append(f"{tier.name}: {e}")
+        job.error = "; ".join(errors) or None
+        job.done.set()
+
+    # ---- facts and lifecycle --------------------------------------------------------------------
+    def stats(self) -> list[TierStats]:
+        return [t.stats() for t in self.tiers]
+
+    def check_integrity(self) -> None:
+        with self._cv:
+            assert self._queued_bytes >= 0, "tier write queue accounting drifted"
+        for t in self.tiers:
+            t.check_integrity()
+
+    def close(self, flush: bool = True) -> None:
+        if flush:
+            self.flush()
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join(5)
+        for t in self.tiers:
+            t.close()

@@ -1,0 +1,169 @@
+"""The remote tier: blocks in a Redis (or Valkey) shared by every server pointed at it.
+
+    key = "pc-kv:<namespace id>:<store id><block key>"  -> the encoded block (codec.py)
+
+Every replica computes the same names for the same blocks (keys.py), so server B restores what
+server A computed. Eviction is Redis's own (run it with a ``maxmemory`` and an ``allkeys-lru``
+policy); we never assume a block we wrote is still there.
+
+Faults: a connection or timeout error marks the tier down for a back-off (1 s, doubling to
+30 s) during which reads are misses and writes are dropped (counted): requests are served by
+recomputing, and no step waits on a dead server. The first command after the back-off
+reconnects (the client's pool makes a new connection) and the tier is up again. Operations
+time out after ``socket_timeout`` seconds, so a hung server costs a restore at most that.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from prefixcache.tiers.stats import TierCounters, TierStats
+
+log = logging.getLogger(__name__)
+
+PREFIX = "pc-kv"
+_SCAN_BATCH = 1000
+
+
+class RedisTier:
+    name = "redis"
+    knows_contents = False  # shared: other replicas write, Redis evicts
+
+    def __init__(self, url: str, socket_timeout: float = 2.0):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self._errors = (redis.RedisError, OSError)
+        # One immediate retry on a connection error, none on a timeout: after Redis restarted,
+        # the first command on each pooled connection fails (reset); the retry takes a new
+        # one. Anything more is handled here (back-off), never by sleeping in the I/O thread.
+        self.client = redis.Redis.from_url(
+            url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+            health_check_interval=0,
+        )  # fmt: skip
+        self.url_for_logs = _without_password(url)
+        self.counters = TierCounters()
+        self.enabled = True
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._backoff = 0.0
+        self._was_down = False
+        try:
+            self.client.ping()
+            log.info("remote cache %s: connected", self.url_for_logs)
+        except self._errors as e:
+            self._failed(e)
+
+    def _key(self, ns: str, name: str) -> str:
+        return f"{PREFIX}:{ns}:{name}"
+
+    # ---- health -------------------------------------------------------------------------------
+    def available(self) -> bool:
+        with self._lock:
+            return time.monotonic() >= self._down_until
+
+    def _failed(self, e: BaseException) -> None:
+        self.counters.add(errors=1)
+        with self._lock:
+            self._backoff = min(30.0, max(1.0, self._backoff * 2))
+            self._down_until = time.monotonic() + self._backoff
+            first = not self._was_down
+            self._was_down = True
+        if first:
+            log.warning("remote cache %s unreachable (%s: %s); serving without it, retrying",
+                        self.url_for_logs, type(e).__name__, e)  # fmt: skip
+
+    def _ok(self) -> None:
+        with self._lock:
+            back = self._was_down
+            self._was_down = False
+            self._backoff = 0.0
+        if back:
+            self.counters.add(reconnects=1)
+            log.warning("remote cache %s reachable again", self.url_for_logs)
+
+    # ---- operations ---------------------------------------------------------------------------
+    def get_many(self, ns: str, names: list[str]) -> list[bytes]:
+        """The stored bytes of the leading ``names`` present (one round trip)."""
+        if not names or not self.available():
+            return []
+        try:
+            values = self.client.mget([self._key(ns, n) for n in names])
+        except self._errors as e:
+            self._failed(e)
+            return []
+        self._ok()
+        out = []
+        for v in values:
+            if v is None:
+                break
+            out.append(v)
+        return out
+
+    def contains(self, ns: str, name: str) -> bool:
+        return False  # unknown without a round trip; writes are idempotent
+
+    def put(self, ns: str, name: str, data: bytes) -> bool:
+        if not self.available():
+            self.counters.add(dropped_writes=1)
+            return False
+        try:
+            self.client.set(self._key(ns, name), data)
+        except self._errors as e:
+            self._failed(e)
+            self.counters.add(dropped_writes=1)
+            return False
+        self._ok()
+        self.counters.add(written_blocks=1, written_bytes=len(data))
+        return True
+
+    def remove(self, ns: str, name: str) -> None:
+        try:
+            self.client.unlink(self._key(ns, name))
+        except self._errors as e:
+            self._failed(e)
+
+    def drop_namespace(self, ns: str | None) -> int:
+        """Delete a namespace's blocks (``None``: all of ours) from the shared store. Raises
+        ``ConnectionError`` when Redis cannot be reached: the caller must say so."""
+        pattern = f"{PREFIX}:{'*' if ns is None else ns}:*"
+        n = 0
+        try:
+            batch = []
+            for k in self.client.scan_iter(match=pattern, count=_SCAN_BATCH):
+                batch.append(k)
+                if len(batch) >= _SCAN_BATCH:
+                    n += self.client.unlink(*batch)
+                    batch = []
+            if batch:
+                n += self.client.unlink(*batch)
+        except self._errors as e:
+            self._failed(e)
+            raise ConnectionError(f"remote cache {self.url_for_logs} unreachable: {e}") from e
+        self._ok()
+        return n
+
+    # ---- facts --------------------------------------------------------------------------------
+    def stats(self) -> TierStats:
+        return self.counters.snapshot(self.name, self.enabled, self.available(), None, None, None)
+
+    def check_integrity(self) -> None:
+        pass
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except self._errors:
+            pass
+
+
+def _without_password(url: str) -> str:
+    """The URL as logs may show it."""
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.split("@", 1)[1]
+    return scheme + sep + rest

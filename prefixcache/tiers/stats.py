@@ -1,0 +1,81 @@
+"""Counters of one tier, kept by the tier and read at one moment as a ``TierStats``."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One tier at one moment (``cache_stats()["tiers"]``, ``/v1/cache/stats``, ``/metrics``)."""
+
+    name: str  # "disk" | "redis"
+    enabled: bool  # false once the tier turned itself off (disk full, unwritable)
+    available: bool  # reachable now (Redis up); a disabled tier is not available
+    hit_blocks: int  # blocks restored from this tier into the RAM pool (served)
+    hit_tokens: int
+    read_blocks: int  # blocks read and verified (a block two requests wait for is read twice)
+    read_tokens: int
+    miss_blocks: int  # blocks looked up here and not found
+    rejected_blocks: int  # found but corrupt, truncated or foreign: removed, never served
+    written_blocks: int
+    written_bytes: int
+    read_bytes: int
+    dropped_writes: int  # not written: the write queue was full, or the tier was off or down
+    errors: int  # I/O or connection errors (each one also logged)
+    stored_blocks: int | None  # blocks held now (None: not known, e.g. a shared Redis)
+    stored_bytes: int | None
+    capacity_bytes: int | None
+    restores: int  # restore jobs that read from this tier
+    restore_seconds_total: float  # time those reads took
+    reconnects: int = 0
+    skipped_slow: int = 0  # restores that skipped this tier: measured slower than prefilling
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def restore_tokens_per_second(self) -> float | None:
+        """Tokens read and verified per second of restore I/O."""
+        s = self.restore_seconds_total
+        return self.read_tokens / s if s > 0 else None
+
+
+class TierCounters:
+    """Mutable counters shared by a tier's reader and writer threads (one lock)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.hit_blocks = self.hit_tokens = self.miss_blocks = self.rejected_blocks = 0
+        self.read_blocks = self.read_tokens = 0
+        self.written_blocks = self.written_bytes = self.read_bytes = 0
+        self.dropped_writes = self.errors = self.restores = self.reconnects = 0
+        self.skipped_slow = 0
+        self.restore_seconds_total = 0.0
+        self.rejected_by_reason: dict[str, int] = {}
+
+    def add(self, **deltas) -> None:
+        with self.lock:
+            for k, v in deltas.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def reject(self, reason: str) -> None:
+        with self.lock:
+            self.rejected_blocks += 1
+            self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
+
+    def snapshot(self, name: str, enabled: bool, available: bool, stored_blocks, stored_bytes,
+                 capacity_bytes) -> TierStats:  # fmt: skip
+        with self.lock:
+            return TierStats(
+                name=name, enabled=enabled, available=available, hit_blocks=self.hit_blocks,
+                hit_tokens=self.hit_tokens, read_blocks=self.read_blocks,
+                read_tokens=self.read_tokens, miss_blocks=self.miss_blocks,
+                rejected_blocks=self.rejected_blocks, written_blocks=self.written_blocks,
+                written_bytes=self.written_bytes, read_bytes=self.read_bytes,
+                dropped_writes=self.dropped_writes, errors=self.errors,
+                stored_blocks=stored_blocks, stored_bytes=stored_bytes,
+                capacity_bytes=capacity_bytes, restores=self.restores,
+                restore_seconds_total=self.restore_seconds_total, reconnects=self.reconnects,
+                skipped_slow=self.skipped_slow,
+                rejected_by_reason=dict(self.rejected_by_reason),
+            )  # fmt: skip

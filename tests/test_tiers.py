@@ -1,0 +1,305 @@
+"""Persistent KV tiers (prefixcache/tiers, engine_tiers.py): the disk tier end to end.
+
+Unit (no model): the block codec rejects corrupt, truncated and foreign blocks; store ids differ
+for every layout input; the disk tier survives a restart, keeps its budget, cleans half-written
+files, and a kill -9 in the middle of writes leaves only whole blocks.
+Engine (real model): a new engine on the same directory restores a prefix and gives the same
+greedy tokens as a cold run at prefix lengths k*16-1 / k*16 / k*16+1, in float32 and int8 KV;
+another KV dtype or block size never hits; corrupt, truncated and foreign files are misses;
+namespaces are isolated and invalidation drops them from disk; a write error (file size limit:
+a real kernel failure) turns the tier off while serving goes on.
+"""
+
+from __future__ import annotations
+
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from _helpers import PROSE
+
+from prefixcache import LLM, SamplingParams
+from prefixcache.tiers import codec
+from prefixcache.tiers.disk import SUBDIR, SUFFIX, DiskTier
+from prefixcache.tiers.keys import StoreLayout, block_name, namespace_id
+from prefixcache.tiers.manager import PROBE_EVERY, BlockRef, TierManager
+
+BS = 16
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+MEM = "24MiB"
+
+
+# ---- unit: codec, keys, disk tier ------------------------------------------------------------------
+def _layout(**kw) -> StoreLayout:
+    base = {"model_fingerprint": "m", "block_size": 16, "num_layers": 2, "num_kv_heads": 1,
+            "head_dim": 8, "kv_dtype": "float32", "scaled": False, "block_bytes": 256}
+    return StoreLayout(**{**base, **kw})
+
+
+def _name(key=b"k" * 16, ns=None, store=None) -> codec.BlockName:
+    store = store or _layout().store_id()
+    return codec.BlockName(store, key, bytes.fromhex(namespace_id(ns)), b"p" * 16 + b"t" * 64)
+
+
+@pytest.mark.parametrize("compression", codec.COMPRESSIONS)
+def test_codec_round_trip_and_every_rejection(compression):
+    payload = bytes(range(256))
+    data = codec.encode(_name(), payload, compression)
+    assert codec.decode(data, _name(), 256) == payload
+    zeros = codec.encode(_name(), bytes(256), compression)  # compresses when asked
+    assert codec.decode(zeros, _name(), 256) == bytes(256)
+    assert (len(zeros) < len(data)) == (compression != "none")
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 1
+    cases = {
+        "checksum": bytes(flipped),
+        "truncated": data[:-5],
+        "format": b"XXXX" + data[4:],
+    }
+    for reason, bad in cases.items():
+        with pytest.raises(codec.BlockRejected) as e:
+            codec.decode(bad, _name(), 256)
+        assert e.value.reason in (reason, "truncated", "checksum")
+    foreign = [_name(key=b"q" * 16), _name(ns="tenant-b"), _name(store=_layout(kv_dtype="int8").store_id())]
+    for other in foreign:  # a whole, valid block, but not the one asked for
+        with pytest.raises(codec.BlockRejected) as e:
+            codec.decode(data, other, 256)
+        assert e.value.reason == "foreign"
+    with pytest.raises(codec.BlockRejected):
+        codec.decode(data, _name(), 255)  # another payload size
+
+
+def test_store_id_depends_on_every_layout_input():
+    base = _layout()
+    variants = [_layout(model_fingerprint="m2"), _layout(block_size=32), _layout(num_layers=3),
+                _layout(num_kv_heads=2), _layout(head_dim=16), _layout(kv_dtype="int8"),
+                _layout(scaled=True), _layout(block_bytes=512)]  # fmt: skip
+    ids = {base.store_id()} | {v.store_id() for v in variants}
+    assert len(ids) == len(variants) + 1
+    assert base.store_id() == _layout().store_id()  # pure: same inputs, same name
+    assert namespace_id(None) != namespace_id("") != namespace_id("a")
+    assert len(block_name(base.store_id(), b"k" * 16)) == 64
+
+
+def _put(tier, i, ns="n", size=1000) -> str:
+    name = f"{i:064x}"
+    assert tier.put(ns, name, bytes([i % 256]) * size)
+    return name
+
+
+def test_disk_tier_restart_budget_and_stale_temporaries(tmp_path):
+    tier = DiskTier(tmp_path, capacity_bytes=5000)
+    names = [_put(tier, i) for i in range(7)]  # 7000 bytes into 5000: the 2 oldest go
+    assert tier.stats().stored_blocks == 5 and tier.stats().stored_bytes == 5000
+    assert tier.get_many("n", names[:2]) == []
+    assert tier.get_many("n", names[2:4]) == [bytes([2]) * 1000, bytes([3]) * 1000]
+    stale = tmp_path / SUBDIR / "n" / ".tmp-half-written"
+    stale.write_bytes(b"partial")
+    tier.check_integrity()
+    again = DiskTier(tmp_path, capacity_bytes=5000)  # a restart: the index comes from the files
+    assert again.stats().stored_blocks == 5
+    assert again.get_many("n", names[2:]) == [bytes([i]) * 1000 for i in range(2, 7)]
+    assert not stale.exists()
+    assert again.drop_namespace("n") == 5 and again.get_many("n", names[2:3]) == []
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(ValueError, match="not writable"):  # a startup error, with its reason
+        DiskTier(tmp_path / "file" / "x", 1000)
+
+
+def test_a_tier_slower_than_prefill_is_skipped_but_probed(tmp_path):
+    disk = DiskTier(tmp_path, 1 << 20)
+    m = TierManager([disk], _layout())
+    ref = BlockRef(b"k" * 16, b"p" * 16 + b"t" * 64)
+    m.offload("ns", [(ref, bytes(range(256)))])
+    assert m.flush()
+
+    def restore() -> int:
+        job = m.submit_restore("r", "ns", [ref])
+        while not job.done:
+            m.wait_completed(0.05)
+        m.take_completed()
+        return len(job.found)
+
+    assert restore() == 1  # the tier's speed is measured
+    m.observe_prefill(10**12, 1.0)  # recomputing is faster than any disk
+    got = [restore() for _ in range(PROBE_EVERY)]
+    assert got.count(1) == 1 and disk.stats().skipped_slow == PROBE_EVERY - 1  # one probe
+    for _ in range(200):  # prefill turns slow (a moving average: it takes a while)
+        m.observe_prefill(1, 1.0)
+    assert [restore() for _ in range(3)] == [1, 1, 1]
+    m.close()
+
+
+def test_kill_9_during_writes_leaves_only_whole_blocks(tmp_path):
+    """A writer killed at a random moment, many times: after restart every block file decodes."""
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        from prefixcache.tiers import codec
+        from prefixcache.tiers.disk import DiskTier
+        from prefixcache.tiers.keys import namespace_id
+        tier = DiskTier({str(tmp_path)!r}, 1 << 40)
+        ns = namespace_id(None)
+        store = b"s" * 16
+        i = 0
+        print("ready", flush=True)
+        while True:
+            key = i.to_bytes(16, "little")
+            name = codec.BlockName(store, key, bytes.fromhex(ns), b"p" * 80)
+            tier.put(ns, f"{{i:064x}}", codec.encode(name, os.urandom(1 << 20)))
+            i += 1
+    """)
+    for delay in (0.05, 0.15, 0.3):
+        p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+        assert p.stdout.readline().strip() == b"ready"
+        time.sleep(delay)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    files = list((tmp_path / SUBDIR).rglob("*"))
+    assert any(f.name.endswith(SUFFIX) for f in files)
+    tier = DiskTier(tmp_path, 1 << 40)  # the restart
+    ns = namespace_id(None)
+    left = [f.name for f in (tmp_path / SUBDIR / ns).iterdir()]
+    assert left and all(n.endswith(SUFFIX) for n in left), "a temporary file survived the restart"
+    for n in left:
+        i = int(n[: -len(SUFFIX)], 16)
+        data = tier.get_many(ns, [n[: -len(SUFFIX)]])[0]
+        name = codec.BlockName(b"s" * 16, i.to_bytes(16, "little"), bytes.fromhex(ns), b"p" * 80)
+        assert len(codec.decode(data, name, 1 << 20)) == 1 << 20
+
+
+# ---- engine: the real model ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cold(llm_cold):
+    """The references for cold == warm: the suite's float32 engine without caching, and one in
+    int8 (its own numbers)."""
+    int8 = LLM(kv_cache_memory=MEM, enable_prefix_caching=False, kv_cache_dtype="int8", seed=0)
+    return {"float32": llm_cold, "int8": int8}
+
+
+def _prompts(tok, n, length, salt):
+    """``n`` prompts of ``length`` tokens, each its own prefix (distinct by ``salt``)."""
+    base = tok.encode(PROSE * 4, add_special_tokens=False)
+    return [[(salt * 97 + i * 31) % 5000 + 100] + base[: length - 1] for i in range(n)]
+
+
+def _disk(llm):
+    return llm.cache_stats()["tiers"]["disk"]
+
+
+def _tails(ids_list, k):
+    return [ids + [42 + k, 7, 99] for ids in ids_list]
+
+
+@pytest.mark.slow
+def test_restart_restores_from_disk_cold_equals_warm_int8(tmp_path, cold):
+    """In int8 KV (blocks with scales), at k*16-1 / k*16 / k*16+1; float32 restores are
+    checked below and in test_tiers_redis.py, float32 at these lengths there."""
+    ref = cold["int8"]
+    tok = ref.get_tokenizer()
+    lengths = [5 * BS - 1, 5 * BS, 5 * BS + 1]
+    prefixes = [_prompts(tok, 1, n, salt=i)[0] for i, n in enumerate(lengths)]
+    first = LLM(kv_cache_memory=MEM, kv_cache_dtype="int8", disk_cache_dir=tmp_path, seed=0)
+    first.generate(_tails(prefixes, 0), GREEDY)
+    assert first.engine.tiers.flush()
+    assert _disk(first)["written_blocks"] == sum((n + 3) // BS for n in lengths)
+    del first
+    second = LLM(kv_cache_memory=MEM, kv_cache_dtype="int8", disk_cache_dir=tmp_path, seed=0)
+    prompts = _tails(prefixes, 1) + [prefixes[1]]  # new suffixes, and a prompt seen before
+    warm = second.generate(prompts, GREEDY)
+    expect = ref.generate(prompts, GREEDY)
+    for w, c in zip(warm, expect):
+        assert w.outputs[0].token_ids == c.outputs[0].token_ids
+    # Every full block of the shared prefix came from disk (the prompt seen before: all full
+    # blocks but the one holding its last token, which is always computed).
+    assert [w.num_cached_tokens for w in warm] == [n // BS * BS for n in lengths] + [4 * BS]
+    st = _disk(second)
+    assert st["hit_tokens"] == sum(n // BS * BS for n in lengths) and st["rejected_blocks"] == 0
+    second.check_integrity()
+    # Another KV dtype shares the directory but never hits on these blocks (nor reads them).
+    alien = LLM(kv_cache_memory=MEM, disk_cache_dir=tmp_path, seed=0)
+    out = alien.generate(prompts, GREEDY)
+    assert all(o.num_cached_tokens == 0 for o in out)
+    st = _disk(alien)
+    assert st["hit_blocks"] == 0 and st["read_blocks"] == 0 and st["rejected_blocks"] == 0
+
+
+def _block_file(llm, root: Path, ids, i, namespace=None) -> Path:
+    key = llm.engine.block_hashes(ids, namespace)[i]
+    name = block_name(llm.engine.tiers.manager.store_id, key)
+    return root / SUBDIR / namespace_id(namespace) / (name + SUFFIX)
+
+
+@pytest.mark.slow
+def test_corrupt_truncated_foreign_files_tenants_invalidation_and_disk_full(tmp_path, cold):
+    ref = cold["float32"]
+    tok = ref.get_tokenizer()
+    prompts = [p + [11, 12, 13] for p in _prompts(tok, 3, 5 * BS, salt=7)]
+    secret = _prompts(tok, 1, 4 * BS + 3, salt=8)[0]
+    writer = LLM(kv_cache_memory=MEM, disk_cache_dir=tmp_path, seed=0)
+    writer.generate(prompts, GREEDY)
+    writer.generate([secret], GREEDY, cache_salt="tenant-a")
+    assert writer.engine.tiers.flush()
+    files = [_block_file(writer, tmp_path, p, 2) for p in prompts]
+    assert all(f.exists() for f in files)
+    data = files[0].read_bytes()
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x10
+    files[0].write_bytes(bytes(flipped))  # a flipped bit in the payload
+    files[1].write_bytes(files[1].read_bytes()[:-1000])  # a torn write
+    files[2].write_bytes(_block_file(writer, tmp_path, prompts[0], 3).read_bytes())  # another block
+    del writer
+
+    reader = LLM(kv_cache_memory=MEM, disk_cache_dir=tmp_path, seed=0)
+    out = reader.generate(prompts, GREEDY)
+    expect = ref.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in out] == [c.outputs[0].token_ids for c in expect]
+    assert [o.num_cached_tokens for o in out] == [2 * BS] * 3  # up to the bad block, not past it
+    st = _disk(reader)
+    assert st["rejected_by_reason"] == {"checksum": 1, "truncated": 1, "foreign": 1}
+    assert reader.engine.tiers.flush()
+    again = DiskTier(tmp_path, 1 << 30)  # removed, then written again whole by the recompute
+    for f in files:
+        ns, name = f.parent.name, f.name[: -len(SUFFIX)]
+        assert again.get_many(ns, [name]) and f.read_bytes() != b""
+    assert _disk(reader)["written_blocks"] == 3  # the rejected ones; their successors were there
+    out = reader.generate(prompts, GREEDY)  # and now they are RAM hits, still cold == warm
+    assert [o.outputs[0].token_ids for o in out] == [c.outputs[0].token_ids for c in expect]
+
+    # Tenants: the namespace is in every key; another tenant's same prompt never hits the disk.
+    hits = _disk(reader)["hit_blocks"]
+    other = reader.generate([secret], GREEDY, cache_salt="tenant-b")[0]
+    assert other.num_cached_tokens == 0 and _disk(reader)["hit_blocks"] == hits
+    own = reader.generate([secret], GREEDY, cache_salt="tenant-a")[0]
+    assert own.num_cached_tokens == 4 * BS and _disk(reader)["hit_blocks"] == hits + 4
+    # Invalidation drops the namespace from RAM and disk: nothing of it comes back.
+    ns_dir = tmp_path / SUBDIR / namespace_id("tenant-a")
+    assert ns_dir.exists()
+    reader.engine.invalidate("tenant-a")
+    assert not ns_dir.exists()
+    again = reader.generate([secret], GREEDY, cache_salt="tenant-a")[0]
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == ref.generate([secret], GREEDY)[0].outputs[0].token_ids
+
+    # A write the kernel refuses (here: over the file size limit, EFBIG; a full disk is ENOSPC,
+    # the same path) turns the tier off; serving goes on, cold == warm.
+    fresh = [p + [5] for p in _prompts(tok, 1, 3 * BS, salt=9)]
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        out = reader.generate(fresh, GREEDY)
+        assert reader.engine.tiers.flush()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    st = _disk(reader)
+    assert st["enabled"] is False and st["errors"] >= 1
+    assert out[0].outputs[0].token_ids == ref.generate(fresh, GREEDY)[0].outputs[0].token_ids
+    assert not list((tmp_path / SUBDIR).rglob(".tmp-*"))  # the failed write left nothing
+    out = reader.generate(prompts[:1], GREEDY)  # still serving, from RAM
+    assert out[0].outputs[0].token_ids == expect[0].outputs[0].token_ids
+    reader.check_integrity()

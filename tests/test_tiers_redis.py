@@ -1,0 +1,130 @@
+"""The Redis tier against a real redis-server (tests/_redis.py): a second engine (a replica)
+restores what the first computed, cold == warm; disk + Redis together (Redis fills the disk);
+tenants stay apart and invalidation empties a namespace in Redis; Redis killed mid-run costs
+recomputes only, and the tier comes back when Redis does."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from _redis import RedisServer
+
+from prefixcache import LLM, SamplingParams
+from prefixcache.errors import TierUnavailableError
+from prefixcache.tiers.keys import namespace_id
+from prefixcache.tiers.redis_tier import PREFIX
+
+BS = 16
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+MEM = "24MiB"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = RedisServer().start()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def cold(llm_cold):
+    return llm_cold  # the suite's float32 engine without caching
+
+
+def _prompt(salt: int, n_tokens: int) -> list[int]:
+    return [(salt * 7919 + i * 104729) % 40000 + 50 for i in range(n_tokens)]
+
+
+def _tier(llm, name="redis"):
+    return llm.cache_stats()["tiers"][name]
+
+
+def _keys(url, namespace) -> int:
+    c = redis.Redis.from_url(url)
+    try:
+        return len(list(c.scan_iter(match=f"{PREFIX}:{namespace_id(namespace)}:*")))
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def a(server):
+    """One replica: Redis only."""
+    return LLM(kv_cache_memory=MEM, remote_cache=server.url, seed=0)
+
+
+@pytest.fixture(scope="module")
+def b(server, tmp_path_factory):
+    """Another replica, with its own disk too."""
+    disk = tmp_path_factory.mktemp("replica-b")
+    return LLM(kv_cache_memory=MEM, remote_cache=server.url, disk_cache_dir=disk, seed=0)
+
+
+@pytest.mark.slow
+def test_replica_restores_from_redis_cold_equals_warm(a, b, cold):
+    lengths = [4 * BS - 1, 4 * BS, 4 * BS + 1]
+    prompts = [_prompt(i, n) + [9, 8, 7] for i, n in enumerate(lengths)]
+    a.generate(prompts, GREEDY)
+    assert a.engine.tiers.flush()
+    assert _tier(a)["written_blocks"] == sum((n + 3) // BS for n in lengths)
+    # B: another replica with its own disk; the blocks come from Redis and land on its disk.
+    asked = [p[:n] + [1, 2] for p, n in zip(prompts, lengths)]
+    warm = b.generate(asked, GREEDY)
+    expect = cold.generate(asked, GREEDY)
+    assert [w.outputs[0].token_ids for w in warm] == [c.outputs[0].token_ids for c in expect]
+    assert [w.num_cached_tokens for w in warm] == [n // BS * BS for n in lengths]
+    st = _tier(b)
+    assert st["hit_tokens"] == sum(n // BS * BS for n in lengths) and st["rejected_blocks"] == 0
+    assert st["available"] is True
+    assert b.engine.tiers.flush()
+    assert _tier(b, "disk")["stored_blocks"] >= sum(n // BS for n in lengths)  # promoted
+    b.check_integrity()
+
+
+@pytest.mark.slow
+def test_tenants_invalidation_and_redis_killed_mid_run(server, a, b, cold):
+    secret = _prompt(50, 3 * BS + 2)
+    a.generate([secret], GREEDY, cache_salt="tenant-a")
+    assert a.engine.tiers.flush() and _keys(server.url, "tenant-a") == 3
+    hits = _tier(b)["hit_blocks"]
+    assert b.generate([secret], GREEDY, cache_salt="tenant-b")[0].num_cached_tokens == 0
+    assert _tier(b)["hit_blocks"] == hits
+    assert b.generate([secret], GREEDY, cache_salt="tenant-a")[0].num_cached_tokens == 3 * BS
+    b.engine.invalidate("tenant-a")  # from RAM and Redis, for every replica
+    assert _keys(server.url, "tenant-a") == 0 and _keys(server.url, "tenant-b") == 3
+    hits = _tier(b)["hit_blocks"]
+    assert b.generate([secret], GREEDY, cache_salt="tenant-a")[0].num_cached_tokens == 0
+    assert _tier(b)["hit_blocks"] == hits  # nothing of it comes back from Redis or disk
+
+    # Redis dies with requests flowing: they are served by recomputing, cold == warm.
+    dropped = _tier(a)["dropped_writes"]
+    server.kill()
+    p = _prompt(60, 3 * BS + 1)
+    out = a.generate([p], GREEDY)
+    assert out[0].outputs[0].token_ids == cold.generate([p], GREEDY)[0].outputs[0].token_ids
+    a.engine.tiers.flush()
+    st = _tier(a)  # (whether it counts as available now depends on the back-off's clock)
+    assert st["errors"] >= 1 and st["dropped_writes"] > dropped
+    errors = st["errors"]
+    with pytest.raises(TierUnavailableError):
+        a.engine.invalidate("tenant-b")
+    assert _tier(a)["errors"] > errors
+    # Redis is back (empty: no persistence): after the back-off the tier reconnects by itself.
+    server.start()
+    deadline = time.monotonic() + 30
+    i = 0
+    while _tier(a)["reconnects"] == 0 and time.monotonic() < deadline:
+        i += 1  # new prompts: new blocks to write
+        q = _prompt(100 + i, 3 * BS + 1)
+        a.generate([q], SamplingParams(max_tokens=1))
+        a.engine.tiers.flush()
+        time.sleep(0.2)
+    assert _tier(a)["reconnects"] >= 1
+    q = _prompt(99, 3 * BS + 1)  # written now that the tier is back
+    a.generate([q], GREEDY)
+    assert a.engine.tiers.flush() and _keys(server.url, None) >= 3
+    warm = b.generate([q + [5]], GREEDY)[0]  # b never saw q: Redis has it again
+    assert warm.num_cached_tokens == 3 * BS
+    assert warm.outputs[0].token_ids == cold.generate([q + [5]], GREEDY)[0].outputs[0].token_ids
