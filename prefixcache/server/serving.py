@@ -20,6 +20,7 @@ import jinja2
 from prefixcache.engine_api import EngineAPI
 from prefixcache.errors import InvalidRequestError
 from prefixcache.request import SamplingParams
+from prefixcache.server.activity import Activity
 from prefixcache.server.auth import Tenant, TenantDirectory
 from prefixcache.server.errors import APIError, from_engine_error
 from prefixcache.server.limits import ServerLimits
@@ -65,6 +66,7 @@ class Serving:
         self.request_log = request_log  # a BackgroundRequestLog, or None
         self.limits = limits or ServerLimits()
         self.tokenizer = engine.tokenizer
+        self.activity = Activity(lambda ids: self.tokenizer.decode(ids))  # for the dashboard
         self._max_token_chars: int | None = None
         self._chars_lock = threading.Lock()
 
@@ -247,7 +249,7 @@ class Serving:
                 400, f"this request asks for {total} sequences (prompts x n); at most {most} "
                 "can ever wait at once", param="n", code="too_many_sequences",
             )  # fmt: skip
-        run = Run(self, new_id(prefix), tenant, namespace, n)
+        run = Run(self, new_id(prefix), tenant, namespace, n, return_cache_info=explain)
         try:
             self.engine.check_admission(tenant.name, total)
             for p, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -260,8 +262,12 @@ class Serving:
                     if sp.seed is not None and j:
                         choice_sp = replace(sp, seed=_wrap_seed(sp.seed + j))
                     choice.stream = self.engine.add_request(
-                        choice.request_id, ids, choice_sp, namespace, priority, explain,
-                        tenant=tenant.name, explain_across_namespaces=tenant.admin,
+                        # Every request is explained (one more lookup of its blocks, on the
+                        # engine thread) so the dashboard can say why recent requests missed;
+                        # the client gets the explanation only when it asked for it, and the
+                        # search across namespaces (admins) runs only then.
+                        choice.request_id, ids, choice_sp, namespace, priority, True,
+                        tenant=tenant.name, explain_across_namespaces=tenant.admin and explain,
                     )  # fmt: skip
                     run.choices.append(choice)
         except BaseException as e:
