@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # Tests run in parallel-safe order on 2 cores; pass more pytest flags with ARGS="...".
 ARGS    ?=
 
-.PHONY: install serve test test-fast bench lint clean
+.PHONY: install chromium serve test test-fast bench lint clean
 
 install: $(STAMP)
 
@@ -23,10 +23,17 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "from prefixcache import kernels; kernels.available()"
 	touch $(STAMP)
 
+# The dashboard's browser tests (tests/test_dashboard.py) drive Debian's chromium through
+# playwright's executable_path; playwright's own browser downloads are never used. Installed
+# here when missing (CI runs as root).
+chromium:
+	@command -v chromium >/dev/null || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; }
+
 serve: install
 	$(BIN)/prefixcache serve $(ARGS)
 
-test: install
+test: install chromium
 	$(BIN)/python -m pytest -q $(ARGS)
 
 test-fast: install

@@ -82,12 +82,16 @@ async def data(request: Request) -> dict:
             return name == tenant.name
 
     activity = s.activity.view(tenant.name, visible)
+
+    def owned(ns: str) -> bool:
+        return s.tenants.owns(tenant, ns)
+
     return {
         "time": time.time(),
         "tenant": tenant.name,
         "admin": tenant.admin,
         "summary": summary(stats, tenant),
-        "namespaces": namespaces(blocks, activity.pop("namespaces")),
+        "namespaces": namespaces(blocks, activity.pop("namespaces"), owned),
         "activity": activity,
         "stats": stats,
     }
@@ -135,11 +139,11 @@ def summary(stats: dict, tenant: Tenant) -> dict:
     }
 
 
-def namespaces(blocks: dict[str, int], usage: dict[str, dict]) -> list[dict]:
-    """One row per namespace the viewer may see: blocks cached there now (None for a shared
-    namespace a non-admin used: its blocks are every tenant's), and the viewer's requests."""
+def namespaces(blocks: dict[str, int], usage: dict[str, dict], owned) -> list[dict]:
+    """One row per namespace the viewer may see: the blocks cached there now, and the viewer's
+    requests. A shared namespace's blocks are every tenant's: a non-admin gets None there."""
     rows = []
     for ns in sorted(set(blocks) | set(usage)):
-        u = usage.get(ns) or {}
-        rows.append({"namespace": ns, "blocks": blocks.get(ns), **u})  # None: not the viewer's to see
+        n = blocks.get(ns, 0 if owned(ns) else None)
+        rows.append({"namespace": ns, "blocks": n, **(usage.get(ns) or {})})
     return rows

@@ -246,7 +246,10 @@ function chart(svgId, legendId, series, fmt) {
     svgEl("line", { x1: L, x2: W - L, y1: y(top), y2: y(top), stroke: "#eee" })];
   const label = svgEl("text", { x: L + 2, y: T - 2 });
   label.textContent = fmt(top);
-  nodes.push(label);
+  const span = history.length > 1 ? history[history.length - 1].t - history[0].t : 0;
+  const when = svgEl("text", { x: W - L - 2, y: T - 2, "text-anchor": "end" });
+  when.textContent = `last ${Math.round(span)} s`;
+  nodes.push(label, when);
   series.forEach((s, k) => {
     let d = "", pen = false;
     s.values.forEach((v, i) => {
