@@ -17,6 +17,7 @@ import shutil
 
 import httpx
 import pytest
+from _helpers import grafana_metric_names, served_series
 
 from prefixcache.server.launcher import ServerProcess
 
@@ -253,10 +254,25 @@ def test_tenant_sees_only_its_own_namespace(server, browser, tmp_path):
         tab.close()
 
 
+def test_explanations_reach_only_clients_that_ask(server):
+    """Every request is explained (for the dashboard); the client gets it only on request."""
+    alice = Client(server, "sk-alice")
+    body = {"prompt": ids(5, 33), "max_tokens": 1}  # 2 full blocks, nothing else
+    plain = alice.post("/v1/completions", body)["choices"][0]
+    assert "cache_info" not in plain
+    asked = alice.post("/v1/completions", {**body, "return_cache_info": True})["choices"][0]
+    assert asked["cache_info"]["reason"] == "full_hit"
+    r = httpx.post(server.base_url + "/v1/completions", headers=alice.headers, timeout=60,
+                   json={**body, "stream": True})  # fmt: skip
+    assert r.status_code == 200 and "cache_info" not in r.text and "[DONE]" in r.text
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "stream": True}
+    r = httpx.post(server.base_url + "/v1/chat/completions", headers=alice.headers, json=chat,
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 200 and "cache_info" not in r.text and "[DONE]" in r.text
+
+
 def test_grafana_dashboard_metrics_are_served(server):
     """Every prefixcache:* series the Grafana dashboard queries is in this server's /metrics."""
-    from test_dashboard_data import grafana_metric_names, served_series  # tests/ is on sys.path
-
     served = served_series(httpx.get(server.base_url + "/metrics").text)
     missing = grafana_metric_names() - served
     assert not missing, missing

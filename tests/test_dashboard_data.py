@@ -4,8 +4,8 @@ the summary's two views, and the Grafana dashboard against the metrics the serve
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
+
+from _helpers import GRAFANA, grafana_metric_names, served_series
 
 from prefixcache.engine_api import EngineStats
 from prefixcache.request import RequestMetrics, StreamDelta
@@ -14,8 +14,6 @@ from prefixcache.server.activity import Activity
 from prefixcache.server.auth import Tenant
 from prefixcache.server.dashboard import namespaces, summary
 from prefixcache.server.metrics import ServerMetrics
-
-GRAFANA = Path(__file__).resolve().parents[1] / "examples" / "grafana" / "prefixcache.json"
 
 
 def decode(ids: list[int]) -> str:
@@ -117,28 +115,6 @@ def test_summary_of_a_tenant_holds_only_its_own_figures():
 
 
 # ---- Grafana -------------------------------------------------------------------------------
-
-
-def grafana_metric_names() -> set[str]:
-    """Every prefixcache:* series name the dashboard's queries use."""
-    dash = json.loads(GRAFANA.read_text())
-    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    exprs += [v.get("definition", "") for v in dash["templating"]["list"]]
-    return {m for e in exprs for m in re.findall(r"prefixcache:[A-Za-z0-9_:]+", e)}
-
-
-def served_series(exposition: str) -> set[str]:
-    """Series names of a Prometheus text exposition: its samples, and the series its # TYPE
-    lines declare (a histogram nothing was observed in yet has no samples, only its type)."""
-    suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",)}
-    names = set()
-    for line in exposition.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, family, kind = line.split()
-            names |= {family, *(family + s for s in suffixes.get(kind, ()))}
-        elif line and not line.startswith("#"):
-            names.add(re.match(r"[^{\s]+", line).group(0))
-    return names
 
 
 class _Engine:

@@ -107,7 +107,9 @@ class Activity:
         now: float,
     ) -> None:
         """One finished engine request (one choice)."""
-        r = RequestRecord(now, tenant, namespace, len(prompt_token_ids), cached_tokens, ttft, reason)
+        r = RequestRecord(
+            now, tenant, namespace, len(prompt_token_ids), cached_tokens, ttft, reason
+        )
         log = self._tenants.setdefault(tenant, _TenantLog())
         log.total.add(r)
         log.recent.append(r)
@@ -120,8 +122,12 @@ class Activity:
         h.update(b"\0")
         h.update(array("I", ids).tobytes())
         pid = h.hexdigest()[:12]
-        p = _lru(log.prefixes, pid, MAX_PREFIXES,
-                 lambda: PrefixUse(pid, r.tenant, r.namespace, len(ids), excerpt=self._excerpt(ids)))
+        p = _lru(
+            log.prefixes,
+            pid,
+            MAX_PREFIXES,
+            lambda: PrefixUse(pid, r.tenant, r.namespace, len(ids), excerpt=self._excerpt(ids)),
+        )
         p.hits += 1
         p.saved_tokens += len(ids)
         p.last_time = r.time
