@@ -29,7 +29,7 @@ def only(name: str):
 
 
 def test_each_tenant_sees_only_its_own_requests():
-    a = Activity(decode)
+    a = Activity(decode, 16)
     a.record("alice", "alice", list(range(100)), 0, 0.5, "no_prior_request", now=1.0)
     a.record("alice", "alice", list(range(100)), 96, 0.1, "full_hit", now=2.0)
     a.record("bob", "bob/x", list(range(50)), 0, 0.4, "evicted", now=3.0)
@@ -49,7 +49,7 @@ def test_each_tenant_sees_only_its_own_requests():
 
 
 def test_admin_gets_every_tenant_but_no_other_tenants_text():
-    a = Activity(decode)
+    a = Activity(decode, 16)
     for t in ("alice", "bob"):
         a.record(t, t, [7] * 40, 32, 0.1, "full_hit", now=1.0)
     seen = a.view("bob", everyone)  # bob as an admin
@@ -61,7 +61,7 @@ def test_admin_gets_every_tenant_but_no_other_tenants_text():
 
 
 def test_a_flooding_tenant_cannot_push_out_or_change_another_ones_records():
-    a = Activity(decode)
+    a = Activity(decode, 16)
     a.record("alice", "alice", [1] * 40, 32, 0.1, "full_hit", now=0.0)
     a.record("alice", "alice", [2] * 40, 0, 0.3, "diverged", now=0.5)
     before = a.view("alice", only("alice"))
@@ -80,7 +80,7 @@ def test_prefix_hits_accumulate_and_excerpt_failures_are_harmless():
     def broken(_ids):
         raise ValueError("bad id")
 
-    a = Activity(broken)
+    a = Activity(broken, 16)
     for now in range(3):
         a.record("t", "t", [5] * 33, 32, None, "full_hit", now=float(now))
     [p] = a.view("t", everyone)["top_prefixes"]
@@ -89,13 +89,19 @@ def test_prefix_hits_accumulate_and_excerpt_failures_are_harmless():
 
 
 def test_recent_misses_are_newest_first_and_exclude_hits():
-    a = Activity(decode)
+    a = Activity(decode, 16)
     reasons = ["no_prior_request", "full_hit", "partial_block", "evicted", "diverged"]
     for i, r in enumerate(reasons):
         a.record("t", "t", [i] * 20, 16 if "hit" in r or "partial" in r else 0, 0.1, r, now=i)
+    # Without an explanation, a miss is a prompt with a full block not served from the cache.
+    a.record("t", "t", [9] * 33, 32, 0.1, None, now=10)  # both full blocks: a hit
+    a.record("t", "t", [8] * 33, 16, 0.1, None, now=11)  # one of two: a miss
+    a.record("t", "t", [7] * 10, 0, 0.1, None, now=12)  # no full block: nothing to miss
     v = a.view("t", everyone)
-    assert [m["reason"] for m in v["recent_misses"]] == ["diverged", "evicted", "no_prior_request"]
-    assert v["miss_reasons"] == {"no_prior_request": 1, "evicted": 1, "diverged": 1}
+    assert [m["reason"] for m in v["recent_misses"]] == [
+        None, "diverged", "evicted", "no_prior_request"]  # fmt: skip
+    assert v["miss_reasons"] == {
+        "no_prior_request": 1, "evicted": 1, "diverged": 1, activity_mod.NOT_EXPLAINED: 1}  # fmt: skip
 
 
 def test_summary_of_a_tenant_holds_only_its_own_figures():

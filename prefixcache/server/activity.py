@@ -36,7 +36,8 @@ MAX_NAMESPACES = 64  # per tenant (a tenant can make a namespace per cache_salt)
 EXCERPT_HEAD, EXCERPT_TAIL = 12, 6  # tokens decoded for a prefix's excerpt
 SHOWN_RECENT, SHOWN_PREFIXES = 20, 10
 # Explanations that are no miss: every full block hit (a partial tail block is never cached).
-_NOT_MISSES = (None, "full_hit", "partial_block")
+_HITS = ("full_hit", "partial_block")
+NOT_EXPLAINED = "not_explained"  # the miss reason of a request that did not ask for one
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,8 @@ class RequestRecord:
     prompt_tokens: int
     cached_tokens: int
     ttft: float | None
-    reason: str | None  # the engine's explanation (CacheExplanation.reason)
+    reason: str | None  # the engine's explanation (CacheExplanation.reason), when asked for
+    missed: bool  # some full block of the prompt was not cached
 
 
 @dataclass
@@ -89,10 +91,13 @@ class _TenantLog:
 
 
 class Activity:
-    """``decode(ids) -> str`` renders excerpts (the server's tokenizer)."""
+    """``decode(ids) -> str`` renders excerpts (the server's tokenizer); ``block_size`` tells
+    a full hit (every full block but the one holding the last token, which is always computed)
+    from a miss when the request carries no explanation."""
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], block_size: int) -> None:
         self._decode = decode
+        self._block = block_size
         self._seed = int.from_bytes(os.urandom(8), "little")
         self._tenants: dict[str, _TenantLog] = {}
 
@@ -106,10 +111,13 @@ class Activity:
         reason: str | None,
         now: float,
     ) -> None:
-        """One finished engine request (one choice)."""
-        r = RequestRecord(
-            now, tenant, namespace, len(prompt_token_ids), cached_tokens, ttft, reason
-        )
+        """One finished engine request (one choice). ``reason``: its explanation, present
+        when the client asked for one (``return_cache_info``): explaining costs the engine a
+        scan of the cached siblings of the first missed block, so it is never done unasked."""
+        n = len(prompt_token_ids)
+        cacheable = max(n - 1, 0) // self._block * self._block
+        missed = reason not in _HITS if reason is not None else cached_tokens < cacheable
+        r = RequestRecord(now, tenant, namespace, n, cached_tokens, ttft, reason, missed)
         log = self._tenants.setdefault(tenant, _TenantLog())
         log.total.add(r)
         log.recent.append(r)
@@ -152,7 +160,7 @@ class Activity:
             for k, v in log.total.__dict__.items():
                 setattr(total, k, getattr(total, k) + v)
         recent = sorted((r for log in logs.values() for r in log.recent), key=lambda r: r.time)
-        misses = [r for r in recent if r.reason not in _NOT_MISSES]
+        misses = [r for r in recent if r.missed]
         prefixes = sorted((p for log in logs.values() for p in log.prefixes.values()),
                           key=lambda p: (-p.saved_tokens, -p.last_time))[:SHOWN_PREFIXES]  # fmt: skip
         namespaces: dict[str, Usage] = {}
@@ -167,7 +175,7 @@ class Activity:
                 "hit": _summary([r.ttft for r in recent if r.cached_tokens > 0]),
                 "miss": _summary([r.ttft for r in recent if r.cached_tokens == 0]),
             },
-            "miss_reasons": dict(Counter(r.reason for r in misses).most_common()),
+            "miss_reasons": dict(Counter(r.reason or NOT_EXPLAINED for r in misses).most_common()),
             "recent_misses": [_record(r) for r in reversed(misses[-SHOWN_RECENT:])],
             "top_prefixes": [_prefix(p, p.tenant == viewer) for p in prefixes],
             "namespaces": {ns: u.as_dict() for ns, u in sorted(namespaces.items())},

@@ -46,8 +46,7 @@ class Choice:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
-    cache_info: CacheExplanation | None = None  # returned to the client (it asked)
-    explanation: CacheExplanation | None = None  # always (the dashboard's miss reasons)
+    cache_info: CacheExplanation | None = None
     started: bool = False  # has seen its first delta
 
     def apply(self, d: StreamDelta) -> None:
@@ -70,11 +69,9 @@ class Run:
     """The choices of one API request and their merged stream."""
 
     def __init__(
-        self, serving: Serving, run_id: str, tenant: Tenant, namespace: str, n: int = 1,
-        return_cache_info: bool = False,
+        self, serving: Serving, run_id: str, tenant: Tenant, namespace: str, n: int = 1
     ) -> None:
         self.serving = serving
-        self.return_cache_info = return_cache_info
         self.n = n
         self.id = run_id
         self.tenant = tenant
@@ -121,10 +118,6 @@ class Run:
     def _on_delta(self, c: Choice, d: StreamDelta) -> None:
         first = not c.started
         c.started = True
-        if d.cache_info is not None:
-            c.explanation = d.cache_info
-            if not self.return_cache_info:  # explained for the dashboard, not asked for
-                d.cache_info = None
         c.apply(d)
         s = self.serving
         if first and s.request_log is not None and c.index == c.prompt_index * self.n:
@@ -139,7 +132,7 @@ class Run:
             s.metrics.observe_finished(d)
             s.activity.record(
                 self.tenant.name, self.namespace, c.prompt_token_ids, c.num_cached_tokens,
-                d.metrics.ttft, c.explanation and c.explanation.reason, time.time(),
+                d.metrics.ttft, c.cache_info and c.cache_info.reason, time.time(),
             )  # fmt: skip
 
     def close(self) -> None:

@@ -66,7 +66,7 @@ class Serving:
         self.request_log = request_log  # a BackgroundRequestLog, or None
         self.limits = limits or ServerLimits()
         self.tokenizer = engine.tokenizer
-        self.activity = Activity(lambda ids: self.tokenizer.decode(ids))  # for the dashboard
+        self.activity = Activity(lambda ids: self.tokenizer.decode(ids), engine.config.block_size)
         self._max_token_chars: int | None = None
         self._chars_lock = threading.Lock()
 
@@ -249,7 +249,7 @@ class Serving:
                 400, f"this request asks for {total} sequences (prompts x n); at most {most} "
                 "can ever wait at once", param="n", code="too_many_sequences",
             )  # fmt: skip
-        run = Run(self, new_id(prefix), tenant, namespace, n, return_cache_info=explain)
+        run = Run(self, new_id(prefix), tenant, namespace, n)
         try:
             self.engine.check_admission(tenant.name, total)
             for p, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -262,12 +262,8 @@ class Serving:
                     if sp.seed is not None and j:
                         choice_sp = replace(sp, seed=_wrap_seed(sp.seed + j))
                     choice.stream = self.engine.add_request(
-                        # Every request is explained (one more lookup of its blocks, on the
-                        # engine thread) so the dashboard can say why recent requests missed;
-                        # the client gets the explanation only when it asked for it, and the
-                        # search across namespaces (admins) runs only then.
-                        choice.request_id, ids, choice_sp, namespace, priority, True,
-                        tenant=tenant.name, explain_across_namespaces=tenant.admin and explain,
+                        choice.request_id, ids, choice_sp, namespace, priority, explain,
+                        tenant=tenant.name, explain_across_namespaces=tenant.admin,
                     )  # fmt: skip
                     run.choices.append(choice)
         except BaseException as e:

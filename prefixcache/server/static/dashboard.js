@@ -175,7 +175,7 @@ function render(d) {
     : "no miss among the last requests";
   table("misses", ["time", "namespace", "prompt tokens", "cached", "reason"],
     a.recent_misses.map((m) => [new Date(m.time * 1000).toLocaleTimeString(), m.namespace,
-      int(m.prompt_tokens), int(m.cached_tokens), m.reason]));
+      int(m.prompt_tokens), int(m.cached_tokens), m.reason ?? "not explained"]));
 }
 
 // Tiers appear in the stats once the engine has them: a list of objects or an object of
