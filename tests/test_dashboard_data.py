@@ -3,11 +3,12 @@ the summary's two views, and the Grafana dashboard against the metrics the serve
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from _helpers import GRAFANA, grafana_metric_names, served_series
 
-from prefixcache.engine_api import EngineStats
+from prefixcache.engine_api import EngineStats, TenantStats
 from prefixcache.request import RequestMetrics, StreamDelta
 from prefixcache.server import activity as activity_mod
 from prefixcache.server.activity import Activity
@@ -158,3 +159,54 @@ def test_grafana_dashboard_is_valid_and_uses_only_served_metrics():
             "prefixcache:time_to_first_token_seconds_bucket"} <= names  # fmt: skip
     missing = names - served_series(metrics.render().decode())
     assert not missing, missing
+
+
+# ---- reads of the engine ------------------------------------------------------------------------
+
+
+class _Counting(_Engine):
+    def __init__(self):
+        self.reads = 0
+        self.kv_info = {"num_blocks": 4}
+
+    def engine_stats(self) -> EngineStats:
+        self.reads += 1
+        return super().engine_stats()
+
+    def cache_stats(self) -> dict:
+        return {}
+
+    def tenant_stats(self, tenant, owns):
+        self.reads += 1
+        return TenantStats(tenant, 0, 0, 0, 0, 0, 0, {"x": 1} if owns("x") else {})
+
+
+def test_polls_of_one_tenant_share_one_read_of_the_engine(monkeypatch):
+    from prefixcache.server import dashboard
+
+    class Tenants:
+        def owns(self, tenant, ns):
+            return tenant.admin
+
+    class Serving:  # what the route reads of the server's Serving
+        engine = _Counting()
+        tenants = Tenants()
+
+    s = Serving()
+    engine = s.engine
+
+    async def polls(tenant: Tenant, n: int):
+        return await asyncio.gather(*(dashboard._engine_view(s, tenant) for _ in range(n)))
+
+    views = asyncio.run(polls(Tenant("bob"), 5))
+    assert engine.reads == 1 and all(v is views[0] for v in views)
+    assert views[0][2] == {}  # bob owns no namespace here
+    asyncio.run(polls(Tenant("ops", admin=True), 3))  # another scope: its own read
+    assert engine.reads == 1 + 2  # the admin's stats and every namespace's blocks
+    now = dashboard._clock()
+    monkeypatch.setattr(dashboard, "_clock", lambda: now + 0.4)
+    asyncio.run(polls(Tenant("bob"), 1))
+    assert engine.reads == 3  # still fresh
+    monkeypatch.setattr(dashboard, "_clock", lambda: now + 0.6)
+    asyncio.run(polls(Tenant("bob"), 2))
+    assert engine.reads == 3 + 1  # stale: read again, once

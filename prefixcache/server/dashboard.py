@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from importlib import resources
 
 from fastapi import APIRouter, Request
@@ -68,15 +69,12 @@ async def data(request: Request) -> dict:
     tenant only (its traffic, its namespaces' blocks, its pins, its requests)."""
     s: Serving = request.app.state.serving
     tenant = s.tenants.authenticate(request.headers.get("authorization"))
-    stats = await stats_for(s, tenant)
+    now, stats, blocks = await _engine_view(s, tenant)
     if tenant.admin:
-        every = await asyncio.to_thread(s.engine.tenant_stats, None, lambda ns: ns is not None)
-        blocks = every.namespace_blocks
 
         def visible(name: str) -> bool:
             return True
     else:
-        blocks = stats["namespace_blocks"]
 
         def visible(name: str) -> bool:
             return name == tenant.name
@@ -87,7 +85,7 @@ async def data(request: Request) -> dict:
         return s.tenants.owns(tenant, ns)
 
     return {
-        "time": time.time(),
+        "time": now,
         "tenant": tenant.name,
         "admin": tenant.admin,
         "summary": summary(stats, tenant),
@@ -95,6 +93,32 @@ async def data(request: Request) -> dict:
         "activity": activity,
         "stats": stats,
     }
+
+
+# Engine figures are read under the engine's lock, which a running step holds, in a worker
+# thread. However many tabs poll, each tenant's figures are read at most once per _FRESH_S and
+# shared by the polls in between, so dashboards cannot fill the worker threads (which also
+# tokenize requests) with waits on that lock. Keyed by tenant and admin flag: one scope each.
+_FRESH_S = 0.5
+_clock = time.monotonic
+_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Serving -> {key: (t, task)}
+
+
+async def _engine_view(s: Serving, tenant: Tenant) -> tuple[float, dict, dict[str, int]]:
+    views = _views.setdefault(s, {})
+    key = (tenant.name, tenant.admin)
+    fresh = views.get(key)
+    if fresh is None or fresh[0] < _clock():
+        fresh = views[key] = (_clock() + _FRESH_S, asyncio.ensure_future(_read(s, tenant)))
+    return await asyncio.shield(fresh[1])  # a poll that goes away leaves the read to the others
+
+
+async def _read(s: Serving, tenant: Tenant) -> tuple[float, dict, dict[str, int]]:
+    stats = await stats_for(s, tenant)
+    if not tenant.admin:
+        return time.time(), stats, stats["namespace_blocks"]
+    every = await asyncio.to_thread(s.engine.tenant_stats, None, lambda ns: ns is not None)
+    return time.time(), stats, every.namespace_blocks
 
 
 def summary(stats: dict, tenant: Tenant) -> dict:

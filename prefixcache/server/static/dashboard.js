@@ -9,6 +9,7 @@ const HISTORY = 300; // polls kept for the charts
 const COLORS = ["#3a7dc9", "#e07b39", "#4caf7a", "#8e6cc7"];
 const params = new URLSearchParams(location.search);
 const INTERVAL_MS = Math.min(60000, Math.max(250, Number(params.get("interval")) || 1000));
+const WINDOW_S = Math.max(10, (5 * INTERVAL_MS) / 1000); // rates and per-window hit rates
 
 const $ = (id) => document.getElementById(id);
 let history = [];
@@ -73,10 +74,11 @@ async function poll() {
     return;
   }
   render(data);
-  timer = setTimeout(poll, INTERVAL_MS);
+  // A hidden tab polls rarely; it catches up when shown again (visibilitychange below).
+  timer = setTimeout(poll, document.hidden ? Math.max(INTERVAL_MS, 10000) : INTERVAL_MS);
 }
 
-// One point per poll, with rates over the interval since the previous one.
+// One point per poll, with rates over the last WINDOW_S seconds.
 function sample(d) {
   const s = d.summary, a = d.activity;
   const p = {
@@ -86,15 +88,17 @@ function sample(d) {
     in_use: s.in_use_blocks, free: s.free_blocks,
     ttft_hit: a.ttft.hit.p50, ttft_miss: a.ttft.miss.p50,
   };
-  const prev = history[history.length - 1];
-  if (prev && p.t > prev.t) {
-    const dt = p.t - prev.t;
-    const dq = p.query - prev.query, dr = p.requests - prev.requests;
-    p.hit_interval = dq > 0 ? (p.saved - prev.saved) / dq : null;
-    p.req_interval = dr > 0 ? (p.hit_requests - prev.hit_requests) / dr : null;
-    p.gen_tps = (p.gen - prev.gen) / dt;
+  // Rates over the window: from the oldest poll inside it (the previous one at least).
+  let base = history.find((h) => h.t >= p.t - WINDOW_S && h.t < p.t);
+  if (!base && history.length && history[history.length - 1].t < p.t) base = history[history.length - 1];
+  if (base) {
+    const dt = p.t - base.t;
+    const dq = p.query - base.query, dr = p.requests - base.requests;
+    p.hit_interval = dq > 0 ? (p.saved - base.saved) / dq : null;
+    p.req_interval = dr > 0 ? (p.hit_requests - base.hit_requests) / dr : null;
+    p.gen_tps = (p.gen - base.gen) / dt;
     p.prompt_tps = dq / dt;
-    p.evict_ps = p.evicted === null ? null : (p.evicted - prev.evicted) / dt;
+    p.evict_ps = p.evicted === null ? null : (p.evicted - base.evicted) / dt;
   }
   history.push(p);
   if (history.length > HISTORY) history.shift();
@@ -277,6 +281,7 @@ function chart(svgId, legendId, series, fmt) {
 
 // ---- start ---------------------------------------------------------------------------------
 document.addEventListener("DOMContentLoaded", () => {
+  for (const el of document.querySelectorAll(".window")) el.textContent = `${Math.round(WINDOW_S)} s`;
   $("login").addEventListener("submit", (e) => {
     e.preventDefault();
     connect($("key").value.trim());
@@ -285,6 +290,9 @@ document.addEventListener("DOMContentLoaded", () => {
   $("forget").addEventListener("click", () => {
     sessionStorage.removeItem(KEY_ITEM);
     showLogin();
+  });
+  document.addEventListener("visibilitychange", () => {
+    if (!document.hidden && timer !== null) poll();
   });
   if (storedKey() === null) showLogin();
   else connect(storedKey());
