@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # Tests run in parallel-safe order on 2 cores; pass more pytest flags with ARGS="...".
 ARGS    ?=
 
-.PHONY: install install-redis serve test test-fast bench lint clean
+.PHONY: install install-redis chromium serve test test-fast bench lint clean
 
 install: $(STAMP)
 
@@ -27,10 +27,17 @@ $(STAMP): pyproject.toml Makefile
 install-redis:
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 
+# The dashboard's browser tests (tests/test_dashboard.py) drive Debian's chromium through
+# playwright's executable_path; playwright's own browser downloads are never used. Installed
+# here when missing (CI runs as root).
+chromium:
+	@command -v chromium >/dev/null || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; }
+
 serve: install
 	$(BIN)/prefixcache serve $(ARGS)
 
-test: install install-redis
+test: install install-redis chromium
 	$(BIN)/python -m pytest -q $(ARGS)
 
 test-fast: install install-redis

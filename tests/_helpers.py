@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import json
+import re
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -36,3 +39,29 @@ PROSE = (
     "evicted in least recently used order when memory runs out. Paris is the capital of "
     "France, Berlin is the capital of Germany, and Madrid is the capital of Spain. "
 )
+
+
+# ---- the Grafana dashboard and the metrics it queries (test_dashboard*.py) ---------------------
+GRAFANA = Path(__file__).resolve().parents[1] / "examples" / "grafana" / "prefixcache.json"
+
+
+def grafana_metric_names() -> set[str]:
+    """Every prefixcache:* series name the dashboard's queries use."""
+    dash = json.loads(GRAFANA.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [v.get("definition", "") for v in dash["templating"]["list"]]
+    return {m for e in exprs for m in re.findall(r"prefixcache:[A-Za-z0-9_:]+", e)}
+
+
+def served_series(exposition: str) -> set[str]:
+    """Series names of a Prometheus text exposition: its samples, and the series its # TYPE
+    lines declare (a histogram nothing was observed in yet has no samples, only its type)."""
+    suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",)}
+    names = set()
+    for line in exposition.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, family, kind = line.split()
+            names |= {family, *(family + s for s in suffixes.get(kind, ()))}
+        elif line and not line.startswith("#"):
+            names.add(re.match(r"[^{\s]+", line).group(0))
+    return names

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import random
+import re
 import threading
 from collections import Counter
 from pathlib import Path
@@ -321,7 +323,35 @@ def test_cli_writes_report(tmp_path, capsys):
     assert (out / "report.md").read_text().startswith("# Prefix-cache analysis")
     for png in ("curve.png", "roles.png", "positions.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    # report.html: one file with the same plots inside, the log's text escaped
+    page = (out / "report.html").read_text()
+    assert page.startswith("<!doctype html>") and "Top shared prefixes" in page
+    for png in ("curve.png", "roles.png", "positions.png"):
+        inline = base64.b64encode((out / png).read_bytes()).decode()
+        assert f'src="data:image/png;base64,{inline}"' in page, png
+    assert not re.search(r'(?:src|href)="(?!data:)', page)  # nothing outside the file
     assert main(["analyze", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_html_report_escapes_the_log_text():
+    from prefixcache.analyze.html_report import html
+
+    evil = "<script>alert(1)</script> & <b>"
+    s = {
+        "source": "<img src=x>", "requests": 2, "malformed": {"count": 0, "by_reason": {}},
+        "prompt_tokens": 64, "block_size": 16, "namespaces": 1, "distinct_blocks": 2,
+        "ideal_hit_rate": 0.5, "ideal_saved_tokens": 32, "lru_90pct_tokens": 32,
+        "lru_full_tokens": 32, "curve": [], "share_by_role": {evil: 1.0},
+        "cached_share_by_role": {}, "share_by_position": [],
+        "top_prefixes": [{"tokens": 32, "requests": 2, "request_share": 1.0, "saved_tokens": 32,
+                          "saved_share": 1.0, "first_line": 1, "head": evil, "tail": evil}],
+        "cache_killers": [{"requests": 1, "lost_tokens": 16, "lost_share": 0.25,
+                           "example_lines": [1, 2], "excerpt": evil, "other_excerpt": evil,
+                           "suggestion": evil}],
+    }  # fmt: skip
+    page = html(s, ".", [])
+    assert "<script>" not in page and "<img src=x>" not in page and "<b>alert" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; &lt;b&gt;" in page
 
 
 def test_default_model_kv_bytes(tmp_path, monkeypatch):

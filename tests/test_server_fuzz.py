@@ -236,9 +236,12 @@ def test_raw_bodies(http, raw, path, key):
 @given(
     path=st.one_of(
         st.sampled_from(["/v1/models", "/v1/cache/stats", "/health", "/version", "/metrics",
-                         "/v1/debug/integrity", "/v1/completions", "/nothing"]),
+                         "/v1/debug/integrity", "/v1/completions", "/nothing",
+                         "/v1/cache/dashboard", "/dashboard", "/dashboard/dashboard.js"]),
         st.one_of(st.text(max_size=20), surrogates)
         .map(lambda s: "/v1/models/" + quote(s.encode("utf-8", "surrogatepass"), safe="/")),
+        st.one_of(st.text(max_size=20), surrogates)
+        .map(lambda s: "/dashboard/" + quote(s.encode("utf-8", "surrogatepass"), safe="/")),
     ),
     key=auth,
 )  # fmt: skip

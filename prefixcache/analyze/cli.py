@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="tokenizer for text prompts if not the model's (GGUF or HF directory)")
     p.add_argument("--block-size", type=int, default=16, help="cache block size in tokens")
     p.add_argument("--report", metavar="DIR", default=None,
-                   help="write summary.json, report.md and PNG plots to DIR")
+                   help="write summary.json, report.md, report.html (self-contained) and PNG plots to DIR")
     p.add_argument("--measure", action="store_true",
                    help="time the engine's prefill here to estimate the TTFT saving")
     p.add_argument("--device", default="cpu", help="device for --measure")

@@ -250,10 +250,14 @@ def plot(s: dict, out: Path) -> list[str]:
 
 
 def write_report(s: dict, directory: str | Path) -> list[Path]:
-    """``summary.json``, ``report.md`` and the plots in ``directory`` (created if needed)."""
+    """``summary.json``, ``report.md``, ``report.html`` (one self-contained file) and the plots
+    in ``directory`` (created if needed)."""
+    from prefixcache.analyze.html_report import write_html  # it imports this module
+
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     plots = plot(s, out)
     (out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
     (out / "report.md").write_text(markdown(s, plots))
-    return [out / "summary.json", out / "report.md", *(out / p for p in plots)]
+    page = write_html(s, out, plots)
+    return [out / "summary.json", out / "report.md", page, *(out / p for p in plots)]

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 import prefixcache
 from prefixcache.engine_api import EngineAPI
-from prefixcache.server import cache_routes, completions
+from prefixcache.server import cache_routes, completions, dashboard
 from prefixcache.server.auth import TenantDirectory
 from prefixcache.server.errors import APIError, RequestIdMiddleware, install_error_handlers
 from prefixcache.server.limits import ServerLimits
@@ -80,6 +80,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(cache_routes.router)
+    app.include_router(dashboard.router)
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -14,6 +14,7 @@ from dataclasses import asdict, is_dataclass
 
 from fastapi import APIRouter, Request
 
+from prefixcache.server.auth import Tenant
 from prefixcache.server.errors import APIError, from_engine_error, internal_error, request_id_of
 from prefixcache.server.protocol import (
     CacheInvalidateRequest,
@@ -113,6 +114,11 @@ async def stats(request: Request) -> dict:
     their own tenant's numbers and namespaces only (the pool is shared, its counts are not)."""
     s: Serving = request.app.state.serving
     tenant = s.tenants.authenticate(request.headers.get("authorization"))
+    return await stats_for(s, tenant)
+
+
+async def stats_for(s: Serving, tenant: Tenant) -> dict:
+    """The body of ``/v1/cache/stats`` for ``tenant`` (the dashboard's data shows the same)."""
     if tenant.admin:
         return await asyncio.to_thread(_stats, s.engine)
     own = await asyncio.to_thread(

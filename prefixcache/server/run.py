@@ -132,6 +132,10 @@ class Run:
             )  # fmt: skip
         if d.finished:
             s.metrics.observe_finished(d)
+            s.activity.record(
+                self.tenant.name, self.namespace, c.prompt_token_ids, c.num_cached_tokens,
+                d.metrics.ttft, c.cache_info and c.cache_info.reason, time.time(),
+            )  # fmt: skip
 
     def close(self) -> None:
         """Abort every unfinished choice (idempotent); frees their blocks in the engine."""

@@ -20,6 +20,7 @@ import jinja2
 from prefixcache.engine_api import EngineAPI
 from prefixcache.errors import InvalidRequestError
 from prefixcache.request import SamplingParams
+from prefixcache.server.activity import Activity
 from prefixcache.server.auth import Tenant, TenantDirectory
 from prefixcache.server.errors import APIError, from_engine_error
 from prefixcache.server.limits import ServerLimits
@@ -65,6 +66,7 @@ class Serving:
         self.request_log = request_log  # a BackgroundRequestLog, or None
         self.limits = limits or ServerLimits()
         self.tokenizer = engine.tokenizer
+        self.activity = Activity(lambda ids: self.tokenizer.decode(ids), engine.config.block_size)
         self._max_token_chars: int | None = None
         self._chars_lock = threading.Lock()
 
