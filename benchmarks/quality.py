@@ -39,15 +39,16 @@ MODES = [
 
 def texts(tok, n: int) -> list[list[int]]:
     out = []
-    for rec in iter_conversations(default_sharegpt_path()):
-        pair = first_exchange(rec)
-        if pair is None:
-            continue
-        ids = tok.encode(pair[0])
-        if 64 <= len(ids) <= 512:
-            out.append(ids)
-        if len(out) == n:
-            break
+    with default_sharegpt_path() as path:  # a context manager: the file may live in a wheel
+        for rec in iter_conversations(path):
+            pair = first_exchange(rec)
+            if pair is None:
+                continue
+            ids = tok.encode(pair[0])
+            if 64 <= len(ids) <= 512:
+                out.append(ids)
+            if len(out) == n:
+                break
     return out
 
 

@@ -40,7 +40,9 @@ def start(name: str, cmd: list[str], url: str, log: Path, env: dict[str, str] | 
     """Spawn ``cmd`` (which must listen at ``url``) with its output in ``log``; does not wait."""
     # Every server gets sleeping idle OpenMP threads: on a machine whose cores are shared,
     # spinning ones steal them from everything else (see benchmarks/peers/llamacpp.sh).
+    # An empty value in ``env`` unsets a variable (e.g. OMP_WAIT_POLICY="": the runtime's default).
     full_env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
+    full_env = {k: v for k, v in full_env.items() if v != ""}
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True, env=full_env)

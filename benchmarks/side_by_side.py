@@ -12,7 +12,8 @@ with its defaults; ``ours:FLAGS`` passes FLAGS through (split like a shell, e.g.
 ours uses every core) unless ``THREADS`` is set.
 
 Per repetition, every server in turn is started alone on the machine (stopped with every process
-it forked before the next one starts) with ``OMP_WAIT_POLICY=PASSIVE``; recorded: seconds from
+it forked before the next one starts) with ``OMP_WAIT_POLICY=PASSIVE`` (``--default-omp-wait``:
+unset, each OpenMP runtime's own spin-then-sleep default); recorded: seconds from
 spawning to the first 200 of ``/v1/models`` and to the first successful 1-token completion (the
 time to serving), and then the memory of the server's process tree (VmRSS summed, and Pss).
 Then vLLM's client (run by the vLLM venv's python; completions endpoint, greedy, ``--ignore-eos``)
@@ -134,8 +135,8 @@ class Spec:
         return ["bash", str(VLLM_SH), "serve", str(port)]
 
     def shown(self, port: int | str = "PORT") -> str:
-        env = {**self.env, "OMP_WAIT_POLICY": "PASSIVE"}
-        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()),
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **self.env}
+        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items() if v != ""),
                          shlex.join(self.command(port))])
 
 
@@ -370,6 +371,9 @@ def main() -> int:
                     default=["vllm:bfloat16,vllm:float32,ours:default"],
                     help="ours:default | ours:FLAGS | vllm:DTYPE[ FLAGS], comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--default-omp-wait", action="store_true",
+                    help="leave OMP_WAIT_POLICY unset (each runtime's own spin-then-sleep "
+                         "default) instead of PASSIVE for every server")
     ap.add_argument("--quick", action="store_true",
                     help="1 repetition, 8/8/2 prompts: checks that everything runs")
     ap.add_argument("--no-ours-client", action="store_true",
@@ -382,6 +386,9 @@ def main() -> int:
         args.repeats = 1
     args.clients = ["vllm"] if args.no_ours_client else ["vllm", "ours"]
     specs = [Spec.parse(t) for arg in args.servers for t in arg.split(",") if t.strip()]
+    if args.default_omp_wait:
+        for spec in specs:
+            spec.env["OMP_WAIT_POLICY"] = ""  # unset: see servers.start
     if len({s.label for s in specs}) != len(specs):
         raise SystemExit("--servers: the same server twice")
     if not VLLM_PY.exists() or not HF_TOKENIZER.joinpath("config.json").exists():
