@@ -35,6 +35,7 @@ constexpr int64_t kMaxD = 256;
 // the latency of 4 chains); a missing second query (qb == nullptr) costs nothing.
 inline void block_scores(const float* kt, int64_t d, float scale, const float* qa, const float* qb,
                          float* sa, float* sb) {
+  const __m256 vs = _mm256_set1_ps(scale);
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   if (qb != nullptr) {
     __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
@@ -48,7 +49,6 @@ inline void block_scores(const float* kt, int64_t d, float scale, const float* q
       b0 = _mm256_fmadd_ps(y, k0, b0); b1 = _mm256_fmadd_ps(y, k1, b1);
       b2 = _mm256_fmadd_ps(y, k2, b2); b3 = _mm256_fmadd_ps(y, k3, b3);
     }
-    const __m256 vs = _mm256_set1_ps(scale);
     _mm256_store_ps(sb, _mm256_mul_ps(b0, vs)); _mm256_store_ps(sb + 8, _mm256_mul_ps(b1, vs));
     _mm256_store_ps(sb + 16, _mm256_mul_ps(b2, vs)); _mm256_store_ps(sb + 24, _mm256_mul_ps(b3, vs));
   } else {
@@ -61,7 +61,6 @@ inline void block_scores(const float* kt, int64_t d, float scale, const float* q
       a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(row + 24), a3);
     }
   }
-  const __m256 vs = _mm256_set1_ps(scale);
   _mm256_store_ps(sa, _mm256_mul_ps(a0, vs)); _mm256_store_ps(sa + 8, _mm256_mul_ps(a1, vs));
   _mm256_store_ps(sa + 16, _mm256_mul_ps(a2, vs)); _mm256_store_ps(sa + 24, _mm256_mul_ps(a3, vs));
 }
