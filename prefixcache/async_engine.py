@@ -169,6 +169,8 @@ class AsyncEngine:
             self._fail(rid, EngineShutDownError("engine shut down"))
         # Blocks queued for disk / Redis are written before we return: a restart finds them.
         await asyncio.to_thread(self.engine.tiers.flush, 30.0)
+        if self.engine.kv_events is not None:  # subscribers see the last removals too
+            await asyncio.to_thread(self.engine.kv_events.flush)
 
     def _thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

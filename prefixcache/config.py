@@ -96,6 +96,12 @@ class EngineConfig:
     disk_cache_size: str | int = "10GiB"
     remote_cache: str | None = None
     tier_compression: str = "none"  # none | lz4 | zstd; used per block only where it pays
+    # KV events in vLLM's format (events/): a ZMQ PUB endpoint to bind (None: off), an optional
+    # replay endpoint, the topic, and the rank written into each batch (a cluster replica's).
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_rank: int | None = None
     device: str = "cpu"
     seed: int = 0
     max_waiting_requests: int = 256
@@ -156,6 +162,14 @@ class EngineConfig:
                 f"tier_compression must be one of {TIER_COMPRESSIONS}, "
                 f"got {self.tier_compression!r}"
             )
+        if self.kv_events_endpoint is not None or self.kv_events_replay_endpoint is not None:
+            from prefixcache.events.publisher import check_endpoint
+
+            if self.kv_events_endpoint is None:
+                raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+            check_endpoint(self.kv_events_endpoint)
+            if self.kv_events_replay_endpoint is not None:
+                check_endpoint(self.kv_events_replay_endpoint)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if not (0 <= self.pin_budget_fraction <= 1):

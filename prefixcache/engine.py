@@ -24,6 +24,7 @@ from prefixcache.errors import (
     PinQuotaError,
     SequenceFailedError,
 )
+from prefixcache.events.publisher import attach_kv_events
 from prefixcache.kv.formats import kv_format
 from prefixcache.kv.pool import plan_kv_layout
 from prefixcache.model.loader import load_weights
@@ -82,6 +83,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         # Disk and Redis behind the pool (engine_tiers.py); NoTiers when none is configured.
         self.tiers = build_tiers(config, self.fingerprint, weights.config, self.kv, self.runner.kv)
+        self.kv_events = attach_kv_events(config, self.kv)  # None unless configured
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
         self._n_added = 0

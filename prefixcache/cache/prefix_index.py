@@ -64,6 +64,9 @@ class PrefixIndex:
         # that hold a block now, so it is bounded by the pool (a namespace is forgotten with its
         # last block; one per cache_salt ever seen would grow without end).
         self._by_namespace: dict[str | None, set[int]] = {}
+        # Told of every key learned and forgotten (the KV events publisher); None: nobody.
+        # Called with the index's caller's lock held, so it must only record, never block.
+        self.listener = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -142,6 +145,8 @@ class PrefixIndex:
         self._children.setdefault(parent, set()).add(key)
         self._by_namespace.setdefault(namespace, set()).add(block_id)
         self._evicted.pop(key, None)
+        if self.listener is not None:
+            self.listener.stored(key, parent, token_ids, namespace)
         return block_id
 
     def remove_block(self, block_id: int, evicted: bool) -> BlockHash | None:
@@ -159,6 +164,8 @@ class PrefixIndex:
             kids.discard(key)
             if not kids:
                 del self._children[e.parent]
+        if self.listener is not None:
+            self.listener.removed(key)
         if evicted:
             self._evicted[key] = None
             if len(self._evicted) > self._evicted_memory:

@@ -45,6 +45,12 @@ def register(subparsers) -> None:
         description="OpenAI-compatible server (completions, chat, cache control, metrics).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    add_serve_arguments(p)
+    p.set_defaults(func=run_serve)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag of ``prefixcache serve`` (``prefixcache cluster`` takes them all too)."""
     m = p.add_argument_group("model and engine")
     m.add_argument(
         "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)"
@@ -165,6 +171,19 @@ def register(subparsers) -> None:
         choices=("none", "lz4", "zstd"),
         help="compress stored blocks where it pays (float32 KV hardly compresses)",
     )
+    ev = p.add_argument_group("KV events for external routers (docs/cluster.md, 'KV events')")
+    ev.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="ZMQ PUB endpoint to bind, e.g. tcp://*:5557: BlockStored/BlockRemoved/"
+        "AllBlocksCleared in vLLM's msgpack format (off by default)",
+    )
+    ev.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        help="ZMQ ROUTER endpoint answering replay requests, e.g. tcp://*:5558",
+    )
+    ev.add_argument("--kv-events-topic", default="", help="topic frame of every event message")
     m.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     m.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("server")
@@ -233,7 +252,6 @@ def register(subparsers) -> None:
         default=True,
         help="log one line per HTTP request",
     )
-    p.set_defaults(func=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -325,6 +343,9 @@ def _engine_config(args: argparse.Namespace):
         disk_cache_size=args.disk_cache_size,
         remote_cache=args.remote_cache,
         tier_compression=args.tier_compression,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_topic=args.kv_events_topic,
     )
 
 
