@@ -179,7 +179,7 @@ class KVEventPublisher:
                     self._send(events)
                 if stopping:
                     return
-        except Exception:  # noqa: BLE001 - events are advisory: log, never take the engine down
+        except Exception:
             log.exception("KV events publisher stopped")
 
     def flush(self, timeout: float = 2.0) -> None:
