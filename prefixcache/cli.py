@@ -1,4 +1,4 @@
-"""`prefixcache serve | generate | bench | analyze`.
+"""`prefixcache serve | cluster | generate | bench | analyze`.
 
 Each subsystem registers its own subcommand through a ``register(subparsers)`` function in its
 package's ``cli`` module, so this file stays a thin dispatcher.
@@ -14,6 +14,7 @@ import sys
 _SUBCOMMANDS = (
     "prefixcache.generate_cli",
     "prefixcache.server.cli",
+    "prefixcache.cluster.cli",
     "prefixcache.bench.cli",
     "prefixcache.analyze.cli",
 )

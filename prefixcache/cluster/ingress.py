@@ -1,0 +1,280 @@
+"""The cluster's HTTP front: a Ray Serve deployment with a FastAPI app (``build_ingress``).
+
+- Generation and cache-query routes are forwarded to one replica, chosen by the router on the
+  request's block keys (route_keys.py). A request whose replica dies before anything was sent
+  back is retried on another (at most ``RETRIES`` times); once bytes went out, a stream ends
+  with an OpenAI-style error event and a plain response is cut (the client sees the failure).
+- ``/v1/cache/stats``, ``/v1/cache/invalidate``, ``/metrics``, ``/health`` and
+  ``/v1/debug/integrity`` go to every replica (with the caller's own headers, so each replica
+  applies the same auth and tenant scoping) and the answers are merged (aggregate.py);
+  ``/v1/cluster`` (admin) lists the replicas and the router's decisions.
+- The ingress authenticates nothing itself beyond ``/v1/cluster``: the replicas do, with the
+  same keys, so a cluster answers exactly as one server.
+"""
+
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from prefixcache.server.limits import ServerLimits
+
+log = logging.getLogger("prefixcache.cluster")
+
+RETRIES = 2  # re-sends of a request whose replica died before answering
+FANOUT_TIMEOUT = 30.0
+FANOUT_ROUTES = {
+    ("GET", "/v1/cache/stats"), ("POST", "/v1/cache/invalidate"), ("GET", "/metrics"),
+    ("GET", "/health"), ("GET", "/v1/debug/integrity"),
+}  # fmt: skip
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host"}
+
+
+@dataclass(frozen=True)
+class IngressSpec:
+    model: str | None
+    tenant_options: dict = field(default_factory=dict)
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    routing: str = "prefix"
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    from prefixcache.server.errors import error_body
+
+    return JSONResponse(error_body(status, message, code=code), status_code=status)
+
+
+def _replica_failed(e: BaseException) -> bool:
+    from ray import exceptions as rex
+
+    return isinstance(e, (rex.RayActorError, rex.ActorUnavailableError, rex.ActorDiedError))
+
+
+def build_ingress(serve):
+    """The ingress deployment class (built here so its FastAPI app is bound at class creation)."""
+    app = FastAPI(title="prefixcache cluster")
+
+    @serve.ingress(app)
+    class Ingress:
+        def __init__(self, replicas, spec: IngressSpec) -> None:
+            from prefixcache.server.auth import TenantDirectory
+
+            self.replicas = replicas
+            self.spec = spec
+            self.tenants = TenantDirectory.from_options(**spec.tenant_options)
+            self.keys = None  # RouteKeys, once a replica told us the fingerprint
+            self.infos: dict[str, dict] = {}
+            self.retries = 0
+            self._keys_lock = asyncio.Lock()
+
+        # -- helpers ----------------------------------------------------------------------------
+        def _router(self):
+            from prefixcache.cluster.router import live_routers
+
+            routers = live_routers()
+            return routers[-1] if routers else None
+
+        async def _route_keys(self):
+            if self.keys is not None:
+                return self.keys
+            async with self._keys_lock:
+                if self.keys is None:
+                    from prefixcache.cluster.route_keys import RouteKeys
+                    from prefixcache.model.tokenizer import load_tokenizer
+
+                    info = await self.replicas.info.remote()
+                    tok = await asyncio.to_thread(load_tokenizer, self.spec.model)
+                    if tok.fingerprint() != info["tokenizer_fingerprint"]:
+                        log.warning("the ingress's tokenizer differs from the replicas': routing by load")
+                        tok = None
+                    router = self._router()
+                    if router is not None:
+                        router.capacity_blocks = info["num_blocks"]
+                    self.keys = RouteKeys(tok, self.tenants, info["fingerprint"], info["block_size"]) if tok else False
+            return self.keys
+
+        async def _targets(self) -> list[str]:
+            router = self._router()
+            if router is None or not router.replica_ids():
+                await self.replicas.info.remote()  # creates the router, waits for a replica
+                router = self._router()
+            return router.replica_ids()
+
+        async def _info(self, rid: str) -> dict:
+            if rid not in self.infos:
+                self.infos[rid] = await self.replicas.info.remote(target=rid)
+            return self.infos[rid]
+
+        async def _call_one(self, rid: str, method, path, query, headers, body) -> tuple[int, dict, bytes]:
+            gen = self.replicas.options(stream=True).forward.remote(method, path, query, headers, body, target=rid)
+            status, hdrs, parts = 500, {}, []
+            async for m in gen:
+                if isinstance(m, dict):
+                    status, hdrs = m["status"], dict(m["headers"])
+                    parts.append(m["body"])
+                else:
+                    parts.append(m)
+            return status, hdrs, b"".join(parts)
+
+        async def _fanout(self, method, path, query, headers, body):
+            """Each replica in turn, never concurrently: Ray Serve gives every call made while
+            handling one request that request's internal id, and its router matches pending
+            calls by that id, so concurrent calls from one request can be given each other's
+            replica (measured: a stuck routing loop). A replica takes ~20 ms to answer these."""
+            out = []
+            for rid in await self._targets():
+                try:
+                    info = await asyncio.wait_for(self._info(rid), FANOUT_TIMEOUT)
+                    result = await asyncio.wait_for(
+                        self._call_one(rid, method, path, query, headers, body), FANOUT_TIMEOUT
+                    )
+                except Exception as e:  # noqa: BLE001 - a dead or stuck replica: counted as failed
+                    info, result = {"replica_id": rid}, e
+                out.append((info, result))
+            return out
+
+        # -- routes -----------------------------------------------------------------------------
+        @app.get("/v1/cluster")
+        async def cluster(self, request: Request):
+            from prefixcache.server.errors import APIError
+
+            try:
+                tenant = self.tenants.authenticate(request.headers.get("authorization"))
+            except APIError as e:
+                return e.response()
+            if not tenant.admin:
+                return _error(403, "the cluster's replica list needs an admin key", "forbidden")
+            infos = []
+            for rid in await self._targets():  # one at a time, see _fanout
+                self.infos.pop(rid, None)  # fresh: running requests change
+                try:
+                    infos.append(await asyncio.wait_for(self._info(rid), FANOUT_TIMEOUT))
+                except Exception as e:  # noqa: BLE001
+                    infos.append({"replica_id": rid, "error": type(e).__name__})
+            router = self._router()
+            return {
+                "routing": self.spec.routing,
+                "replicas": infos,
+                "router_decisions": dict(router.decisions) if router else {},
+                "retries": self.retries,
+            }
+
+        @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
+        async def proxy(self, request: Request, path: str):
+            from prefixcache.server.body import read_body
+            from prefixcache.server.errors import APIError
+
+            path = "/" + path
+            method = request.method
+            try:
+                body = await read_body(request, self.spec.limits) if method in ("POST", "PUT", "PATCH") else b""
+            except APIError as e:
+                return e.response()
+            headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
+            query = request.url.query
+            if (method, path) in FANOUT_ROUTES:
+                return await self._merged(method, path, query, headers, body)
+            keys = await self._route_keys()
+            route = await asyncio.to_thread(keys.keys, path, request.headers.get("authorization"), body) if keys else []
+            return await self._forward(method, path, query, headers, body, route)
+
+        async def _forward(self, method, path, query, headers, body, route):
+            for attempt in range(RETRIES + 1):
+                gen = self.replicas.options(stream=True).forward.remote(method, path, query, headers, body, route=route)
+                try:
+                    first = await gen.__anext__()
+                except StopAsyncIteration:
+                    return _error(502, "the replica returned no response", "replica_failed")
+                except Exception as e:
+                    if _replica_failed(e) and attempt < RETRIES:
+                        self.retries += 1
+                        log.warning("replica failed before answering (%s); retrying", type(e).__name__)
+                        continue
+                    if _replica_failed(e):
+                        return _error(503, "the replica serving this request failed; retry", "replica_failed")
+                    raise
+                break
+            hdrs = [(k, v) for k, v in first["headers"] if k.lower() not in _HOP_HEADERS]
+            if not first["more"]:
+                return Response(first["body"], status_code=first["status"], headers=dict(hdrs))
+            sse = any(k.lower() == "content-type" and "text/event-stream" in v for k, v in hdrs)
+
+            async def rest():
+                done = False
+                try:
+                    yield first["body"]
+                    async for chunk in gen:
+                        yield chunk
+                    done = True
+                except Exception as e:
+                    if not _replica_failed(e):
+                        raise
+                    log.warning("replica failed mid-stream: %s", type(e).__name__)
+                    if sse:
+                        err = {"error": {"message": "the replica serving this request failed mid-stream",
+                                         "type": "server_error", "code": "replica_failed"}}  # fmt: skip
+                        yield f"data: {json.dumps(err)}\n\n".encode()
+                    done = True
+                finally:
+                    if not done:
+                        gen.cancel()  # the client left: the replica sees a disconnect and aborts
+
+            media = {k.lower(): v for k, v in hdrs}.get("content-type")
+            return StreamingResponse(rest(), status_code=first["status"], headers=dict(hdrs), media_type=media)
+
+        async def _merged(self, method, path, query, headers, body):
+            from prefixcache.cluster.aggregate import merge_metrics, merge_stats
+
+            results = await self._fanout(method, path, query, headers, body)
+            ok = [(i, r) for i, r in results if not isinstance(r, BaseException)]
+            failed = len(results) - len(ok)
+            if path == "/health":
+                bad = [r[2].decode(errors="replace") for _, r in ok if r[0] != 200]
+                if failed or bad or not ok:
+                    return JSONResponse({"status": "unavailable", "replicas": len(results),
+                                         "failed": failed, "reasons": bad}, status_code=503)  # fmt: skip
+                return JSONResponse({"status": "ok", "replicas": len(ok)})
+            if not ok:
+                return _error(503, "no replica answered", "replica_failed")
+            for _, (status, hdrs, raw) in ok:  # a refusal (401, 403, 400) is the same everywhere
+                if status != 200:
+                    return Response(raw, status_code=status, media_type=hdrs.get("content-type"))
+            if path == "/metrics":
+                text = merge_metrics([(str(i["rank"]), r[2].decode()) for i, r in ok])
+                return Response(text + self._own_metrics(len(ok)), media_type=ok[0][1][1].get("content-type"))
+            bodies = [(i, json.loads(r[2])) for i, r in ok]
+            if path == "/v1/cache/stats":
+                out = merge_stats(bodies)
+                out["replicas_failed"] = failed
+                return JSONResponse(out)
+            if path == "/v1/cache/invalidate":
+                out = {k: v for k, v in bodies[0][1].items()}
+                for k, v in out.items():
+                    if isinstance(v, int) and not isinstance(v, bool):
+                        out[k] = sum(b.get(k, 0) for _, b in bodies)
+                out["replicas"] = len(bodies)
+                out["replicas_failed"] = failed
+                return JSONResponse(out, status_code=200 if not failed else 503)
+            return JSONResponse({"replicas": [{"replica": i["rank"], **b} for i, b in bodies]})
+
+        def _own_metrics(self, alive: int) -> str:
+            router = self._router()
+            lines = [
+                "# HELP prefixcache:cluster_replicas Replicas that answered this scrape.",
+                "# TYPE prefixcache:cluster_replicas gauge",
+                f"prefixcache:cluster_replicas {alive}",
+                "# HELP prefixcache:cluster_retries_total Requests re-sent after their replica died.",
+                "# TYPE prefixcache:cluster_retries_total counter",
+                f"prefixcache:cluster_retries_total {self.retries}",
+                "# HELP prefixcache:router_decisions_total Routing decisions of the prefix router.",
+                "# TYPE prefixcache:router_decisions_total counter",
+            ]
+            for k, v in sorted((router.decisions if router else {}).items()):
+                lines.append(f'prefixcache:router_decisions_total{{decision="{k}"}} {v}')
+            return "\n".join(lines) + "\n"
+
+    return Ingress

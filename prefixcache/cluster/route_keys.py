@@ -1,0 +1,68 @@
+"""The block-key chain of a request, computed by the ingress exactly as the engine will.
+
+The router matches these keys against what each replica has been sent, so they must be the
+engine's own (docs/design.md "Cache keys"): the same token ids (tokenizer, chat template with
+documents merged, BOS rule), the same namespace (the tenant of the API key and ``cache_salt``,
+derived by the same ``TenantDirectory``), the same model fingerprint and block size (asked
+from a replica once). Anything that fails here (no JSON, an unknown key, a bad message) gives
+no keys: the request is routed by load, and the replica answers it with the proper 4xx.
+"""
+
+from __future__ import annotations
+
+import json
+
+from prefixcache.cache.hashing import hash_blocks, root_hash
+from prefixcache.model.tokenizer import Tokenizer
+from prefixcache.server.auth import TenantDirectory
+from prefixcache.server.protocol import ChatMessage
+
+# The routes whose body names a prompt; everything else is routed by load alone.
+PROMPT_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/cache/warm", "/v1/cache/lookup")
+
+
+class RouteKeys:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        tenants: TenantDirectory,
+        fingerprint: str,
+        block_size: int,
+        max_tokens: int = 32768,
+    ) -> None:
+        self.tokenizer, self.tenants = tokenizer, tenants
+        self.fingerprint, self.block_size, self.max_tokens = fingerprint, block_size, max_tokens
+
+    def token_ids(self, path: str, body: dict) -> list[int] | None:
+        messages = body.get("messages")
+        if path == "/v1/chat/completions" or (messages is not None and path in PROMPT_ROUTES[2:]):
+            dicts = [ChatMessage.model_validate(m).as_template_dict() for m in messages]
+            add = body.get("add_generation_prompt", True)
+            return list(self.tokenizer.encode_chat(dicts, add_generation_prompt=bool(add)))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # several prompts: route on the first
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+        return None
+
+    def keys(self, path: str, authorization: str | None, raw_body: bytes) -> list[bytes]:
+        """The full blocks' keys of the request's (first) prompt; [] when there is none."""
+        if path not in PROMPT_ROUTES:
+            return []
+        try:
+            body = json.loads(raw_body)
+            if not isinstance(body, dict):
+                return []
+            tenant = self.tenants.authenticate(authorization)
+            namespace = self.tenants.namespace(tenant, body.get("cache_salt"))
+            ids = self.token_ids(path, body)
+        except Exception:  # noqa: BLE001 - any bad input: route by load, the replica says why
+            return []
+        if not ids:
+            return []
+        ids = ids[: self.max_tokens]
+        root = root_hash(self.fingerprint, namespace, block_size=self.block_size)
+        return hash_blocks(ids, self.block_size, root)
