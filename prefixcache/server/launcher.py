@@ -38,14 +38,17 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         listen_socket: socket.socket | None = None,
         cwd: str | Path | None = None,
+        command: str = "serve",
     ) -> None:
-        """``listen_socket``: a bound, listening socket the server inherits (``--fd``), for
+        """``command``: ``serve``, or ``cluster`` (Ray Serve replicas behind one endpoint).
+        ``listen_socket``: a bound, listening socket the server inherits (``--fd``), for
         tests that need socket options set before accept (e.g. a small send buffer)."""
         self.args = list(args)
         self.host = host
         self.port = port
         self.listen_socket = listen_socket
         self.cwd = cwd  # run from another checkout (benchmarks comparing commits)
+        self.command = command
         if listen_socket is not None:
             self.host, self.port = listen_socket.getsockname()[:2]
         self.startup_timeout = startup_timeout
@@ -67,7 +70,7 @@ class ServerProcess:
                 sys.executable,
                 "-m",
                 "prefixcache.cli",
-                "serve",
+                self.command,
                 "--host",
                 self.host,
                 "--port",

@@ -1,0 +1,252 @@
+"""``prefixcache cluster`` (prefixcache/cluster): the router's policies and the merging of the
+replicas' answers (units), then one 2-replica Ray Serve cluster on the default model: the
+OpenAI client plain and streaming with output equal to a cold run, prefix routing, tenants
+across replicas, KV events per replica against their stats, and a replica killed mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from prefixcache import SamplingParams
+from prefixcache.cluster.aggregate import merge_metrics, merge_stats
+from prefixcache.cluster.router import PrefixAffinityRouter
+from prefixcache.events import BlockSetSubscriber
+from prefixcache.server.launcher import ServerProcess, free_port
+
+
+# -- units --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _ID:
+    unique_id: str
+
+
+def _replicas(*names):
+    return [SimpleNamespace(replica_id=_ID(n), max_ongoing_requests=8) for n in names]
+
+
+def _router(policy: str, imbalance: int = 2) -> PrefixAffinityRouter:
+    r = object.__new__(PrefixAffinityRouter)  # the policy alone, without a Ray Serve handle
+    r.initialize_state(policy=policy, imbalance=imbalance, capacity_blocks=4)
+    return r
+
+
+def _route(router, replicas, keys):
+    pending = SimpleNamespace(kwargs={"route": keys}, future=SimpleNamespace(done=lambda: False))
+    ranks = asyncio.run(router.choose_replicas(replicas, pending))
+    chosen = ranks[0][0]
+    router.on_request_routed(pending, chosen.replica_id, None)
+    return chosen.replica_id.unique_id
+
+
+def test_prefix_policy_sticks_to_the_replica_holding_the_chain_and_leaves_it_under_load():
+    reps = _replicas("a", "b")
+    router = _router("prefix", imbalance=2)
+    first = _route(router, reps, [b"k1", b"k2"])
+    # The same chain, or a longer one, goes where the chain went; a new chain is free to go anywhere.
+    assert _route(router, reps, [b"k1", b"k2"]) == first
+    assert _route(router, reps, [b"k1", b"k2", b"k3"]) == first
+    assert router.decisions["affinity"] == 2
+    # Its queue is now 3 longer than the other's: above the imbalance, the short queue wins.
+    other = "b" if first == "a" else "a"
+    assert _route(router, reps, [b"k1", b"k2"]) == other
+    assert router.decisions["load_fallback"] == 1
+    # Completions drain the queue; the LRU of keys is bounded by the capacity (4 blocks).
+    for _ in range(4):
+        router.on_request_completed(_ID(first), "x")
+    assert _route(router, reps, [b"k1", b"k2"]) == first
+    _route(router, [r for r in reps if r.replica_id.unique_id == first], [b"x1", b"x2", b"x3", b"x4"])
+    assert router.matched_blocks(_ID(first), [b"k1", b"k2"]) == 0
+
+
+def test_round_robin_spreads_and_target_pins():
+    reps = _replicas("a", "b", "c")
+    rr = _router("round_robin")
+    assert sorted(_route(rr, reps, [b"k"]) for _ in range(3)) == ["a", "b", "c"]
+    pending = SimpleNamespace(kwargs={"target": "c"}, future=SimpleNamespace(done=lambda: False))
+    assert asyncio.run(rr.choose_replicas(reps, pending)) == [[reps[2]]]
+    pow2 = _router("pow2")
+    assert len(asyncio.run(pow2.choose_replicas(reps, None))[0]) == 2
+    with pytest.raises(ValueError, match="routing policy"):
+        _router("random")
+
+
+def test_merge_stats_and_metrics():
+    info = [{"rank": i, "replica_id": f"r{i}", "pid": i, "node": "n"} for i in range(2)]
+    bodies = [{"query_tokens": 100, "hit_tokens": 50, "hit_rate": 0.5, "block_size": 16,
+               "kv": {"kv_cache_dtype": "int8", "num_blocks": 10}},
+              {"query_tokens": 300, "hit_tokens": 0, "hit_rate": 0.0, "block_size": 16,
+               "kv": {"kv_cache_dtype": "int8", "num_blocks": 10}}]  # fmt: skip
+    out = merge_stats(list(zip(info, bodies)))
+    assert out["query_tokens"] == 400 and out["hit_tokens"] == 50 and out["hit_rate"] == 0.125
+    assert out["block_size"] == 16 and out["kv"] == {"kv_cache_dtype": "int8", "num_blocks": 20}
+    assert [r["replica"] for r in out["replicas"]] == [0, 1] and out["replicas"][1]["query_tokens"] == 300
+    text = ("# HELP x_total X.\n# TYPE x_total counter\nx_total{model_name=\"m\"} 3.0\n"
+            "# HELP y Y.\n# TYPE y gauge\ny 1.0\n")  # fmt: skip
+    merged = merge_metrics([("0", text), ("1", text.replace("3.0", "4.0"))])
+    assert merged.splitlines() == [
+        "# HELP x_total X.", "# TYPE x_total counter",
+        'x_total{replica="0",model_name="m"} 3.0', 'x_total{replica="1",model_name="m"} 4.0',
+        "# HELP y Y.", "# TYPE y gauge", 'y{replica="0"} 1.0', 'y{replica="1"} 1.0',
+    ]  # fmt: skip
+
+
+# -- a live cluster -----------------------------------------------------------------------------
+KEYS = {"keys": {"sk-alice": "alice", "sk-bob": "bob", "sk-ops": {"tenant": "ops", "admin": True}}}
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+    events = free_port()
+    while events + 1 == free_port():  # rank 1 binds events + 1
+        events = free_port()
+    args = ["--replicas", "2", "--threads-per-replica", "1", "--routing", "prefix",
+            "--api-keys-file", str(keys), "--kv-cache-memory", "16MiB", "--max-model-len", "512",
+            "--kv-events-endpoint", f"tcp://127.0.0.1:{events}"]  # fmt: skip
+    srv = ServerProcess(args, command="cluster", startup_timeout=400)
+    srv.events_port = events
+    with srv:
+        yield srv
+
+
+def _post(srv, key, path, body, **kw):
+    r = httpx.post(srv.base_url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120, **kw)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _admin(srv, path):
+    r = httpx.get(srv.base_url + path, headers={"Authorization": "Bearer sk-ops"}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _prompt(i: int) -> str:
+    return f"Document {i}: " + " ".join(f"fact {i}-{j} is {(i * 31 + j) % 97}." for j in range(14))
+
+
+@pytest.mark.slow
+def test_openai_client_through_the_cluster_equals_a_cold_run(cluster, llm_cold):
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="sk-alice", timeout=120)
+    prompt = _prompt(0)
+    cold = llm_cold.generate([prompt], GREEDY)[0].outputs[0].text
+    first = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8, temperature=0)
+    again = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8, temperature=0)
+    assert first.choices[0].text == again.choices[0].text == cold
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Say hi"}],
+        max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].usage.completion_tokens == 6
+    # Bad input is the server's own 4xx, through the ingress.
+    r = httpx.post(cluster.base_url + "/v1/completions", json={"prompt": 5},
+                   headers={"Authorization": "Bearer sk-alice"}, timeout=60)  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert httpx.get(cluster.base_url + "/v1/models", timeout=30).status_code == 401
+
+
+@pytest.mark.slow
+def test_prefix_routing_keeps_each_prefix_on_one_replica_and_tenants_apart(cluster):
+    prompts = [_prompt(i) for i in range(1, 5)]
+    hits = []
+    for _round in range(3):
+        for p in prompts:
+            u = _post(cluster, "sk-bob", "/v1/completions", {"prompt": p, "max_tokens": 1})["usage"]
+            hits.append(u["prompt_tokens_details"]["cached_tokens"])
+    # Every repeat hits all of its prompt's full blocks: it went to the replica holding them.
+    assert hits[:4] == [0, 0, 0, 0] and all(h > 0 for h in hits[4:])
+    info = _admin(cluster, "/v1/cluster")
+    assert info["router_decisions"].get("affinity", 0) >= 8 and len(info["replicas"]) == 2
+    stats = _admin(cluster, "/v1/cache/stats")
+    per = [r["hit_tokens"] for r in stats["replicas"]]
+    assert sum(per) == stats["hit_tokens"] >= sum(hits[4:])
+    # Alice sends bob's prompt: another namespace, so no hit, wherever it lands.
+    u = _post(cluster, "sk-alice", "/v1/completions", {"prompt": prompts[0], "max_tokens": 1})["usage"]
+    assert u["prompt_tokens_details"]["cached_tokens"] == 0
+    # Bob's own stats count only bob's traffic, summed over both replicas; invalidation reaches both.
+    mine = _post_get(cluster, "sk-bob", "/v1/cache/stats")
+    assert mine["hit_tokens"] == sum(hits) and len(mine["replicas"]) == 2
+    dropped = _post(cluster, "sk-bob", "/v1/cache/invalidate", {})
+    assert dropped["replicas"] == 2 and dropped["dropped_blocks"] > 0
+    u = _post(cluster, "sk-bob", "/v1/completions", {"prompt": prompts[0], "max_tokens": 1})["usage"]
+    assert u["prompt_tokens_details"]["cached_tokens"] == 0
+    metrics = httpx.get(cluster.base_url + "/metrics", timeout=60).text
+    assert 'prefixcache:prefix_cache_hits_total{replica="0"' in metrics
+    assert 'prefixcache:prefix_cache_hits_total{replica="1"' in metrics
+    assert "prefixcache:cluster_replicas 2" in metrics
+
+
+def _post_get(srv, key, path):
+    r = httpx.get(srv.base_url + path, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.slow
+def test_kv_events_of_each_replica_rebuild_its_block_set(cluster):
+    port = cluster.events_port
+    subs = [BlockSetSubscriber(f"tcp://127.0.0.1:{port + i}") for i in range(2)]
+    try:
+        time.sleep(0.5)  # SUB sockets drop what is published before they are connected
+        _post(cluster, "sk-ops", "/v1/cache/invalidate", {"all": True})
+        for i in range(6, 10):
+            _post(cluster, "sk-alice", "/v1/completions", {"prompt": _prompt(i), "max_tokens": 2})
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for s in subs:
+                s.poll(0.2)
+            stats = _admin(cluster, "/v1/cache/stats")
+            by_rank = {r["replica"]: r["cached_blocks"] for r in stats["replicas"]}
+            if all(s.rank is not None and len(s.blocks) == by_rank[s.rank] for s in subs):
+                break
+        assert {s.rank for s in subs} == {0, 1}
+        assert all(len(s.blocks) == by_rank[s.rank] for s in subs), (by_rank, [len(s.blocks) for s in subs])
+        assert sum(by_rank.values()) > 0
+    finally:
+        for s in subs:
+            s.close()
+
+
+@pytest.mark.slow
+def test_a_replica_killed_mid_stream_fails_its_stream_only_and_comes_back(cluster):
+    prompt = _prompt(11)
+    with httpx.Client(timeout=120) as c:
+        body = {"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with c.stream("POST", cluster.base_url + "/v1/completions", json=body,
+                      headers={"Authorization": "Bearer sk-alice"}) as r:  # fmt: skip
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            busy = [x for x in _admin(cluster, "/v1/cluster")["replicas"] if x.get("running")]
+            assert len(busy) == 1
+            os.kill(busy[0]["pid"], signal.SIGKILL)
+            rest = [ln for ln in lines if ln]
+        assert "replica_failed" in rest[-1]
+    # The other replica serves on, the same prompt included (its prefix is recomputed there).
+    for _ in range(3):
+        out = _post(cluster, "sk-alice", "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+        assert out["choices"][0]["text"]
+    # Ray restarts the replica; stats and routing pick it up again.
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        reps = _admin(cluster, "/v1/cluster")["replicas"]
+        if len(reps) == 2 and all("pid" in x for x in reps) and busy[0]["pid"] not in {x["pid"] for x in reps}:
+            break
+        time.sleep(2)
+    assert len(reps) == 2 and busy[0]["pid"] not in {x["pid"] for x in reps}
+    assert httpx.get(cluster.base_url + "/health", timeout=60).json() == {"status": "ok", "replicas": 2}
