@@ -38,7 +38,7 @@ serve: install
 	$(BIN)/prefixcache serve $(ARGS)
 
 test: install install-redis chromium
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(ARGS)
 
 test-fast: install install-redis
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)

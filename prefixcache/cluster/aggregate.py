@@ -2,7 +2,7 @@
 
 Stats: counts and sizes add up; geometry that is the same everywhere (block size, bytes per
 token, dtype) is kept once; rates are recomputed from their parts where the parts are there
-(``hit_rate`` = hit_tokens / query_tokens), otherwise averaged. Each replica's own answer is kept
+(``hit_rate`` = hit_tokens / query_tokens, or a tenant's hits / prompt tokens), otherwise averaged. Each replica's own answer is kept
 under ``replicas``. Metrics: every replica's samples get a ``replica`` label (its rank), grouped
 by family so the exposition stays valid; sum over ``replica`` in PromQL for the cluster total.
 """
@@ -48,8 +48,9 @@ def merge_stats(per_replica: list[tuple[dict, dict]]) -> dict:
 def _recompute_hit_rate(d) -> None:
     if not isinstance(d, dict):
         return
-    if "hit_rate" in d and isinstance(d.get("query_tokens"), int) and isinstance(d.get("hit_tokens"), int):
-        d["hit_rate"] = d["hit_tokens"] / d["query_tokens"] if d["query_tokens"] else 0.0
+    for query, hit in (("query_tokens", "hit_tokens"), ("prompt_tokens_total", "prefix_cache_hits_total")):
+        if "hit_rate" in d and isinstance(d.get(query), int) and isinstance(d.get(hit), int):
+            d["hit_rate"] = d[hit] / d[query] if d[query] else 0.0
     for v in d.values():
         _recompute_hit_rate(v)
 
