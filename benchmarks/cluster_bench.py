@@ -33,7 +33,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiers_bench import Redis
 
-from prefixcache.server.launcher import ServerProcess
+from prefixcache.server.launcher import ServerProcess, free_port
 
 BLOCK = 16
 
@@ -63,7 +63,7 @@ def ideal_hit_rate(reqs) -> float:
 
 
 def one(client, url, r, max_tokens) -> dict:
-    body = {"prompt": r["prompt"], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": r["prompt"], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     t0 = time.perf_counter()
     ttft, usage = None, None
@@ -115,6 +115,44 @@ def cached_ttft(url, n=30) -> float:
         return statistics.median(one(c, url, r, 1)["ttft"] for _ in range(n)) * 1000
 
 
+def sglang_router_run(reqs, args, common) -> dict:
+    """The plain alternative: two `prefixcache serve` (1 thread each) behind sglang-router's
+    cache_aware policy (a Rust binary from PyPI, in its own venv: .bench/sglang-router)."""
+    import subprocess
+
+    exe = Path(__file__).resolve().parents[1] / ".bench/sglang-router/bin/python"
+    if not exe.exists():
+        raise SystemExit("python3 -m venv .bench/sglang-router && .bench/sglang-router/bin/pip install sglang-router")
+    servers = [ServerProcess(common + ["--kv-cache-memory", args.kv_per_replica], env={"OMP_NUM_THREADS": "1"}).start()
+               for _ in range(2)]  # fmt: skip
+    port = free_port()
+    router = subprocess.Popen([str(exe), "-m", "sglang_router.launch_router", "--worker-urls",
+                               *[s.base_url for s in servers], "--policy", "cache_aware", "--port", str(port),
+                               "--prometheus-port", str(free_port())],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    # sglang-router accepts text prompts only: the same prompts, decoded (each prefix decodes to
+    # the same text every time, so the requests sharing it still share its tokens).
+    from prefixcache.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    reqs = [{**r, "prompt": tok.decode(r["prompt"])} for r in reqs]
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        return run_workload(url, reqs, args)
+    finally:
+        router.terminate()
+        router.wait(30)
+        for srv in servers:
+            srv.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prefixes", type=int, default=16)
@@ -140,6 +178,10 @@ def main() -> None:
     print(f"{len(reqs)} requests, ideal hit rate {results['ideal_hit_rate']}", flush=True)
     for name in args.configs.split(","):
         redis = None
+        if name == "sglang_cache_aware":
+            results["runs"][name] = sglang_router_run(reqs, args, common)
+            print(name, results["runs"][name], flush=True)
+            continue
         if name == "single":
             cmd, extra = "serve", ["--kv-cache-memory", args.kv_one_replica]
         elif name == "overhead":
