@@ -1,0 +1,212 @@
+"""The engine side of segment caching: fill a segments request's document spans from the
+segment store, recompute the first tokens of each in its new context, go on normally after.
+
+For a sequence with a ``SegmentPlan``, when it is first scheduled (and again after a preemption:
+the assembly is deterministic), ``prepare`` does, in prompt order::
+
+    [ exact prefix ][ doc A          ][ doc B          ][ question ... ]
+      computed        k tokens | rest   k tokens | rest   left to the scheduler
+      exactly         recomputed|placed recomputed|placed
+
+- the part before the first span (system prompt: prefix-cache hits, or computed exactly);
+- each span: its KV computed alone (from the store, or computed now and stored), re-rotated to
+  the span's start and written into the sequence's own blocks, except its first k tokens, which
+  are recomputed with attention over everything before them (EPIC-style; k from the options);
+- then ``num_computed_tokens`` points at the end of the last span and the sequence drops out of
+  this step; the scheduler prefills the rest (the question) exactly as for any request.
+
+Invariant: blocks from the first span on are never registered in the prefix index
+(``Sequence.max_registered_blocks``), so no other request can hit KV that a cold run would not
+compute. The output of a segments request does not depend on whether its segments were in the
+store: a miss computes the same KV alone that a hit reads (cold == warm within the mode).
+With k >= the span length nothing is placed and the assembly is a chunked cold prefill.
+
+The assembly runs inside the step, outside ``max_num_batched_tokens`` (its forwards are chunked
+by it); a prefill of that size would have run anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prefixcache.cache.manager import KVCacheManager
+from prefixcache.kv.pool import KVCache, KVLayout
+from prefixcache.model.attention import build_metadata
+from prefixcache.model.decode_attention import slots_of
+from prefixcache.model.runner import ModelRunner
+from prefixcache.segments.plan import (
+    SegmentOptions,
+    SegmentPlan,
+    SegmentSpan,
+    check_spans,
+    segment_key,
+)
+from prefixcache.segments.rotation import rerotate
+from prefixcache.segments.store import SegmentEntry, SegmentStore
+from prefixcache.sequence import ScheduledSeq, Sequence
+
+
+@dataclass
+class SegmentCounters:
+    requests: int = 0  # segments requests assembled (first assembly only)
+    reused_tokens: int = 0  # placed from a store hit and not recomputed
+    recomputed_tokens: int = 0  # recomputed in context (the first k of each span)
+    computed_alone_tokens: int = 0  # store misses: computed alone, then stored
+
+
+class SegmentAssembler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        kv: KVCacheManager,
+        store: SegmentStore,
+        fingerprint: str,
+        max_chunk: int,
+    ):
+        self.runner = runner
+        self.kv = kv
+        self.store = store
+        self.fingerprint = fingerprint
+        self.kv_dtype = runner.kv.fmt.name
+        self.block_size = kv.block_size
+        self.max_chunk = max_chunk
+        self.counters = SegmentCounters()
+
+    # ---- planning (at add_request) --------------------------------------------------------------
+    def plan(
+        self,
+        token_ids: list[int],
+        spans: list[tuple[int, int]],
+        options: SegmentOptions,
+        namespace: str | None,
+    ) -> SegmentPlan:
+        check_spans(spans, len(token_ids))
+        return SegmentPlan(
+            tuple(
+                SegmentSpan(a, b, self.key(token_ids[a:b], namespace)) for a, b in spans
+            ),
+            options,
+        )
+
+    def key(self, token_ids: list[int], namespace: str | None) -> bytes:
+        return segment_key(self.fingerprint, self.kv_dtype, namespace, token_ids)
+
+    def register_limit(self, plan: SegmentPlan) -> int:
+        """Full blocks of a sequence that may enter the prefix index: those wholly before the
+        first span (exact KV); every later block may hold placed segment KV."""
+        return plan.first_start() // self.block_size
+
+    # ---- the step -----------------------------------------------------------------------------
+    def prepare(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Assemble the segments of scheduled sequences that reach their spans now; those drop
+        out of this step's batch (their next step computes what follows the last span)."""
+        out = []
+        for s in scheduled:
+            seq = s.seq
+            plan = seq.segments
+            if plan is None or not plan.spans or seq.num_computed_tokens >= plan.end:
+                out.append(s)
+            elif not self.kv.allocate_slots(seq, plan.end - seq.num_computed_tokens):
+                out.append(s)  # no room now: this chunk runs exactly; spans left are tried later
+            else:
+                self._assemble(seq, plan)
+        return out
+
+    def _assemble(self, seq: Sequence, plan: SegmentPlan) -> None:
+        c = seq.num_computed_tokens
+        reused = recomputed = 0
+        for sp in plan.spans:
+            if sp.end <= c:  # already computed (exact prefix hits reached past it)
+                continue
+            if sp.start < c:  # partly computed: finish it exactly
+                self._forward(seq, c, sp.end)
+                c = sp.end
+                continue
+            if c < sp.start:
+                self._forward(seq, c, sp.start)  # exact: the prefix, or text between spans
+            k = plan.options.recompute_for(sp.length)
+            if k < sp.length:
+                ids = seq.prompt_token_ids[sp.start : sp.end]
+                entry = self.store.get(sp.key, ids, seq.namespace)
+                if entry is None:
+                    entry = self.compute_alone(ids, seq.namespace)
+                    self.store.put(sp.key, entry)
+                    self.counters.computed_alone_tokens += sp.length
+                else:
+                    reused += sp.length - k
+                self._place(seq, sp.start, k, entry)
+            if k:
+                self._forward(seq, sp.start, sp.start + k)
+                recomputed += k
+            c = sp.end
+        seq.num_computed_tokens = c
+        if seq.num_segment_cached_tokens is None:  # first assembly: what the user sees
+            seq.num_segment_cached_tokens = reused
+            self.counters.requests += 1
+            self.counters.reused_tokens += reused
+            self.counters.recomputed_tokens += recomputed
+
+    def _forward(self, seq: Sequence, start: int, stop: int) -> None:
+        """Compute prompt tokens [start, stop) of ``seq`` into its blocks, attending over its
+        slots [0, start); samples nothing (stop is before the last prompt token)."""
+        assert stop < seq.num_tokens, "a span reaching the last token would need its logits"
+        for a in range(start, stop, self.max_chunk):
+            seq.num_computed_tokens = a
+            self.runner.execute([ScheduledSeq(seq, min(self.max_chunk, stop - a))])
+        seq.num_computed_tokens = stop
+
+    @torch.inference_mode()
+    def _place(self, seq: Sequence, start: int, skip: int, entry: SegmentEntry) -> None:
+        """Write ``entry``'s tokens [skip, n) at positions start+skip.. of ``seq``: K re-rotated
+        by ``start``, both quantized into the pool's KV format by the pool's own store."""
+        n = len(entry.token_ids)
+        dev = self.runner.device
+        slots = slots_of(seq.block_table, start + skip, start + n, self.block_size).to(dev)
+        k = rerotate(entry.k[:, :, skip:], start, self.runner.model.rotary)
+        v = entry.v[:, :, skip:]
+        native = self.runner.model.native
+        for i in range(k.shape[0]):
+            layer = self.runner.kv.layer(i, native)
+            # [kv_heads, n, D] -> [n, kv_heads, D], in the compute dtype the pool's store takes
+            kt = k[i].transpose(0, 1).to(self.runner.dtype).contiguous()
+            vt = v[i].transpose(0, 1).to(self.runner.dtype).contiguous()
+            layer.store(slots, kt, vt)
+
+    @torch.inference_mode()
+    def compute_alone(self, token_ids: list[int], namespace: str | None) -> SegmentEntry:
+        """KV of ``token_ids`` computed with nothing before them, at positions 0..n-1, in a
+        private cache of the pool's KV format (the engine's pool is not touched); read back as
+        the float32 values attention would see."""
+        n, bs, dev = len(token_ids), self.block_size, self.runner.device
+        nblocks = -(-n // bs)
+        lay = self.runner.kv.layout
+        private = KVCache(
+            self.runner.config, KVLayout(nblocks, bs, lay.bytes_per_token, lay.kv_format), dev
+        )
+        table = list(range(nblocks))
+        model = self.runner.model
+        for a in range(0, n, self.max_chunk):
+            m = min(self.max_chunk, n - a)
+            meta = build_metadata([table], [a], [m], bs, dev, native=model.native)
+            ids = torch.tensor(token_ids[a : a + m], dtype=torch.long, device=dev)
+            pos = torch.arange(a, a + m, device=dev)
+            model(ids, pos, private, meta, torch.tensor([m - 1], device=dev))
+        slots = torch.arange(n, device=dev)
+        ks, vs = [], []
+        for i in range(self.runner.config.num_layers):
+            k, v = private.layer(i).gather(slots, torch.float32)  # [kv_heads, n, D]
+            ks.append(k.clone())
+            vs.append(v.clone())
+        return SegmentEntry(namespace, tuple(token_ids), torch.stack(ks), torch.stack(vs))
+
+    def warm(self, token_ids: list[int], namespace: str | None) -> bool:
+        """Compute and keep one segment (``/v1/cache/warm`` in segments mode). Returns whether
+        it was already stored."""
+        key = self.key(token_ids, namespace)
+        if self.store.get(key, token_ids, namespace) is not None:
+            return True
+        self.store.put(key, self.compute_alone(token_ids, namespace))
+        self.counters.computed_alone_tokens += len(token_ids)
+        return False
