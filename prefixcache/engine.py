@@ -300,11 +300,8 @@ class LLMEngine:
     def block_hashes(self, prompt_token_ids: list[int], namespace: str | None = None) -> list[bytes]:
         return self.kv.keys_for(prompt_token_ids, namespace)
 
-    def warm_segments(
-        self, token_ids: list[int], spans: list[tuple[int, int]], namespace: str | None
-    ) -> int:
-        """Compute and store each span of ``token_ids`` as a segment; returns how many were
-        stored already. Only spans the store can use are warmed (see SegmentAssembler.warm)."""
+    def warm_segments(self, token_ids: list[int], spans, namespace: str | None) -> int:
+        """Store each span of ``token_ids`` as a segment; returns how many were stored already."""
         self.validate_prompt(token_ids)
         return sum(self.segments.warm(token_ids[a:b], namespace) for a, b in spans)
 
@@ -374,18 +371,8 @@ class LLMEngine:
             "bytes_per_token": self.layout.bytes_per_token,
             "capacity_tokens": self.layout.capacity_tokens,
             "tiers": {t.name: tier_dict(t) for t in st.tiers},
-            "segments": self.segment_stats(),
+            "segments": self.segments.stats(),
         }
-
-    def segment_stats(self) -> dict:
-        st, c = self.segments.store.stats(), self.segments.counters
-        return {
-            "entries": st.entries, "used_bytes": st.used_bytes,
-            "capacity_bytes": st.capacity_bytes, "hits": st.hits, "misses": st.misses,
-            "evicted": st.evicted, "requests": c.requests, "reused_tokens": c.reused_tokens,
-            "recomputed_tokens": c.recomputed_tokens,
-            "computed_alone_tokens": c.computed_alone_tokens,
-        }  # fmt: skip
 
     def stats(self) -> EngineStats:
         c = self.pool.counts()

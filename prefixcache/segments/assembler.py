@@ -201,6 +201,17 @@ class SegmentAssembler:
             vs.append(v.clone())
         return SegmentEntry(namespace, tuple(token_ids), torch.stack(ks), torch.stack(vs))
 
+    def stats(self) -> dict:
+        """``cache_stats()["segments"]``."""
+        st, c = self.store.stats(), self.counters
+        return {
+            "entries": st.entries, "used_bytes": st.used_bytes,
+            "capacity_bytes": st.capacity_bytes, "hits": st.hits, "misses": st.misses,
+            "evicted": st.evicted, "requests": c.requests, "reused_tokens": c.reused_tokens,
+            "recomputed_tokens": c.recomputed_tokens,
+            "computed_alone_tokens": c.computed_alone_tokens,
+        }  # fmt: skip
+
     def warm(self, token_ids: list[int], namespace: str | None) -> bool:
         """Compute and keep one segment (``/v1/cache/warm`` in segments mode). Returns whether
         it was already stored."""
