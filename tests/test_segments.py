@@ -172,3 +172,18 @@ def test_int8_kv_segments(llm):
     reused = eng8.chat(msgs, GREEDY, cache_mode="segments", segment_recompute_tokens=4)[0]
     assert reused.num_segment_cached_tokens == sum(b - a - 4 for a, b in seg.spans)
     eng8.check_integrity()
+
+
+def test_pieces_in_one_forward_equal_pieces_one_by_one(llm, monkeypatch):
+    """The assembly computes every document's recomputed tokens in one forward; with forwards
+    of one token each (max_chunk 1: every piece alone, in order) the outputs are the same."""
+    msgs = _messages(["Chen", "Alice", "Dara"])
+    lp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
+    one = llm.chat(msgs, lp, cache_salt="seg-one-forward", cache_mode="segments",
+                   segment_recompute_tokens=3)[0].outputs[0]  # fmt: skip
+    monkeypatch.setattr(llm.engine.segments, "max_chunk", 1)
+    split = llm.chat(msgs, lp, cache_salt="seg-split", cache_mode="segments",
+                     segment_recompute_tokens=3)[0].outputs[0]  # fmt: skip
+    assert one.token_ids == split.token_ids
+    for a, b in zip(one.logprobs, split.logprobs):
+        assert all(abs(a[t] - b[t]) < 1e-4 for t in a.keys() & b.keys())

@@ -56,6 +56,26 @@ class SegmentCounters:
     computed_alone_tokens: int = 0  # store misses: computed alone, then stored
 
 
+class _At:
+    """``seq`` seen as if ``start`` tokens were computed: what the runner reads of a sequence
+    (token ids, block table, computed count), for one piece of an assembly forward."""
+
+    __slots__ = ("block_table", "num_computed_tokens", "seq")
+
+    def __init__(self, seq: Sequence, start: int):
+        self.seq = seq
+        self.block_table = seq.block_table
+        self.num_computed_tokens = start
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.seq.all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq.num_tokens
+
+
 class SegmentAssembler:
     def __init__(
         self,
@@ -117,15 +137,16 @@ class SegmentAssembler:
     def _assemble(self, seq: Sequence, plan: SegmentPlan) -> None:
         c = seq.num_computed_tokens
         reused = recomputed = 0
+        pieces: list[tuple[int, int]] = []  # token ranges to compute, in prompt order
         for sp in plan.spans:
             if sp.end <= c:  # already computed (exact prefix hits reached past it)
                 continue
             if sp.start < c:  # partly computed: finish it exactly
-                self._forward(seq, c, sp.end)
+                pieces.append((c, sp.end))
                 c = sp.end
                 continue
             if c < sp.start:
-                self._forward(seq, c, sp.start)  # exact: the prefix, or text between spans
+                pieces.append((c, sp.start))  # exact: the prefix, or text between spans
             k = plan.options.recompute_for(sp.length)
             if k < sp.length:
                 ids = seq.prompt_token_ids[sp.start : sp.end]
@@ -138,9 +159,10 @@ class SegmentAssembler:
                     reused += sp.length - k
                 self._place(seq, sp.start, k, entry)
             if k:
-                self._forward(seq, sp.start, sp.start + k)
+                pieces.append((sp.start, sp.start + k))
                 recomputed += k
             c = sp.end
+        self._compute(seq, pieces)  # after every placement: recomputed tokens attend to them
         seq.num_computed_tokens = c
         if seq.num_segment_cached_tokens is None:  # first assembly: what the user sees
             seq.num_segment_cached_tokens = reused
@@ -148,14 +170,31 @@ class SegmentAssembler:
             self.counters.reused_tokens += reused
             self.counters.recomputed_tokens += recomputed
 
-    def _forward(self, seq: Sequence, start: int, stop: int) -> None:
-        """Compute prompt tokens [start, stop) of ``seq`` into its blocks, attending over its
-        slots [0, start); samples nothing (stop is before the last prompt token)."""
-        assert stop < seq.num_tokens, "a span reaching the last token would need its logits"
-        for a in range(start, stop, self.max_chunk):
-            seq.num_computed_tokens = a
-            self.runner.execute([ScheduledSeq(seq, min(self.max_chunk, stop - a))])
-        seq.num_computed_tokens = stop
+    def _compute(self, seq: Sequence, pieces: list[tuple[int, int]]) -> None:
+        """Compute the prompt tokens of ``pieces`` (ordered, disjoint ranges) into ``seq``'s
+        blocks, each token attending over every slot before it, in as few forwards as
+        ``max_chunk`` allows: one forward per batch of pieces, each piece a row group of its
+        own (``_At``) over the same block table.
+
+        Why several pieces of one sequence may share a forward: every layer stores the new
+        tokens' K/V before any of them attends (model/attention.py), so a piece attending over
+        an earlier piece of the same forward sees that piece's K/V of the same layer, exactly
+        as if the earlier piece had been computed in a forward before it. One forward instead
+        of one per document: at small k a forward costs a pass over the weights, whatever its
+        size. Nothing is sampled (every piece ends before the last prompt token)."""
+        assert all(b < seq.num_tokens for _, b in pieces), "a piece would need logits"
+        batch, size = [], 0
+        for a, b in pieces:
+            while a < b:
+                n = min(b - a, self.max_chunk - size)
+                batch.append(ScheduledSeq(_At(seq, a), n))
+                size += n
+                a += n
+                if size == self.max_chunk:
+                    self.runner.execute(batch)
+                    batch, size = [], 0
+        if batch:
+            self.runner.execute(batch)
 
     @torch.inference_mode()
     def _place(self, seq: Sequence, start: int, skip: int, entry: SegmentEntry) -> None:
