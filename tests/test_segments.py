@@ -156,6 +156,9 @@ def test_bad_options_are_refused(llm):
         SegmentOptions(recompute_ratio=1.5)
     with pytest.raises(ValueError):
         llm.chat(_messages(["Alice"]), GREEDY, cache_mode="blend")
+    # k per document: the larger of the token count and the ratio's share, at most all of it
+    opts = SegmentOptions(recompute_tokens=4, recompute_ratio=0.5)
+    assert [opts.recompute_for(n) for n in (3, 6, 10, 11)] == [3, 4, 5, 6]
 
 
 def test_int8_kv_segments(llm):
