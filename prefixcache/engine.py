@@ -303,7 +303,8 @@ class LLMEngine:
     def warm_segments(self, token_ids: list[int], spans, namespace: str | None) -> int:
         """Store each span of ``token_ids`` as a segment; returns how many were stored already."""
         self.validate_prompt(token_ids)
-        return sum(self.segments.warm(token_ids[a:b], namespace) for a, b in spans)
+        sink = self.segments.sink_of(token_ids, spans)
+        return sum(self.segments.warm(token_ids[a:b], namespace, sink) for a, b in spans)
 
     def pin_prefix(
         self,

@@ -37,6 +37,7 @@ from prefixcache.model.attention import build_metadata
 from prefixcache.model.decode_attention import slots_of
 from prefixcache.model.runner import ModelRunner
 from prefixcache.segments.plan import (
+    SINK_TOKENS,
     SegmentOptions,
     SegmentPlan,
     SegmentSpan,
@@ -103,15 +104,24 @@ class SegmentAssembler:
         namespace: str | None,
     ) -> SegmentPlan:
         check_spans(spans, len(token_ids))
+        sink = self.sink_of(token_ids, spans)
         return SegmentPlan(
             tuple(
-                SegmentSpan(a, b, self.key(token_ids[a:b], namespace)) for a, b in spans
+                SegmentSpan(a, b, self.key(token_ids[a:b], namespace, sink)) for a, b in spans
             ),
             options,
+            sink,
         )
 
-    def key(self, token_ids: list[int], namespace: str | None) -> bytes:
-        return segment_key(self.fingerprint, self.kv_dtype, namespace, token_ids)
+    @staticmethod
+    def sink_of(token_ids: list[int], spans) -> tuple[int, ...]:
+        """The tokens segments are computed after: the prompt's first SINK_TOKENS (none when a
+        span starts earlier)."""
+        n = min(SINK_TOKENS, spans[0][0]) if spans else 0
+        return tuple(token_ids[:n])
+
+    def key(self, token_ids: list[int], namespace: str | None, sink=()) -> bytes:
+        return segment_key(self.fingerprint, self.kv_dtype, namespace, token_ids, sink)
 
     def register_limit(self, plan: SegmentPlan) -> int:
         """Full blocks of a sequence that may enter the prefix index: those wholly before the
@@ -150,9 +160,9 @@ class SegmentAssembler:
             k = plan.options.recompute_for(sp.length)
             if k < sp.length:
                 ids = seq.prompt_token_ids[sp.start : sp.end]
-                entry = self.store.get(sp.key, ids, seq.namespace)
+                entry = self.store.get(sp.key, ids, seq.namespace, plan.sink)
                 if entry is None:
-                    entry = self.compute_alone(ids, seq.namespace)
+                    entry = self.compute_alone(ids, seq.namespace, plan.sink)
                     self.store.put(sp.key, entry)
                     self.counters.computed_alone_tokens += sp.length
                 else:
@@ -203,7 +213,7 @@ class SegmentAssembler:
         n = len(entry.token_ids)
         dev = self.runner.device
         slots = slots_of(seq.block_table, start + skip, start + n, self.block_size).to(dev)
-        k = rerotate(entry.k[:, :, skip:], start, self.runner.model.rotary)
+        k = rerotate(entry.k[:, :, skip:], start - entry.position, self.runner.model.rotary)
         v = entry.v[:, :, skip:]
         native = self.runner.model.native
         for i in range(k.shape[0]):
@@ -214,10 +224,14 @@ class SegmentAssembler:
             layer.store(slots, kt, vt)
 
     @torch.inference_mode()
-    def compute_alone(self, token_ids: list[int], namespace: str | None) -> SegmentEntry:
-        """KV of ``token_ids`` computed with nothing before them, at positions 0..n-1, in a
-        private cache of the pool's KV format (the engine's pool is not touched); read back as
-        the float32 values attention would see."""
+    def compute_alone(
+        self, token_ids: list[int], namespace: str | None, sink: tuple[int, ...] = ()
+    ) -> SegmentEntry:
+        """KV of ``token_ids`` computed after ``sink`` alone, at positions m..m+n-1 (m =
+        len(sink)), in a private cache of the pool's KV format (the engine's pool is not
+        touched); read back as the float32 values attention would see."""
+        seg, token_ids = list(token_ids), list(sink) + list(token_ids)
+        m = len(sink)
         n, bs, dev = len(token_ids), self.block_size, self.runner.device
         nblocks = -(-n // bs)
         lay = self.runner.kv.layout
@@ -227,18 +241,20 @@ class SegmentAssembler:
         table = list(range(nblocks))
         model = self.runner.model
         for a in range(0, n, self.max_chunk):
-            m = min(self.max_chunk, n - a)
-            meta = build_metadata([table], [a], [m], bs, dev, native=model.native)
-            ids = torch.tensor(token_ids[a : a + m], dtype=torch.long, device=dev)
-            pos = torch.arange(a, a + m, device=dev)
-            model(ids, pos, private, meta, torch.tensor([m - 1], device=dev))
-        slots = torch.arange(n, device=dev)
+            c = min(self.max_chunk, n - a)
+            meta = build_metadata([table], [a], [c], bs, dev, native=model.native)
+            ids = torch.tensor(token_ids[a : a + c], dtype=torch.long, device=dev)
+            pos = torch.arange(a, a + c, device=dev)
+            model(ids, pos, private, meta, torch.tensor([c - 1], device=dev))
+        slots = torch.arange(m, n, device=dev)  # the segment's own tokens
         ks, vs = [], []
         for i in range(self.runner.config.num_layers):
-            k, v = private.layer(i).gather(slots, torch.float32)  # [kv_heads, n, D]
+            k, v = private.layer(i).gather(slots, torch.float32)  # [kv_heads, n - m, D]
             ks.append(k.clone())
             vs.append(v.clone())
-        return SegmentEntry(namespace, tuple(token_ids), torch.stack(ks), torch.stack(vs))
+        return SegmentEntry(
+            namespace, tuple(seg), torch.stack(ks), torch.stack(vs), tuple(sink), m
+        )
 
     def stats(self) -> dict:
         """``cache_stats()["segments"]``."""
@@ -251,12 +267,12 @@ class SegmentAssembler:
             "computed_alone_tokens": c.computed_alone_tokens,
         }  # fmt: skip
 
-    def warm(self, token_ids: list[int], namespace: str | None) -> bool:
+    def warm(self, token_ids: list[int], namespace: str | None, sink: tuple[int, ...]) -> bool:
         """Compute and keep one segment (``/v1/cache/warm`` in segments mode). Returns whether
         it was already stored."""
-        key = self.key(token_ids, namespace)
-        if self.store.get(key, token_ids, namespace) is not None:
+        key = self.key(token_ids, namespace, sink)
+        if self.store.get(key, token_ids, namespace, sink) is not None:
             return True
-        self.store.put(key, self.compute_alone(token_ids, namespace))
+        self.store.put(key, self.compute_alone(token_ids, namespace, sink))
         self.counters.computed_alone_tokens += len(token_ids)
         return False

@@ -1,14 +1,16 @@
 """What a segments request asks for: its options, each document's token span and key. No torch.
 
-A segment key names the KV of a token run computed *alone*, at positions 0..n-1, with nothing
-before it (the boundary convention ``BOUNDARY``). It is a pure function of what that KV depends
-on: the model fingerprint (weights, tokenizer, dtype, KV dtype), the KV dtype once more (spelled
-out so a reader of the key input needs no fingerprint to tell formats apart), the namespace, the
-convention and the token ids. Equal keys mean equal stored KV; the store still compares token
-ids on a hit, so a collision can only cost a miss.
+A segment key names the KV of a token run computed *alone*: after the ``sink`` tokens (the
+first token of the prompt, the model's attention sink) and nothing else, at positions
+len(sink)..len(sink)+n-1 (the boundary convention ``BOUNDARY``). It is a pure function of what
+that KV depends on: the model fingerprint (weights, tokenizer, dtype, KV dtype), the KV dtype
+once more (spelled out so a reader of the key input needs no fingerprint to tell formats apart),
+the namespace, the convention, the sink ids and the token ids. Equal keys mean equal stored KV;
+the store still compares token ids on a hit, so a collision can only cost a miss.
 
     key = H( b"prefixcache/segment-key" || u32(SEGMENT_KEY_VERSION) || str(fingerprint)
-             || str(kv_dtype) || str(BOUNDARY) || ns || u32(n) || u32(t[0]) ... u32(t[n-1]) )
+             || str(kv_dtype) || str(BOUNDARY) || ns || u32(m) || u32(s[0]) ... u32(s[m-1])
+             || u32(n) || u32(t[0]) ... u32(t[n-1]) )          s: the sink ids, t: the segment's
 
 with ``H``, ``u32``, ``str`` and ``ns`` as in docs/design.md §3 (the block-key format).
 """
@@ -21,10 +23,13 @@ from dataclasses import dataclass
 from prefixcache.cache.hashing import _str, _u32, _u32_array, key_hash
 from prefixcache.errors import InvalidRequestError
 
-SEGMENT_KEY_VERSION = 1
+SEGMENT_KEY_VERSION = 2
 _TAG = b"prefixcache/segment-key"
-# Segments are computed alone from position 0, no BOS, no header before them.
-BOUNDARY = "alone-from-0"
+# Segments are computed after the prompt's first SINK_TOKENS tokens (the attention sink: v1
+# computed them from position 0, where a document's own first token became the sink of all its
+# other tokens; docs/benchmarks.md has both).
+SINK_TOKENS = 1
+BOUNDARY = f"after-prompt-head-{SINK_TOKENS}"
 
 CACHE_MODES = ("prefix", "segments")
 DEFAULT_RECOMPUTE_TOKENS = 16
@@ -32,12 +37,17 @@ MAX_RECOMPUTE_TOKENS = 1 << 20
 
 
 def segment_key(
-    fingerprint: str, kv_dtype: str, namespace: str | None, token_ids: list[int]
+    fingerprint: str,
+    kv_dtype: str,
+    namespace: str | None,
+    token_ids: list[int],
+    sink: list[int] | tuple[int, ...] = (),
 ) -> bytes:
     ns = b"\x00" if namespace is None else b"\x01" + _str(namespace)
-    ids = _u32_array(token_ids).tobytes()  # little-endian on every platform we run on
     head = _TAG + _u32(SEGMENT_KEY_VERSION) + _str(fingerprint) + _str(kv_dtype) + _str(BOUNDARY)
-    return key_hash(head + ns + _u32(len(token_ids)) + ids)
+    # little-endian u32 ids on every platform we run on
+    sink_b = _u32(len(sink)) + _u32_array(list(sink)).tobytes()
+    return key_hash(head + ns + sink_b + _u32(len(token_ids)) + _u32_array(token_ids).tobytes())
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,7 @@ class SegmentPlan:
 
     spans: tuple[SegmentSpan, ...]
     options: SegmentOptions
+    sink: tuple[int, ...] = ()  # the tokens every segment of this plan is computed after
 
     @property
     def end(self) -> int:

@@ -19,9 +19,9 @@ from prefixcache.model.llama import Rotary, rotate
 
 def rerotate(k: torch.Tensor, shift: int, rotary: Rotary) -> torch.Tensor:
     """``k`` [..., n, head_dim] float32 rotated for positions p..p+n-1 -> rotated for
-    p+shift..p+shift+n-1. ``shift`` >= 0 (segments are stored from position 0)."""
+    p+shift..p+shift+n-1. A negative shift rotates back: R(-d) has cos(d) and -sin(d)."""
     if shift == 0:
         return k
-    cos = rotary.cos[shift].to(k.dtype)  # [head_dim], the rotate-half convention of llama.py
-    sin = rotary.sin_signed[shift].to(k.dtype)
-    return rotate(k, cos, sin)
+    cos = rotary.cos[abs(shift)].to(k.dtype)  # [head_dim], the rotate-half convention (llama.py)
+    sin = rotary.sin_signed[abs(shift)].to(k.dtype)
+    return rotate(k, cos, sin if shift > 0 else -sin)

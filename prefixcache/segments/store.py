@@ -24,8 +24,10 @@ import torch
 class SegmentEntry:
     namespace: str | None
     token_ids: tuple[int, ...]
-    k: torch.Tensor  # [layers, kv_heads, n, head_dim] float32, rotated for positions 0..n-1
+    k: torch.Tensor  # [layers, kv_heads, n, head_dim] float32, rotated for positions p..p+n-1
     v: torch.Tensor  # [layers, kv_heads, n, head_dim] float32
+    sink: tuple[int, ...] = ()  # computed after these tokens
+    position: int = 0  # p: the position of its first token when computed (= len(sink))
 
     @property
     def nbytes(self) -> int:
@@ -55,11 +57,14 @@ class SegmentStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: bytes, token_ids: list[int], namespace: str | None) -> SegmentEntry | None:
+    def get(
+        self, key: bytes, token_ids: list[int], namespace: str | None, sink=None
+    ) -> SegmentEntry | None:
         """The entry for these tokens, or None. A key whose stored ids or namespace differ (a
         collision) is a miss, never someone else's KV."""
         e = self._entries.get(key)
-        if e is None or e.namespace != namespace or e.token_ids != tuple(token_ids):
+        if e is None or e.namespace != namespace or e.token_ids != tuple(token_ids) \
+                or (sink is not None and e.sink != tuple(sink)):  # fmt: skip
             self.misses += 1
             return None
         self._entries.move_to_end(key)
