@@ -45,6 +45,7 @@ from prefixcache.errors import (
     TenantQuotaError,
 )
 from prefixcache.request import CacheExplanation, SamplingParams, StreamDelta
+from prefixcache.segments.plan import SegmentRequest
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class AddRequest:
     priority: int
     explain: bool
     explain_across_namespaces: bool
+    segments: SegmentRequest | None = None
 
 
 @dataclass(frozen=True)
@@ -222,6 +224,7 @@ class AsyncEngine:
         *,
         tenant: str | None = None,
         explain_across_namespaces: bool = False,
+        segments: SegmentRequest | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Validate now (InvalidRequestError, QueueFullError, TenantQuotaError,
         EngineShutDownError), run in the engine thread, stream deltas. Requests added before
@@ -238,7 +241,7 @@ class AsyncEngine:
         self._inbox.append(
             AddRequest(
                 request_id, list(prompt_token_ids), params, namespace, tenant, priority,
-                explain, explain_across_namespaces,
+                explain, explain_across_namespaces, segments,
             )
         )  # fmt: skip
         self._wake.set()
@@ -292,7 +295,7 @@ class AsyncEngine:
                 self.engine.add_request(
                     m.request_id, m.prompt_token_ids, m.params, namespace=m.namespace,
                     priority=m.priority, explain=m.explain, tenant=m.tenant,
-                    explain_across_namespaces=m.explain_across_namespaces,
+                    explain_across_namespaces=m.explain_across_namespaces, segments=m.segments,
                 )  # fmt: skip
             except Exception as e:  # noqa: BLE001 - handed to the request's consumer
                 self._fail(m.request_id, e)
@@ -396,6 +399,18 @@ class AsyncEngine:
                     prompt_token_ids, namespace, ttl_seconds, owner=tenant, owner_quota=owner_quota
                 )
         return WarmResult(len(prompt_token_ids), before.num_cached_tokens, pinned)
+
+    async def warm_segments(
+        self, token_ids: list[int], spans: list[tuple[int, int]], namespace: str | None
+    ) -> int:
+        """Compute and keep each span of ``token_ids`` as a segment (cache_mode="segments" of
+        /v1/cache/warm). Returns how many were stored already."""
+
+        def run() -> int:
+            with self._lock:
+                return self.engine.warm_segments(token_ids, spans, namespace)
+
+        return await asyncio.to_thread(run)
 
     def _pin_quota(self, tenant: str | None, quota: bool) -> int | None:
         if not quota or tenant is None:

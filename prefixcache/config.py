@@ -102,6 +102,10 @@ class EngineConfig:
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
     kv_events_rank: int | None = None
+    # Segment store (segments/, docs/segments.md): RAM for documents' KV computed alone, used
+    # only by requests that ask for cache_mode="segments". Kept as float32: ~46 KB/token for
+    # the default model, so 512 MiB hold ~11k document tokens.
+    segment_cache_memory: str | int = "512MiB"
     device: str = "cpu"
     seed: int = 0
     max_waiting_requests: int = 256
@@ -128,6 +132,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
+        parse_bytes(self.segment_cache_memory)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_seqs < 1:

@@ -15,7 +15,7 @@ import torch
 
 from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.manager import KVCacheManager, blocks_needed
-from prefixcache.config import EngineConfig
+from prefixcache.config import EngineConfig, parse_bytes
 from prefixcache.engine_api import EngineStats, LookupResult, TenantStats
 from prefixcache.engine_tiers import build_tiers, tier_dict
 from prefixcache.errors import (
@@ -35,6 +35,9 @@ from prefixcache.output import OutputProcessor
 from prefixcache.request import CacheExplanation, RequestMetrics, RequestStatus, SamplingParams
 from prefixcache.sampler import SampleFailure, make_generator, sample
 from prefixcache.scheduler import Scheduler
+from prefixcache.segments.assembler import SegmentAssembler
+from prefixcache.segments.plan import SegmentRequest
+from prefixcache.segments.store import SegmentStore
 from prefixcache.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -84,6 +87,11 @@ class LLMEngine:
         # Disk and Redis behind the pool (engine_tiers.py); NoTiers when none is configured.
         self.tiers = build_tiers(config, self.fingerprint, weights.config, self.kv, self.runner.kv)
         self.kv_events = attach_kv_events(config, self.kv)  # None unless configured
+        # Segment caching, for requests that ask for it (segments/); idle otherwise.
+        self.segments = SegmentAssembler(
+            self.runner, self.kv, SegmentStore(parse_bytes(config.segment_cache_memory)),
+            self.fingerprint, config.max_num_batched_tokens,
+        )  # fmt: skip
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
         self._n_added = 0
@@ -153,15 +161,20 @@ class LLMEngine:
         arrival_time: float | None = None,
         tenant: str | None = None,
         explain_across_namespaces: bool = False,
+        segments: SegmentRequest | None = None,
     ) -> Sequence:
         """``explain_across_namespaces`` (admins only): a miss may be explained by blocks of
         other namespaces. Without it the explanation looks at this namespace alone, so what it
-        says and what it costs never depend on other tenants' prompts."""
+        says and what it costs never depend on other tenants' prompts. ``segments``: reuse
+        these document spans through the segment store (cache_mode="segments")."""
         if request_id in self.seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
         self.validate(ids, params)
+        plan = None
+        if segments is not None and segments.spans:
+            plan = self.segments.plan(ids, list(segments.spans), segments.options, namespace)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -175,6 +188,9 @@ class LLMEngine:
             metrics=RequestMetrics(time.time() if arrival_time is None else arrival_time),
         )
         seq.generator = make_generator(params, self.config.seed, self._n_added)
+        if plan is not None:
+            seq.segments = plan
+            seq.max_registered_blocks = self.segments.register_limit(plan)
         if explain:
             seq.cache_info = self.explain(ids, namespace, explain_across_namespaces)
         self._n_added += 1
@@ -207,6 +223,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             self.tiers.idle_wait()  # only restores are left: wait for one, briefly
+            return []
+        # Segments requests reaching their documents are assembled now and leave this batch.
+        out.scheduled[:] = self.segments.prepare(out.scheduled)
+        if not out.scheduled:
             return []
         now = time.time()
         for s in out.scheduled:
@@ -282,6 +302,12 @@ class LLMEngine:
     def block_hashes(self, prompt_token_ids: list[int], namespace: str | None = None) -> list[bytes]:
         return self.kv.keys_for(prompt_token_ids, namespace)
 
+    def warm_segments(self, token_ids: list[int], spans, namespace: str | None) -> int:
+        """Store each span of ``token_ids`` as a segment; returns how many were stored already."""
+        self.validate_prompt(token_ids)
+        sink = self.segments.sink_of(token_ids, spans)
+        return sum(self.segments.warm(token_ids[a:b], namespace, sink) for a, b in spans)
+
     def pin_prefix(
         self,
         prompt_token_ids: list[int],
@@ -324,6 +350,7 @@ class LLMEngine:
         """The RAM part now, the tiers' deletion queued: (RAM blocks dropped, ticket for
         ``tiers.wait``). The async engine waits for the ticket outside its lock."""
         n = self.pool.invalidate(namespace, all_namespaces)
+        self.segments.store.invalidate(namespace, all_namespaces)
         return n, self.tiers.start_invalidate(namespace, all_namespaces)
 
     def cache_stats(self) -> dict:
@@ -347,6 +374,7 @@ class LLMEngine:
             "bytes_per_token": self.layout.bytes_per_token,
             "capacity_tokens": self.layout.capacity_tokens,
             "tiers": {t.name: tier_dict(t) for t in st.tiers},
+            "segments": self.segments.stats(),
         }
 
     def stats(self) -> EngineStats:
@@ -398,6 +426,7 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.scheduler.live_block_tables())
         self.tiers.check_integrity()
+        self.segments.store.check_integrity()
 
 
 def _prompt_tokens(scheduled) -> int:

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from prefixcache.config import EngineConfig
 from prefixcache.request import CacheExplanation, SamplingParams, StreamDelta
+from prefixcache.segments.plan import SegmentRequest
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class EngineAPI(Protocol):
         *,
         tenant: str | None = None,
         explain_across_namespaces: bool = False,
+        segments: SegmentRequest | None = None,
     ) -> AsyncIterator[StreamDelta]: ...
 
     def abort(self, request_id: str) -> None: ...
@@ -147,6 +149,11 @@ class EngineAPI(Protocol):
         quota: bool = True,
     ) -> WarmResult:
         """Prefill (and pin, charged to ``tenant``; ``quota=False`` for admins)."""
+
+    async def warm_segments(
+        self, token_ids: list[int], spans: list[tuple[int, int]], namespace: str | None
+    ) -> int:
+        """Store each span as a segment (cache_mode="segments"); returns those stored already."""
 
     def lookup(self, prompt_token_ids: list[int], namespace: str | None = None) -> LookupResult: ...
     def explain(

@@ -9,6 +9,12 @@ from pathlib import Path
 from prefixcache.config import EngineConfig
 from prefixcache.engine import LLMEngine
 from prefixcache.request import RequestOutput, SamplingParams
+from prefixcache.segments.plan import (
+    CACHE_MODES,
+    DEFAULT_RECOMPUTE_TOKENS,
+    SegmentOptions,
+    SegmentRequest,
+)
 
 Prompt = str | list[int]
 
@@ -39,8 +45,11 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         cache_salt: str | None = None,
         priority: Seq[int] | None = None,
+        segments: Seq[SegmentRequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run the prompts as one batch through the scheduler; outputs in input order."""
+        """Run the prompts as one batch through the scheduler; outputs in input order.
+        ``segments`` (one per prompt, as ``chat(cache_mode="segments")`` builds them): document
+        spans to reuse through the segment store."""
         plist = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -56,7 +65,9 @@ class LLM:
             for i, (p, sp) in enumerate(zip(plist, params)):
                 rid = f"offline-{next(self._ids)}"
                 prio = 0 if priority is None else priority[i]
-                seqs.append(self.engine.add_request(rid, p, sp, namespace=cache_salt, priority=prio))
+                seg = None if segments is None else segments[i]
+                seqs.append(self.engine.add_request(
+                    rid, p, sp, namespace=cache_salt, priority=prio, segments=seg))  # fmt: skip
         except BaseException:
             for s in seqs:  # nothing half-added stays behind
                 self.engine.abort(s.request_id)
@@ -81,12 +92,29 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         cache_salt: str | None = None,
         add_generation_prompt: bool = True,
+        cache_mode: str = "prefix",
+        segment_recompute_tokens: int = DEFAULT_RECOMPUTE_TOKENS,
+        segment_recompute_ratio: float = 0.0,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several; rendered with the model's template."""
+        """One conversation (a list of messages) or several; rendered with the model's template.
+
+        ``cache_mode="segments"``: each ``document`` message is a segment whose KV is reused
+        wherever it appears, with its first ``segment_recompute_tokens`` tokens (or the
+        ``segment_recompute_ratio`` share, whichever is more) recomputed in context.
+        Approximate by nature; see docs/segments.md."""
+        if cache_mode not in CACHE_MODES:
+            raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
-        ids = [tok.encode_chat(c, add_generation_prompt=add_generation_prompt) for c in convs]
-        return self.generate(ids, sampling_params, cache_salt=cache_salt)
+        if cache_mode == "prefix":
+            ids = [tok.encode_chat(c, add_generation_prompt=add_generation_prompt) for c in convs]
+            return self.generate(ids, sampling_params, cache_salt=cache_salt)
+        opts = SegmentOptions(segment_recompute_tokens, segment_recompute_ratio)
+        prompts = [tok.encode_chat_segments(c, add_generation_prompt) for c in convs]
+        return self.generate(
+            [p.token_ids for p in prompts], sampling_params, cache_salt=cache_salt,
+            segments=[SegmentRequest(p.spans, opts) for p in prompts],
+        )  # fmt: skip
 
     def cache_stats(self) -> dict:
         return self.engine.cache_stats()

@@ -88,6 +88,7 @@ class OutputProcessor:
             prompt_token_ids=seq.prompt_token_ids if first else [],
             cache_info=seq.cache_info if first else None,
             tier_tokens=seq.tier_tokens,
+            num_segment_cached_tokens=seq.num_segment_cached_tokens or 0,
         )
 
     @staticmethod
@@ -109,4 +110,5 @@ class OutputProcessor:
             finished=seq.finished,
             num_cached_tokens=seq.num_cached_tokens or 0,
             metrics=seq.metrics,
+            num_segment_cached_tokens=seq.num_segment_cached_tokens or 0,
         )

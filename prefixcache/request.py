@@ -132,6 +132,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics | None = None
+    # cache_mode="segments": document tokens whose KV was reused from the segment store and not
+    # recomputed (never counted in num_cached_tokens, which are exact prefix hits only).
+    num_segment_cached_tokens: int = 0
 
 
 @dataclass
@@ -155,6 +158,7 @@ class StreamDelta:
     # Of num_cached_tokens, the tokens restored from each persistent tier ("disk", "redis");
     # None when the engine has no tiers.
     tier_tokens: dict[str, int] | None = None
+    num_segment_cached_tokens: int = 0  # see RequestOutput
 
 
 @dataclass(frozen=True)

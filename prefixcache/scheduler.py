@@ -178,7 +178,9 @@ class Scheduler:
         for seq in self.running:
             if seq.is_prefilling:
                 self.kv.extend_keys(seq, seq.num_tokens - 1)
-                pending.update(seq.block_keys[seq.num_computed_tokens // self.kv.block_size :])
+                # A segments request never registers blocks past its limit: not pending.
+                stop = seq.max_registered_blocks
+                pending.update(seq.block_keys[seq.num_computed_tokens // self.kv.block_size : stop])
         return pending
 
     def _order_waiting(self) -> list[Sequence]:
@@ -221,4 +223,4 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             if self.kv.enable_caching:
-                pending.update(seq.block_keys[nb:])
+                pending.update(seq.block_keys[nb : seq.max_registered_blocks])

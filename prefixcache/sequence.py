@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from prefixcache.cache.hashing import BlockHash
 from prefixcache.request import CacheExplanation, RequestMetrics, RequestStatus, SamplingParams
+from prefixcache.segments.plan import SegmentPlan
 
 
 @dataclass(eq=False)
@@ -39,6 +40,12 @@ class Sequence:
     restoring: bool = False
     tier_tokens: dict[str, int] | None = None  # tokens restored per tier ("disk", "redis")
     num_preemptions: int = 0
+    # cache_mode="segments" (segments/assembler.py): the document spans and their keys. Blocks
+    # from the first span on may hold reused segment KV, which a cold run would not compute:
+    # only the first max_registered_blocks blocks may enter the prefix index (None: all).
+    segments: SegmentPlan | None = None
+    max_registered_blocks: int | None = None
+    num_segment_cached_tokens: int | None = None  # segment tokens reused, not recomputed
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cache_info: CacheExplanation | None = None

@@ -225,3 +225,39 @@ def test_pin_survives_eviction_storm_and_ttl_expiry(alice, ops):
     assert alice.lookup(short) == 0  # its TTL ended: evicted like any other block
     assert alice.lookup(loose) == 0
     assert alice.reason(loose)["reason"] == "evicted"
+
+
+
+def test_segments_mode_warm_usage_isolation_invalidation_and_bad_input(alice, bob):
+    """cache_mode "segments" through the API (docs/segments.md): documents warmed as segments
+    are reused by a chat in another order, reported as segment_cached_tokens beside the exact
+    cached_tokens; another tenant reuses nothing; invalidation drops them; bad input is 4xx."""
+    docs = [{"role": "document", "title": f"Doc {n}", "content": f"The code of {n} is {c}."}
+            for n, c in (("Ann", 4721), ("Ben", 9034), ("Cy", 1588))]  # fmt: skip
+    system = {"role": "system", "content": "Answer with the number only."}
+    question = {"role": "user", "content": "What is the code of Ben?"}
+    reordered = [system, docs[2], docs[0], question]
+
+    def chat(api, messages, status=200, **extra):
+        body = {"messages": messages, "max_tokens": 2, "temperature": 0, **extra}
+        return api.post("/v1/chat/completions", body, status)
+
+    def seg_cached(api, messages) -> int:
+        out = chat(api, messages, cache_mode="segments", segment_recompute_tokens=2)
+        return out["usage"]["prompt_tokens_details"]["segment_cached_tokens"]
+
+    warmed = alice.post("/v1/cache/warm", {"messages": [system, *docs], "cache_mode": "segments"})
+    assert warmed["already_cached_segments"] == 0
+    n = warmed["segment_tokens"]
+    assert seg_cached(alice, reordered) == (n[2] - 2) + (n[0] - 2)
+    assert seg_cached(bob, reordered) == 0  # the namespace is in the segment key
+    plain = chat(alice, [system, *docs, question])["usage"]["prompt_tokens_details"]
+    assert "segment_cached_tokens" not in plain  # requests without cache_mode are unchanged
+    alice.post("/v1/cache/invalidate", {})
+    assert seg_cached(alice, reordered) == 0
+    # bad input: OpenAI-format errors naming the field
+    assert chat(alice, reordered, 422, cache_mode="blend")["error"]["param"] == "cache_mode"
+    err = chat(alice, reordered, 400, cache_mode="segments", segment_recompute_tokens=-1)["error"]
+    assert err["param"] == "segment_recompute_tokens"
+    body = {"prompt": "hi", "max_tokens": 1, "cache_mode": "segments"}
+    assert alice.post("/v1/completions", body, 400)["error"]["param"] == "cache_mode"

@@ -142,6 +142,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         n_full = seq.num_computed_tokens // self.block_size
+        if seq.max_registered_blocks is not None:  # segment KV: never in the index
+            n_full = min(n_full, seq.max_registered_blocks)
         if seq.num_registered_blocks >= n_full:
             return
         self.extend_keys(seq, n_full * self.block_size)

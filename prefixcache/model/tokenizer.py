@@ -285,6 +285,12 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
+    def encode_chat_segments(self, messages, add_generation_prompt: bool = True, **kwargs):
+        """cache_mode="segments": the ids with each document's span (tokenizer_segments.py)."""
+        from prefixcache.model.tokenizer_segments import encode_chat_segments
+
+        return encode_chat_segments(self, messages, add_generation_prompt, **kwargs)
+
     # -- identity -----------------------------------------------------------------------------
 
     def fingerprint(self) -> str:

@@ -39,6 +39,8 @@ def _as_dict(x) -> dict:
 async def warm(request: Request) -> dict:
     """Prefill a prompt into the cache (no tokens generated); optionally pin it for a TTL."""
     s, tenant, req, namespace = await accept(request, CacheWarmRequest)
+    if req.cache_mode == "segments":
+        return await _warm_segments(request, s, req, namespace)
     ids = await s.cache_prompt(req)
     if req.ttl_seconds is not None and not req.pin:
         raise APIError(400, "ttl_seconds applies to pinned prompts: set pin: true", param="pin")
@@ -51,6 +53,29 @@ async def warm(request: Request) -> dict:
         rid = request_id_of(request.scope)
         raise (from_engine_error(e, rid) or internal_error(rid, e)) from None
     return {**_as_dict(result), "namespace": namespace}
+
+
+async def _warm_segments(request: Request, s: Serving, req: CacheWarmRequest, namespace) -> dict:
+    """Each document message stored as a segment (docs/segments.md); nothing else prefilled."""
+    if req.messages is None or req.prompt is not None:
+        raise APIError(400, 'cache_mode "segments" warms document messages: give messages',
+                       param="messages")  # fmt: skip
+    if req.pin:
+        raise APIError(400, "segments cannot be pinned", param="pin", code="unsupported")
+    ids, spans = await s.chat_prompt(req.messages, req.add_generation_prompt, segments=True)
+    if not spans:
+        raise APIError(400, "no document message to warm as a segment", param="messages")
+    try:
+        stored = await s.engine.warm_segments(ids, list(spans), namespace)
+    except Exception as e:  # noqa: BLE001 - typed errors map to 4xx, the rest is a logged 500
+        rid = request_id_of(request.scope)
+        raise (from_engine_error(e, rid) or internal_error(rid, e)) from None
+    return {
+        "segments": len(spans),
+        "segment_tokens": [b - a for a, b in spans],
+        "already_cached_segments": stored,
+        "namespace": namespace,
+    }
 
 
 @router.post("/lookup")

@@ -159,6 +159,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="most bytes the disk tier holds (LRU), e.g. 10GiB",
     )
     t.add_argument(
+        "--segment-cache-memory",
+        default="512MiB",
+        metavar="SIZE",
+        help="RAM for documents' KV kept as segments, used only by requests with "
+        "cache_mode \"segments\" (docs/segments.md)",
+    )
+    t.add_argument(
         "--remote-cache",
         default=None,
         metavar="URL",
@@ -341,6 +348,7 @@ def _engine_config(args: argparse.Namespace):
         health_stall_seconds=args.health_stall_timeout,
         disk_cache_dir=args.disk_cache_dir,
         disk_cache_size=args.disk_cache_size,
+        segment_cache_memory=args.segment_cache_memory,
         remote_cache=args.remote_cache,
         tier_compression=args.tier_compression,
         kv_events_endpoint=args.kv_events_endpoint,

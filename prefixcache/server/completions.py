@@ -55,11 +55,17 @@ async def chat_completions(request: Request) -> Response:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     k = (req.top_logprobs or 0) if req.logprobs else None
     s.check_generation_limits(req, k)
-    ids = await s.chat_prompt(req.messages, req.add_generation_prompt)
+    segments = None
+    if req.cache_mode == "segments":
+        ids, spans = await s.chat_prompt(req.messages, req.add_generation_prompt, segments=True)
+        segments = s.segment_request(req, spans)
+    else:
+        ids = await s.chat_prompt(req.messages, req.add_generation_prompt)
     max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     params = s.sampling_params(req, len(ids), max_tokens, None, k)
     run = s.start(
-        "chatcmpl", [ids], [params], req.n, tenant, namespace, req.priority, req.return_cache_info
+        "chatcmpl", [ids], [params], req.n, tenant, namespace, req.priority, req.return_cache_info,
+        segments,
     )
     fmt = _ChatFormat(s, run, k)
     return await _respond(request, run, fmt, req.stream, req.include_usage)

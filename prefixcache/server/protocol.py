@@ -60,6 +60,11 @@ class _Generation(_Body):
     # Cache fields: a partition inside the tenant's namespace, and the hit/miss explanation.
     cache_salt: str | None = None
     return_cache_info: bool = False
+    # Segment caching (docs/segments.md): "segments" reuses each document message's KV wherever
+    # it appears (approximate; chat only). Any other value is a 422.
+    cache_mode: Literal["prefix", "segments"] = "prefix"
+    segment_recompute_tokens: int | None = None  # default 16; range checked by SegmentOptions
+    segment_recompute_ratio: float | None = None
 
     def check_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -86,6 +91,11 @@ class CompletionRequest(_Generation):
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
         if self.best_of not in (None, self.n):
             raise APIError(400, "best_of must equal n", param="best_of", code="unsupported")
+        if self.cache_mode == "segments":
+            raise APIError(
+                400, 'cache_mode "segments" needs document messages: use /v1/chat/completions',
+                param="cache_mode", code="unsupported",
+            )  # fmt: skip
 
 
 class TextPart(_Body):
@@ -136,6 +146,9 @@ class _CacheQuery(_Body):
 
 
 class CacheWarmRequest(_CacheQuery):
+    # "segments": store each document message of ``messages`` as a segment (no pin, no prefill
+    # of the rest); "prefix" (default): prefill the whole prompt into the prefix cache.
+    cache_mode: Literal["prefix", "segments"] = "prefix"
     pin: bool = False
     ttl_seconds: float | None = Field(None, gt=0)  # at most the engine's max_pin_ttl_seconds
 

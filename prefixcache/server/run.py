@@ -48,6 +48,7 @@ class Choice:
     num_output_tokens: int = 0
     cache_info: CacheExplanation | None = None
     tier_tokens: dict[str, int] | None = None
+    num_segment_cached_tokens: int = 0
     started: bool = False  # has seen its first delta
 
     def apply(self, d: StreamDelta) -> None:
@@ -61,6 +62,7 @@ class Choice:
         if d.cache_info is not None:
             self.cache_info = d.cache_info
         self.tier_tokens = d.tier_tokens
+        self.num_segment_cached_tokens = d.num_segment_cached_tokens
         if d.finished:
             self.finished = True
             self.finish_reason = d.finish_reason
@@ -78,6 +80,7 @@ class Run:
         self.id = run_id
         self.tenant = tenant
         self.namespace = namespace
+        self.segments = False  # cache_mode "segments": usage reports segment_cached_tokens
         self.created = int(time.time())
         self.choices: list[Choice] = []
         self._tasks: list[asyncio.Task] = []
@@ -159,11 +162,16 @@ class Run:
         # Tokens of a prompt no choice had to compute: the least any of its choices reused.
         cached = sum(min(c.num_cached_tokens for c in cs) for cs in by_prompt.values())
         completion_tokens = sum(c.num_output_tokens for c in self.choices)
+        details = {"cached_tokens": cached}
+        if self.segments:  # only for requests that asked for cache_mode "segments"
+            details["segment_cached_tokens"] = sum(
+                min(c.num_segment_cached_tokens for c in cs) for cs in by_prompt.values()
+            )
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            "prompt_tokens_details": details,
         }
 
     def cache_info(self, c: Choice) -> dict | None:

@@ -20,6 +20,7 @@ import jinja2
 from prefixcache.engine_api import EngineAPI
 from prefixcache.errors import InvalidRequestError
 from prefixcache.request import SamplingParams
+from prefixcache.segments.plan import DEFAULT_RECOMPUTE_TOKENS, SegmentOptions, SegmentRequest
 from prefixcache.server.activity import Activity
 from prefixcache.server.auth import Tenant, TenantDirectory
 from prefixcache.server.errors import APIError, from_engine_error
@@ -136,15 +137,24 @@ class Serving:
     async def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         return await asyncio.to_thread(self._completion_prompts, req.prompt)
 
-    def _chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def _chat_prompt(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, segments: bool = False
+    ):
+        """The prompt ids; with ``segments``, (ids, document spans) rendered by the segment
+        boundary convention (model/tokenizer_segments.py)."""
         if len(messages) > self.limits.max_messages:
             raise APIError(
                 400, f"at most {self.limits.max_messages} messages per request", param="messages"
             )
         dicts = [m.as_template_dict() for m in messages]
         self._check_text_fits(sum(len(d["content"]) for d in dicts), "messages")
+        spans = ()
         try:
-            ids = self.tokenizer.encode_chat(dicts, add_generation_prompt=add_generation_prompt)
+            if segments:
+                sp = self.tokenizer.encode_chat_segments(dicts, add_generation_prompt)
+                ids, spans = sp.token_ids, sp.spans
+            else:
+                ids = self.tokenizer.encode_chat(dicts, add_generation_prompt=add_generation_prompt)
         except (ValueError, KeyError, TypeError, jinja2.TemplateError):
             # The template's own message may quote internals; say what is wrong in our words.
             raise APIError(
@@ -153,10 +163,27 @@ class Serving:
             ) from None  # fmt: skip
         if not ids:
             raise APIError(400, "messages render to an empty prompt", param="messages")
-        return self._ids(list(ids), "messages")
+        ids = self._ids(list(ids), "messages")
+        return (ids, spans) if segments else ids
 
-    async def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool):
-        return await asyncio.to_thread(self._chat_prompt, messages, add_generation_prompt)
+    async def chat_prompt(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, segments: bool = False
+    ):
+        return await asyncio.to_thread(self._chat_prompt, messages, add_generation_prompt, segments)
+
+    @staticmethod
+    def segment_request(req: _Generation, spans) -> SegmentRequest:
+        """cache_mode="segments": the spans and the validated recompute options (400 naming
+        the field when out of range). A chat without documents has no span: a no-op."""
+        try:
+            opts = SegmentOptions(
+                DEFAULT_RECOMPUTE_TOKENS if req.segment_recompute_tokens is None
+                else req.segment_recompute_tokens,
+                req.segment_recompute_ratio or 0.0,
+            )  # fmt: skip
+        except InvalidRequestError as e:
+            raise as_api_error(e) from None
+        return SegmentRequest(tuple(spans), opts)
 
     async def cache_prompt(self, req: _CacheQuery) -> list[int]:
         """The prompt of /v1/cache/warm and /lookup, validated like a completion's."""
@@ -238,6 +265,7 @@ class Serving:
         namespace: str,
         priority: int = 0,
         explain: bool = False,
+        segments: SegmentRequest | None = None,
     ) -> Run:
         """Add every choice to the engine; on any refusal abort those already added. The whole
         request is admitted or refused at once (429 for a tenant over its share)."""
@@ -250,6 +278,7 @@ class Serving:
                 "can ever wait at once", param="n", code="too_many_sequences",
             )  # fmt: skip
         run = Run(self, new_id(prefix), tenant, namespace, n)
+        run.segments = segments is not None
         try:
             self.engine.check_admission(tenant.name, total)
             for p, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -264,6 +293,7 @@ class Serving:
                     choice.stream = self.engine.add_request(
                         choice.request_id, ids, choice_sp, namespace, priority, explain,
                         tenant=tenant.name, explain_across_namespaces=tenant.admin,
+                        segments=segments,
                     )  # fmt: skip
                     run.choices.append(choice)
         except BaseException as e:

@@ -1,0 +1,278 @@
+"""The engine side of segment caching: fill a segments request's document spans from the
+segment store, recompute the first tokens of each in its new context, go on normally after.
+
+For a sequence with a ``SegmentPlan``, when it is first scheduled (and again after a preemption:
+the assembly is deterministic), ``prepare`` does, in prompt order::
+
+    [ exact prefix ][ doc A          ][ doc B          ][ question ... ]
+      computed        k tokens | rest   k tokens | rest   left to the scheduler
+      exactly         recomputed|placed recomputed|placed
+
+- the part before the first span (system prompt: prefix-cache hits, or computed exactly);
+- each span: its KV computed alone (from the store, or computed now and stored), re-rotated to
+  the span's start and written into the sequence's own blocks, except its first k tokens, which
+  are recomputed with attention over everything before them (EPIC-style; k from the options);
+- then ``num_computed_tokens`` points at the end of the last span and the sequence drops out of
+  this step; the scheduler prefills the rest (the question) exactly as for any request.
+
+Invariant: blocks from the first span on are never registered in the prefix index
+(``Sequence.max_registered_blocks``), so no other request can hit KV that a cold run would not
+compute. The output of a segments request does not depend on whether its segments were in the
+store: a miss computes the same KV alone that a hit reads (cold == warm within the mode).
+With k >= the span length nothing is placed and the assembly is a chunked cold prefill.
+
+The assembly runs inside the step, outside ``max_num_batched_tokens`` (its forwards are chunked
+by it); a prefill of that size would have run anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prefixcache.cache.manager import KVCacheManager
+from prefixcache.kv.pool import KVCache, KVLayout
+from prefixcache.model.attention import build_metadata
+from prefixcache.model.decode_attention import slots_of
+from prefixcache.model.runner import ModelRunner
+from prefixcache.segments.plan import (
+    SINK_TOKENS,
+    SegmentOptions,
+    SegmentPlan,
+    SegmentSpan,
+    check_spans,
+    segment_key,
+)
+from prefixcache.segments.rotation import rerotate
+from prefixcache.segments.store import SegmentEntry, SegmentStore
+from prefixcache.sequence import ScheduledSeq, Sequence
+
+
+@dataclass
+class SegmentCounters:
+    requests: int = 0  # segments requests assembled (first assembly only)
+    reused_tokens: int = 0  # placed from a store hit and not recomputed
+    recomputed_tokens: int = 0  # recomputed in context (the first k of each span)
+    computed_alone_tokens: int = 0  # store misses: computed alone, then stored
+
+
+class _At:
+    """``seq`` seen as if ``start`` tokens were computed: what the runner reads of a sequence
+    (token ids, block table, computed count), for one piece of an assembly forward."""
+
+    __slots__ = ("block_table", "num_computed_tokens", "seq")
+
+    def __init__(self, seq: Sequence, start: int):
+        self.seq = seq
+        self.block_table = seq.block_table
+        self.num_computed_tokens = start
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.seq.all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq.num_tokens
+
+
+class SegmentAssembler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        kv: KVCacheManager,
+        store: SegmentStore,
+        fingerprint: str,
+        max_chunk: int,
+    ):
+        self.runner = runner
+        self.kv = kv
+        self.store = store
+        self.fingerprint = fingerprint
+        self.kv_dtype = runner.kv.fmt.name
+        self.block_size = kv.block_size
+        self.max_chunk = max_chunk
+        self.counters = SegmentCounters()
+
+    # ---- planning (at add_request) --------------------------------------------------------------
+    def plan(
+        self,
+        token_ids: list[int],
+        spans: list[tuple[int, int]],
+        options: SegmentOptions,
+        namespace: str | None,
+    ) -> SegmentPlan:
+        check_spans(spans, len(token_ids))
+        sink = self.sink_of(token_ids, spans)
+        return SegmentPlan(
+            tuple(
+                SegmentSpan(a, b, self.key(token_ids[a:b], namespace, sink)) for a, b in spans
+            ),
+            options,
+            sink,
+        )
+
+    @staticmethod
+    def sink_of(token_ids: list[int], spans) -> tuple[int, ...]:
+        """The tokens segments are computed after: the prompt's first SINK_TOKENS (none when a
+        span starts earlier)."""
+        n = min(SINK_TOKENS, spans[0][0]) if spans else 0
+        return tuple(token_ids[:n])
+
+    def key(self, token_ids: list[int], namespace: str | None, sink=()) -> bytes:
+        return segment_key(self.fingerprint, self.kv_dtype, namespace, token_ids, sink)
+
+    def register_limit(self, plan: SegmentPlan) -> int:
+        """Full blocks of a sequence that may enter the prefix index: those wholly before the
+        first span (exact KV); every later block may hold placed segment KV."""
+        return plan.first_start() // self.block_size
+
+    # ---- the step -----------------------------------------------------------------------------
+    def prepare(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Assemble the segments of scheduled sequences that reach their spans now; those drop
+        out of this step's batch (their next step computes what follows the last span)."""
+        out = []
+        for s in scheduled:
+            seq = s.seq
+            plan = seq.segments
+            if plan is None or not plan.spans or seq.num_computed_tokens >= plan.end:
+                out.append(s)
+            elif not self.kv.allocate_slots(seq, plan.end - seq.num_computed_tokens):
+                out.append(s)  # no room now: this chunk runs exactly; spans left are tried later
+            else:
+                self._assemble(seq, plan)
+        return out
+
+    def _assemble(self, seq: Sequence, plan: SegmentPlan) -> None:
+        c = seq.num_computed_tokens
+        reused = recomputed = 0
+        pieces: list[tuple[int, int]] = []  # token ranges to compute, in prompt order
+        for sp in plan.spans:
+            if sp.end <= c:  # already computed (exact prefix hits reached past it)
+                continue
+            if sp.start < c:  # partly computed: finish it exactly
+                pieces.append((c, sp.end))
+                c = sp.end
+                continue
+            if c < sp.start:
+                pieces.append((c, sp.start))  # exact: the prefix, or text between spans
+            k = plan.options.recompute_for(sp.length)
+            if k < sp.length:
+                ids = seq.prompt_token_ids[sp.start : sp.end]
+                entry = self.store.get(sp.key, ids, seq.namespace, plan.sink)
+                if entry is None:
+                    entry = self.compute_alone(ids, seq.namespace, plan.sink)
+                    self.store.put(sp.key, entry)
+                    self.counters.computed_alone_tokens += sp.length
+                else:
+                    reused += sp.length - k
+                self._place(seq, sp.start, k, entry)
+            if k:
+                pieces.append((sp.start, sp.start + k))
+                recomputed += k
+            c = sp.end
+        self._compute(seq, pieces)  # after every placement: recomputed tokens attend to them
+        seq.num_computed_tokens = c
+        if seq.num_segment_cached_tokens is None:  # first assembly: what the user sees
+            seq.num_segment_cached_tokens = reused
+            self.counters.requests += 1
+            self.counters.reused_tokens += reused
+            self.counters.recomputed_tokens += recomputed
+
+    def _compute(self, seq: Sequence, pieces: list[tuple[int, int]]) -> None:
+        """Compute the prompt tokens of ``pieces`` (ordered, disjoint ranges) into ``seq``'s
+        blocks, each token attending over every slot before it, in as few forwards as
+        ``max_chunk`` allows: one forward per batch of pieces, each piece a row group of its
+        own (``_At``) over the same block table.
+
+        Why several pieces of one sequence may share a forward: every layer stores the new
+        tokens' K/V before any of them attends (model/attention.py), so a piece attending over
+        an earlier piece of the same forward sees that piece's K/V of the same layer, exactly
+        as if the earlier piece had been computed in a forward before it. One forward instead
+        of one per document: at small k a forward costs a pass over the weights, whatever its
+        size. Nothing is sampled (every piece ends before the last prompt token)."""
+        assert all(b < seq.num_tokens for _, b in pieces), "a piece would need logits"
+        batch, size = [], 0
+        for a, b in pieces:
+            while a < b:
+                n = min(b - a, self.max_chunk - size)
+                batch.append(ScheduledSeq(_At(seq, a), n))
+                size += n
+                a += n
+                if size == self.max_chunk:
+                    self.runner.execute(batch)
+                    batch, size = [], 0
+        if batch:
+            self.runner.execute(batch)
+
+    @torch.inference_mode()
+    def _place(self, seq: Sequence, start: int, skip: int, entry: SegmentEntry) -> None:
+        """Write ``entry``'s tokens [skip, n) at positions start+skip.. of ``seq``: K re-rotated
+        by ``start``, both quantized into the pool's KV format by the pool's own store."""
+        n = len(entry.token_ids)
+        dev = self.runner.device
+        slots = slots_of(seq.block_table, start + skip, start + n, self.block_size).to(dev)
+        k = rerotate(entry.k[:, :, skip:], start - entry.position, self.runner.model.rotary)
+        v = entry.v[:, :, skip:]
+        native = self.runner.model.native
+        for i in range(k.shape[0]):
+            layer = self.runner.kv.layer(i, native)
+            # [kv_heads, n, D] -> [n, kv_heads, D], in the compute dtype the pool's store takes
+            kt = k[i].transpose(0, 1).to(self.runner.dtype).contiguous()
+            vt = v[i].transpose(0, 1).to(self.runner.dtype).contiguous()
+            layer.store(slots, kt, vt)
+
+    @torch.inference_mode()
+    def compute_alone(
+        self, token_ids: list[int], namespace: str | None, sink: tuple[int, ...] = ()
+    ) -> SegmentEntry:
+        """KV of ``token_ids`` computed after ``sink`` alone, at positions m..m+n-1 (m =
+        len(sink)), in a private cache of the pool's KV format (the engine's pool is not
+        touched); read back as the float32 values attention would see."""
+        seg, token_ids = list(token_ids), list(sink) + list(token_ids)
+        m = len(sink)
+        n, bs, dev = len(token_ids), self.block_size, self.runner.device
+        nblocks = -(-n // bs)
+        lay = self.runner.kv.layout
+        private = KVCache(
+            self.runner.config, KVLayout(nblocks, bs, lay.bytes_per_token, lay.kv_format), dev
+        )
+        table = list(range(nblocks))
+        model = self.runner.model
+        for a in range(0, n, self.max_chunk):
+            c = min(self.max_chunk, n - a)
+            meta = build_metadata([table], [a], [c], bs, dev, native=model.native)
+            ids = torch.tensor(token_ids[a : a + c], dtype=torch.long, device=dev)
+            pos = torch.arange(a, a + c, device=dev)
+            model(ids, pos, private, meta, torch.tensor([c - 1], device=dev))
+        slots = torch.arange(m, n, device=dev)  # the segment's own tokens
+        ks, vs = [], []
+        for i in range(self.runner.config.num_layers):
+            k, v = private.layer(i).gather(slots, torch.float32)  # [kv_heads, n - m, D]
+            ks.append(k.clone())
+            vs.append(v.clone())
+        return SegmentEntry(
+            namespace, tuple(seg), torch.stack(ks), torch.stack(vs), tuple(sink), m
+        )
+
+    def stats(self) -> dict:
+        """``cache_stats()["segments"]``."""
+        st, c = self.store.stats(), self.counters
+        return {
+            "entries": st.entries, "used_bytes": st.used_bytes,
+            "capacity_bytes": st.capacity_bytes, "hits": st.hits, "misses": st.misses,
+            "evicted": st.evicted, "requests": c.requests, "reused_tokens": c.reused_tokens,
+            "recomputed_tokens": c.recomputed_tokens,
+            "computed_alone_tokens": c.computed_alone_tokens,
+        }  # fmt: skip
+
+    def warm(self, token_ids: list[int], namespace: str | None, sink: tuple[int, ...]) -> bool:
+        """Compute and keep one segment (``/v1/cache/warm`` in segments mode). Returns whether
+        it was already stored."""
+        key = self.key(token_ids, namespace, sink)
+        if self.store.get(key, token_ids, namespace, sink) is not None:
+            return True
+        self.store.put(key, self.compute_alone(token_ids, namespace, sink))
+        self.counters.computed_alone_tokens += len(token_ids)
+        return False
