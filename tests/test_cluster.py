@@ -227,17 +227,26 @@ def test_kv_events_of_each_replica_rebuild_its_block_set(cluster):
 @pytest.mark.slow
 def test_a_replica_killed_mid_stream_fails_its_stream_only_and_comes_back(cluster):
     prompt = _prompt(11)
-    with httpx.Client(timeout=120) as c:
-        body = {"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}
-        with c.stream("POST", cluster.base_url + "/v1/completions", json=body,
-                      headers={"Authorization": "Bearer sk-alice"}) as r:  # fmt: skip
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            busy = [x for x in _admin(cluster, "/v1/cluster")["replicas"] if x.get("running")]
-            assert len(busy) == 1
-            os.kill(busy[0]["pid"], signal.SIGKILL)
-            rest = [ln for ln in lines if ln]
-        assert "replica_failed" in rest[-1]
+    auth = {"Authorization": "Bearer sk-alice"}
+    body = {"max_tokens": 120, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=120) as c, httpx.Client(timeout=120) as c2:
+        # Two new prefixes: the router puts them on different replicas (the fewest blocks).
+        with c.stream("POST", cluster.base_url + "/v1/completions", json={**body, "prompt": prompt},
+                      headers=auth) as r, \
+             c2.stream("POST", cluster.base_url + "/v1/completions",
+                       json={**body, "prompt": _prompt(12)}, headers=auth) as r2:  # fmt: skip
+            lines, lines2 = r.iter_lines(), r2.iter_lines()
+            assert next(lines).startswith("data: ") and next(lines2).startswith("data: ")
+            reps = _admin(cluster, "/v1/cluster")["replicas"]
+            assert sorted(x["running"] for x in reps) == [1, 1], reps
+            victim = min(reps, key=lambda x: x["rank"])
+            busy = [victim]
+            os.kill(victim["pid"], signal.SIGKILL)
+            rest, rest2 = [ln for ln in lines if ln], [ln for ln in lines2 if ln]
+        # One stream ends with the error event; the other, on the other replica, is complete.
+        failed, whole = (rest, rest2) if "replica_failed" in rest[-1] else (rest2, rest)
+        assert "replica_failed" in failed[-1] and whole[-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in whole[-2]
     # The other replica serves on, the same prompt included (its prefix is recomputed there).
     for _ in range(3):
         out = _post(cluster, "sk-alice", "/v1/completions", {"prompt": prompt, "max_tokens": 2})
