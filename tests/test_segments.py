@@ -190,3 +190,20 @@ def test_pieces_in_one_forward_equal_pieces_one_by_one(llm, monkeypatch):
     assert one.token_ids == split.token_ids
     for a, b in zip(one.logprobs, split.logprobs):
         assert all(abs(a[t] - b[t]) < 1e-4 for t in a.keys() & b.keys())
+
+
+def test_preempted_segments_requests_are_rebuilt_and_equal_running_alone(llm):
+    """Four segments requests in a pool of 20 blocks: some are preempted (their blocks freed,
+    the segment KV gone with them) and re-assembled on readmission; each output equals the same
+    request run alone in a roomy pool."""
+    g = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    convs = [_messages(o) for o in (["Alice", "Bruno", "Chen"], ["Dara", "Alice"],
+                                    ["Chen", "Dara", "Bruno"], ["Bruno", "Chen", "Alice", "Dara"])]  # fmt: skip
+    opts = {"cache_mode": "segments", "segment_recompute_tokens": 3}
+    alone = [llm.chat(c, g, cache_salt="preempt-alone", **opts)[0].outputs[0].token_ids for c in convs]
+    with shared_default_weights():
+        small = LLM(kv_cache_memory=20 * 16 * 46080, seed=0, pin_budget_fraction=0.0)
+    outs = small.chat(convs, g, **opts)
+    assert small.engine.scheduler.counters.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    small.check_integrity()
