@@ -182,6 +182,8 @@ def test_prefix_routing_keeps_each_prefix_on_one_replica_and_tenants_apart(clust
     # Bob's own stats count only bob's traffic, summed over both replicas; invalidation reaches both.
     mine = _post_get(cluster, "sk-bob", "/v1/cache/stats")
     assert mine["prefix_cache_hits_total"] == sum(hits) and len(mine["replicas"]) == 2
+    assert all("pid" not in r and "node" not in r for r in mine["replicas"])  # admin-only facts
+    assert all("pid" in r for r in stats["replicas"])
     assert mine["hit_rate"] == sum(hits) / mine["prompt_tokens_total"]
     dropped = _post(cluster, "sk-bob", "/v1/cache/invalidate", {})
     assert dropped["replicas"] == 2 and dropped["dropped_blocks"] > 0

@@ -250,6 +250,10 @@ def build_ingress(serve):
             if path == "/v1/cache/stats":
                 out = merge_stats(bodies)
                 out["replicas_failed"] = failed
+                if not self._is_admin(headers):  # tenants see replicas by rank, not pids / hosts
+                    for r in out["replicas"]:
+                        for k in ("replica_id", "pid", "node"):
+                            r.pop(k, None)
                 return JSONResponse(out)
             if path == "/v1/cache/invalidate":
                 out = {k: v for k, v in bodies[0][1].items()}
@@ -260,6 +264,15 @@ def build_ingress(serve):
                 out["replicas_failed"] = failed
                 return JSONResponse(out, status_code=200 if not failed else 503)
             return JSONResponse({"replicas": [{"replica": i["rank"], **b} for i, b in bodies]})
+
+        def _is_admin(self, headers) -> bool:
+            from prefixcache.server.errors import APIError
+
+            auth = next((v for k, v in headers if k.lower() == "authorization"), None)
+            try:
+                return self.tenants.authenticate(auth).admin
+            except APIError:
+                return False
 
         def _own_metrics(self, alive: int) -> str:
             router = self._router()
