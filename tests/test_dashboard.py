@@ -114,7 +114,16 @@ class Page:
         self.wait("document.querySelector('[data-metric=hit_rate]').textContent !== '–'")
 
     def wait(self, js: str, arg=None) -> None:
-        self.page.wait_for_function(js, arg=arg, timeout=WAIT_MS)
+        # Polled from here, not with page.wait_for_function: that one re-checks inside the page
+        # with eval() whenever its first check is false, which the page's Content-Security-Policy
+        # (script-src 'self') refuses, so it failed only when the page was slower than the first
+        # check (seen once under a parallel suite). page.evaluate goes through the debugger
+        # protocol, which the policy does not govern.
+        deadline = time.monotonic() + WAIT_MS / 1000
+        while not self.page.evaluate(js, arg):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {WAIT_MS} ms waiting for: {js}")
+            time.sleep(0.05)
 
     def metric(self, name: str) -> str:
         return self.page.text_content(f"[data-metric={name}]")
