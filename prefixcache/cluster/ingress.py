@@ -227,7 +227,7 @@ def build_ingress(serve):
             return StreamingResponse(rest(), status_code=first["status"], headers=dict(hdrs), media_type=media)
 
         async def _merged(self, method, path, query, headers, body):
-            from prefixcache.cluster.aggregate import merge_metrics, merge_stats
+            from prefixcache.cluster.aggregate import merge_metrics, merge_stats, merge_values
 
             results = await self._fanout(method, path, query, headers, body)
             ok = [(i, r) for i, r in results if not isinstance(r, BaseException)]
@@ -256,10 +256,7 @@ def build_ingress(serve):
                             r.pop(k, None)
                 return JSONResponse(out)
             if path == "/v1/cache/invalidate":
-                out = {k: v for k, v in bodies[0][1].items()}
-                for k, v in out.items():
-                    if isinstance(v, int) and not isinstance(v, bool):
-                        out[k] = sum(b.get(k, 0) for _, b in bodies)
+                out = merge_values("", [b for _, b in bodies])  # counts summed, the rest kept
                 out["replicas"] = len(bodies)
                 out["replicas_failed"] = failed
                 return JSONResponse(out, status_code=200 if not failed else 503)
