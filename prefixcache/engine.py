@@ -84,13 +84,17 @@ class LLMEngine:
         )
         self.kv = KVCacheManager(pool, self.fingerprint, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
-        # Disk and Redis behind the pool (engine_tiers.py); NoTiers when none is configured.
-        self.tiers = build_tiers(config, self.fingerprint, weights.config, self.kv, self.runner.kv)
-        self.kv_events = attach_kv_events(config, self.kv)  # None unless configured
         # Segment caching, for requests that ask for it (segments/); idle otherwise.
+        segment_store = SegmentStore(parse_bytes(config.segment_cache_memory))
+        # Disk and Redis behind the pool and the segment store (engine_tiers.py); NoTiers when
+        # none is configured.
+        self.tiers = build_tiers(
+            config, self.fingerprint, weights.config, self.kv, self.runner.kv, segment_store
+        )
+        self.kv_events = attach_kv_events(config, self.kv)  # None unless configured
         self.segments = SegmentAssembler(
-            self.runner, self.kv, SegmentStore(parse_bytes(config.segment_cache_memory)),
-            self.fingerprint, config.max_num_batched_tokens,
+            self.runner, self.kv, segment_store, self.fingerprint,
+            config.max_num_batched_tokens, on_computed=self.tiers.offload_segment,
         )  # fmt: skip
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}

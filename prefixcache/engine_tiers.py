@@ -13,6 +13,11 @@ Flow of a restore:
    installs nothing. The step never waits on it while other work exists; when nothing else
    can run, the step waits at most ``IDLE_WAIT`` seconds for a restore to finish.
 
+Segments (cache_mode "segments") ride the same threads as records of their own
+(segments/record.py): a segments request's documents that the segment store lacks are looked
+up at arrival like blocks (the request waits in the queue), found ones go into the segment store
+before its first step, and a segment computed alone is written through.
+
 ``NoTiers`` is the strategy without tiers: every hook is a no-op.
 """
 
@@ -31,9 +36,11 @@ from prefixcache.config import EngineConfig, parse_bytes
 from prefixcache.errors import TierUnavailableError
 from prefixcache.kv.pool import KVCache
 from prefixcache.model.loader import ModelConfig
+from prefixcache.segments import record
+from prefixcache.segments.store import SegmentEntry, SegmentStore
 from prefixcache.sequence import Sequence
 from prefixcache.tiers.keys import StoreLayout
-from prefixcache.tiers.manager import BlockRef, RestoreJob, TierManager
+from prefixcache.tiers.manager import BlockRef, RestoreJob, SegmentRef, TierManager
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +69,7 @@ class NoTiers:
     def forget(self, seq: Sequence) -> None: ...
     def install_completed(self) -> None: ...
     def offload(self, seq: Sequence, first_block: int) -> None: ...
+    def offload_segment(self, key: bytes, entry: SegmentEntry) -> None: ...
     def idle_wait(self) -> None: ...
     def observe_step(self, prefill_tokens: int, seconds: float) -> None: ...
     def start_invalidate(self, namespace, all_namespaces: bool) -> None: ...
@@ -80,12 +88,15 @@ class NoTiers:
 class EngineTiers:
     active = True
 
-    def __init__(self, manager: TierManager, kv: KVCacheManager, cache: KVCache):
+    def __init__(self, manager: TierManager, kv: KVCacheManager, cache: KVCache,
+                 segments: SegmentStore):  # fmt: skip
         self.manager = manager
         self.kv = kv
         self.cache = cache
+        self.segments = segments
         self.block_size = kv.block_size
         self._jobs: dict[str, tuple[Sequence, RestoreJob, int]] = {}  # rid -> (seq, job, first)
+        self._segment_jobs: dict[str, tuple[Sequence, RestoreJob]] = {}
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._by_tenant: dict[str | None, Counter] = {}
         # Queued writes are flushed and the I/O threads stopped when the engine goes away or
@@ -97,9 +108,12 @@ class EngineTiers:
         if not self.kv.enable_caching:
             return
         seq.tier_tokens = {}
+        self._restore_segments(seq)
         m = self.kv.match(seq)  # hashes the usable full blocks into seq.block_keys
         first, n_full = len(m.block_ids), (seq.num_tokens - 1) // self.block_size
         n_full = min(n_full, self.kv.pool.num_blocks - self.kv.pool.max_pinned_blocks)
+        if seq.max_registered_blocks is not None:  # segments: later blocks are never stored
+            n_full = min(n_full, seq.max_registered_blocks)
         if first >= n_full or not self.manager.may_have(seq.namespace, seq.block_keys[first]):
             return
         b = self.block_size
@@ -112,23 +126,68 @@ class EngineTiers:
         seq.restoring = True
         self._jobs[seq.request_id] = (seq, job, first)
 
+    def _restore_segments(self, seq: Sequence) -> None:
+        """Look up in the tiers the segments of ``seq`` that will be placed and that the
+        segment store lacks (a request whose spans are all recomputed needs none)."""
+        plan = seq.segments
+        if plan is None:
+            return
+        lay, refs, seen = self.manager.layout, [], set()
+        for sp in plan.spans:
+            if plan.options.recompute_for(sp.length) >= sp.length or sp.key in seen:
+                continue
+            seen.add(sp.key)
+            if self.segments.contains(sp.key):
+                continue
+            if not self.manager.may_have(seq.namespace, sp.key, "segments"):
+                continue
+            ids = seq.prompt_token_ids[sp.start : sp.end]
+            size = record.payload_bytes(len(ids), lay.num_layers, lay.num_kv_heads, lay.head_dim)
+            refs.append(SegmentRef(sp.key, record.key_input(plan.sink, ids), size, len(ids)))
+        if refs:
+            job = self.manager.submit_segment_restore(seq.request_id, seq.namespace, refs)
+            seq.restoring = True
+            self._segment_jobs[seq.request_id] = (seq, job)
+
     def forget(self, seq: Sequence) -> None:
-        """The request left (finished, aborted): its restore installs nothing."""
-        entry = self._jobs.pop(seq.request_id, None)
-        if entry is not None and entry[0] is seq:
-            self.manager.cancel(entry[1])
-            seq.restoring = False
+        """The request left (finished, aborted): its restores install nothing."""
+        for jobs in (self._jobs, self._segment_jobs):
+            entry = jobs.pop(seq.request_id, None)
+            if entry is not None and entry[0] is seq:
+                self.manager.cancel(entry[1])
+                seq.restoring = False
 
     def install_completed(self) -> None:
         for job in self.manager.take_completed():
-            entry = self._jobs.get(job.request_id)
+            jobs = self._segment_jobs if job.kind == "segments" else self._jobs
+            entry = jobs.get(job.request_id)
             if entry is None or entry[1] is not job:
                 continue  # aborted meanwhile
-            del self._jobs[job.request_id]
-            seq, _, first = entry
-            seq.restoring = False
-            if job.found and self.manager.is_current(job):
-                self._install(seq, job, first)
+            del jobs[job.request_id]
+            seq = entry[0]
+            # still restoring while the other kind of restore (blocks, segments) is out
+            seq.restoring = seq.request_id in self._jobs or seq.request_id in self._segment_jobs
+            if not job.found or not self.manager.is_current(job):
+                continue
+            if job.kind == "segments":
+                self._install_segments(seq, job)
+            else:
+                self._install(seq, job, entry[2])
+
+    def _install_segments(self, seq: Sequence, job: RestoreJob) -> None:
+        """Restored segments into the segment store, where the assembly finds them."""
+        lay, plan = self.manager.layout, seq.segments
+        spans = {sp.key: sp for sp in plan.spans}
+        got: Counter = Counter()
+        for ref, payload, where in job.found:
+            sp = spans[ref.key]
+            entry = record.entry_of(
+                payload, seq.namespace, seq.prompt_token_ids[sp.start : sp.end], plan.sink,
+                lay.num_layers, lay.num_kv_heads, lay.head_dim, self.cache.k.device,
+            )  # fmt: skip
+            if self.segments.put(ref.key, entry):
+                got[where] += ref.tokens
+        self.manager.count_served({}, dict(got))
 
     def _install(self, seq: Sequence, job: RestoreJob, first: int) -> None:
         pool, b = self.kv.pool, self.block_size
@@ -169,7 +228,7 @@ class EngineTiers:
             self.manager.observe_prefill(prefill_tokens, seconds)
 
     def idle_wait(self) -> None:
-        if self._jobs:
+        if self._jobs or self._segment_jobs:
             self.manager.wait_completed(IDLE_WAIT)
 
     # ---- write-through ---------------------------------------------------------------------------
@@ -189,6 +248,14 @@ class EngineTiers:
             out.append((BlockRef(key, parent + chunk), self.cache.read_block(seq.block_table[i])))
             self._remember(key)
         self.manager.offload(seq.namespace, out)
+
+    def offload_segment(self, key: bytes, entry: SegmentEntry) -> None:
+        """Queue a segment just computed alone for every tier."""
+        lay = self.manager.layout
+        n = len(entry.token_ids)
+        size = record.payload_bytes(n, lay.num_layers, lay.num_kv_heads, lay.head_dim)
+        ref = SegmentRef(key, record.key_input(entry.sink, entry.token_ids), size, n)
+        self.manager.offload_segment(entry.namespace, ref, record.payload_of(entry))
 
     def _remember(self, key: bytes) -> None:
         self._known[key] = None
@@ -220,7 +287,7 @@ class EngineTiers:
         return self.manager.flush(timeout)
 
     def check_integrity(self) -> None:
-        for seq, job, _ in self._jobs.values():
+        for seq, job, *_ in (*self._jobs.values(), *self._segment_jobs.values()):
             assert seq.restoring and seq.request_id == job.request_id, "restore bookkeeping"
         self.manager.check_integrity()
 
@@ -236,7 +303,7 @@ def tier_dict(t) -> dict:
 
 
 def build_tiers(config: EngineConfig, fingerprint: str, model: ModelConfig,
-                kv: KVCacheManager, cache: KVCache):  # fmt: skip
+                kv: KVCacheManager, cache: KVCache, segments: SegmentStore):  # fmt: skip
     """The tiers the config asks for (``NoTiers`` when none, or caching is off)."""
     if not config.enable_prefix_caching or not (config.disk_cache_dir or config.remote_cache):
         return NoTiers()
@@ -257,4 +324,4 @@ def build_tiers(config: EngineConfig, fingerprint: str, model: ModelConfig,
 
         tiers.append(RedisTier(config.remote_cache))
     log.info("KV tiers: %s", ", ".join(t.name for t in tiers))
-    return EngineTiers(TierManager(tiers, layout, config.tier_compression), kv, cache)
+    return EngineTiers(TierManager(tiers, layout, config.tier_compression), kv, cache, segments)

@@ -85,6 +85,7 @@ class SegmentAssembler:
         store: SegmentStore,
         fingerprint: str,
         max_chunk: int,
+        on_computed=None,
     ):
         self.runner = runner
         self.kv = kv
@@ -94,6 +95,9 @@ class SegmentAssembler:
         self.block_size = kv.block_size
         self.max_chunk = max_chunk
         self.counters = SegmentCounters()
+        # Called with (key, entry) for every segment computed alone: the persistent tiers'
+        # write-through (engine_tiers.py); None without tiers.
+        self.on_computed = on_computed
 
     # ---- planning (at add_request) --------------------------------------------------------------
     def plan(
@@ -162,9 +166,7 @@ class SegmentAssembler:
                 ids = seq.prompt_token_ids[sp.start : sp.end]
                 entry = self.store.get(sp.key, ids, seq.namespace, plan.sink)
                 if entry is None:
-                    entry = self.compute_alone(ids, seq.namespace, plan.sink)
-                    self.store.put(sp.key, entry)
-                    self.counters.computed_alone_tokens += sp.length
+                    entry = self._compute_and_keep(sp.key, ids, seq.namespace, plan.sink)
                 else:
                     reused += sp.length - k
                 self._place(seq, sp.start, k, entry)
@@ -273,6 +275,14 @@ class SegmentAssembler:
         key = self.key(token_ids, namespace, sink)
         if self.store.get(key, token_ids, namespace, sink) is not None:
             return True
-        self.store.put(key, self.compute_alone(token_ids, namespace, sink))
-        self.counters.computed_alone_tokens += len(token_ids)
+        self._compute_and_keep(key, token_ids, namespace, sink)
         return False
+
+    def _compute_and_keep(self, key: bytes, token_ids, namespace, sink) -> SegmentEntry:
+        """A store miss: compute the segment alone, keep it, write it through to the tiers."""
+        entry = self.compute_alone(token_ids, namespace, sink)
+        self.store.put(key, entry)
+        self.counters.computed_alone_tokens += len(token_ids)
+        if self.on_computed is not None:
+            self.on_computed(key, entry)
+        return entry

@@ -91,6 +91,12 @@ _TIER_COUNTERS = (
     ("prefixcache:tier_restore_seconds", "restore_seconds_total", "Time spent in restore reads."),
     ("prefixcache:tier_reconnects", "reconnects", "Times the tier came back after a failure."),
     (
+        "prefixcache:tier_segment_hit_tokens",
+        "segment_hit_tokens",
+        "Tokens of segments (cache_mode segments) restored from the tier.",
+    ),
+    ("prefixcache:tier_segment_written", "segment_written", "Segments written to the tier."),
+    (
         "prefixcache:tier_skipped_slow",
         "skipped_slow",
         "Restores that skipped the tier: measured slower than prefilling.",

@@ -8,7 +8,7 @@
     8       16    store id (keys.StoreLayout.store_id: codec, model, KV dtype, layout)
     24      16    the block's chain key
     40      16    namespace id (keys.namespace_id, as 16 raw bytes)
-    56      4     n_in: length of the key input (16 + 4 * block_size), u32
+    56      4     n_in: length of the key input (a block: 16 + 4 * block_size), u32
     60      4     payload length before compression, u32
     64      4     stored payload length, u32
     68      n_in  key input: parent key || the block's token ids (cache/hashing.py)
@@ -24,7 +24,10 @@ flipped bit in a length or a key cannot move the check elsewhere.
 The payload is the KV of the block in the KV dtype as the pool stores it (kv/pool.py
 ``KVCache.read_block``): K then V ``[layers, kv_heads, block_size, head_dim]``, then for scaled
 formats (int8, fp8) the float32 scales of K then V ``[layers, kv_heads, block_size]``.
-Compression is used only where it pays: a block that does not shrink by an eighth is stored raw
+A *segment record* (cache_mode "segments") uses the same frame with the segment store id, its
+segment key, the segment key input (segments/record.py: sink and token ids, any length) and a
+payload of the document's float32 K then V ``[layers, kv_heads, n, head_dim]``; the reader
+expects the length its token count gives. Compression is used only where it pays: a block that does not shrink by an eighth is stored raw
 (float32 K/V barely compress; the codec is chosen per tier, keys and checksums do not change).
 """
 

@@ -116,7 +116,7 @@ class DiskTier:
         return out
 
     # ---- writes -------------------------------------------------------------------------------
-    def put(self, ns: str, name: str, data: bytes) -> bool:
+    def put(self, ns: str, name: str, data: bytes, record: str = "block") -> bool:
         if not self.enabled:
             self.counters.add(dropped_writes=1)
             return False
@@ -140,7 +140,7 @@ class DiskTier:
             if (ns, name) not in self._lru:
                 self._lru[(ns, name)] = len(data)
                 self._bytes += len(data)
-        self.counters.add(written_blocks=1, written_bytes=len(data))
+        self.counters.written(record, len(data))
         self._evict_over_budget()
         return True
 

@@ -10,8 +10,10 @@ block repeats all of it for the load-time check (codec.py).
 
 The namespace also names a *directory* (disk) or a key prefix (Redis), as a hash: tenant names
 are hostile strings and never become file names; dropping a namespace from a tier is one
-directory or one prefix scan. Everything here is a pure function of its arguments: the same
-block has the same name in every process, after every restart, on every replica.
+directory or one prefix scan. Segment records (segments/record.py) live in the same namespace
+directory or prefix under ``segment_store_id``, so dropping a namespace drops its segments with
+its blocks. Everything here is a pure function of its arguments: the same block has the same
+name in every process, after every restart, on every replica.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from prefixcache.cache.hashing import KEY_FORMAT_VERSION
 # Bumped whenever the stored bytes of a block (codec.py) change meaning: it enters the store id.
 CODEC_VERSION = 1
 _STORE_TAG = b"prefixcache/kv-store"
+_SEGMENT_STORE_TAG = b"prefixcache/segment-store"
 _NS_TAG = b"prefixcache/namespace"
 
 
@@ -52,6 +55,12 @@ class StoreLayout:
     def store_id(self) -> bytes:
         """16 bytes naming the layout; in every stored block's name and header."""
         return xxh3_128_digest(_STORE_TAG + self.describe().encode())
+
+    def segment_store_id(self) -> bytes:
+        """16 bytes naming the layout of a stored *segment* (segments/record.py: a document's
+        K and V computed alone, float32, any length). Another tag than ``store_id``: a segment
+        record and a block never share a name, and neither decodes as the other."""
+        return xxh3_128_digest(_SEGMENT_STORE_TAG + self.describe().encode())
 
 
 def namespace_id(namespace: str | None) -> str:

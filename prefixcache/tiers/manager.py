@@ -16,6 +16,11 @@ Decisions:
 - **Order of the tiers.** Disk first (local, cheaper), then Redis for the blocks disk lacks;
   blocks found only in Redis are also written to disk. A chain stops at its first missing
   block: later blocks are useless without it.
+- **Segments** (cache_mode "segments") are records of their own: a document's K/V computed
+  alone, any length, named by its segment key under the *segment* store id (keys.py), in the
+  same namespace directory / key prefix as the blocks, so dropping a namespace drops them too.
+  Each is looked up on its own (no chain), written through when first computed, restored
+  into the segment store before its request is scheduled, with the same checks (codec.py).
 - **Invalidation is ordered after every write queued before it** (it runs on the writer thread,
   whose queue is FIFO), and each namespace has a generation: writes and restores of an older
   generation are dropped, so nothing of an invalidated namespace comes back from a queue.
@@ -65,12 +70,24 @@ class BlockRef:
     key_input: bytes
 
 
+@dataclass(frozen=True)
+class SegmentRef:
+    """One segment record: its segment key, key input (sink and token ids, segments/record.py),
+    the exact payload length a reader expects, and its token count (for the counters)."""
+
+    key: bytes
+    key_input: bytes
+    payload_bytes: int
+    tokens: int
+
+
 @dataclass
 class RestoreJob:
     request_id: str
     namespace: str | None
-    blocks: list[BlockRef]
+    blocks: list  # BlockRef (a chain: "blocks") or SegmentRef (independent: "segments")
     generation: tuple[int, int]
+    kind: str = "blocks"
     # Filled by the reader: the leading blocks found, with their payload and the tier's name.
     found: list[tuple[BlockRef, bytes, str]] = field(default_factory=list)
     done: bool = False
@@ -85,6 +102,7 @@ class _Write:
     blocks: list[tuple[BlockRef, bytes]]
     tiers: tuple  # the tiers to write to
     nbytes: int
+    kind: str = "blocks"  # or "segments" (SegmentRef, the segment store id)
 
 
 @dataclass
@@ -103,6 +121,7 @@ class TierManager:
         self.tiers = tiers
         self.layout = layout
         self.store_id = layout.store_id()
+        self.segment_store_id = layout.segment_store_id()
         self.compression = compression
         self.max_queued_bytes = max_queued_bytes
         self._cv = threading.Condition()
@@ -132,8 +151,12 @@ class TierManager:
     def is_current(self, job: RestoreJob) -> bool:
         return not job.cancelled and self.generation(job.namespace) == job.generation
 
-    def _expected(self, ns_id: str, ref: BlockRef) -> codec.BlockName:
-        return codec.BlockName(self.store_id, ref.key, bytes.fromhex(ns_id), ref.key_input)
+    def _expected(self, ns_id: str, ref, kind: str = "blocks") -> codec.BlockName:
+        store_id = self.segment_store_id if kind == "segments" else self.store_id
+        return codec.BlockName(store_id, ref.key, bytes.fromhex(ns_id), ref.key_input)
+
+    def _name(self, ref, kind: str) -> str:
+        return block_name(self.segment_store_id if kind == "segments" else self.store_id, ref.key)
 
     # ---- restores (engine thread submits, reader thread runs) -----------------------------------
     def submit_restore(self, request_id: str, namespace: str | None,
@@ -144,10 +167,20 @@ class TierManager:
             self._cv.notify_all()
         return job
 
-    def may_have(self, namespace: str | None, key: bytes) -> bool:
-        """False only when every tier knows, without I/O, that it lacks this block (the disk
-        tier's index): then a restore is not worth a trip through the reader thread."""
-        ns_id, name = namespace_id(namespace), block_name(self.store_id, key)
+    def submit_segment_restore(self, request_id: str, namespace: str | None,
+                               refs: list[SegmentRef]) -> RestoreJob:  # fmt: skip
+        """Look each segment up on its own; ``found`` gets those present and verified."""
+        job = RestoreJob(request_id, namespace, refs, self.generation(namespace), "segments")
+        with self._cv:
+            self._restores.append(job)
+            self._cv.notify_all()
+        return job
+
+    def may_have(self, namespace: str | None, key: bytes, kind: str = "blocks") -> bool:
+        """False only when every tier knows, without I/O, that it lacks this block or segment
+        (the disk tier's index): then a restore is not worth a trip through the reader thread."""
+        ns_id = namespace_id(namespace)
+        name = block_name(self.segment_store_id if kind == "segments" else self.store_id, key)
         return any(not t.knows_contents or t.contains(ns_id, name) for t in self.tiers)
 
     def take_completed(self) -> list[RestoreJob]:
@@ -169,7 +202,10 @@ class TierManager:
                 job = self._restores.popleft()
             if not job.cancelled:
                 try:
-                    self._restore(job)
+                    if job.kind == "segments":
+                        self._restore_segments(job)
+                    else:
+                        self._restore(job)
                 except Exception:  # a bug here must cost a miss, not the thread
                     log.exception("restore for %s failed; the request recomputes", job.request_id)
                     job.found = []
@@ -218,6 +254,57 @@ class TierManager:
         if promote and lower:
             self._queue_write(job.namespace, lower, tuple(promote), job.generation)
 
+    def _restore_segments(self, job: RestoreJob) -> None:
+        """Each segment from the first tier that has it (disk, then Redis); a rejected record
+        is removed and looked for in the next tier. Found only in Redis: also written to disk."""
+        ns_id = namespace_id(job.namespace)
+        pending: list[SegmentRef] = list(job.blocks)
+        lacking_disk = False
+        for tier in self.tiers:
+            if not pending:
+                break
+            if self._too_slow(tier):
+                tier.counters.add(skipped_slow=1)
+                if tier.name == "disk":
+                    lacking_disk = True
+                continue
+            t0, left, nbytes, tokens = time.perf_counter(), [], 0, 0
+            for ref in pending:
+                name = self._name(ref, "segments")
+                datas = tier.get_many(ns_id, [name])
+                if not datas:
+                    left.append(ref)
+                    continue
+                try:
+                    payload = codec.decode(
+                        datas[0], self._expected(ns_id, ref, "segments"), ref.payload_bytes
+                    )
+                except codec.BlockRejected as e:
+                    tier.counters.reject(e.reason)
+                    log.warning("%s tier: segment %s rejected (%s); removed, recomputed",
+                                tier.name, ref.key.hex(), e)  # fmt: skip
+                    tier.remove(ns_id, name)
+                    left.append(ref)
+                    continue
+                job.found.append((ref, payload, tier.name))
+                nbytes += len(datas[0])
+                tokens += ref.tokens
+            dt = time.perf_counter() - t0
+            hits = len(pending) - len(left)
+            tier.counters.add(
+                segment_read=hits, segment_missed=len(left), read_bytes=nbytes,
+                read_tokens=tokens, restores=1, restore_seconds_total=dt,
+            )  # fmt: skip
+            if hits and dt > 0:
+                self._rates.observe(tier.name, tokens / dt)
+            if left and tier.name == "disk":
+                lacking_disk = True
+            pending = left
+        disk = [t for t in self.tiers if t.name == "disk"]
+        lower = [(ref, p) for ref, p, where in job.found if where != "disk"]
+        if disk and lacking_disk and lower:
+            self._queue_write(job.namespace, lower, tuple(disk), job.generation, "segments")
+
     # ---- restore vs recompute ------------------------------------------------------------------
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A prefill-dominated step (engine thread): its tokens per second."""
@@ -234,13 +321,16 @@ class TierManager:
         self._probes[tier.name] = self._probes.get(tier.name, 0) + 1
         return self._probes[tier.name] % PROBE_EVERY != 0
 
-    def count_served(self, served: dict[str, int]) -> None:
-        """Blocks of each tier that were installed into the RAM pool (engine thread)."""
+    def count_served(self, served: dict[str, int], segment_tokens: dict | None = None) -> None:
+        """Blocks of each tier that were installed into the RAM pool, and tokens of segments
+        installed into the segment store (engine thread)."""
         bs = self.layout.block_size
         for t in self.tiers:
-            n = served.get(t.name, 0)
+            n, seg = served.get(t.name, 0), (segment_tokens or {}).get(t.name, 0)
             if n:
                 t.counters.add(hit_blocks=n, hit_tokens=n * bs)
+            if seg:
+                t.counters.add(segment_hit_tokens=seg)
 
     def cancel(self, job: RestoreJob) -> None:
         job.cancelled = True
@@ -256,7 +346,12 @@ class TierManager:
         if blocks:
             self._queue_write(namespace, blocks, tuple(self.tiers), self.generation(namespace))
 
-    def _queue_write(self, namespace, blocks, tiers, generation) -> None:
+    def offload_segment(self, namespace: str | None, ref: SegmentRef, payload: bytes) -> None:
+        """Queue one newly computed segment for every tier (never blocks; dropped when full)."""
+        self._queue_write(namespace, [(ref, payload)], tuple(self.tiers),
+                          self.generation(namespace), "segments")  # fmt: skip
+
+    def _queue_write(self, namespace, blocks, tiers, generation, kind: str = "blocks") -> None:
         nbytes = sum(len(p) for _, p in blocks)
         with self._cv:
             if self._queued_bytes + nbytes > self.max_queued_bytes:
@@ -264,8 +359,9 @@ class TierManager:
             else:
                 full = False
                 self._queued_bytes += nbytes
+                ns_id = namespace_id(namespace)
                 self._writes.append(
-                    _Write(namespace, namespace_id(namespace), generation, blocks, tiers, nbytes)
+                    _Write(namespace, ns_id, generation, blocks, tiers, nbytes, kind)
                 )
                 self._cv.notify_all()
         if full:
@@ -298,15 +394,17 @@ class TierManager:
     def _run_write(self, w: _Write) -> None:
         if self.generation(w.namespace) != w.generation:
             return  # invalidated after it was queued
+        record = "segment" if w.kind == "segments" else "block"
         for ref, payload in w.blocks:
-            name = block_name(self.store_id, ref.key)
+            name = self._name(ref, w.kind)
             data = None
             for tier in w.tiers:
                 if tier.contains(w.ns_id, name):
                     continue
                 if data is None:
-                    data = codec.encode(self._expected(w.ns_id, ref), payload, self.compression)
-                tier.put(w.ns_id, name, data)
+                    expected = self._expected(w.ns_id, ref, w.kind)
+                    data = codec.encode(expected, payload, self.compression)
+                tier.put(w.ns_id, name, data, record)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write has run (tests, shutdown). False on timeout."""

@@ -107,7 +107,7 @@ class RedisTier:
     def contains(self, ns: str, name: str) -> bool:
         return False  # unknown without a round trip; writes are idempotent
 
-    def put(self, ns: str, name: str, data: bytes) -> bool:
+    def put(self, ns: str, name: str, data: bytes, record: str = "block") -> bool:
         if not self.available():
             self.counters.add(dropped_writes=1)
             return False
@@ -118,7 +118,7 @@ class RedisTier:
             self.counters.add(dropped_writes=1)
             return False
         self._ok()
-        self.counters.add(written_blocks=1, written_bytes=len(data))
+        self.counters.written(record, len(data))
         return True
 
     def remove(self, ns: str, name: str) -> None:

@@ -31,6 +31,11 @@ class TierStats:
     restore_seconds_total: float  # time those reads took
     reconnects: int = 0
     skipped_slow: int = 0  # restores that skipped this tier: measured slower than prefilling
+    # Segment records (cache_mode "segments", segments/record.py): one per document's KV.
+    segment_hit_tokens: int = 0  # tokens of segments restored from this tier (served)
+    segment_read: int = 0  # segment records read and verified
+    segment_missed: int = 0  # segment records looked up here and not found
+    segment_written: int = 0
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -50,6 +55,8 @@ class TierCounters:
         self.written_blocks = self.written_bytes = self.read_bytes = 0
         self.dropped_writes = self.errors = self.restores = self.reconnects = 0
         self.skipped_slow = 0
+        self.segment_hit_tokens = self.segment_read = self.segment_missed = 0
+        self.segment_written = 0
         self.restore_seconds_total = 0.0
         self.rejected_by_reason: dict[str, int] = {}
 
@@ -57,6 +64,11 @@ class TierCounters:
         with self.lock:
             for k, v in deltas.items():
                 setattr(self, k, getattr(self, k) + v)
+
+    def written(self, record: str, nbytes: int) -> None:
+        """One record written: a pool block ("block") or a segment ("segment")."""
+        self.add(**{"segment_written" if record == "segment" else "written_blocks": 1},
+                 written_bytes=nbytes)  # fmt: skip
 
     def reject(self, reason: str) -> None:
         with self.lock:
@@ -76,6 +88,8 @@ class TierCounters:
                 stored_blocks=stored_blocks, stored_bytes=stored_bytes,
                 capacity_bytes=capacity_bytes, restores=self.restores,
                 restore_seconds_total=self.restore_seconds_total, reconnects=self.reconnects,
-                skipped_slow=self.skipped_slow,
+                skipped_slow=self.skipped_slow, segment_hit_tokens=self.segment_hit_tokens,
+                segment_read=self.segment_read, segment_missed=self.segment_missed,
+                segment_written=self.segment_written,
                 rejected_by_reason=dict(self.rejected_by_reason),
             )  # fmt: skip
