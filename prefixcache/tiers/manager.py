@@ -32,9 +32,9 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from prefixcache.tiers import codec
+from prefixcache.tiers.jobs import BlockRef, Invalidate, Rates, RestoreJob, SegmentRef, Write
 from prefixcache.tiers.keys import StoreLayout, block_name, namespace_id
 from prefixcache.tiers.stats import TierStats
 
@@ -42,75 +42,6 @@ log = logging.getLogger(__name__)
 
 MAX_GENERATIONS = 65536  # namespaces remembered as invalidated (then a global epoch moves on)
 PROBE_EVERY = 16  # a tier measured slower than prefill is still read on every 16th restore
-
-
-class Rates:
-    """Exponential moving averages of tokens per second, by name (a tier, "prefill")."""
-
-    def __init__(self, weight: float = 0.2) -> None:
-        self.weight = weight
-        self._lock = threading.Lock()
-        self._ema: dict[str, float] = {}
-
-    def observe(self, name: str, value: float) -> None:
-        with self._lock:
-            old = self._ema.get(name)
-            self._ema[name] = value if old is None else old + self.weight * (value - old)
-
-    def get(self, name: str) -> float | None:
-        with self._lock:
-            return self._ema.get(name)
-
-
-@dataclass(frozen=True)
-class BlockRef:
-    """One full block of a chain: its key and key input (parent key || encoded token ids)."""
-
-    key: bytes
-    key_input: bytes
-
-
-@dataclass(frozen=True)
-class SegmentRef:
-    """One segment record: its segment key, key input (sink and token ids, segments/record.py),
-    the exact payload length a reader expects, and its token count (for the counters)."""
-
-    key: bytes
-    key_input: bytes
-    payload_bytes: int
-    tokens: int
-
-
-@dataclass
-class RestoreJob:
-    request_id: str
-    namespace: str | None
-    blocks: list  # BlockRef (a chain: "blocks") or SegmentRef (independent: "segments")
-    generation: tuple[int, int]
-    kind: str = "blocks"
-    # Filled by the reader: the leading blocks found, with their payload and the tier's name.
-    found: list[tuple[BlockRef, bytes, str]] = field(default_factory=list)
-    done: bool = False
-    cancelled: bool = False
-
-
-@dataclass
-class _Write:
-    namespace: str | None
-    ns_id: str
-    generation: tuple[int, int]
-    blocks: list[tuple[BlockRef, bytes]]
-    tiers: tuple  # the tiers to write to
-    nbytes: int
-    kind: str = "blocks"  # or "segments" (SegmentRef, the segment store id)
-
-
-@dataclass
-class _Invalidate:
-    ns_id: str | None
-    done: threading.Event = field(default_factory=threading.Event)
-    dropped: dict = field(default_factory=dict)
-    error: str | None = None
 
 
 class TierManager:
@@ -126,7 +57,7 @@ class TierManager:
         self.max_queued_bytes = max_queued_bytes
         self._cv = threading.Condition()
         self._restores: deque[RestoreJob] = deque()
-        self._writes: deque[_Write | _Invalidate] = deque()
+        self._writes: deque[Write | Invalidate] = deque()
         self._completed: list[RestoreJob] = []
         self._done_event = threading.Event()
         self._queued_bytes = 0
@@ -361,7 +292,7 @@ class TierManager:
                 self._queued_bytes += nbytes
                 ns_id = namespace_id(namespace)
                 self._writes.append(
-                    _Write(namespace, ns_id, generation, blocks, tiers, nbytes, kind)
+                    Write(namespace, ns_id, generation, blocks, tiers, nbytes, kind)
                 )
                 self._cv.notify_all()
         if full:
@@ -378,7 +309,7 @@ class TierManager:
                 item = self._writes.popleft()
                 self._busy_writes += 1
             try:
-                if isinstance(item, _Invalidate):
+                if isinstance(item, Invalidate):
                     self._run_invalidate(item)
                 else:
                     self._run_write(item)
@@ -387,11 +318,11 @@ class TierManager:
             finally:
                 with self._cv:
                     self._busy_writes -= 1
-                    if isinstance(item, _Write):
+                    if isinstance(item, Write):
                         self._queued_bytes -= item.nbytes
                     self._cv.notify_all()
 
-    def _run_write(self, w: _Write) -> None:
+    def _run_write(self, w: Write) -> None:
         if self.generation(w.namespace) != w.generation:
             return  # invalidated after it was queued
         record = "segment" if w.kind == "segments" else "block"
@@ -418,7 +349,7 @@ class TierManager:
         return True
 
     # ---- invalidation ---------------------------------------------------------------------------
-    def start_invalidate(self, namespace: str | None, all_namespaces: bool = False) -> _Invalidate:
+    def start_invalidate(self, namespace: str | None, all_namespaces: bool = False) -> Invalidate:
         """Drop a namespace (or everything) from every tier, in the writer's order: writes
         queued before it run first, then are deleted; queued writes and in-flight restores of
         the namespace are dropped from now on. ``wait_invalidate`` waits for the deletion."""
@@ -431,13 +362,13 @@ class TierManager:
                     self._epoch += 1
                     self._ns_gen.clear()
                 self._ns_gen[namespace] = self._ns_gen.get(namespace, 0) + 1
-            job = _Invalidate(None if all_namespaces else namespace_id(namespace))
+            job = Invalidate(None if all_namespaces else namespace_id(namespace))
             self._writes.append(job)
             self._cv.notify_all()
         return job
 
     @staticmethod
-    def wait_invalidate(job: _Invalidate, timeout: float = 60.0) -> dict[str, int]:
+    def wait_invalidate(job: Invalidate, timeout: float = 60.0) -> dict[str, int]:
         """Blocks dropped per tier. Raises ConnectionError when a tier could not be reached (the
         others are dropped anyway)."""
         if not job.done.wait(timeout):
@@ -449,7 +380,7 @@ class TierManager:
     def invalidate(self, namespace: str | None, all_namespaces: bool = False) -> dict[str, int]:
         return self.wait_invalidate(self.start_invalidate(namespace, all_namespaces))
 
-    def _run_invalidate(self, job: _Invalidate) -> None:
+    def _run_invalidate(self, job: Invalidate) -> None:
         errors = []
         for tier in self.tiers:
             try:
