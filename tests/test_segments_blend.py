@@ -11,12 +11,12 @@ import torch
 from _helpers import shared_default_weights
 from test_segments import ALL, GREEDY, _messages, _tokens
 
-import prefixcache.segments.blend as blend
 from prefixcache import LLM, SamplingParams
 from prefixcache.errors import InvalidRequestError
 from prefixcache.kv.pool import KVCache, KVLayout
 from prefixcache.model.attention import build_metadata
 from prefixcache.model.decode_attention import slots_of
+from prefixcache.segments import blend
 from prefixcache.segments.plan import SegmentOptions
 from prefixcache.server.errors import APIError
 from prefixcache.server.protocol import ChatCompletionRequest
