@@ -11,6 +11,11 @@ Modes, on the same prompts:
   prefix     cache_mode "prefix" (the default): exact prefix hits only (the system prompt)
   seg-k      cache_mode "segments", the first k tokens of each document recomputed; the store
              is warmed with every document first (steady state: each document seen before)
+  dev-k      the same budget (k tokens per document), segment_selection "deviation": the k
+             tokens whose KV deviates most (CacheBlend-style); both-k: "both" (first ceil(k/2)
+             + most deviating of the rest). With --selection; k = 0 and "all" recompute nothing /
+             everything in every selection, so they run for "first" only (seg-0, seg-all)
+  seg-rX     (and dev-rX, both-rX) --ratios: the budget is the share X of each document
   nodocs     system prompt + question only (what the model knows without the documents)
 
 Figures: median TTFT (sequential pass, modes interleaved per prompt) and its ratio to cold;
@@ -21,6 +26,7 @@ vocabulary, recorded from the engine's logits); planted-fact accuracy (the code 
 answer).
 
 Usage: nice -n 19 .venv/bin/python benchmarks/segments_bench.py [--prompts 8] [--ks 0,4,16,32,all]
+       [--ratios 0.15] [--selection first,deviation,both] [--no-batch]
 """
 
 from __future__ import annotations
@@ -110,7 +116,7 @@ class FirstLogits:
         self.first = None
 
 
-def run_one(llm, rec, prompt, mode, k, salt, params):
+def run_one(llm, rec, prompt, mode, opts, salt, params):
     rec.reset()
     if mode == "cold" or mode == "nodocs":
         msgs = prompt["nodocs"] if mode == "nodocs" else prompt["messages"]
@@ -120,8 +126,7 @@ def run_one(llm, rec, prompt, mode, k, salt, params):
     elif mode == "prefix":
         out = llm.chat(prompt["messages"], params, cache_salt=salt)[0]
     else:
-        out = llm.chat(prompt["messages"], params, cache_salt=salt, cache_mode="segments",
-                       segment_recompute_tokens=k)[0]  # fmt: skip
+        out = llm.chat(prompt["messages"], params, cache_salt=salt, cache_mode="segments", **opts)[0]
     return out, rec.first
 
 
@@ -132,6 +137,9 @@ def main() -> None:
     ap.add_argument("--docs-per-prompt", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--ks", default="0,4,16,32,all")
+    ap.add_argument("--ratios", default="", help="budgets as a share of each document, e.g. 0.15")
+    ap.add_argument("--selection", default="first", help="first,deviation,both: which tokens")
+    ap.add_argument("--no-batch", action="store_true", help="skip the throughput batches")
     ap.add_argument("--agree-tokens", type=int, default=16)
     ap.add_argument("--batch-prompts", type=int, default=4, help="prompts in the throughput batch")
     ap.add_argument("--seed", type=int, default=0)
@@ -166,17 +174,29 @@ def main() -> None:
     for salt in ("prefix", "prefix-batch", "seg"):
         llm.chat(prompts[0]["nodocs"], SamplingParams(max_tokens=1), cache_salt=salt)
 
-    modes = [("cold", None), ("prefix", None)] + [("seg", k) for k in ks] + [("nodocs", None)]
-    labels = [m if k is None else f"seg-{'all' if k >= 10**6 else k}" for m, k in modes]
+    # (mode, segments options): every selection at every budget, except that budgets of 0 and
+    # "all" select nothing (nothing / everything recomputed) and run once, as "first"
+    tag = {"first": "seg", "deviation": "dev", "both": "both"}
+    seg_modes = []
+    for sel in args.selection.split(","):
+        for k in ks:
+            if sel == "first" or 0 < k < 10**6:
+                label = f"{tag[sel]}-{'all' if k >= 10**6 else k}"
+                seg_modes.append((label, {"segment_recompute_tokens": k, "segment_selection": sel}))
+        for r in filter(None, args.ratios.split(",")):
+            seg_modes.append((f"{tag[sel]}-r{r}", {"segment_recompute_tokens": 0,
+                              "segment_recompute_ratio": float(r), "segment_selection": sel}))  # fmt: skip
+    modes = [("cold", None), ("prefix", None)] + [("seg", o) for _, o in seg_modes] + [("nodocs", None)]
+    labels = ["cold", "prefix"] + [lb for lb, _ in seg_modes] + ["nodocs"]
     acc = {lb: {"ttft": [], "agree": [], "exact": [], "kl": [], "correct": 0, "seg": []}
            for lb in labels}  # fmt: skip
     # Sequential pass, interleaved: prompt i in every mode before prompt i+1, so the load of
     # this shared machine drifts over all modes alike. TTFT and quality come from here.
     for i, p in enumerate(prompts):
         ref = None
-        for (mode, k), label in zip(modes, labels):
+        for (mode, opts), label in zip(modes, labels):
             salt = f"cold-{i}" if mode == "cold" else (f"nodocs-{i}" if mode == "nodocs" else mode)
-            out, first = run_one(llm, rec, p, mode, k, salt, params)
+            out, first = run_one(llm, rec, p, mode, opts, salt, params)
             toks = out.outputs[0].token_ids
             a = acc[label]
             a["ttft"].append(out.metrics.ttft)
@@ -200,25 +220,27 @@ def main() -> None:
     results = {}
     batch = prompts[: args.batch_prompts]
     batch_tokens = sum(prompt_lens[: args.batch_prompts])
-    for (mode, k), label in zip(modes, labels):
+    for (mode, opts), label in zip(modes, labels):
         # throughput: the first --batch-prompts prompts in one batch (cold in a fresh namespace)
         t0 = time.perf_counter()
-        if mode == "cold":
+        if args.no_batch:
+            pass
+        elif mode == "cold":
             llm.generate([s.token_ids for s in seg_tokens[: args.batch_prompts]], params,
                          cache_salt=f"cold-batch-{time.time()}")  # fmt: skip
         elif mode == "prefix":
             llm.chat([p["messages"] for p in batch], params, cache_salt="prefix-batch")
         elif mode == "seg":
             llm.chat([p["messages"] for p in batch], params, cache_salt="seg",
-                     cache_mode="segments", segment_recompute_tokens=k)  # fmt: skip
+                     cache_mode="segments", **opts)  # fmt: skip
         else:
             llm.chat([p["nodocs"] for p in batch], params, cache_salt=f"nodocs-batch-{time.time()}")
-        wall = time.perf_counter() - t0
+        wall = None if args.no_batch else time.perf_counter() - t0
         a = acc[label]
         results[label] = {
             "ttft_median_s": statistics.median(a["ttft"]),
             "batch_wall_s": wall,
-            "batch_prompt_tok_per_s": batch_tokens / wall if mode != "nodocs" else None,
+            "batch_prompt_tok_per_s": batch_tokens / wall if wall and mode != "nodocs" else None,
             "agree_prefix_share": statistics.mean(a["agree"]) if a["agree"] else None,
             "agree_exact": sum(a["exact"]) / len(a["exact"]) if a["exact"] else None,
             "kl_first_token": statistics.mean(a["kl"]) if a["kl"] else None,
@@ -233,7 +255,8 @@ def main() -> None:
         "prompt_tokens_mean": statistics.mean(prompt_lens),
         "doc_tokens_mean": statistics.mean(doc_lens), "warm_store_s": warm_s,
         "agree_tokens": args.agree_tokens, "batch_prompts": args.batch_prompts,
-        "loadavg_start": loadavg_start,
+        "loadavg_start": loadavg_start, "ks": args.ks, "ratios": args.ratios,
+        "selection": args.selection, "batch": not args.no_batch,
     }  # fmt: skip
     print(json.dumps(meta))
     print("\n| mode | TTFT median | vs cold | batch tok/s | greedy agree (prefix share / all 16) "

@@ -95,12 +95,15 @@ class LLM:
         cache_mode: str = "prefix",
         segment_recompute_tokens: int = DEFAULT_RECOMPUTE_TOKENS,
         segment_recompute_ratio: float = 0.0,
+        segment_selection: str = "first",
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; rendered with the model's template.
 
         ``cache_mode="segments"``: each ``document`` message is a segment whose KV is reused
         wherever it appears, with its first ``segment_recompute_tokens`` tokens (or the
-        ``segment_recompute_ratio`` share, whichever is more) recomputed in context.
+        ``segment_recompute_ratio`` share, whichever is more) recomputed in context;
+        ``segment_selection`` says which tokens: "first" (the default), "deviation" (those
+        whose KV deviates most from what the context gives, CacheBlend-style) or "both".
         Approximate by nature; see docs/segments.md."""
         if cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode must be one of {CACHE_MODES}, got {cache_mode!r}")
@@ -109,7 +112,7 @@ class LLM:
         if cache_mode == "prefix":
             ids = [tok.encode_chat(c, add_generation_prompt=add_generation_prompt) for c in convs]
             return self.generate(ids, sampling_params, cache_salt=cache_salt)
-        opts = SegmentOptions(segment_recompute_tokens, segment_recompute_ratio)
+        opts = SegmentOptions(segment_recompute_tokens, segment_recompute_ratio, segment_selection)
         prompts = [tok.encode_chat_segments(c, add_generation_prompt) for c in convs]
         return self.generate(
             [p.token_ids for p in prompts], sampling_params, cache_salt=cache_salt,

@@ -95,7 +95,9 @@ class DecoderLayer:
         self.scale = self.d**-0.5
         self.native = native  # the fused C++ element-wise ops (float32 on CPU)
 
-    def __call__(self, x, cos, sin, kv: LayerKV, meta: AttentionMetadata):
+    def qkv(self, x, cos, sin):
+        """q [T, H, D], k [T, KVH, D] (both rotated) and v [T, KVH, D] of the layer input x: what
+        the layer stores and attends with, before any attention."""
         t, h, kvh, d, native = x.shape[0], self.h, self.kvh, self.d, self.native
         qkv = self.qkv_proj(rms_norm(x, self.input_norm, self.eps, native))  # [T, (H + 2 KVH) D]
         if native:
@@ -104,7 +106,12 @@ class DecoderLayer:
         else:
             qk = rotate(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)  # [T, H + KVH, D]
         v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
-        o = paged_attention(qk[:, :h], qk[:, h:], v, kv, meta, self.scale)  # [T, H, D]
+        return qk[:, :h], qk[:, h:], v
+
+    def __call__(self, x, cos, sin, kv: LayerKV, meta: AttentionMetadata):
+        t, h, d, native = x.shape[0], self.h, self.d, self.native
+        q, k, v = self.qkv(x, cos, sin)
+        o = paged_attention(q, k, v, kv, meta, self.scale)  # [T, H, D]
         x = self.o_proj(o.reshape(t, h * d)).add_(x)
         gate_up = self.gate_up_proj(rms_norm(x, self.post_norm, self.eps, native))
         if native:
@@ -263,6 +270,26 @@ class LlamaModel:
         # every decode. Projecting all T rows onto a 49k vocabulary would dominate prefill.
         h = rms_norm(x.index_select(0, logits_index), self.norm, self.config.rms_norm_eps, self.native)
         return self.lm_head(h).float()
+
+
+    @torch.inference_mode()
+    def layer1_kv(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # k (rotated), v: [T, KVH, D] in the compute dtype
+        """Layer 0 over the tokens (storing their layer-0 K/V and attending like any forward),
+        then layer 1's K and V of its output, neither stored nor attended: the probe of
+        CacheBlend-style recompute selection (segments/blend.py). One layer's cost."""
+        if len(self.layers) < 2:
+            raise ValueError("a one-layer model has no layer 1 to probe")
+        x = F.embedding(input_ids, self.embed_weight)
+        cos, sin = self.rotary.tables(positions, x.dtype, self.native)
+        x = self.layers[0](x, cos, sin, kv.layer(0, self.native), meta)
+        _, k, v = self.layers[1].qkv(x, cos, sin)
+        return k, v
 
 
 _KIND = {Int4Groups: "q4", Int8Groups: "q8"}

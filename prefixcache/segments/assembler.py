@@ -12,6 +12,8 @@ the assembly is deterministic), ``prepare`` does, in prompt order::
 - each span: its KV computed alone (from the store, or computed now and stored), re-rotated to
   the span's start and written into the sequence's own blocks, except its first k tokens, which
   are recomputed with attention over everything before them (EPIC-style; k from the options);
+  with ``selection`` "deviation"/"both" every token is placed and the k recomputed are picked
+  by a one-layer probe of their KV deviation (blend.py, CacheBlend-style);
 - then ``num_computed_tokens`` points at the end of the last span and the sequence drops out of
   this step; the scheduler prefills the rest (the question) exactly as for any request.
 
@@ -36,6 +38,7 @@ from prefixcache.kv.pool import KVCache, KVLayout
 from prefixcache.model.attention import build_metadata
 from prefixcache.model.decode_attention import slots_of
 from prefixcache.model.runner import ModelRunner
+from prefixcache.segments.blend import blend_pieces
 from prefixcache.segments.plan import (
     SINK_TOKENS,
     SegmentOptions,
@@ -152,6 +155,7 @@ class SegmentAssembler:
         c = seq.num_computed_tokens
         reused = recomputed = 0
         pieces: list[tuple[int, int]] = []  # token ranges to compute, in prompt order
+        probed: list[tuple[int, SegmentSpan]] = []  # (piece index, span): selected by deviation
         for sp in plan.spans:
             if sp.end <= c:  # already computed (exact prefix hits reached past it)
                 continue
@@ -170,10 +174,14 @@ class SegmentAssembler:
                 else:
                     reused += sp.length - k
                 self._place(seq, sp.start, k, entry)
+                if k and plan.options.probes:  # its first k too: the probe picks which k
+                    self._place(seq, sp.start, 0, entry, stop=k)
+                    probed.append((len(pieces), sp))
             if k:
                 pieces.append((sp.start, sp.start + k))
                 recomputed += k
             c = sp.end
+        pieces = blend_pieces(self.runner, seq, plan.options, pieces, probed, self.max_chunk)
         self._compute(seq, pieces)  # after every placement: recomputed tokens attend to them
         seq.num_computed_tokens = c
         if seq.num_segment_cached_tokens is None:  # first assembly: what the user sees
@@ -209,14 +217,17 @@ class SegmentAssembler:
             self.runner.execute(batch)
 
     @torch.inference_mode()
-    def _place(self, seq: Sequence, start: int, skip: int, entry: SegmentEntry) -> None:
-        """Write ``entry``'s tokens [skip, n) at positions start+skip.. of ``seq``: K re-rotated
-        by ``start``, both quantized into the pool's KV format by the pool's own store."""
-        n = len(entry.token_ids)
+    def _place(
+        self, seq: Sequence, start: int, skip: int, entry: SegmentEntry, stop: int | None = None
+    ) -> None:
+        """Write ``entry``'s tokens [skip, stop) (stop: its end) at positions start+skip.. of
+        ``seq``: K re-rotated by ``start``, both quantized into the pool's KV format by the
+        pool's own store."""
+        n = len(entry.token_ids) if stop is None else stop
         dev = self.runner.device
         slots = slots_of(seq.block_table, start + skip, start + n, self.block_size).to(dev)
-        k = rerotate(entry.k[:, :, skip:], start - entry.position, self.runner.model.rotary)
-        v = entry.v[:, :, skip:]
+        k = rerotate(entry.k[:, :, skip:n], start - entry.position, self.runner.model.rotary)
+        v = entry.v[:, :, skip:n]
         native = self.runner.model.native
         for i in range(k.shape[0]):
             layer = self.runner.kv.layer(i, native)

@@ -65,6 +65,7 @@ class _Generation(_Body):
     cache_mode: Literal["prefix", "segments"] = "prefix"
     segment_recompute_tokens: int | None = None  # default 16; range checked by SegmentOptions
     segment_recompute_ratio: float | None = None
+    segment_selection: str | None = None  # first | deviation | both; checked by SegmentOptions
 
     def check_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -180,6 +180,7 @@ class Serving:
                 DEFAULT_RECOMPUTE_TOKENS if req.segment_recompute_tokens is None
                 else req.segment_recompute_tokens,
                 req.segment_recompute_ratio or 0.0,
+                "first" if req.segment_selection is None else req.segment_selection,
             )  # fmt: skip
         except InvalidRequestError as e:
             raise as_api_error(e) from None
