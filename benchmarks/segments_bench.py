@@ -96,6 +96,17 @@ def make_prompts(docs, n: int, per_prompt: int, rng: random.Random) -> list[dict
     return out
 
 
+def warm_docs(llm: LLM, docs, namespace: str) -> None:
+    """Every document into the segment store of ``namespace`` (and the tiers, if any)."""
+    tok = llm.get_tokenizer()
+    for d in docs:
+        m = [{"role": "system", "content": SYSTEM},
+             {"role": "document", "title": d["title"], "content": d["content"]},
+             {"role": "user", "content": "?"}]  # fmt: skip
+        sp = tok.encode_chat_segments(m)
+        llm.engine.warm_segments(sp.token_ids, list(sp.spans), namespace)
+
+
 class FirstLogits:
     """Records the logits of the first sampled token of a single running request (the bench
     runs one request at a time): wraps the runner's execute, instrumentation only."""
@@ -162,12 +173,7 @@ def main() -> None:
     # Warm: every document in the store of namespace "seg" (steady state), and the system
     # prompt in the prefix cache of "prefix" and "seg".
     t0 = time.perf_counter()
-    for d in docs:
-        m = [{"role": "system", "content": SYSTEM},
-             {"role": "document", "title": d["title"], "content": d["content"]},
-             {"role": "user", "content": "?"}]  # fmt: skip
-        sp = tok.encode_chat_segments(m)
-        llm.engine.warm_segments(sp.token_ids, list(sp.spans), "seg")
+    warm_docs(llm, docs, "seg")
     warm_s = time.perf_counter() - t0
     # prefix-batch is a second namespace: the batch must not hit the whole prompts the
     # sequential pass just cached (segments never cache documents in the prefix index).

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from segments_bench import SYSTEM, make_docs, make_prompts
+from segments_bench import make_docs, make_prompts, warm_docs
 
 from prefixcache import LLM, SamplingParams
 
@@ -63,12 +63,7 @@ def main() -> None:
     docs = make_docs(tok, args.docs, args.doc_tokens, rng)
     prompts = make_prompts(docs, args.prompts, args.docs_per_prompt, rng)
     t0 = time.perf_counter()
-    for d in docs:
-        m = [{"role": "system", "content": SYSTEM},
-             {"role": "document", "title": d["title"], "content": d["content"]},
-             {"role": "user", "content": "?"}]  # fmt: skip
-        sp = tok.encode_chat_segments(m)
-        first.engine.warm_segments(sp.token_ids, list(sp.spans), "seg")
+    warm_docs(first, docs, "seg")
     assert first.engine.tiers.flush(300)
     warm_s = time.perf_counter() - t0
     disk = first.cache_stats()["tiers"]["disk"]
