@@ -111,6 +111,26 @@ def test_rag_draws_popular_documents_more_often(tok):
     assert counts[0] > counts[5]
 
 
+def test_rag_in_random_order_as_document_messages(tok):
+    """The segments workload: documents in any order, each its own ``document`` message."""
+    opts = dict(SMALL["rag"], rag_num_documents=8, rag_docs_per_prompt=3, rag_order="random",
+                rag_messages="documents")  # fmt: skip
+    reqs = sample_requests("rag", tok, 60, seed=0, **opts)
+    orders = set()
+    for r in reqs:
+        docs = r.extra["documents"]
+        roles = [m["role"] for m in r.messages]
+        assert roles == ["system", "document", "document", "document", "user"]
+        assert r.prompt == r.messages[0]["content"] + "".join(
+            m["content"] for m in r.messages[1:])  # fmt: skip
+        orders.add(docs == sorted(docs))
+    assert orders == {True, False}  # not always pool order
+    with pytest.raises(DatasetError):
+        sample_requests("rag", tok, 2, seed=0, **dict(SMALL["rag"], rag_order="sorted"))
+    with pytest.raises(DatasetError):
+        sample_requests("rag", tok, 2, seed=0, **dict(SMALL["rag"], rag_messages="system"))
+
+
 def test_multi_turn_structure_and_histories(tok):
     reqs = sample_requests("multi-turn", tok, 7, seed=0, **SMALL["multi-turn"])
     convs: dict[str, list[int]] = {}

@@ -47,6 +47,9 @@ _OPTION_HELP = {
     "rag_question_len": "tokens of each question",
     "rag_output_len": "tokens to generate per request",
     "rag_zipf": "popularity skew: document of rank k drawn with weight 1/k^s",
+    "rag_order": "pool: documents in pool order (shared prefixes); random: any order",
+    "rag_messages": "user: documents in the user message; documents: one document message "
+    "each (prefixcache's cache_mode segments)",
     "custom_output_len": "output length for lines without output_tokens",
 }
 
@@ -104,7 +107,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
             if key in seen:
                 continue
             seen.add(key)
-            kind = float if isinstance(default, float) else int
+            kind = float if isinstance(default, float) else str if isinstance(default, str) else int
             d.add_argument("--" + key.replace("_", "-"), type=kind, default=default,
                            help=_OPTION_HELP.get(key))
 

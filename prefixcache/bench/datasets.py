@@ -99,6 +99,8 @@ DATASET_OPTIONS: dict[str, dict[str, object]] = {
         "rag_question_len": 32,
         "rag_output_len": 64,
         "rag_zipf": 1.0,
+        "rag_order": "pool",
+        "rag_messages": "user",
     },
     "custom": {
         "dataset_path": None,
@@ -195,9 +197,26 @@ def _generated_shared_prefix(tok, n, rng, *, gsp_num_groups, gsp_prompts_per_gro
     return [requests[j] for j in rng.permutation(total)]
 
 
+RAG_ORDERS = ("pool", "random")
+RAG_MESSAGES = ("user", "documents")
+
+
 def _rag(tok, n, rng, *, rag_num_documents, rag_docs_per_prompt, rag_doc_len,
-         rag_system_prompt_len, rag_question_len, rag_output_len, rag_zipf):
-    """System prompt + k documents drawn by Zipf popularity (most popular first) + question."""
+         rag_system_prompt_len, rag_question_len, rag_output_len, rag_zipf, rag_order,
+         rag_messages):
+    """System prompt + k documents drawn by Zipf popularity + question.
+
+    ``rag_order``: "pool" lists the documents in pool order (most popular first: prompts that
+    drew the same documents share a prefix), "random" in a random order (what a retriever
+    ranking by query does: after the system prompt, prefixes rarely agree). ``rag_messages``:
+    "user" puts the documents and the question in one user message (any server), "documents"
+    sends each document as a ``document`` message (prefixcache's segment caching,
+    docs/segments.md; other servers refuse the role)."""
+    if rag_order not in RAG_ORDERS:
+        raise DatasetError(f"rag_order must be one of {', '.join(RAG_ORDERS)}, got {rag_order!r}")
+    if rag_messages not in RAG_MESSAGES:
+        raise DatasetError(
+            f"rag_messages must be one of {', '.join(RAG_MESSAGES)}, got {rag_messages!r}")
     st = synthetic_text(tok)
     pool = max(1, rag_num_documents)
     k = min(max(1, rag_docs_per_prompt), pool)
@@ -208,13 +227,20 @@ def _rag(tok, n, rng, *, rag_num_documents, rag_docs_per_prompt, rag_doc_len,
     plen = rag_system_prompt_len + k * rag_doc_len + rag_question_len
     requests = []
     for _ in range(n):
-        chosen = sorted(rng.choice(pool, size=k, replace=False, p=weights).tolist())
+        chosen = rng.choice(pool, size=k, replace=False, p=weights).tolist()
+        # the draw itself lists popular documents first: shuffle for "random"
+        chosen = sorted(chosen) if rag_order == "pool" else rng.permutation(chosen).tolist()
         context = "".join(docs[d] for d in chosen)
         question = st.text(rag_question_len, rng)
+        if rag_messages == "documents":
+            messages = [{"role": "system", "content": system},
+                        *({"role": "document", "content": docs[d]} for d in chosen),
+                        {"role": "user", "content": question}]
+        else:
+            messages = [{"role": "system", "content": system},
+                        {"role": "user", "content": context + question}]
         requests.append(SampleRequest(
-            system + context + question, plen, rag_output_len,
-            messages=[{"role": "system", "content": system},
-                      {"role": "user", "content": context + question}],
+            system + context + question, plen, rag_output_len, messages=messages,
             group=chosen[0], extra={"documents": chosen}))
     return requests
 
