@@ -107,6 +107,19 @@ def test_restart_restores_segments_from_disk(tmp_path, llm_cold):
     assert full.outputs[0].token_ids == llm_cold.generate([ids], GREEDY)[0].outputs[0].token_ids
     second.check_integrity()
 
+    # A segment store too small for the request's documents: restored ones evict each other
+    # before the assembly, which computes the evicted alone again; the output is the same.
+    cfg = second.engine.model_config
+    per_token = payload_bytes(1, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    small = LLM(kv_cache_memory=MEM, disk_cache_dir=tmp_path, seed=0,
+                segment_cache_memory=max(lengths) * per_token + 4096)  # one document's K/V
+    tight = _chat(small, ["Alice", "Bruno", "Chen"])
+    st = small.cache_stats()
+    assert st["segments"]["evicted"] >= 2 and st["segments"]["computed_alone_tokens"] > 0
+    assert tight.outputs[0].token_ids == computed.outputs[0].token_ids
+    small.check_integrity()
+    del small
+
     # A corrupt record (a flipped byte) and a foreign one (another document's file under this
     # name) are rejected, removed and recomputed; the output does not change.
     third = LLM(kv_cache_memory=MEM, disk_cache_dir=tmp_path, seed=0)
