@@ -14,7 +14,7 @@ from _redis import RedisServer
 from prefixcache import LLM, SamplingParams
 from prefixcache.errors import TierUnavailableError
 from prefixcache.tiers.keys import namespace_id
-from prefixcache.tiers.redis_tier import PREFIX
+from prefixcache.tiers.redis_tier import PREFIX, RedisTier
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -60,6 +60,27 @@ def b(server, tmp_path_factory):
     """Another replica, with its own disk too."""
     disk = tmp_path_factory.mktemp("replica-b")
     return LLM(kv_cache_memory=MEM, remote_cache=server.url, disk_cache_dir=disk, seed=0)
+
+
+def test_a_refused_write_is_dropped_without_taking_the_tier_down():
+    """Redis answering OOM (full, ``noeviction``) refuses writes, but it is up: reads go on,
+    no back-off. (A connection error is the other case: tested with a killed server below.)"""
+    s = RedisServer().start()
+    client = redis.Redis.from_url(s.url)
+    try:
+        tier = RedisTier(s.url)
+        assert tier.put("n", "a", b"x" * 1000)
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 1)  # any use is over it: every write is refused
+        assert tier.put("n", "b", b"y" * 1000) is False
+        st = tier.stats()
+        assert st.available and st.dropped_writes == 1 and st.errors == 1
+        assert tier.get_many("n", ["a"]) == [b"x" * 1000]
+        client.config_set("maxmemory", 0)
+        assert tier.put("n", "b", b"y" * 1000) and tier.stats().reconnects == 0
+    finally:
+        client.close()
+        s.close()
 
 
 @pytest.mark.slow

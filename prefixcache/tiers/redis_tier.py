@@ -6,7 +6,9 @@ Every replica computes the same names for the same blocks (keys.py), so server B
 server A computed. Eviction is Redis's own (run it with a ``maxmemory`` and an ``allkeys-lru``
 policy); we never assume a block we wrote is still there.
 
-Faults: a connection or timeout error marks the tier down for a back-off (1 s, doubling to
+Faults: a write Redis refuses (``OOM`` under a ``noeviction`` policy, a value over its limits)
+is dropped and counted, and nothing else changes: the server is up. A connection or timeout
+error marks the tier down for a back-off (1 s, doubling to
 30 s) during which reads are misses and writes are dropped (counted): requests are served by
 recomputing, and no step waits on a dead server. The first command after the back-off
 reconnects (the client's pool makes a new connection) and the tier is up again. Operations
@@ -37,6 +39,10 @@ class RedisTier:
         from redis.retry import Retry
 
         self._errors = (redis.RedisError, OSError)
+        # The server answered and refused this one command (OOM under ``noeviction``, a value
+        # over its limits): Redis is up, so no back-off; reads go on.
+        self._refused = redis.ResponseError
+        self._refusal_logged = False
         # One immediate retry on a connection error, none on a timeout: after Redis restarted,
         # the first command on each pooled connection fails (reset); the retry takes a new
         # one. Anything more is handled here (back-off), never by sleeping in the I/O thread.
@@ -113,11 +119,20 @@ class RedisTier:
             return False
         try:
             self.client.set(self._key(ns, name), data)
+        except self._refused as e:
+            self.counters.add(errors=1, dropped_writes=1)
+            if not self._refusal_logged:
+                self._refusal_logged = True
+                log.warning("remote cache %s refused a write of %d bytes (%s); reads go on, "
+                            "refused writes are counted as dropped", self.url_for_logs,
+                            len(data), e)  # fmt: skip
+            return False
         except self._errors as e:
             self._failed(e)
             self.counters.add(dropped_writes=1)
             return False
         self._ok()
+        self._refusal_logged = False
         self.counters.written(record, len(data))
         return True
 
