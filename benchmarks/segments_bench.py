@@ -141,19 +141,24 @@ def run_one(llm, rec, prompt, mode, opts, salt, params):
     return out, rec.first
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The RAG workload's flags (shared with segments_tiers_bench.py)."""
     ap.add_argument("--docs", type=int, default=20)
     ap.add_argument("--doc-tokens", type=int, default=300)
     ap.add_argument("--docs-per-prompt", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_workload_args(ap)
     ap.add_argument("--ks", default="0,4,16,32,all")
     ap.add_argument("--ratios", default="", help="budgets as a share of each document, e.g. 0.15")
     ap.add_argument("--selection", default="first", help="first,deviation,both: which tokens")
     ap.add_argument("--no-batch", action="store_true", help="skip the throughput batches")
     ap.add_argument("--agree-tokens", type=int, default=16)
     ap.add_argument("--batch-prompts", type=int, default=4, help="prompts in the throughput batch")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 

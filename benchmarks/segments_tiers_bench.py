@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from segments_bench import make_docs, make_prompts, warm_docs
+from segments_bench import add_workload_args, make_docs, make_prompts, warm_docs
 
 from prefixcache import LLM, SamplingParams
 
@@ -43,12 +43,8 @@ MODES = ("cold", "alone", "disk", "ram")
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--docs", type=int, default=20)
-    ap.add_argument("--doc-tokens", type=int, default=300)
-    ap.add_argument("--docs-per-prompt", type=int, default=4)
-    ap.add_argument("--prompts", type=int, default=8)
+    add_workload_args(ap)
     ap.add_argument("--k", type=int, default=16, help="segment_recompute_tokens")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=None, help="disk tier directory (default: a temporary one)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

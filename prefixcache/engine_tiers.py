@@ -132,7 +132,7 @@ class EngineTiers:
         plan = seq.segments
         if plan is None:
             return
-        lay, refs, seen = self.manager.layout, [], set()
+        refs, seen = [], set()
         for sp in plan.spans:
             if plan.options.recompute_for(sp.length) >= sp.length or sp.key in seen:
                 continue
@@ -141,9 +141,7 @@ class EngineTiers:
                 continue
             if not self.manager.may_have(seq.namespace, sp.key, "segments"):
                 continue
-            ids = seq.prompt_token_ids[sp.start : sp.end]
-            size = record.payload_bytes(len(ids), lay.num_layers, lay.num_kv_heads, lay.head_dim)
-            refs.append(SegmentRef(sp.key, record.key_input(plan.sink, ids), size, len(ids)))
+            refs.append(self._segment_ref(sp.key, plan.sink, seq.prompt_token_ids[sp.start : sp.end]))
         if refs:
             job = self.manager.submit_segment_restore(seq.request_id, seq.namespace, refs)
             seq.restoring = True
@@ -251,11 +249,15 @@ class EngineTiers:
 
     def offload_segment(self, key: bytes, entry: SegmentEntry) -> None:
         """Queue a segment just computed alone for every tier."""
-        lay = self.manager.layout
-        n = len(entry.token_ids)
-        size = record.payload_bytes(n, lay.num_layers, lay.num_kv_heads, lay.head_dim)
-        ref = SegmentRef(key, record.key_input(entry.sink, entry.token_ids), size, n)
+        ref = self._segment_ref(key, entry.sink, entry.token_ids)
         self.manager.offload_segment(entry.namespace, ref, record.payload_of(entry))
+
+    def _segment_ref(self, key: bytes, sink, token_ids) -> SegmentRef:
+        """The name, key input and exact payload length of a segment's tier record."""
+        lay = self.manager.layout
+        n = len(token_ids)
+        size = record.payload_bytes(n, lay.num_layers, lay.num_kv_heads, lay.head_dim)
+        return SegmentRef(key, record.key_input(sink, token_ids), size, n)
 
     def _remember(self, key: bytes) -> None:
         self._known[key] = None

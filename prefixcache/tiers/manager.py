@@ -82,26 +82,28 @@ class TierManager:
     def is_current(self, job: RestoreJob) -> bool:
         return not job.cancelled and self.generation(job.namespace) == job.generation
 
-    def _expected(self, ns_id: str, ref, kind: str = "blocks") -> codec.BlockName:
-        store_id = self.segment_store_id if kind == "segments" else self.store_id
-        return codec.BlockName(store_id, ref.key, bytes.fromhex(ns_id), ref.key_input)
+    def _store_id(self, kind: str) -> bytes:
+        return self.segment_store_id if kind == "segments" else self.store_id
 
-    def _name(self, ref, kind: str) -> str:
-        return block_name(self.segment_store_id if kind == "segments" else self.store_id, ref.key)
+    def _expected(self, ns_id: str, ref, kind: str = "blocks") -> codec.BlockName:
+        return codec.BlockName(self._store_id(kind), ref.key, bytes.fromhex(ns_id), ref.key_input)
+
+    def _name(self, key: bytes, kind: str) -> str:
+        return block_name(self._store_id(kind), key)
 
     # ---- restores (engine thread submits, reader thread runs) -----------------------------------
     def submit_restore(self, request_id: str, namespace: str | None,
                        blocks: list[BlockRef]) -> RestoreJob:  # fmt: skip
-        job = RestoreJob(request_id, namespace, blocks, self.generation(namespace))
-        with self._cv:
-            self._restores.append(job)
-            self._cv.notify_all()
-        return job
+        return self._submit(RestoreJob(request_id, namespace, blocks, self.generation(namespace)))
 
     def submit_segment_restore(self, request_id: str, namespace: str | None,
                                refs: list[SegmentRef]) -> RestoreJob:  # fmt: skip
         """Look each segment up on its own; ``found`` gets those present and verified."""
-        job = RestoreJob(request_id, namespace, refs, self.generation(namespace), "segments")
+        return self._submit(
+            RestoreJob(request_id, namespace, refs, self.generation(namespace), "segments")
+        )
+
+    def _submit(self, job: RestoreJob) -> RestoreJob:
         with self._cv:
             self._restores.append(job)
             self._cv.notify_all()
@@ -110,8 +112,7 @@ class TierManager:
     def may_have(self, namespace: str | None, key: bytes, kind: str = "blocks") -> bool:
         """False only when every tier knows, without I/O, that it lacks this block or segment
         (the disk tier's index): then a restore is not worth a trip through the reader thread."""
-        ns_id = namespace_id(namespace)
-        name = block_name(self.segment_store_id if kind == "segments" else self.store_id, key)
+        ns_id, name = namespace_id(namespace), self._name(key, kind)
         return any(not t.knows_contents or t.contains(ns_id, name) for t in self.tiers)
 
     def take_completed(self) -> list[RestoreJob]:
@@ -157,7 +158,7 @@ class TierManager:
                 tier.counters.add(skipped_slow=1)
                 continue
             t0 = time.perf_counter()
-            datas = tier.get_many(ns_id, [block_name(self.store_id, r.key) for r in rest])
+            datas = tier.get_many(ns_id, [self._name(r.key, "blocks") for r in rest])
             hits = 0
             for ref, data in zip(rest, datas):
                 try:
@@ -166,7 +167,7 @@ class TierManager:
                     tier.counters.reject(e.reason)
                     log.warning("%s tier: block %s rejected (%s); removed, recomputed",
                                 tier.name, ref.key.hex(), e)  # fmt: skip
-                    tier.remove(ns_id, block_name(self.store_id, ref.key))
+                    tier.remove(ns_id, self._name(ref.key, "blocks"))
                     break
                 job.found.append((ref, payload, tier.name))
                 hits += 1
@@ -180,28 +181,31 @@ class TierManager:
                 self._rates.observe(tier.name, hits * bs / dt)
             if hits < len(rest):
                 missing_from.append(tier)
-        promote = [t for t in missing_from if t.name == "disk"]
+        self._promote(job, missing_from)
+
+    def _promote(self, job: RestoreJob, missing_from: list, kind: str = "blocks") -> None:
+        """What only a lower tier (Redis) held is written to disk, when disk lacked it."""
+        disk = tuple(t for t in missing_from if t.name == "disk")
         lower = [(ref, p) for ref, p, where in job.found if where != "disk"]
-        if promote and lower:
-            self._queue_write(job.namespace, lower, tuple(promote), job.generation)
+        if disk and lower:
+            self._queue_write(job.namespace, lower, disk, job.generation, kind)
 
     def _restore_segments(self, job: RestoreJob) -> None:
         """Each segment from the first tier that has it (disk, then Redis); a rejected record
         is removed and looked for in the next tier. Found only in Redis: also written to disk."""
         ns_id = namespace_id(job.namespace)
         pending: list[SegmentRef] = list(job.blocks)
-        lacking_disk = False
+        missing_from: list = []  # tiers skipped or lacking some segment (promotion targets)
         for tier in self.tiers:
             if not pending:
                 break
             if self._too_slow(tier):
                 tier.counters.add(skipped_slow=1)
-                if tier.name == "disk":
-                    lacking_disk = True
+                missing_from.append(tier)
                 continue
             t0, left, nbytes, tokens = time.perf_counter(), [], 0, 0
             for ref in pending:
-                name = self._name(ref, "segments")
+                name = self._name(ref.key, "segments")
                 datas = tier.get_many(ns_id, [name])
                 if not datas:
                     left.append(ref)
@@ -228,13 +232,10 @@ class TierManager:
             )  # fmt: skip
             if hits and dt > 0:
                 self._rates.observe(tier.name, tokens / dt)
-            if left and tier.name == "disk":
-                lacking_disk = True
+            if left:
+                missing_from.append(tier)
             pending = left
-        disk = [t for t in self.tiers if t.name == "disk"]
-        lower = [(ref, p) for ref, p, where in job.found if where != "disk"]
-        if disk and lacking_disk and lower:
-            self._queue_write(job.namespace, lower, tuple(disk), job.generation, "segments")
+        self._promote(job, missing_from, "segments")
 
     # ---- restore vs recompute ------------------------------------------------------------------
     def observe_prefill(self, tokens: int, seconds: float) -> None:
@@ -327,7 +328,7 @@ class TierManager:
             return  # invalidated after it was queued
         record = "segment" if w.kind == "segments" else "block"
         for ref, payload in w.blocks:
-            name = self._name(ref, w.kind)
+            name = self._name(ref.key, w.kind)
             data = None
             for tier in w.tiers:
                 if tier.contains(w.ns_id, name):
