@@ -173,9 +173,11 @@ class SegmentAssembler:
                     entry = self._compute_and_keep(sp.key, ids, seq.namespace, plan.sink)
                 else:
                     reused += sp.length - k
-                self._place(seq, sp.start, k, entry)
-                if k and plan.options.probes:  # its first k too: the probe picks which k
-                    self._place(seq, sp.start, 0, entry, stop=k)
+                probe = bool(k) and plan.options.probes
+                # probed: every token placed (the probe picks which k to recompute); else the
+                # first k are recomputed and need no placing
+                self._place(seq, sp.start, 0 if probe else k, entry)
+                if probe:
                     probed.append((len(pieces), sp))
             if k:
                 pieces.append((sp.start, sp.start + k))
@@ -217,13 +219,10 @@ class SegmentAssembler:
             self.runner.execute(batch)
 
     @torch.inference_mode()
-    def _place(
-        self, seq: Sequence, start: int, skip: int, entry: SegmentEntry, stop: int | None = None
-    ) -> None:
-        """Write ``entry``'s tokens [skip, stop) (stop: its end) at positions start+skip.. of
-        ``seq``: K re-rotated by ``start``, both quantized into the pool's KV format by the
-        pool's own store."""
-        n = len(entry.token_ids) if stop is None else stop
+    def _place(self, seq: Sequence, start: int, skip: int, entry: SegmentEntry) -> None:
+        """Write ``entry``'s tokens [skip, n) at positions start+skip.. of ``seq``: K re-rotated
+        by ``start``, both quantized into the pool's KV format by the pool's own store."""
+        n = len(entry.token_ids)
         dev = self.runner.device
         slots = slots_of(seq.block_table, start + skip, start + n, self.block_size).to(dev)
         k = rerotate(entry.k[:, :, skip:n], start - entry.position, self.runner.model.rotary)
