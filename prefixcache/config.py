@@ -22,6 +22,13 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # quantization"). auto: the file's own 4-bit weights run as int4 when it stores them so (GGUF
 # Q4_0/Q4_1) on CPU, otherwise none.
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# The arithmetic of the decoder's linear layers (docs/engine.md, "Exact integer arithmetic").
+# int16: 4-bit weight groups times 16-bit integer activations, exact int32 sums: every token's
+# K/V and logits bit-for-bit the same alone or batched, chunked or whole, cold or warm, on any
+# thread count and ISA path; float32-like quality. int8: one pass, faster, KL 1.7e-3 vs float32
+# (opt-in, approximate). float32: float32 activations (the reference, agreement only).
+# auto: int16 where the layers are 4-bit groups on CPU with the kernels built, else float32.
+ACTIVATIONS = ("auto", "int16", "int8", "float32")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")  # kv/formats.py
 TIER_COMPRESSIONS = ("none", "lz4", "zstd")  # tiers/codec.py
 REMOTE_CACHE_SCHEMES = ("redis", "rediss")
@@ -84,6 +91,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     quantization: str = "auto"
+    activations: str = "auto"  # ACTIVATIONS
     # How K/V are stored (kv/formats.py): auto = the model's dtype; bfloat16, int8, fp8_e4m3.
     kv_cache_dtype: str = "auto"
     # Converted weights and tokenizer are kept here between starts (keyed by the model file's
@@ -152,6 +160,8 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"

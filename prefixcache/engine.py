@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from prefixcache import engine_stats
+from prefixcache import engine_stats, kernels
 from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.manager import KVCacheManager, blocks_needed
 from prefixcache.config import EngineConfig, parse_bytes
@@ -67,16 +67,25 @@ class LLMEngine:
         layout = plan_kv_layout(weights.config, kv_fmt, config.block_size, config.kv_cache_memory, device)
         self.layout = layout
         fmt = weight_format(config.quantization, device)
-        self.runner = ModelRunner(weights, dtype, device, self.max_model_len, layout, fmt)
+        self.runner = ModelRunner(
+            weights, dtype, device, self.max_model_len, layout, fmt, config.activations
+        )
         self.weights_format = self.runner.model.describe()
         # The model fingerprint enters every cache key: weights, tokenizer, dtype, and the
         # quantization when it changed the file's numbers (the group kernels running the file's
         # own groups compute what the dense layers compute, so they share keys).
         numbers = config.quantization if self.runner.model.requantized else "file"
         # The KV format too: a block's stored K/V depend on it (int8 and float32 blocks never mix).
+        # And the arithmetic: the exact integer path gives the same bits on every ISA path and
+        # thread count (tested), so its blocks are exchangeable between hosts; float32 GEMMs
+        # round differently per ISA (oneDNN picks kernels by host), so their blocks carry the
+        # host's ISA and a tier never mixes them.
+        arith = self.runner.model.arithmetic
+        if arith == "float32":
+            arith = f"float32:{(kernels.supported_isas() or ['generic'])[0]}"
         self.fingerprint = hashlib.sha256(
             f"{weights.weights_digest}|{self.tokenizer.fingerprint()}|{dtype}|{numbers}|"
-            f"kv:{kv_fmt.name}".encode()
+            f"kv:{kv_fmt.name}|arith:{arith}".encode()
         ).hexdigest()
         pool = BlockPool(
             layout.num_blocks,

@@ -22,6 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-memory", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"))
+    p.add_argument("--activations", default="auto", choices=("auto", "int16", "int8", "float32"))
     p.add_argument(
         "--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
     )
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_memory=args.kv_cache_memory,
             dtype=args.dtype,
             quantization=args.quantization,
+            activations=args.activations,
             kv_cache_dtype=args.kv_cache_dtype,
             device=args.device,
             enable_prefix_caching=not args.no_enable_prefix_caching,

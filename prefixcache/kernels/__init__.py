@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in (
     "group_linear.cpp", "decode_attention.cpp", "fused_ops.cpp", "decode_forward.cpp",
-    "prefill_attention.cpp", "kv_store.cpp",
+    "prefill_attention.cpp", "kv_store.cpp", "int_linear.cpp",
 )]
 _HEADERS = [
     _HERE / n for n in ("vec.h", "group_gemv.h", "attention.h", "rowwise.h", "kv_codec.h")
@@ -39,7 +39,10 @@ _HEADERS = [
 # -fopenmp: at::parallel_for is a header template that compiles to `#pragma omp parallel` in
 # our library; without the flag it runs on one thread. The library then needs libgomp.so.1,
 # which resolves to the copy torch has already loaded (one OpenMP runtime, one thread pool).
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-fopenmp"]
+# -ffp-contract=off: the compiler never fuses a multiply and an add that the source wrote apart,
+# so every path's float arithmetic is the sequence written (the exact integer path's epilogue
+# relies on it, and it makes the AVX2 and AVX-512 builds of a formula agree).
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
 
 
 def build_dir() -> Path:
@@ -176,3 +179,38 @@ def q4_linear(x, records):
 def q8_linear(x, records):
     """x [M, K] float32 times 8-bit group records [N, K / 32 * 36]."""
     return torch.ops.prefixcache.q8_linear(x, records)
+
+
+# The integer paths of the exact linear kernel (int_linear.cpp), best first. Every path gives the
+# same bits; PREFIXCACHE_ISA names a lower one to force it on a higher host (tests, comparisons).
+ISAS = ("avx512-vnni", "avx2")
+_ISA_CODE = {"avx512-vnni": 2, "avx2": 1}
+_ISA_FLAGS = {"avx512-vnni": {"avx512f", "avx512bw", "avx512_vnni"}, "avx2": {"avx2", "fma"}}
+
+
+def supported_isas() -> list[str]:
+    """The integer paths this CPU can run, best first."""
+    flags = _cpu_flags()
+    return [name for name in ISAS if _ISA_FLAGS[name] <= flags]
+
+
+def isa() -> str:
+    """The path the exact integer kernels run on: the best this CPU has, or the one
+    ``PREFIXCACHE_ISA`` names (an error if the CPU lacks it or the name is unknown)."""
+    want = os.environ.get("PREFIXCACHE_ISA", "").strip().lower()
+    have = supported_isas()
+    if not want or want == "auto":
+        if not have:
+            raise RuntimeError("no integer kernel path for this CPU (needs AVX2)")
+        return have[0]
+    if want not in ISAS:
+        raise ValueError(f"PREFIXCACHE_ISA={want!r}: one of auto, {', '.join(ISAS)}")
+    if want not in have:
+        raise ValueError(f"PREFIXCACHE_ISA={want}: this CPU lacks it (it has {', '.join(have)})")
+    return want
+
+
+def int4_linear(x, wq, wd, wm, n: int, bits: int, isa_name: str):
+    """x [M, K] float32 times packed 4-bit groups (model/int_linear.py) with ``bits``-bit
+    activations, exact integer sums: [M, n] float32."""
+    return torch.ops.prefixcache.int4_linear(x, wq, wd, wm, n, bits, _ISA_CODE[isa_name])

@@ -56,11 +56,17 @@ def build_metadata(
     device: torch.device,
     share_prefixes: bool = True,
     native: bool = False,
+    exact: bool = False,
 ) -> AttentionMetadata:
     """Slot ids and masks for one step. ``num_computed[i]`` tokens of sequence i are cached;
     its ``num_new[i]`` new tokens follow them. ``share_prefixes=False`` attends every decode over
     its own gathered context (the reference the shared-prefix path is tested against).
-    ``native``: decodes attend through the native kernel (float32 CPU with the kernels built)."""
+    ``native``: decodes attend through the native kernel (float32 CPU with the kernels built).
+    ``exact``: decodes attend like one-token prefill chunks, through the same per-query
+    reduction (keys in fixed blocks of 32 from position 0) as every prefill: a token's output
+    is then the same bits whether it was decoded or prefilled, alone or beside others. The
+    cascade decode kernel merges shared-prefix pieces in an order that depends on the
+    companions, so it stays out of the exact path."""
     slots: list[torch.Tensor] = []
     seqs: list[SeqAttention] = []
     dec_rows: list[int] = []
@@ -69,7 +75,7 @@ def build_metadata(
     q_start = 0
     for table, done, new in zip(block_tables, num_computed, num_new):
         ctx = done + new
-        if new == 1 and done > 0:  # a decode: its context is gathered by the decode batch
+        if new == 1 and done > 0 and not exact:  # a decode: its context is gathered by the decode batch
             slots.append(torch.tensor([table[done // block_size] * block_size + done % block_size]))
             dec_rows.append(q_start)
             dec_tables.append(table)

@@ -7,6 +7,7 @@ at tensor boundaries; T is the number of new tokens in the flat batch of a step.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,8 @@ import torch.nn.functional as F
 from prefixcache import kernels
 from prefixcache.kv.pool import KVCache, LayerKV
 from prefixcache.model.attention import AttentionMetadata, paged_attention
-from prefixcache.model.linear import LARGE_M, GroupLinear, make_linear
+from prefixcache.model.int_linear import IntLinear
+from prefixcache.model.linear import LARGE_M, GroupLinear, make_linear, quantize_int4, quantize_int8
 from prefixcache.model.loader import Int4Groups, Int8Groups, LoadedWeights, ModelConfig
 
 
@@ -135,6 +137,12 @@ class LlamaModel:
     file's own 4/8-bit groups where it stores them, run by the group kernels), "int4"/"int8"
     (every decoder layer in groups of that width, quantized here where the file has none). The
     output projection stays 8-bit or dense: its logits decide greedy choices and logprobs.
+
+    ``activations``: "float32" (float32 activations), or "int16"/"int8"/"auto": the decoder's
+    4-bit layers as ``IntLinear`` (exact integer sums, model/int_linear.py) with attention and
+    the output projection in a fixed order for every row, so each token's K/V and logits are
+    bit-for-bit independent of its batch, its chunking and of whether its context came from
+    the cache ("auto": int16 where that runs, else float32). ``self.exact`` says which ran.
     """
 
     def __init__(
@@ -144,6 +152,7 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         weight_format: str = "dense",
+        activations: str = "float32",
     ):
         cfg = self.config = weights.config
         tensors = weights.tensors
@@ -167,6 +176,11 @@ class LlamaModel:
             biases = [tensors.get(n) for n in bias_names]
             b = torch.cat(biases) if biases and all(x is not None for x in biases) else None
             groups = stored_groups(names)
+            if bits is not None and names[0] != head_name:
+                if not isinstance(groups, Int4Groups):
+                    groups = quantize_int4(w)
+                    self.requantized = True
+                return IntLinear(groups, b, bits, isa)
             lin = make_linear(w, b, fmt, dtype, device, groups)
             if lin.kind != "dense" and (groups is None or lin.kind != _KIND[type(groups)]):
                 self.requantized = True
@@ -179,6 +193,12 @@ class LlamaModel:
             device.type == "cpu" and dtype == torch.float32 and d % 16 == 0 and d <= 256
             and hid % 8 == 0 and inter % 8 == 0 and kernels.available()
         )  # fmt: skip
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in tensors
+        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        bits = self._activation_bits(activations, weight_format, weights)
+        isa = kernels.isa() if bits is not None else None
+        self.exact = bits is not None
+        self.arithmetic = "float32" if bits is None else f"w4a{bits}"
         self.layers = []
         for i in range(cfg.num_layers):
             pre = f"model.layers.{i}."
@@ -202,15 +222,44 @@ class LlamaModel:
             ))  # fmt: skip
         self.embed_weight = tensor("model.embed_tokens.weight").to(device=device, dtype=dtype)
         self.norm = tensor("model.norm.weight").to(device=device, dtype=dtype)
-        tied = cfg.tie_word_embeddings or "lm_head.weight" not in tensors
-        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
         head_fmt = {"dense": "dense", "file": "file"}.get(weight_format, "int8")
         self.lm_head = linear([head_name], (cfg.vocab_size, hid), head_fmt)
+        if self.exact:
+            # The head in groups through the float32 group kernel at every M: one accumulator
+            # per logit summed in a fixed order whatever the tile, so a row's logits do not
+            # depend on the other rows (a dense GEMM's would).
+            if not isinstance(self.lm_head, GroupLinear):
+                self.lm_head = GroupLinear(quantize_int8(tensor(head_name)))
+                self.requantized = True
+            self.lm_head.large_m = sys.maxsize
         if tied and self.lm_head.kind == "dense":
             self.lm_head.weight = self.embed_weight  # one tensor for both (packing copies it)
         self.rotary = Rotary(cfg, max_len, tensors.get("rope_freqs"), device)
         self.dtype = dtype
         self.fused_layers = self._fused_layers()
+
+    def _activation_bits(self, activations: str, weight_format: str, weights: LoadedWeights):
+        """16 or 8 for the exact integer path, None for float32 activations; an error when
+        int16/int8 are asked for where they cannot run."""
+        if activations == "float32":
+            return None
+        why = None
+        if not self.native:
+            why = "the native CPU kernels in float32 (CPU, dtype float32, AVX2, kernels built)"
+        elif weight_format not in ("file", "int4"):
+            why = "4-bit weight groups (a GGUF Q4_0/Q4_1 file, or --quantization int4)"
+        elif weight_format == "file":
+            names = [f"model.layers.{i}.{p}.weight" for i in range(self.config.num_layers)
+                     for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                               "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]  # fmt: skip
+            if not all(n in weights.int4 for n in names):
+                why = "4-bit weight groups in every decoder layer (this file has others: " \
+                      "use --quantization int4)"
+        if why is not None:
+            if activations == "auto":
+                return None
+            raise ValueError(f"activations {activations!r} needs {why}")
+        return 8 if activations == "int8" else 16
 
     def _fused_layers(self):
         """The per-layer arguments of ``kernels.decode_forward`` (every layer of a decode-only
@@ -236,6 +285,12 @@ class LlamaModel:
         """What the linear layers run as, e.g. 'q4 layers (57.0 MB) + q8 head (29.9 MB), float32
         activations'."""
         kinds = "+".join(sorted({lin.kind for layer in self.layers for lin in _linears(layer)}))
+        if self.exact:
+            return (
+                f"{kinds} layers ({sum(lin.nbytes for layer in self.layers for lin in _linears(layer)) / 1e6:.1f} MB, "
+                f"exact integer sums, {kernels.isa()}) + {self.lm_head.kind} head "
+                f"({self.lm_head.nbytes / 1e6:.1f} MB)"
+            )
         nbytes = sum(lin.nbytes for layer in self.layers for lin in _linears(layer))
         dtype = str(self.dtype).removeprefix("torch.")
         return (

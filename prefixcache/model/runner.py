@@ -56,12 +56,13 @@ class ModelRunner:
         max_model_len: int,
         layout: KVLayout,
         weight_format: str = "dense",
+        activations: str = "float32",
     ):
         self.config = weights.config
         self.device = device
         self.dtype = dtype
         self.block_size = layout.block_size
-        self.model = LlamaModel(weights, max_model_len, dtype, device, weight_format)
+        self.model = LlamaModel(weights, max_model_len, dtype, device, weight_format, activations)
         self.kv = KVCache(weights.config, layout, device)
 
     @torch.inference_mode()
@@ -84,6 +85,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             native=self.model.native,
+            exact=self.model.exact,
         )
         dev = self.device
         return self.model(
@@ -103,6 +105,7 @@ class ModelRunner:
         nblocks = -(-n // bs)
         lay = self.kv.layout
         private = KVCache(self.config, KVLayout(nblocks, bs, lay.bytes_per_token, lay.kv_format), self.device)
-        meta = build_metadata([list(range(nblocks))], [0], [n], bs, self.device, native=self.model.native)
+        meta = build_metadata([list(range(nblocks))], [0], [n], bs, self.device,
+                              native=self.model.native, exact=self.model.exact)  # fmt: skip
         rows = torch.arange(n, device=self.device)
         return self.model(torch.tensor(ids, device=self.device), rows, private, meta, rows)

@@ -132,6 +132,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "CPU (the file's own weights), else none",
     )
     m.add_argument(
+        "--activations",
+        default="auto",
+        choices=("auto", "int16", "int8", "float32"),
+        help="arithmetic of the linear layers; int16: exact integer sums, outputs bit-for-bit "
+        "independent of cache, batch and chunking (auto where the layers are 4-bit groups on "
+        "CPU); int8: faster, approximate; float32: the float reference",
+    )
+    m.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=("auto", "float32", "bfloat16", "int8", "fp8_e4m3"),
@@ -335,6 +343,7 @@ def _engine_config(args: argparse.Namespace):
         scheduling_policy=args.scheduling_policy,
         dtype=args.dtype,
         quantization=args.quantization,
+        activations=args.activations,
         kv_cache_dtype=args.kv_cache_dtype,
         weights_cache_dir=None if args.weights_cache_dir == "none" else args.weights_cache_dir,
         device=args.device,

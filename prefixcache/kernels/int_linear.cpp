@@ -1,0 +1,306 @@
+// Exact, batch-invariant linear layer: 4-bit weight groups times integer activations, summed in
+// int32, then one float32 epilogue in a fixed order (prefixcache/model/int_linear.py wraps it).
+//
+//   w[n, k] = q[n, k] * d[n, g] + m[n, g]        q in 0..15, g = k / 32 (GGUF Q4_1 / Q4_0)
+//   x[r, k] ~ a[r, k] * s[r, g]                   a integer, |a| <= A (A = 32639 or 127)
+//
+// Per output (r, n) and group g the kernel computes the exact integers
+//   dot = sum_k a[r, k] q[n, k]     sum_a = sum_k a[r, k]
+// and then, for g = 0, 1, ... in order, in float32 with separate roundings (no FMA):
+//   acc = acc + float(dot) * (s[r, g] * d[n, g])
+//   acc = acc + m[n, g] * (s[r, g] * float(sum_a))
+// Integer sums are exact whatever the blocking, tiling, threading or batch size, and the float
+// epilogue of an output reads only that output's row and column, so a row's result depends on
+// that row alone: bit-for-bit the same alone or in any batch, on any thread count, and on every
+// ISA path here (vpdpbusd on AVX512-VNNI, vpmaddubsw + vpmaddwd on AVX2: the same integers,
+// then the same scalar sequence of IEEE multiplies and adds per lane). The float values fit:
+// |dot| <= 32 * 15 * 32639 < 2^24, so float(dot) is exact.
+//
+// 16-bit activations run as two int8 passes: a = 256 hi + lo with hi, lo in [-128, 127], and
+// dot = 256 dot(hi) + dot(lo), still exact. They cost two passes and keep float32-like
+// quality (KL 4e-8 vs float32 on the default model); 8-bit activations are one pass (faster,
+// KL 1.7e-3: over the quality floor, opt-in). docs/design.md section 2 has the measurements.
+//
+// Weight layout (IntLinear.pack in int_linear.py), per block of 16 output columns and group:
+//   256 bytes of nibbles: [j = 0..3][column c = 0..15][byte b = 0..3], low nibble = weight
+//   k = 4 j + b of column c, high nibble = weight k = 16 + 4 j + b (k within the group)
+//   then d and m: [blocks, groups, 16] float32 each.
+// A 64-byte row j is one VNNI operand (16 columns x 4 consecutive k) after masking a nibble.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kCols = 16;              // columns per weight block
+constexpr int64_t kBlockBytes = 256;       // nibbles of one block and group
+constexpr int64_t kRowChunk = 64;          // rows per work item
+
+// Activations of a call, quantized once: per row, hi and lo int8 parts (16-bit) or lo alone
+// (8-bit), and per (row, group) the scale s and s * float(sum of a).
+struct Quantized {
+  std::vector<int8_t> hi, lo;
+  std::vector<float> s, ssum;
+};
+
+// Quantize rows [r0, r1) of x. The float operations are IEEE divisions and round-to-nearest-even
+// conversions (the same as torch.round(x / s)), in scalar code: the reference in
+// prefixcache/model/int_linear.py computes the same bits.
+void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int bits, Quantized& qa) {
+  const int64_t groups = k / kGroup;
+  const float amax_q = bits == 16 ? 32639.f : 127.f;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * k;
+    for (int64_t g = 0; g < groups; ++g) {
+      float amax = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(xr[g * kGroup + i]));
+      const float s = amax / amax_q;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        const int64_t kk = g * kGroup + i;
+        int32_t a = 0;
+        if (s > 0.f) {
+          const float v = std::nearbyint(xr[kk] / s);
+          a = static_cast<int32_t>(std::max(-amax_q, std::min(amax_q, v)));
+        }
+        sum += a;
+        if (bits == 16) {
+          const int32_t h = (a + 128) >> 8;  // floor((a + 128) / 256): lo in [-128, 127]
+          qa.hi[r * k + kk] = static_cast<int8_t>(h);
+          qa.lo[r * k + kk] = static_cast<int8_t>(a - 256 * h);
+        } else {
+          qa.lo[r * k + kk] = static_cast<int8_t>(a);
+        }
+      }
+      qa.s[r * groups + g] = s;
+      qa.ssum[r * groups + g] = s * static_cast<float>(sum);
+    }
+  }
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---- AVX512-VNNI: R rows x C blocks of 16 columns, one zmm accumulator per (row, block, pass).
+template <int R, int C, bool TWO>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512(
+    const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd, const float* wm,
+    int64_t b0, float* y, int64_t ldy, int64_t n) {
+  const int64_t groups = k / kGroup;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dh[R][C], dl[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dh[r][c] = dl[r][c] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      __m512i w0[C], w1[C];
+      for (int c = 0; c < C; ++c) {
+        const __m512i p = _mm512_loadu_si512(wq + ((b0 + c) * groups + g) * kBlockBytes + j * 64);
+        w0[c] = _mm512_and_si512(p, mask);
+        w1[c] = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t off = (r0 + r) * k + g * kGroup + 4 * j;
+        const __m512i l0 = _mm512_set1_epi32(load_i32(qa.lo.data() + off));
+        const __m512i l1 = _mm512_set1_epi32(load_i32(qa.lo.data() + off + 16));
+        for (int c = 0; c < C; ++c) {
+          dl[r][c] = _mm512_dpbusd_epi32(dl[r][c], w0[c], l0);
+          dl[r][c] = _mm512_dpbusd_epi32(dl[r][c], w1[c], l1);
+        }
+        if (TWO) {
+          const __m512i h0 = _mm512_set1_epi32(load_i32(qa.hi.data() + off));
+          const __m512i h1 = _mm512_set1_epi32(load_i32(qa.hi.data() + off + 16));
+          for (int c = 0; c < C; ++c) {
+            dh[r][c] = _mm512_dpbusd_epi32(dh[r][c], w0[c], h0);
+            dh[r][c] = _mm512_dpbusd_epi32(dh[r][c], w1[c], h1);
+          }
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512 vd = _mm512_loadu_ps(wd + ((b0 + c) * groups + g) * kCols);
+      const __m512 vm = _mm512_loadu_ps(wm + ((b0 + c) * groups + g) * kCols);
+      for (int r = 0; r < R; ++r) {
+        const int64_t rg = (r0 + r) * groups + g;
+        __m512i dot = dl[r][c];
+        if (TWO) dot = _mm512_add_epi32(_mm512_slli_epi32(dh[r][c], 8), dot);
+        const __m512 p = _mm512_mul_ps(_mm512_set1_ps(qa.s[rg]), vd);
+        acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(_mm512_cvtepi32_ps(dot), p));
+        acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const int64_t col = (b0 + c) * kCols;
+      const int64_t nv = std::min<int64_t>(kCols, n - col);
+      const __mmask16 mk = static_cast<__mmask16>((1u << nv) - 1u);
+      _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r][c]);
+    }
+}
+
+// ---- AVX2: the same tile in two halves of 8 columns; vpmaddubsw (u8 weight x s8 activation,
+// |pair sum| <= 2 * 15 * 128: never saturates) then vpmaddwd with ones gives the same int32 sums.
+template <int R, bool TWO>
+inline void tile256(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd,
+                    const float* wm, int64_t b, int half, float* y, int64_t ldy, int64_t n) {
+  const int64_t groups = k / kGroup;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i dh[R], dl[R];
+    for (int r = 0; r < R; ++r) dh[r] = dl[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i p = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(wq + (b * groups + g) * kBlockBytes + j * 64 + half * 32));
+      const __m256i w0 = _mm256_and_si256(p, mask);
+      const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);
+      for (int r = 0; r < R; ++r) {
+        const int64_t off = (r0 + r) * k + g * kGroup + 4 * j;
+        const __m256i l0 = _mm256_set1_epi32(load_i32(qa.lo.data() + off));
+        const __m256i l1 = _mm256_set1_epi32(load_i32(qa.lo.data() + off + 16));
+        dl[r] = _mm256_add_epi32(dl[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, l0), ones));
+        dl[r] = _mm256_add_epi32(dl[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, l1), ones));
+        if (TWO) {
+          const __m256i h0 = _mm256_set1_epi32(load_i32(qa.hi.data() + off));
+          const __m256i h1 = _mm256_set1_epi32(load_i32(qa.hi.data() + off + 16));
+          dh[r] = _mm256_add_epi32(dh[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, h0), ones));
+          dh[r] = _mm256_add_epi32(dh[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, h1), ones));
+        }
+      }
+    }
+    const __m256 vd = _mm256_loadu_ps(wd + (b * groups + g) * kCols + half * 8);
+    const __m256 vm = _mm256_loadu_ps(wm + (b * groups + g) * kCols + half * 8);
+    for (int r = 0; r < R; ++r) {
+      const int64_t rg = (r0 + r) * groups + g;
+      __m256i dot = dl[r];
+      if (TWO) dot = _mm256_add_epi32(_mm256_slli_epi32(dh[r], 8), dot);
+      const __m256 p = _mm256_mul_ps(_mm256_set1_ps(qa.s[rg]), vd);
+      acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(dot), p));
+      acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(vm, _mm256_set1_ps(qa.ssum[rg])));
+    }
+  }
+  const int64_t col = b * kCols + half * 8;
+  const int64_t nv = std::min<int64_t>(8, n - col);
+  if (nv <= 0) return;
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, acc[r]);
+    std::memcpy(y + (r0 + r) * ldy + col, tmp, static_cast<size_t>(nv) * sizeof(float));
+  }
+}
+
+template <bool TWO>
+void rows_avx512(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const uint8_t* wq,
+                 const float* wd, const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
+  // Column blocks in pairs (a weight load serves 4 rows x 2 blocks), rows in fours.
+  for (int64_t b = b0; b < b1; b += 2) {
+    const bool pair = b + 1 < b1;
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) {
+      if (pair) tile512<4, 2, TWO>(qa, r, k, wq, wd, wm, b, y, n, n);
+      else tile512<4, 1, TWO>(qa, r, k, wq, wd, wm, b, y, n, n);
+    }
+    for (; r < r1; ++r) {
+      if (pair) tile512<1, 2, TWO>(qa, r, k, wq, wd, wm, b, y, n, n);
+      else tile512<1, 1, TWO>(qa, r, k, wq, wd, wm, b, y, n, n);
+    }
+  }
+}
+
+template <bool TWO>
+void rows_avx2(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const uint8_t* wq,
+               const float* wd, const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
+  for (int64_t b = b0; b < b1; ++b) {
+    for (int half = 0; half < 2; ++half) {
+      int64_t r = r0;
+      for (; r + 4 <= r1; r += 4) tile256<4, TWO>(qa, r, k, wq, wd, wm, b, half, y, n, n);
+      for (; r < r1; ++r) tile256<1, TWO>(qa, r, k, wq, wd, wm, b, half, y, n, n);
+    }
+  }
+}
+
+bool cpu_has_vnni512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+
+// isa: 2 = AVX512-VNNI, 1 = AVX2 (the Python side chooses; PREFIXCACHE_ISA forces a lower one).
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wd, const at::Tensor& wm,
+                       int64_t n, int64_t bits, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_cpu(), "x: [M, K] float32 on CPU");
+  TORCH_CHECK(bits == 8 || bits == 16, "activation bits: 8 or 16");
+  TORCH_CHECK(isa == 1 || isa == 2, "isa: 1 (avx2) or 2 (avx512-vnni)");
+  TORCH_CHECK(isa == 1 || cpu_has_vnni512(), "this CPU lacks AVX512-VNNI");
+  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
+  const int64_t blocks = (n + kCols - 1) / kCols;
+  TORCH_CHECK(k % kGroup == 0, "K must be a multiple of 32");
+  TORCH_CHECK(wq.is_contiguous() && wq.scalar_type() == at::kByte && wq.numel() == blocks * groups * kBlockBytes,
+              "wq: packed nibbles [blocks * groups * 256] uint8");
+  TORCH_CHECK(wd.is_contiguous() && wm.is_contiguous() && wd.scalar_type() == at::kFloat &&
+                  wm.scalar_type() == at::kFloat && wd.numel() == blocks * groups * kCols &&
+                  wm.numel() == wd.numel(),
+              "wd, wm: [blocks, groups, 16] float32");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const float* xp = xc.data_ptr<float>();
+  Quantized qa;
+  qa.lo.resize(static_cast<size_t>(m * k));
+  if (bits == 16) qa.hi.resize(static_cast<size_t>(m * k));
+  qa.s.resize(static_cast<size_t>(m * groups));
+  qa.ssum.resize(static_cast<size_t>(m * groups));
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) { quantize_rows(xp, k, r0, r1, static_cast<int>(bits), qa); });
+  const uint8_t* wqp = wq.data_ptr<uint8_t>();
+  const float* wdp = wd.data_ptr<float>();
+  const float* wmp = wm.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // Work items: (chunk of rows, run of 8 column blocks). Any split gives the same bits: each
+  // output is computed whole by one item.
+  const int64_t row_chunks = (m + kRowChunk - 1) / kRowChunk;
+  constexpr int64_t kBlocksPerItem = 8;
+  const int64_t col_items = (blocks + kBlocksPerItem - 1) / kBlocksPerItem;
+  const bool two = bits == 16;
+  at::parallel_for(0, row_chunks * col_items, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t rc = it / col_items, ci = it % col_items;
+      const int64_t r0 = rc * kRowChunk, r1 = std::min(m, r0 + kRowChunk);
+      const int64_t b0 = ci * kBlocksPerItem, b1 = std::min(blocks, b0 + kBlocksPerItem);
+      if (isa == 2) {
+        if (two) rows_avx512<true>(qa, r0, r1, k, wqp, wdp, wmp, b0, b1, yp, n);
+        else rows_avx512<false>(qa, r0, r1, k, wqp, wdp, wmp, b0, b1, yp, n);
+      } else {
+        if (two) rows_avx2<true>(qa, r0, r1, k, wqp, wdp, wmp, b0, b1, yp, n);
+        else rows_avx2<false>(qa, r0, r1, k, wqp, wdp, wmp, b0, b1, yp, n);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(prefixcache, lib) {
+  lib.def("int4_linear(Tensor x, Tensor wq, Tensor wd, Tensor wm, int n, int bits, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(prefixcache, CPU, lib) {
+  lib.impl("int4_linear", &int4_linear);
+}

@@ -1,0 +1,103 @@
+"""The exact linear layer: 4-bit weight groups times integer activations, summed in int32.
+
+``IntLinear`` runs ``kernels/int_linear.cpp`` (its header comment has the arithmetic). Its
+result for a row depends on that row alone (integer sums are exact whatever the tiling, the
+batch, the thread count or the ISA, and the float epilogue is one fixed sequence per output),
+so a token's K/V and logits are bit-for-bit the same alone or batched, chunked or whole,
+decoded or prefilled. ``reference`` is the same arithmetic in plain PyTorch (int64 sums, the
+same float32 epilogue), which the kernel is tested equal to with ``torch.equal``.
+
+Activations are quantized per row and group of 32: ``s = max|x| / A``, ``a = round(x / s)``
+(half to even) with ``A = 32639`` for 16-bit (run as two int8 passes) or ``127`` for 8-bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixcache import kernels
+from prefixcache.model.loader import Int4Groups
+
+GROUP = 32
+COLS = 16  # output columns per packed block
+ACTIVATION_MAX = {16: 32639.0, 8: 127.0}
+
+
+class IntLinear:
+    """y = x W^T (+ b) for W in 4-bit groups (``Int4Groups``), ``bits``-bit activations."""
+
+    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None, bits: int, isa: str):
+        if groups.group_size != GROUP:
+            raise ValueError(f"4-bit groups of {groups.group_size}; the kernel takes {GROUP}")
+        if bits not in ACTIVATION_MAX:
+            raise ValueError(f"activation bits must be 8 or 16, got {bits}")
+        self.kind = f"w4a{bits}"
+        self.bits, self.isa = bits, isa
+        self.out_features, self.in_features = groups.q.shape
+        self.wq, self.wd, self.wm = pack(groups)
+        self.groups = groups  # the reference and tests read the file's numbers from here
+        self.bias = None if bias is None else bias.float()
+
+    @property
+    def nbytes(self) -> int:  # what one call reads
+        return self.wq.numel() + 4 * (self.wd.numel() + self.wm.numel())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = kernels.int4_linear(x.float(), self.wq, self.wd, self.wm, self.out_features,
+                                self.bits, self.isa)  # fmt: skip
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype)
+
+
+def pack(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's layout: per block of 16 output columns and group of 32 inputs, 256 bytes of
+    nibbles ordered [j 0..3][column 0..15][b 0..3], the low nibble weight 4 j + b of the group
+    and the high one 16 + 4 j + b; then d and m as [blocks, groups, 16] float32. Columns past
+    the layer's end are zero weights with zero scales."""
+    out, n = groups.q.shape
+    g = n // GROUP
+    blocks = -(-out // COLS)
+    pad = blocks * COLS - out
+    q = torch.nn.functional.pad(groups.q, (0, 0, 0, pad)).view(blocks, COLS, g, 2, 4, 4)
+    # q[block, col, group, half, j, b] -> [block, group, j, col, b], low half | high half << 4
+    q = q.permute(0, 2, 3, 4, 1, 5)  # [block, group, half, j, col, b]
+    nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous().view(-1)
+
+    def scales(t: torch.Tensor) -> torch.Tensor:
+        t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad))  # [blocks * 16, groups]
+        return t.view(blocks, COLS, g).transpose(1, 2).contiguous()  # [blocks, groups, 16]
+
+    return nibbles, scales(groups.scale), scales(groups.offset)
+
+
+def quantize_activations(x: torch.Tensor, bits: int):
+    """a [M, K] int64, s [M, K / 32] float32: the kernel's activation quantization."""
+    m, k = x.shape
+    xg = x.float().view(m, k // GROUP, GROUP)
+    amax_q = ACTIVATION_MAX[bits]
+    s = xg.abs().amax(-1) / amax_q  # one IEEE division, as the kernel
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    a = torch.round(xg / safe.unsqueeze(-1)).clamp(-amax_q, amax_q)
+    a = torch.where((s > 0).unsqueeze(-1), a, torch.zeros_like(a))
+    return a.to(torch.int64).view(m, k), s
+
+
+def reference(x: torch.Tensor, groups: Int4Groups, bits: int) -> torch.Tensor:
+    """The kernel's arithmetic in plain PyTorch: exact integer sums per group (int64), then the
+    float32 epilogue in group order, each multiply and add rounded on its own. [M, N] float32."""
+    m, k = x.shape
+    ng = k // GROUP
+    a, s = quantize_activations(x, bits)
+    ag = a.view(m, ng, GROUP)
+    qg = groups.q.to(torch.int64).view(-1, ng, GROUP)
+    dots = torch.einsum("mgk,ngk->mng", ag, qg)  # exact: int64
+    sums = ag.sum(-1)  # [M, groups]
+    ssum = s * sums.to(torch.float32)  # [M, groups]
+    d, off = groups.scale.float(), groups.offset.float()  # [N, groups]
+    acc = torch.zeros(m, groups.q.shape[0], dtype=torch.float32)
+    for g in range(ng):
+        p = s[:, g : g + 1] * d[:, g].unsqueeze(0)  # [M, N]
+        acc = acc + dots[:, :, g].to(torch.float32) * p
+        acc = acc + off[:, g].unsqueeze(0) * ssum[:, g : g + 1]
+    return acc

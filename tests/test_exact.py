@@ -1,0 +1,275 @@
+"""Bit-for-bit outputs under the exact integer path (activations int16, the default here).
+
+Every check is ``torch.equal`` on the stored K/V of each computed token and on the logits of each
+sampled position, never a tolerance: a token's numbers must not depend on its batch companions,
+on how its prompt was chunked, on whether its context came from the cache (RAM or disk), on
+whether it was decoded or prefilled, on preemption, on the thread count or on the ISA path.
+
+Records are keyed by the token ids up to the position (a token's K/V and the logits after it are
+functions of exactly those), so runs in different namespaces, engines and batches compare
+directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+
+import pytest
+import torch
+from _helpers import PROSE
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefixcache import LLM, SamplingParams, kernels
+from prefixcache.model.int_linear import IntLinear, reference
+from prefixcache.model.linear import quantize_int4
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="the exact path needs the CPU kernels")
+
+B = 16
+
+
+class Recorder:
+    """Wraps an engine's runner: the stored K/V of every computed token and the logits of every
+    sampled row, keyed by the token ids they are a function of."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.kv: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.logits: dict[bytes, torch.Tensor] = {}
+        self._execute = engine.runner.execute
+
+    def __enter__(self):
+        runner, bs = self.engine.runner, self.engine.runner.block_size
+
+        def execute(batch):
+            seen = [(s.seq, s.seq.num_computed_tokens, s.num_new_tokens, s.samples) for s in batch]
+            out = self._execute(batch)
+            row = 0
+            for seq, start, n, samples in seen:
+                ids = seq.all_token_ids
+                table = seq.block_table
+                slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start, start + n)])
+                k = runner.kv.k.index_select(2, slots)  # [L, KVH, n, D] as stored
+                v = runner.kv.v.index_select(2, slots)
+                for j in range(n):
+                    self.kv[_key(ids[: start + j + 1])] = (k[:, :, j].clone(), v[:, :, j].clone())
+                if samples:
+                    self.logits[_key(ids[: start + n])] = out[row].clone()
+                    row += 1
+            return out
+
+        self.engine.runner.execute = execute
+        return self
+
+    def __exit__(self, *exc):
+        self.engine.runner.execute = self._execute
+
+
+def _key(ids) -> bytes:
+    return torch.tensor(list(ids), dtype=torch.int32).numpy().tobytes()
+
+
+def assert_same(ref: Recorder, other: Recorder, min_kv: int = 1, min_logits: int = 1) -> None:
+    """Every record both runs made is bit-for-bit equal; at least this many were compared."""
+    kv = ref.kv.keys() & other.kv.keys()
+    lg = ref.logits.keys() & other.logits.keys()
+    assert len(kv) >= min_kv and len(lg) >= min_logits, (len(kv), len(lg))
+    for key in kv:
+        assert torch.equal(ref.kv[key][0], other.kv[key][0]), "K differs"
+        assert torch.equal(ref.kv[key][1], other.kv[key][1]), "V differs"
+    for key in lg:
+        assert torch.equal(ref.logits[key], other.logits[key]), "logits differ"
+
+
+def run(llm, prompts, max_tokens=4, salt=None) -> Recorder:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    with Recorder(llm.engine) as rec:
+        llm.generate(prompts, params, cache_salt=salt)
+    return rec
+
+
+def _salt(tag: str) -> str:
+    # os.urandom, not random: hypothesis reseeds the random module for every example
+    return f"exact-{tag}-{os.urandom(8).hex()}"
+
+
+@pytest.fixture(scope="module")
+def prose_ids(llm):
+    return llm.get_tokenizer().encode(PROSE * 20)
+
+
+def test_default_model_runs_the_exact_path(llm):
+    assert llm.engine.runner.model.exact
+    assert "exact integer sums" in llm.engine.weights_format
+
+
+# ---- the kernel against the same integer arithmetic in plain PyTorch
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 16), (5, 96, 40), (70, 576, 200)])
+def test_kernel_equals_the_integer_reference_on_every_isa(bits, m, k, n):
+    gen = torch.Generator().manual_seed(m * k + n)
+    groups = quantize_int4(torch.randn(n, k, generator=gen))
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+    x[0, :32] = 0  # an all-zero group: scale 0
+    ref = reference(x, groups, bits)
+    for isa in kernels.supported_isas():
+        lin = IntLinear(groups, None, bits, isa)
+        y = lin(x)
+        assert torch.equal(y, ref), isa
+        # one row alone: the same bits as in the batch
+        assert torch.equal(lin(x[m // 2 : m // 2 + 1])[0], y[m // 2]), isa
+
+
+def test_isa_switch(monkeypatch):
+    have = kernels.supported_isas()
+    monkeypatch.setenv("PREFIXCACHE_ISA", "avx2")
+    assert kernels.isa() == "avx2"
+    monkeypatch.setenv("PREFIXCACHE_ISA", "sse9")
+    with pytest.raises(ValueError, match="one of"):
+        kernels.isa()
+    monkeypatch.delenv("PREFIXCACHE_ISA")
+    assert kernels.isa() == have[0]
+    if "avx512-vnni" not in have:
+        monkeypatch.setenv("PREFIXCACHE_ISA", "avx512-vnni")
+        with pytest.raises(ValueError, match="lacks"):
+            kernels.isa()
+
+
+def test_the_model_gives_the_same_bits_on_every_isa_path(llm, prose_ids):
+    isas = kernels.supported_isas()
+    if len(isas) < 2:
+        pytest.skip(f"this CPU has one integer path ({isas[0]}): nothing to compare")
+    lins = [lin for layer in llm.engine.runner.model.layers
+            for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]  # fmt: skip
+    assert all(isinstance(lin, IntLinear) for lin in lins)
+    prompt = prose_ids[:70]
+    ref = run(llm, [prompt], salt=_salt("isa"))
+    try:
+        for lin in lins:
+            lin.isa = isas[-1]  # the lowest: AVX2
+        low = run(llm, [prompt], salt=_salt("isa"))
+    finally:
+        for lin in lins:
+            lin.isa = isas[0]
+    assert_same(ref, low, min_kv=70, min_logits=4)
+
+
+def test_the_same_bits_on_any_thread_count(llm, prose_ids):
+    prompt = prose_ids[5:90]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(llm, [prompt], salt=_salt("t1"))
+        torch.set_num_threads(2)
+        two = run(llm, [prompt], salt=_salt("t2"))
+    finally:
+        torch.set_num_threads(before)
+    assert_same(one, two, min_kv=85, min_logits=4)
+
+
+# ---- the engine: batches, chunks, cache hits, decode vs prefill
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    companions=st.lists(st.integers(1, 120), min_size=1, max_size=12),
+    budget=st.sampled_from([None, 7, 33, 100]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_prompt_alone_equals_it_in_any_batch_and_chunking(llm, prose_ids, companions, budget, seed):
+    rng = random.Random(seed)
+    target = prose_ids[: 40 + seed % 50]
+    alone = run(llm, [target], salt=_salt("alone"))
+    others = [[rng.randrange(100, 40000) for _ in range(n)] for n in companions]
+    prompts = others[: len(others) // 2] + [target] + others[len(others) // 2 :]
+    sched = llm.engine.scheduler
+    config = sched.config
+    if budget is not None:  # chunked prefill at this token budget
+        sched.config = dataclasses.replace(config, max_num_batched_tokens=budget)
+    try:
+        batched = run(llm, prompts, salt=_salt("batch"))
+    finally:
+        sched.config = config
+    assert_same(alone, batched, min_kv=len(target) + 3, min_logits=4)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_cold_equals_warm_bit_for_bit_around_block_boundaries(llm, prose_ids, k):
+    for shared in (k * B - 1, k * B, k * B + 1):
+        prompt = prose_ids[:shared] + prose_ids[200:230]
+        cold = run(llm, [prompt], salt=_salt("cold"))
+        salt = _salt("warm")
+        run(llm, [prose_ids[:shared] + prose_ids[300:320]], salt=salt)  # caches the prefix
+        with Recorder(llm.engine) as warm:
+            out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0,
+                                                        ignore_eos=True), cache_salt=salt)  # fmt: skip
+        assert out[0].num_cached_tokens == (shared // B) * B
+        # the warm run computed only the suffix, and every number it computed equals cold's
+        assert_same(cold, warm, min_kv=len(prompt) - (shared // B) * B, min_logits=4)
+        llm.check_integrity()
+
+
+def test_decoded_kv_equals_prefilled_kv(llm, prose_ids):
+    prompt = prose_ids[10:60]
+    params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+    with Recorder(llm.engine) as decoded:
+        out = llm.generate([prompt], params, cache_salt=_salt("dec"))
+    generated = out[0].outputs[0].token_ids
+    # the prompt followed by what was generated, prefilled in one pass in a fresh namespace
+    prefilled = run(llm, [prompt + generated[:8]], max_tokens=1, salt=_salt("pre"))
+    # the K/V of the 8 decoded tokens (and the prompt's)
+    assert_same(decoded, prefilled, min_kv=len(prompt) + 8, min_logits=1)
+    # the logits after each of them: a prefill that projects every position
+    full = prompt + generated[:8]
+    every = llm.engine.runner.all_logits(full)
+    for p in range(len(prompt) - 1, len(full)):
+        assert torch.equal(decoded.logits[_key(full[: p + 1])], every[p]), p
+
+
+@pytest.fixture(scope="module")
+def small_llm(tmp_path_factory):
+    """A pool of 20 blocks (16 unpinnable: 256 tokens) and a disk tier: requests preempt each other, blocks are
+    evicted and come back from disk."""
+    return LLM(kv_cache_memory=20 * B * 46080, disk_cache_dir=str(tmp_path_factory.mktemp("kv")),
+               seed=0)  # fmt: skip
+
+
+def test_the_same_bits_under_preemption_eviction_and_disk_restore(llm, small_llm, prose_ids):
+    prompts = [prose_ids[i * 7 : i * 7 + 60 + 9 * i] for i in range(4)]
+    alone = [run(llm, [p], max_tokens=12, salt=_salt("ref")) for p in prompts]
+    # four at once (~340 tokens) in 256 tokens of KV: some are preempted and recomputed
+    preempted = small_llm.engine.scheduler.counters.num_preemptions
+    crowded = run(small_llm, prompts, max_tokens=12, salt="crowd")
+    assert small_llm.engine.scheduler.counters.num_preemptions > preempted
+    for ref in alone:
+        assert_same(ref, crowded, min_kv=60, min_logits=12)
+    # the first prompt's blocks are evicted by another prompt: its prefix comes back from disk
+    assert small_llm.engine.tiers.flush()
+    run(small_llm, [prose_ids[500:700]], max_tokens=1, salt="crowd")
+    assert small_llm.engine.tiers.flush()
+    hits = small_llm.cache_stats()["tiers"]["disk"]["hit_tokens"]
+    prompt = prompts[0] + prose_ids[700:710]
+    restored = run(small_llm, [prompt], max_tokens=4, salt="crowd")
+    assert small_llm.cache_stats()["tiers"]["disk"]["hit_tokens"] >= hits + 48
+    cold = run(llm, [prompt], max_tokens=4, salt=_salt("ref2"))
+    assert_same(cold, restored, min_kv=10, min_logits=4)
+    small_llm.check_integrity()
+
+
+def test_int8_activations_are_exact_too_but_differ_from_int16():
+    """The opt-in 8-bit mode keeps the bitwise contract within itself and carries another
+    fingerprint (its blocks never mix with int16's)."""
+    a8 = LLM(kv_cache_memory="32MiB", activations="int8", seed=0)
+    ids = a8.get_tokenizer().encode(PROSE)[:50]
+    alone = run(a8, [ids])
+    batched = run(a8, [ids[:17], ids, ids[3:40]], salt=_salt("a8"))
+    assert_same(alone, batched, min_kv=50, min_logits=4)
+    f32 = LLM(kv_cache_memory="32MiB", activations="float32", seed=0)
+    fps = {a8.engine.fingerprint, f32.engine.fingerprint}
+    assert len(fps) == 2
+    assert not f32.engine.runner.model.exact
