@@ -261,14 +261,18 @@ def test_the_same_bits_under_preemption_eviction_and_disk_restore(llm, small_llm
     small_llm.check_integrity()
 
 
-def test_int8_activations_are_exact_too_but_differ_from_int16():
-    """The opt-in 8-bit mode keeps the bitwise contract within itself and carries another
-    fingerprint (its blocks never mix with int16's)."""
-    a8 = LLM(kv_cache_memory="32MiB", activations="int8", seed=0)
+def test_int8_activations_and_int8_kv_are_exact_too():
+    """The opt-in 8-bit mode keeps the bitwise contract within itself, over a scaled KV format
+    (attention reads the stored values), and carries another fingerprint (its blocks never mix
+    with int16's)."""
+    a8 = LLM(kv_cache_memory="32MiB", activations="int8", kv_cache_dtype="int8", seed=0)
     ids = a8.get_tokenizer().encode(PROSE)[:50]
-    alone = run(a8, [ids])
+    with Recorder(a8.engine) as alone:
+        out = a8.generate([ids], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     batched = run(a8, [ids[:17], ids, ids[3:40]], salt=_salt("a8"))
     assert_same(alone, batched, min_kv=50, min_logits=4)
+    prefilled = run(a8, [ids + out[0].outputs[0].token_ids[:4]], max_tokens=1, salt=_salt("a8"))
+    assert_same(alone, prefilled, min_kv=54, min_logits=1)
     f32 = LLM(kv_cache_memory="32MiB", activations="float32", seed=0)
     fps = {a8.engine.fingerprint, f32.engine.fingerprint}
     assert len(fps) == 2

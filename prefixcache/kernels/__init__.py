@@ -146,6 +146,16 @@ def prefill_attention(q, k, v, scale: float):
     return torch.ops.prefixcache.prefill_attention(q, k, v, scale)
 
 
+def paged_attention(q, kv, paged, scale: float):
+    """Causal attention of every sequence of a step (q [T, H, D]) over one layer's pool ``kv``
+    (a LayerKV) read in place, for a model.attention.PagedBatch: the per-query arithmetic of
+    prefill_attention for prefill chunks and decodes alike."""
+    return torch.ops.prefixcache.paged_attention(
+        q, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.fmt.code, paged.q_start, paged.q_len, paged.ctx,
+        paged.slots_off, paged.slots, scale,
+    )  # fmt: skip
+
+
 def rms_norm(x, w, eps: float):
     return torch.ops.prefixcache.rms_norm(x, w, eps)
 

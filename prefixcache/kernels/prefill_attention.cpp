@@ -18,6 +18,9 @@
 #include <limits>
 #include <vector>
 
+#include <array>
+
+#include "kv_codec.h"
 #include "vec.h"
 
 namespace {
@@ -119,15 +122,60 @@ inline void block_values(const float* vr, int64_t d, int64_t nk, const float* pa
   }
 }
 
+// Where an item's keys come from: a contiguous [KVH, C, D] float32 copy (prefill_attention) or
+// the paged pool read in place through a slot list, in its storage format (paged_attention).
+// Either fills the transposed K block kt[dd * kKeys + j] (zeros past nk) and returns the block's
+// V rows as float32; the values are the same floats in both, so is everything computed from them.
+struct DenseKeys {
+  const float* k;
+  const float* v;
+  int64_t c, d;
+  const float* fill(int64_t kh, int64_t k0, int64_t nk, float* kt, float* /*vbuf*/) const {
+    const float* kh_base = k + kh * c * d;
+    for (int64_t j = 0; j < kKeys; ++j) {
+      const float* kr = kh_base + (k0 + j) * d;
+      for (int64_t dd = 0; dd < d; ++dd) kt[dd * kKeys + j] = j < nk ? kr[dd] : 0.f;
+    }
+    return v + kh * c * d + k0 * d;
+  }
+};
+
+struct PagedKeys {
+  const uint8_t* k;
+  const uint8_t* v;
+  const float* k_scale;  // null unless the format is scaled
+  const float* v_scale;
+  int64_t code, n_slots, d;
+  const int64_t* slots;  // the sequence's context, in position order
+  const float* fill(int64_t kh, int64_t k0, int64_t nk, float* kt, float* vbuf) const {
+    const int64_t es = prefixcache::kv_elem_size(code);
+    alignas(32) float row[kMaxD];
+    for (int64_t j = 0; j < kKeys; ++j) {
+      if (j >= nk) {
+        for (int64_t dd = 0; dd < d; ++dd) kt[dd * kKeys + j] = 0.f;
+        continue;
+      }
+      const int64_t at = kh * n_slots + slots[k0 + j];
+      prefixcache::load_row(code, k + at * d * es, k_scale ? k_scale[at] : 1.f, d, row);
+      for (int64_t dd = 0; dd < d; ++dd) kt[dd * kKeys + j] = row[dd];
+      prefixcache::load_row(code, v + at * d * es, v_scale ? v_scale[at] : 1.f, d, vbuf + j * d);
+    }
+    return vbuf;
+  }
+};
+
 // One item: query rows [i0, i1) of KV head kh (all G query heads of it). The item's queries are
-// taken two at a time (row-major over (row, head)); each keeps its own causal limit.
-void attend_rows(const float* q, const float* k, const float* v, float* out, int64_t t, int64_t c,
-                 int64_t h, int64_t kvh_count, int64_t d, int64_t kh, int64_t i0, int64_t i1,
-                 float scale, std::vector<float>& kt) {
+// taken two at a time (row-major over (row, head)); each keeps its own causal limit. A query's
+// arithmetic does not depend on the item: keys in blocks of 32 from position 0, its own score
+// chains, softmax and value sums (the pairing shares loads only). So a token's output is the
+// same bits in any chunk, batch, or as a decode (a chunk of one) - the exact path's contract.
+template <typename Keys>
+void attend_rows(const float* q, const Keys& keys, float* out, int64_t t, int64_t c, int64_t h,
+                 int64_t kvh_count, int64_t d, int64_t kh, int64_t i0, int64_t i1, float scale,
+                 std::vector<float>& kt, std::vector<float>& vbuf) {
   const int64_t g = h / kvh_count, first = c - t;
-  const float* kh_base = k + kh * c * d;
-  const float* vh_base = v + kh * c * d;
   kt.resize(static_cast<size_t>(d * kKeys));
+  vbuf.resize(static_cast<size_t>(d * kKeys));
   const int64_t nq = (i1 - i0) * g;
   std::vector<float> m(nq, -std::numeric_limits<float>::infinity()), l(nq, 0.f);
   std::vector<float> acc(static_cast<size_t>(nq * d), 0.f);
@@ -138,12 +186,7 @@ void attend_rows(const float* q, const float* k, const float* v, float* out, int
   alignas(32) float sb[kKeys];
   for (int64_t k0 = 0; k0 <= last_key; k0 += kKeys) {
     const int64_t nk = std::min(kKeys, last_key + 1 - k0);
-    // K block transposed: kt[dd * kKeys + j] = K[k0 + j][dd] (zeros past nk)
-    for (int64_t j = 0; j < kKeys; ++j) {
-      const float* kr = kh_base + (k0 + j) * d;
-      for (int64_t dd = 0; dd < d; ++dd) kt[dd * kKeys + j] = j < nk ? kr[dd] : 0.f;
-    }
-    const float* vr = vh_base + k0 * d;
+    const float* vr = keys.fill(kh, k0, nk, kt.data(), vbuf.data());
     int64_t qi = 0;
     while (qi < nq && qpos(qi) < k0) ++qi;  // rows whose whole future this block is
     for (; qi < nq; qi += 2) {
@@ -181,13 +224,75 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   // Later row blocks see more keys: threads take items round-robin, so each gets early and
   // late blocks (a contiguous split would give one thread most of the work).
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  const DenseKeys keys{kp, vp, c, d};
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> kt;
+    std::vector<float> kt, vbuf;
     for (int64_t th = t0; th < t1; ++th) {
       for (int64_t it = th; it < items; it += nt) {
         const int64_t kh = it % kvh, blk = it / kvh;
         const int64_t i0 = blk * kRows, i1 = std::min(t, i0 + kRows);
-        attend_rows(qp, kp, vp, op, t, c, h, kvh, d, kh, i0, i1, static_cast<float>(scale), kt);
+        attend_rows(qp, keys, op, t, c, h, kvh, d, kh, i0, i1, static_cast<float>(scale), kt, vbuf);
+      }
+    }
+  });
+  return out;
+}
+
+// Every sequence of a step at once over the paged pool, read in place: sequence s has q_len[s]
+// queries at rows q_start[s].. of q (positions ctx[s] - q_len[s] ..) and its context at
+// slots[slots_off[s] .. + ctx[s]]. The same per-query arithmetic as prefill_attention, so a
+// decode (q_len 1) gives the bits its token gets in any prefill.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                           const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                           int64_t code, const at::Tensor& q_start, const at::Tensor& q_len,
+                           const at::Tensor& ctx, const at::Tensor& slots_off, const at::Tensor& slots,
+                           double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [T, H, D] float32 contiguous");
+  TORCH_CHECK(kc.dim() == 3 && kc.is_contiguous() && vc.is_contiguous() && vc.sizes() == kc.sizes(),
+              "k, v cache: [KVH, N, D] contiguous");
+  const int64_t h = q.size(1), d = q.size(2), kvh = kc.size(0), n_slots = kc.size(1);
+  TORCH_CHECK(kc.size(2) == d && d % 8 == 0 && d <= kMaxD && h % kvh == 0, "head shapes");
+  TORCH_CHECK(kc.element_size() == prefixcache::kv_elem_size(code), "cache element size vs format");
+  for (const auto* t : {&q_start, &q_len, &ctx, &slots_off, &slots})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "index tensors: int64 contiguous");
+  const int64_t ns = q_start.numel();
+  TORCH_CHECK(q_len.numel() == ns && ctx.numel() == ns && slots_off.numel() == ns + 1, "per-sequence sizes");
+  const int64_t* qs = q_start.data_ptr<int64_t>();
+  const int64_t* ql = q_len.data_ptr<int64_t>();
+  const int64_t* cx = ctx.data_ptr<int64_t>();
+  const int64_t* so = slots_off.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t s = 0; s < ns; ++s) {
+    TORCH_CHECK(ql[s] > 0 && ql[s] <= cx[s] && qs[s] >= 0 && qs[s] + ql[s] <= q.size(0), "query rows");
+    TORCH_CHECK(so[s] >= 0 && so[s] + cx[s] <= slots.numel(), "context slots");
+    for (int64_t j = 0; j < cx[s]; ++j)
+      TORCH_CHECK(sl[so[s] + j] >= 0 && sl[so[s] + j] < n_slots, "slot out of range");
+  }
+  const float* ksp = k_scale.has_value() ? k_scale->data_ptr<float>() : nullptr;
+  const float* vsp = v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr;
+  TORCH_CHECK((ksp == nullptr) == (code == prefixcache::kF32 || code == prefixcache::kBF16), "scales iff scaled format");
+  // items: (sequence, block of kRows query rows, KV head), round-robin over threads
+  std::vector<std::array<int64_t, 3>> items;
+  for (int64_t s = 0; s < ns; ++s)
+    for (int64_t b = 0; b * kRows < ql[s]; ++b)
+      for (int64_t kh = 0; kh < kvh; ++kh) items.push_back({s, b, kh});
+  at::Tensor out = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const auto* kp = static_cast<const uint8_t*>(kc.data_ptr());
+  const auto* vp = static_cast<const uint8_t*>(vc.data_ptr());
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> kt, vbuf;
+    for (int64_t th = t0; th < t1; ++th) {
+      for (int64_t it = th; it < n_items; it += nt) {
+        const auto [s, b, kh] = items[it];
+        const PagedKeys keys{kp, vp, ksp, vsp, code, n_slots, d, sl + so[s]};
+        const int64_t i0 = b * kRows, i1 = std::min(ql[s], i0 + kRows);
+        const int64_t base = qs[s] * h * d;
+        attend_rows(qp + base, keys, op + base, ql[s], cx[s], h, kvh, d, kh, i0, i1,
+                    static_cast<float>(scale), kt, vbuf);
       }
     }
   });
@@ -198,8 +303,11 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 
 TORCH_LIBRARY_FRAGMENT(prefixcache, lib) {
   lib.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  lib.def("paged_attention(Tensor q, Tensor kc, Tensor vc, Tensor? k_scale, Tensor? v_scale, int code, "
+          "Tensor q_start, Tensor q_len, Tensor ctx, Tensor slots_off, Tensor slots, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, lib) {
   lib.impl("prefill_attention", &prefill_attention);
+  lib.impl("paged_attention", &paged_attention);
 }

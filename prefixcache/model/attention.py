@@ -40,12 +40,26 @@ class SeqAttention:
     ctx_slots: torch.Tensor | None  # [ctx_len] long; None when the context is only the new tokens
 
 
+@dataclass(frozen=True)
+class PagedBatch:
+    """Every sequence of an exact step for ``kernels.paged_attention``, which reads the pool in
+    place: sequence s has ``q_len[s]`` new tokens at rows ``q_start[s]..`` and its context
+    (those tokens included) at ``slots[slots_off[s] : slots_off[s] + ctx[s]]``."""
+
+    q_start: torch.Tensor  # [S] long
+    q_len: torch.Tensor  # [S] long
+    ctx: torch.Tensor  # [S] long
+    slots_off: torch.Tensor  # [S + 1] long
+    slots: torch.Tensor  # long
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V is written
     seqs: list[SeqAttention]  # prefill chunks, attended one by one
     decode: DecodeBatch | None = None
     native: bool = False  # prefill chunks through kernels.prefill_attention (float32 CPU)
+    paged: PagedBatch | None = None  # exact: every sequence in one paged_attention call
 
 
 def build_metadata(
@@ -88,6 +102,18 @@ def build_metadata(
             )
         q_start += new
     slot_mapping = torch.cat(slots).to(device) if slots else torch.empty(0, dtype=torch.long)
+    if exact and native and seqs:
+        ctx_slots = [slots_of(t, 0, done + new, block_size)
+                     for t, done, new in zip(block_tables, num_computed, num_new)]  # fmt: skip
+        lens = [len(c) for c in ctx_slots]
+        offs = [0]
+        for n in lens:
+            offs.append(offs[-1] + n)
+        paged = PagedBatch(
+            torch.tensor([s.q_start for s in seqs]), torch.tensor([s.q_len for s in seqs]),
+            torch.tensor(lens), torch.tensor(offs), torch.cat(ctx_slots),
+        )  # fmt: skip
+        return AttentionMetadata(slot_mapping, [], None, native, paged)
     decode = None
     if dec_rows:
         decode = build_decode_batch(
@@ -106,6 +132,8 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, H, D]
     # Stored first, in the KV format; attention sees the stored values, new tokens included.
     k_seen, v_seen = kv.store(meta.slot_mapping, k_new, v_new)
+    if meta.paged is not None:
+        return kernels.paged_attention(q.contiguous(), kv, meta.paged, scale)
     out = torch.empty_like(q)
     for s in meta.seqs:
         qs = q[s.q_start : s.q_start + s.q_len]  # [q, H, D]
