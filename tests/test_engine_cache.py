@@ -111,11 +111,19 @@ def test_batch_of_prompts_sharing_a_prefix(llm, llm_cold):
     assert all(o.num_cached_tokens == 6 * B for o in warm[1:])
 
 
+@pytest.fixture(scope="module")
+def llm_f32():
+    """The float32 path (``activations="float32"``), whose decode-only steps use the cascade
+    kernel; the exact path (the default) keeps it out (test_exact.py)."""
+    return LLM(kv_cache_memory="64MiB", activations="float32", seed=0)
+
+
 @pytest.mark.parametrize("delta", [-1, 0, 1])
-def test_decodes_sharing_a_prefix_attend_it_once_and_equal_cold(llm, llm_cold, monkeypatch, delta):
-    """Running decodes that hold the same cached blocks attend them as one shared segment
-    (decode_attention.py); greedy outputs stay those of the cold engine, with the shared prefix
-    ending before, on and after a block boundary."""
+def test_decodes_sharing_a_prefix_attend_it_once_and_equal_cold(llm, llm_f32, monkeypatch, delta):
+    """On the float32 path, running decodes that hold the same cached blocks attend them as one
+    shared segment (decode_attention.py); greedy outputs stay those of each prompt run alone,
+    with the shared prefix ending before, on and after a block boundary. The exact path plans
+    no segment (the cascade merge order depends on the companions)."""
     from prefixcache.model import attention
 
     segments = []
@@ -127,15 +135,18 @@ def test_decodes_sharing_a_prefix_attend_it_once_and_equal_cold(llm, llm_cold, m
         return batch
 
     monkeypatch.setattr(attention, "build_decode_batch", spy)
-    tok = llm.get_tokenizer()
+    tok = llm_f32.get_tokenizer()
     prefix = _doc_ids(tok, 8 * B + delta)
     prompts = [prefix + tok.encode(f" Question {i}: which city is named here{'?' * i}") for i in range(6)]
-    warm = llm.generate(prompts, GREEDY, cache_salt=f"decode-share-{delta}")
+    warm = llm_f32.generate(prompts, GREEDY, cache_salt=f"decode-share-{delta}")
     assert segments and max(segments) >= 5  # most of the batch shared one segment
     segments.clear()
-    cold = llm_cold.generate(prompts, GREEDY)
-    assert segments == []  # nothing is shared without the cache
-    assert _outputs(warm) == _outputs(cold)
+    alone = [llm_f32.generate([p], GREEDY, cache_salt=f"decode-alone-{delta}-{i}")[0]
+             for i, p in enumerate(prompts)]  # fmt: skip
+    assert segments == []  # one sequence at a time: nothing is shared
+    assert _outputs(warm) == _outputs(alone)
+    llm.generate(prompts, GREEDY, cache_salt=f"decode-share-exact-{delta}")
+    assert segments == []
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,8 @@ class IntLinear:
             raise ValueError(f"4-bit groups of {groups.group_size}; the kernel takes {GROUP}")
         if bits not in ACTIVATION_MAX:
             raise ValueError(f"activation bits must be 8 or 16, got {bits}")
+        if not kernels.available():  # loads the built library (or says why there is none)
+            raise RuntimeError(f"the exact integer kernels are unavailable: {kernels.unavailable_reason()}")
         self.kind = f"w4a{bits}"
         self.bits, self.isa = bits, isa
         self.out_features, self.in_features = groups.q.shape

@@ -254,7 +254,7 @@ class SegmentAssembler:
         model = self.runner.model
         for a in range(0, n, self.max_chunk):
             c = min(self.max_chunk, n - a)
-            meta = build_metadata([table], [a], [c], bs, dev, native=model.native)
+            meta = build_metadata([table], [a], [c], bs, dev, native=model.native, exact=model.exact)
             ids = torch.tensor(token_ids[a : a + c], dtype=torch.long, device=dev)
             pos = torch.arange(a, a + c, device=dev)
             model(ids, pos, private, meta, torch.tensor([c - 1], device=dev))

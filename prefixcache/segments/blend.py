@@ -67,7 +67,8 @@ def probe(runner: ModelRunner, seq: Sequence, start: int, end: int, max_chunk: i
     ids_all, out = seq.all_token_ids, []
     for a in range(start, end, max_chunk):
         n = min(max_chunk, end - a)
-        meta = build_metadata([seq.block_table], [a], [n], bs, dev, native=model.native)
+        meta = build_metadata([seq.block_table], [a], [n], bs, dev, native=model.native,
+                              exact=model.exact)  # fmt: skip
         ids = torch.tensor(ids_all[a : a + n], dtype=torch.long, device=dev)
         k, v = model.layer1_kv(ids, torch.arange(a, a + n, device=dev), runner.kv, meta)
         _, placed = layer1.gather(meta.slot_mapping, torch.float32)  # [KVH, n, D]
