@@ -1,4 +1,4 @@
-"""`prefixcache serve | cluster | generate | bench | analyze`.
+"""`prefixcache serve | cluster | generate | bench | analyze | events`.
 
 Each subsystem registers its own subcommand through a ``register(subparsers)`` function in its
 package's ``cli`` module, so this file stays a thin dispatcher.
@@ -15,6 +15,7 @@ _SUBCOMMANDS = (
     "prefixcache.generate_cli",
     "prefixcache.server.cli",
     "prefixcache.cluster.cli",
+    "prefixcache.events.cli",
     "prefixcache.bench.cli",
     "prefixcache.analyze.cli",
 )

@@ -110,6 +110,11 @@ class EngineConfig:
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
     kv_events_rank: int | None = None
+    # Who may read them (events/access.py): off loopback only with a CURVE server secret key
+    # file or allow_remote (plaintext); token ids (the prompts) are sent only when asked for.
+    kv_events_curve_secret_file: str | Path | None = None
+    kv_events_allow_remote: bool = False
+    kv_events_token_ids: bool = False
     # Segment store (segments/, docs/segments.md): RAM for documents' KV computed alone, used
     # only by requests that ask for cache_mode="segments". Kept as float32: ~46 KB/token for
     # the default model, so 512 MiB hold ~11k document tokens.
@@ -178,13 +183,20 @@ class EngineConfig:
                 f"got {self.tier_compression!r}"
             )
         if self.kv_events_endpoint is not None or self.kv_events_replay_endpoint is not None:
+            from prefixcache.events.access import check_bind, load_server_secret
             from prefixcache.events.publisher import check_endpoint
 
             if self.kv_events_endpoint is None:
                 raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
-            check_endpoint(self.kv_events_endpoint)
-            if self.kv_events_replay_endpoint is not None:
-                check_endpoint(self.kv_events_replay_endpoint)
+            curve = self.kv_events_curve_secret_file is not None
+            if curve:  # a bad or unreadable key file fails here, before the model loads
+                load_server_secret(self.kv_events_curve_secret_file)
+            for ep in (self.kv_events_endpoint, self.kv_events_replay_endpoint):
+                if ep is not None:
+                    check_endpoint(ep)
+                    check_bind(ep, curve=curve, allow_remote=self.kv_events_allow_remote)
+        elif self.kv_events_curve_secret_file is not None:
+            raise ValueError("kv_events_curve_secret_file needs kv_events_endpoint")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if not (0 <= self.pin_budget_fraction <= 1):

@@ -1,26 +1,38 @@
 """KV events (prefixcache/events): vLLM's wire format, and a subscriber that rebuilds the
 engine's block set from the stream agrees with the prefix index through stores, evictions,
-invalidation and a late join (replay)."""
+invalidation and a late join (replay). Who may read the stream (events/access.py): loopback
+unless CURVE or an explicit flag, token ids only when asked for, CURVE keeps out subscribers
+without the server's key, a replay answer is bounded."""
 
 from __future__ import annotations
 
 import socket
+import time
 
 import msgpack
 import pytest
+import zmq
 
 from prefixcache import LLM, SamplingParams
+from prefixcache.cache.block_pool import BlockPool
+from prefixcache.cache.manager import KVCacheManager
+from prefixcache.config import EngineConfig
 from prefixcache.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockSetSubscriber,
     BlockStored,
     EventBatch,
+    KVEventPublisher,
+    attach_kv_events,
     decode_batch,
     encode_batch,
     offset_endpoint,
 )
+from prefixcache.events.access import write_keypair
+from prefixcache.events.publisher import END_OF_REPLAY
 from prefixcache.events.wire import WireFormatError
+from prefixcache.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 
@@ -64,8 +76,6 @@ def test_offset_endpoint():
 
 
 def test_bad_endpoint_is_a_config_error():
-    from prefixcache.config import EngineConfig
-
     for bad in ("localhost:5557", "tcp://host", "http://x:1"):
         with pytest.raises(ValueError, match="endpoint"):
             EngineConfig(kv_events_endpoint=bad)
@@ -124,3 +134,176 @@ def test_subscriber_block_set_equals_the_index():
     finally:
         sub.close()
         llm.engine.kv_events.close()
+
+
+# -- who may read the stream ----------------------------------------------------------------------
+def _tcp() -> str:
+    return f"tcp://127.0.0.1:{_free_port()}"
+
+
+def _until_received(sock: zmq.Socket, publisher: KVEventPublisher, timeout: float = 10.0) -> list:
+    """Publish AllBlocksCleared batches until ``sock`` (a SUB) gets one; returns the messages
+    read (none: never connected). A SUB drops what is sent before its connection is up."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        publisher.cleared()
+        if sock.poll(50):
+            return _drain(sock)
+    return []
+
+
+def _drain(sock: zmq.Socket, wait_ms: int = 200) -> list:
+    got = []
+    while sock.poll(wait_ms):
+        got.append(sock.recv_multipart())
+    return got
+
+
+def _sub(endpoint: str, server_public: bytes | None = None) -> zmq.Socket:
+    s = zmq.Context.instance().socket(zmq.SUB)
+    if server_public is not None:  # a client keypair of its own, as any subscriber has
+        s.curve_serverkey = server_public
+        s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
+    s.setsockopt(zmq.SUBSCRIBE, b"")
+    s.connect(endpoint)
+    return s
+
+
+def test_a_remote_bind_needs_curve_or_the_allow_remote_flag(tmp_path, capsys):
+    from prefixcache.cli import build_parser, main
+    from prefixcache.server.cli import _engine_config
+
+    for remote in ("tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://[::]:5557", "tcp://10.1.2.3:5557",
+                   "tcp://eth0:5557", "tcp://127.0.0.1.evil.example:5557"):  # fmt: skip
+        with pytest.raises(ValueError, match="not on loopback"):
+            EngineConfig(kv_events_endpoint=remote)
+        with pytest.raises(ValueError, match="not on loopback"):  # the replay socket too
+            EngineConfig(kv_events_endpoint="tcp://127.0.0.1:5557", kv_events_replay_endpoint=remote)
+        EngineConfig(kv_events_endpoint=remote, kv_events_allow_remote=True)
+    for local in ("tcp://127.0.0.1:5557", "tcp://127.9.0.1:5557", "tcp://[::1]:5557",
+                  "tcp://localhost:5557", "ipc:///tmp/prefixcache-ev", "inproc://ev"):  # fmt: skip
+        EngineConfig(kv_events_endpoint=local, kv_events_replay_endpoint=local)
+    key = tmp_path / "ev.key"
+    write_keypair(key)
+    EngineConfig(kv_events_endpoint="tcp://*:5557", kv_events_curve_secret_file=key)
+    (tmp_path / "bad.key").write_text("not a key\n")
+    for bad in (tmp_path / "bad.key", tmp_path / "missing.key"):
+        with pytest.raises(ValueError, match="CURVE"):
+            EngineConfig(kv_events_endpoint="tcp://*:5557", kv_events_curve_secret_file=bad)
+    with pytest.raises(ValueError, match="not on loopback"):  # the class on its own, too
+        KVEventPublisher("tcp://*:5557", block_size=16)
+    # `serve` stops with the message before it loads the model; the flags reach the config.
+    assert main(["serve", "--kv-events-endpoint", "tcp://*:5557"]) == 2
+    assert "not on loopback" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--kv-events-endpoint", "tcp://*:5557",
+        "--kv-events-allow-remote", "--kv-events-token-ids", "--kv-events-curve-secret-file", str(key)])  # fmt: skip
+    cfg = _engine_config(args)
+    assert (cfg.kv_events_allow_remote, cfg.kv_events_token_ids) == (True, True)
+    assert cfg.kv_events_curve_secret_file == str(key)
+
+
+def _store_prompt(kv: KVCacheManager, tokens: list[int], namespace: str) -> None:
+    """The engine's path into the index, without the model: admit, compute, commit, free."""
+    seq = Sequence("r", list(tokens), SamplingParams(max_tokens=1), root=kv.root(namespace),
+                   namespace=namespace)  # fmt: skip
+    assert kv.admit(seq, kv.match(seq), len(tokens))
+    seq.num_computed_tokens = len(tokens)
+    kv.commit(seq)
+    kv.free(seq)
+
+
+@pytest.mark.parametrize("token_ids", [False, True])
+def test_token_ids_are_sent_only_when_asked_for(token_ids):
+    endpoint = _tcp()
+    config = EngineConfig(block_size=4, kv_events_endpoint=endpoint, kv_events_token_ids=token_ids)
+    kv = KVCacheManager(BlockPool(8, 4), "fp")
+    publisher = attach_kv_events(config, kv)
+    sub = _sub(endpoint)
+    try:
+        assert _until_received(sub, publisher)
+        prompt = list(range(100, 113))  # three full blocks and one token
+        _store_prompt(kv, prompt, "tenant-a")
+        publisher.flush()
+        stored = [e for m in _drain(sub) for e in decode_batch(m[2]).events
+                  if isinstance(e, BlockStored)]  # fmt: skip
+    finally:
+        sub.close(linger=0)
+        publisher.close()
+    assert [h for e in stored for h in e.block_hashes] == kv.keys_for(prompt, "tenant-a")
+    assert [t for e in stored for t in e.token_ids] == (prompt[:12] if token_ids else [])
+    for m in stored:  # vLLM's shape either way: an array of token ids, maybe empty
+        assert isinstance(m.token_ids, tuple) and m.block_size == 4
+
+
+def test_curve_keeps_out_subscribers_without_the_server_key(tmp_path):
+    from prefixcache.cli import main
+
+    key = tmp_path / "ev.key"
+    assert main(["events", "keygen", str(key)]) == 0
+    assert key.stat().st_mode & 0o077 == 0 and main(["events", "keygen", str(key)]) == 2  # kept
+    server_public = (tmp_path / "ev.key.pub").read_bytes().strip()
+    endpoint, replay = _tcp(), _tcp()
+    config = EngineConfig(block_size=4, kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay,
+                          kv_events_curve_secret_file=key)  # fmt: skip
+    kv = KVCacheManager(BlockPool(8, 4), "fp")
+    publisher = attach_kv_events(config, kv)
+    plain, wrong = _sub(endpoint), _sub(endpoint, zmq.curve_keypair()[0])
+    plain_replay = zmq.Context.instance().socket(zmq.DEALER)
+    plain_replay.connect(replay)
+    good = None
+    try:
+        _store_prompt(kv, list(range(8)), "tenant-a")  # before the good one joins: replayed
+        publisher.flush()
+        good = BlockSetSubscriber(endpoint, replay, server_public_key=server_public)
+        deadline = time.monotonic() + 10.0
+        while good.batches == 0 and time.monotonic() < deadline:
+            publisher.cleared()
+            good.poll(0.05)
+        # The others were connected all along, while those batches went out.
+        assert _drain(plain) == [] and _drain(wrong) == []
+        assert good.batches and good.replayed  # the PUB and the replay ROUTER both answered it
+        _store_prompt(kv, list(range(50, 58)), "tenant-a")
+        publisher.flush()
+        good.poll(0.3)
+        assert good.blocks == set(kv.keys_for(list(range(50, 58)), "tenant-a"))
+        plain_replay.send_multipart([b"", (0).to_bytes(8, "big", signed=True)])
+        assert _drain(plain) == [] and _drain(wrong) == [] and _drain(plain_replay) == []
+    finally:
+        for s in (plain, wrong, plain_replay):
+            s.close(linger=0)
+        if good is not None:
+            good.close()
+        publisher.close()
+
+
+def test_a_replay_answer_is_bounded():
+    endpoint, replay = _tcp(), _tcp()
+    publisher = KVEventPublisher(endpoint, replay_endpoint=replay, block_size=4, replay_max_batches=3)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(replay)
+    sub = None
+    try:
+        for _ in range(10):
+            publisher.cleared()
+            publisher.flush()
+        assert publisher.next_seq >= 10
+        dealer.send_multipart([b"", (0).to_bytes(8, "big", signed=True)])
+        answer = []
+        while dealer.poll(5000):
+            frames = dealer.recv_multipart()
+            if frames[-2] == END_OF_REPLAY:
+                break
+            answer.append(int.from_bytes(frames[-2], "big", signed=True))
+        assert answer == [0, 1, 2]
+        # A subscriber that missed more asks again from where each answer stopped.
+        sub = BlockSetSubscriber(endpoint, replay)
+        deadline = time.monotonic() + 10.0
+        while sub.batches == 0 and time.monotonic() < deadline:
+            publisher.cleared()
+            sub.poll(0.05)
+        assert sub.replayed >= 10 and sub.batches == sub.last_seq + 1  # nothing skipped
+    finally:
+        dealer.close(linger=0)
+        if sub is not None:
+            sub.close()
+        publisher.close()

@@ -6,8 +6,15 @@ engine never waits on the network. A publisher thread takes the pending events e
 ``interval`` seconds, coalesces consecutive blocks of one chain into one ``BlockStored`` (as
 vLLM does per step), numbers the batch and sends it. The last ``buffer_batches`` batches are kept
 for the replay socket (a ZMQ ROUTER): a client that saw a gap in the sequence numbers sends the
-first sequence number it missed (8 bytes, big-endian) and receives every kept batch from there
-as ``[seq, payload]`` messages, then ``[-1, b""]`` as the end marker.
+first sequence number it missed (8 bytes, big-endian) and receives the kept batches from there,
+at most ``replay_max_batches`` of them (one request must not make us send the whole buffer), as
+``[seq, payload]`` messages, then ``[-1, b""]`` as the end marker; a client further behind asks
+again from the next one it lacks.
+
+Who may read (access.py): the bind is refused off loopback unless CURVE or ``allow_remote`` says
+otherwise, and with a CURVE secret both sockets are CURVE servers. ``BlockStored.token_ids`` (the
+tenants' prompt and generated tokens) is sent only with ``token_ids=True``; otherwise it is an
+empty array, so vLLM's decoders still read the same shape.
 
 Invariants: sequence numbers are consecutive from 0 for the life of the publisher; the first
 batch holds ``AllBlocksCleared`` (a restarted engine starts empty, so a subscriber that knew the
@@ -22,10 +29,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from itertools import islice
 from urllib.parse import urlsplit, urlunsplit
 
 import zmq
 
+from prefixcache.events.access import (
+    check_bind,
+    curve_server,
+    is_local_endpoint,
+    load_server_secret,
+)
 from prefixcache.events.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -37,6 +51,8 @@ from prefixcache.events.wire import (
 log = logging.getLogger("prefixcache.events")
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+# The most batches one replay request is answered with (the buffer keeps up to 10,000).
+REPLAY_MAX_BATCHES = 1000
 
 
 def offset_endpoint(endpoint: str, offset: int) -> str:
@@ -75,23 +91,38 @@ class KVEventPublisher:
         block_size: int,
         rank: int | None = None,
         buffer_batches: int = 10_000,
+        replay_max_batches: int = REPLAY_MAX_BATCHES,
         interval: float = 0.01,
+        token_ids: bool = False,
+        curve_secret: bytes | None = None,
+        allow_remote: bool = False,
         context: zmq.Context | None = None,
     ) -> None:
-        check_endpoint(endpoint)
-        if replay_endpoint is not None:
-            check_endpoint(replay_endpoint)
+        for ep in (endpoint, replay_endpoint):
+            if ep is not None:
+                check_endpoint(ep)
+                check_bind(ep, curve=curve_secret is not None, allow_remote=allow_remote)
+                if curve_secret is None and not is_local_endpoint(ep):
+                    log.warning("KV events in plaintext on %s (allow_remote): whoever reaches it "
+                                "reads every tenant's block events", ep)  # fmt: skip
+        if replay_max_batches < 1:
+            raise ValueError(f"replay_max_batches must be >= 1, got {replay_max_batches}")
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self.topic = topic.encode()
         self.block_size, self.rank, self.interval = block_size, rank, interval
+        self.token_ids, self.replay_max_batches = token_ids, replay_max_batches
         self._ctx = context or zmq.Context()
         self._own_ctx = context is None
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay = None
         try:  # bind here, so a taken port is an error at startup, not a dead thread
+            if curve_secret is not None:  # before bind: the mechanism is fixed per listener
+                curve_server(self._pub, curve_secret)
             self._pub.bind(endpoint)
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                if curve_secret is not None:
+                    curve_server(self._replay, curve_secret)
                 self._replay.bind(replay_endpoint)
         except zmq.ZMQError as e:
             self._close_sockets()
@@ -108,13 +139,14 @@ class KVEventPublisher:
 
     # -- the index's listener interface (engine thread) ----------------------------------------
     def stored(self, key: bytes, parent: bytes | None, token_ids) -> None:
+        tokens = token_ids if self.token_ids else ()  # not even kept unless they are sent
         with self._lock:
             last = self._pending[-1] if self._pending else None
             if isinstance(last, list) and parent is not None and parent == self._last_stored_key:
                 last[0].append(key)
-                last[2].extend(token_ids)
+                last[2].extend(tokens)
             else:
-                self._pending.append([[key], parent, list(token_ids)])
+                self._pending.append([[key], parent, list(tokens)])
             self._last_stored_key = key
 
     def removed(self, key: bytes) -> None:
@@ -156,10 +188,11 @@ class KVEventPublisher:
             first = int.from_bytes(start, "big", signed=True) if len(start) == 8 else None
         except ValueError:
             first = None
-        if first is not None:
-            for seq, payload in list(self._kept):
-                if seq >= first:
-                    self._replay.send_multipart(head + [seq.to_bytes(8, "big", signed=True), payload])
+        if first is not None and self._kept:
+            # kept seqs are consecutive: the batch ``first`` is at index first - oldest
+            start = max(0, first - self._kept[0][0])
+            for seq, payload in islice(self._kept, start, start + self.replay_max_batches):
+                self._replay.send_multipart(head + [seq.to_bytes(8, "big", signed=True), payload])
         self._replay.send_multipart(head + [END_OF_REPLAY, b""])
 
     def _run(self) -> None:
@@ -224,12 +257,18 @@ def attach_kv_events(config, kv) -> KVEventPublisher | None:
     to ``kv`` (a KVCacheManager)'s prefix index. Raises ValueError when the socket cannot bind."""
     if config.kv_events_endpoint is None:
         return None
+    secret = None
+    if config.kv_events_curve_secret_file is not None:
+        secret = load_server_secret(config.kv_events_curve_secret_file)[1]
     publisher = KVEventPublisher(
         config.kv_events_endpoint,
         replay_endpoint=config.kv_events_replay_endpoint,
         topic=config.kv_events_topic,
         block_size=config.block_size,
         rank=config.kv_events_rank,
+        token_ids=config.kv_events_token_ids,
+        curve_secret=secret,
+        allow_remote=config.kv_events_allow_remote,
     )
     attach_publisher(kv.pool.index, lambda parent, ns: parent == kv.root(ns), publisher)
     return publisher

@@ -2,7 +2,12 @@
 
 What an external KV-aware router does per worker, in its simplest form; the tests use it to
 check the stream against the engine's own index, and ``prefixcache events`` users can start from
-it. On a gap in the sequence numbers it asks the replay socket for what it missed.
+it. On a gap in the sequence numbers it asks the replay socket for what it missed (again from
+where the answer stopped: one answer holds at most the publisher's ``replay_max_batches``).
+
+Against a CURVE publisher (access.py) pass ``server_public_key`` (z85, the ``.pub`` file of the
+publisher's key); ``client_keypair`` is optional (a fresh one by default: the publisher accepts
+any client that knows its key).
 """
 
 from __future__ import annotations
@@ -11,19 +16,34 @@ import time
 
 import zmq
 
+from prefixcache.events.access import curve_client
 from prefixcache.events.publisher import END_OF_REPLAY
 from prefixcache.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 
 
 class BlockSetSubscriber:
-    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "") -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        *,
+        server_public_key: bytes | str | None = None,
+        client_keypair: tuple[bytes, bytes] | None = None,
+    ) -> None:
+        if server_public_key is not None and client_keypair is None:
+            client_keypair = zmq.curve_keypair()
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
+        if server_public_key is not None:
+            curve_client(self._sub, server_public_key, client_keypair)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.connect(endpoint)
         self._replay = None
         if replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.DEALER)
+            if server_public_key is not None:
+                curve_client(self._replay, server_public_key, client_keypair)
             self._replay.connect(replay_endpoint)
         self.blocks: set[bytes] = set()
         self.last_seq = -1
@@ -45,22 +65,27 @@ class BlockSetSubscriber:
         self.batches += 1
 
     def _fill_gap(self, upto: int, timeout: float) -> None:
-        """Ask the replay socket for every batch after ``last_seq`` and before ``upto``."""
+        """Ask the replay socket for every batch after ``last_seq`` and before ``upto``, again
+        after each bounded answer that brought something, until the gap is closed."""
         if self._replay is None:
             return
-        self._replay.send_multipart([b"", (self.last_seq + 1).to_bytes(8, "big", signed=True)])
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self._replay.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+        while self.last_seq + 1 < upto:
+            before = self.last_seq
+            self._replay.send_multipart([b"", (self.last_seq + 1).to_bytes(8, "big", signed=True)])
+            while True:
+                if not self._replay.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
+                    return
+                frames = self._replay.recv_multipart()
+                seq_bytes, payload = frames[-2], frames[-1]
+                if seq_bytes == END_OF_REPLAY:
+                    break
+                seq = int.from_bytes(seq_bytes, "big", signed=True)
+                if self.last_seq < seq < upto:
+                    self._apply(seq, payload)
+                    self.replayed += 1
+            if self.last_seq == before:  # nothing kept from there any more
                 return
-            frames = self._replay.recv_multipart()
-            seq_bytes, payload = frames[-2], frames[-1]
-            if seq_bytes == END_OF_REPLAY:
-                return
-            seq = int.from_bytes(seq_bytes, "big", signed=True)
-            if self.last_seq < seq < upto:
-                self._apply(seq, payload)
-                self.replayed += 1
 
     def poll(self, timeout: float = 0.1) -> int:
         """Apply every batch that arrives within ``timeout`` seconds; returns how many."""

@@ -190,15 +190,33 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     ev.add_argument(
         "--kv-events-endpoint",
         default=None,
-        help="ZMQ PUB endpoint to bind, e.g. tcp://*:5557: BlockStored/BlockRemoved/"
-        "AllBlocksCleared in vLLM's msgpack format (off by default)",
+        help="ZMQ PUB endpoint to bind, e.g. tcp://127.0.0.1:5557: BlockStored/BlockRemoved/"
+        "AllBlocksCleared in vLLM's msgpack format (off by default). Every tenant's cache "
+        "traffic: loopback or ipc:// unless CURVE or --kv-events-allow-remote",
     )
     ev.add_argument(
         "--kv-events-replay-endpoint",
         default=None,
-        help="ZMQ ROUTER endpoint answering replay requests, e.g. tcp://*:5558",
+        help="ZMQ ROUTER endpoint answering replay requests, e.g. tcp://127.0.0.1:5558",
     )
     ev.add_argument("--kv-events-topic", default="", help="topic frame of every event message")
+    ev.add_argument(
+        "--kv-events-curve-secret-file",
+        default=None,
+        metavar="FILE",
+        help="CURVE server secret key (z85; `prefixcache events keygen FILE`): both sockets "
+        "encrypt, and only subscribers given FILE.pub connect. Allows a non-loopback bind",
+    )
+    ev.add_argument(
+        "--kv-events-allow-remote",
+        action="store_true",
+        help="allow a non-loopback bind without CURVE: anyone reaching the port reads the stream",
+    )
+    ev.add_argument(
+        "--kv-events-token-ids",
+        action="store_true",
+        help="send each BlockStored's token ids (the tenants' prompts); empty by default",
+    )
     m.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     m.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("server")
@@ -363,6 +381,9 @@ def _engine_config(args: argparse.Namespace):
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,
+        kv_events_curve_secret_file=args.kv_events_curve_secret_file,
+        kv_events_allow_remote=args.kv_events_allow_remote,
+        kv_events_token_ids=args.kv_events_token_ids,
     )
 
 
