@@ -174,7 +174,9 @@ def build_ingress(serve):
                 body = await read_body(request, self.spec.limits) if method in ("POST", "PUT", "PATCH") else b""
             except APIError as e:
                 return e.response()
-            headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
+            # Host goes along (unlike the other hop headers): the replica's app checks it
+            # against the cluster's allowed hosts (server/origin.py), as one server would.
+            headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS - {"host"}]
             query = request.url.query
             if (method, path) in FANOUT_ROUTES:
                 return await self._merged(method, path, query, headers, body)
