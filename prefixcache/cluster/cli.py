@@ -60,13 +60,14 @@ def _specs(args: argparse.Namespace):
     threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // args.replicas)
     config = _engine_config(args)
     limits = _limits(args)
+    origin = origin_policy(args)
     replica = ReplicaSpec(
         engine=config, tenant_options=tenant_options, served_model_names=args.served_model_name,
         limits=limits, metrics_key=args.metrics_key, drain_timeout=args.graceful_shutdown_timeout,
-        log_requests=args.log_requests, threads=threads, origin=origin_policy(args),
+        log_requests=args.log_requests, threads=threads, origin=origin,
     )  # fmt: skip
     ingress = IngressSpec(model=config.model and str(config.model), tenant_options=tenant_options,
-                          limits=limits, routing=args.routing)  # fmt: skip
+                          limits=limits, routing=args.routing, origin=origin)  # fmt: skip
     return replica, ingress
 
 
