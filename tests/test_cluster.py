@@ -195,6 +195,23 @@ def test_prefix_routing_keeps_each_prefix_on_one_replica_and_tenants_apart(clust
     assert "prefixcache:cluster_replicas 2" in metrics
 
 
+@pytest.mark.slow
+def test_the_browser_checks_hold_through_the_ingress(cluster):
+    """server/origin.py behind the ingress: it passes Host on, so the replicas refuse what one
+    server bound to loopback refuses, and its own /v1/cluster route does too."""
+    auth = {"Authorization": "Bearer sk-ops"}
+    url = cluster.base_url + "/v1/cache/invalidate"
+    r = httpx.post(url, content=b"{}", headers={**auth, "content-type": "text/plain"}, timeout=60)
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text
+    r = httpx.post(url, json={}, headers={**auth, "origin": "http://evil.example"}, timeout=60)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", r.text
+    for path in ("/v1/cache/stats", "/v1/completions", "/v1/cluster"):
+        r = httpx.get(cluster.base_url + path, headers={**auth, "host": "evil.example"}, timeout=60)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", (path, r.text)
+    assert httpx.get(cluster.base_url + "/v1/cache/stats", headers={**auth, "host": "localhost:1"},
+                     timeout=60).status_code == 200  # fmt: skip
+
+
 def _post_get(srv, key, path):
     r = httpx.get(srv.base_url + path, headers={"Authorization": f"Bearer {key}"}, timeout=60)
     assert r.status_code == 200, r.text

@@ -100,17 +100,19 @@ def ids(seed: int, n: int) -> list[int]:
 
 
 class Page:
-    """One tab, logged in with ``key``; fails the test on any console error or page error."""
+    """One tab, logged in with ``key`` (None: no login, as on an open server); fails the test
+    on any console error or page error."""
 
-    def __init__(self, browser, server, key: str):
+    def __init__(self, browser, server, key: str | None):
         self.context = browser.new_context(viewport={"width": 1280, "height": 1000})
         self.page = self.context.new_page()
         self.errors: list[str] = []
         self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
         self.page.goto(f"{server.base_url}/dashboard?interval={POLL_MS}")
-        self.page.fill("#key", key)
-        self.page.click("#connect")
+        if key is not None:
+            self.page.fill("#key", key)
+            self.page.click("#connect")
         self.wait("document.querySelector('[data-metric=hit_rate]').textContent !== '–'")
 
     def wait(self, js: str, arg=None) -> None:
@@ -152,8 +154,23 @@ class Page:
         self.context.close()
 
 
+def test_an_open_server_connects_without_a_click(browser):
+    """`make serve` (no keys): the page shows the server at once, with no key asked for. A
+    server of its own, started and stopped here, before the module's server with keys."""
+    with ServerProcess(["--kv-cache-memory", "16MiB", "--max-model-len", "256"]) as srv:
+        assert Client(srv, None).get("/dashboard/auth").json() == {"auth_required": False}
+        tab = Page(browser, srv, None)  # waits for the first figures
+        try:
+            assert tab.page.text_content("#scope") == "tenant default (admin): the whole server"
+            assert tab.page.is_hidden("#login") and tab.page.is_hidden("#forget")
+            assert tab.page.is_visible("#board")
+        finally:
+            tab.close()
+
+
 def test_page_and_data_route_auth(server):
     anon = Client(server, None)
+    assert anon.get("/dashboard/auth").json() == {"auth_required": True}
     page = anon.get("/dashboard")
     assert "text/html" in page.headers["content-type"]
     assert "script-src 'self'" in page.headers["content-security-policy"]

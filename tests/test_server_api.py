@@ -300,3 +300,62 @@ def test_request_log(server, client, model):
     assert last["tenant"] == "default" and last["namespace"] == "default"
     assert last["num_prompt_tokens"] > 32 and len(last["block_hashes"]) >= 2
     assert "text" not in last
+
+
+def test_a_web_page_cannot_drive_an_open_server(server, client, model):
+    """CSRF and DNS rebinding (server/origin.py): this server has no keys, so every caller is
+    the admin. A page in the operator's browser can send a text/plain POST without a preflight,
+    send a POST from its own Origin, or re-point its name at 127.0.0.1 (Host: its name). Each is
+    refused before it reaches a route; the openai client is not affected."""
+    base = server.base_url
+    salt = {"cache_salt": "csrf"}
+    prompt = list(range(2000, 2040))  # 40 tokens: 2 full blocks
+
+    def cached() -> int:
+        r = httpx.post(base + "/v1/cache/lookup", json={"prompt": prompt, **salt})
+        assert r.status_code == 200, r.text
+        return r.json()["num_cached_tokens"]
+
+    def refused(r: httpx.Response, status: int, code: str) -> None:
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == code, err
+        assert r.headers["x-request-id"]
+
+    client.completions.create(model=model, prompt=prompt, max_tokens=1, extra_body=salt)
+    assert cached() == 32
+    body = json.dumps(salt).encode()
+    url = base + "/v1/cache/invalidate"
+    # A "simple" cross-site request: no JSON content type (or none at all).
+    for headers in ({"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"},
+                    {"content-type": "application/json; charset=latin-1"}, {}):  # fmt: skip
+        r = httpx.post(url, content=body, headers=headers)
+        refused(r, 415, "unsupported_media_type")
+        assert "application/json" in r.json()["error"]["message"]
+    # A JSON POST from another site's page (or a sandboxed one: Origin null).
+    for origin in ("http://evil.example", "null", "http://127.0.0.1.evil.example:8000"):
+        r = httpx.post(url, json=salt, headers={"origin": origin})
+        refused(r, 403, "origin_not_allowed")
+    # DNS rebinding: the page's own name in Host, on every route (GETs read data).
+    for method, path in (("POST", "/v1/cache/invalidate"), ("GET", "/v1/cache/dashboard"),
+                         ("GET", "/v1/cache/stats")):  # fmt: skip
+        r = httpx.request(method, base + path, json=salt, headers={"host": "evil.example:8000"})
+        refused(r, 403, "host_not_allowed")
+        assert "--allowed-hosts" in r.json()["error"]["message"]
+    assert cached() == 32  # nothing was invalidated
+
+    # What stays allowed: the loopback names on any port, a page served from one of them, a
+    # charset parameter, GETs without a content type, the openai client.
+    for host in ("localhost:1234", "127.0.0.1", "[::1]:8000"):
+        assert httpx.get(base + "/v1/cache/stats", headers={"host": host}).status_code == 200
+    r = httpx.post(base + "/v1/cache/lookup", content=json.dumps({"prompt": prompt, **salt}),
+                   headers={"content-type": "application/json; charset=UTF-8",
+                            "origin": "http://localhost:5173"})  # fmt: skip
+    assert r.status_code == 200 and r.json()["num_cached_tokens"] == 32, r.text
+    assert httpx.get(base + "/dashboard/dashboard.js").status_code == 200
+    c = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=2, **GREEDY)  # fmt: skip
+    assert c.choices[0].message.content is not None
+    r = httpx.post(url, json=salt)
+    assert r.status_code == 200 and r.json()["dropped_blocks"] == 2, r.text
+    assert cached() == 0

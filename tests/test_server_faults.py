@@ -110,7 +110,7 @@ def test_a_client_that_stops_reading_is_cancelled_and_its_blocks_freed(server):
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", server.port))
     s.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
     )
     deadline = time.monotonic() + 120  # ~700 bytes an event: the buffers fill in ~100 events
@@ -134,7 +134,7 @@ def test_sigterm_exits_although_a_client_never_reads(server):
     stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     stuck.connect(("127.0.0.1", server.port))
     stuck.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
     )
     deadline = time.monotonic() + 120

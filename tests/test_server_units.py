@@ -11,9 +11,10 @@ from pydantic import ValidationError
 from prefixcache.cli import build_parser
 from prefixcache.server.auth import Tenant, TenantDirectory, load_keys_file
 from prefixcache.server.body import parse_json
-from prefixcache.server.cli import _engine_config, _limits
+from prefixcache.server.cli import _engine_config, _limits, origin_policy
 from prefixcache.server.errors import APIError, validation_error
 from prefixcache.server.limits import ServerLimits
+from prefixcache.server.origin import LOOPBACK_NAMES, OriginPolicy
 from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -153,6 +154,35 @@ def test_serve_command_line():
     assert args.metrics_key == "m"
     with pytest.raises(ValueError):
         ServerLimits(send_timeout=0)
+
+
+def test_origin_policy_follows_the_bind_address():
+    """The Host check is on for a loopback bind or with --allowed-hosts; off for a wildcard
+    bind (reached by names we cannot know). The Origin and Content-Type checks are always on."""
+
+    def policy(*argv: str) -> OriginPolicy:
+        return origin_policy(build_parser().parse_args(["serve", *argv]))
+
+    json_post = {"content-type": "application/json", "host": "gpu-box.lan:8000"}
+    assert policy() == OriginPolicy(LOOPBACK_NAMES, check_host=True)
+    assert policy().check("POST", json_post).code == "host_not_allowed"
+    wide = policy("--host", "0.0.0.0")
+    assert not wide.check_host and wide.check("POST", json_post) is None
+    assert wide.check("POST", {**json_post, "origin": "http://gpu-box.lan:8000"}).status == 403
+    assert wide.check("POST", {"host": "gpu-box.lan"}).status == 415
+    named = policy("--host", "0.0.0.0", "--allowed-hosts", "gpu-box.lan,GPU.example.",
+                   "--allowed-hosts", "[fd00::1]")  # fmt: skip
+    assert named.check_host and named.allowed_hosts == LOOPBACK_NAMES | {
+        "gpu-box.lan", "gpu.example", "fd00::1"}  # fmt: skip
+    assert named.check("POST", {**json_post, "origin": "https://gpu.example"}) is None
+    assert named.check("GET", {"host": "[fd00::1]:80"}) is None
+    assert named.check("GET", {"host": "other.lan"}).code == "host_not_allowed"
+    assert policy("--host", "10.0.0.5").allowed_hosts == LOOPBACK_NAMES | {"10.0.0.5"}
+    for malformed in ("::1", "localhost:port", "[::1", ""):
+        assert policy().check("GET", {"host": malformed}).code == "host_not_allowed", malformed
+    for bad in ("http://gpu-box.lan", "gpu-box.lan:8000", "a/b"):
+        with pytest.raises(ValueError):
+            policy("--allowed-hosts", bad)
 
 
 def test_validation_errors_name_the_field():

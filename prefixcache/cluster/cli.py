@@ -48,7 +48,7 @@ def _specs(args: argparse.Namespace):
     from prefixcache.cluster.ingress import IngressSpec
     from prefixcache.cluster.replica import ReplicaSpec
     from prefixcache.server.auth import TenantDirectory
-    from prefixcache.server.cli import _engine_config, _limits
+    from prefixcache.server.cli import _engine_config, _limits, origin_policy
 
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
@@ -60,13 +60,14 @@ def _specs(args: argparse.Namespace):
     threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // args.replicas)
     config = _engine_config(args)
     limits = _limits(args)
+    origin = origin_policy(args)
     replica = ReplicaSpec(
         engine=config, tenant_options=tenant_options, served_model_names=args.served_model_name,
         limits=limits, metrics_key=args.metrics_key, drain_timeout=args.graceful_shutdown_timeout,
-        log_requests=args.log_requests, threads=threads,
+        log_requests=args.log_requests, threads=threads, origin=origin,
     )  # fmt: skip
     ingress = IngressSpec(model=config.model and str(config.model), tenant_options=tenant_options,
-                          limits=limits, routing=args.routing)  # fmt: skip
+                          limits=limits, routing=args.routing, origin=origin)  # fmt: skip
     return replica, ingress
 
 

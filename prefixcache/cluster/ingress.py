@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prefixcache.server.limits import ServerLimits
+from prefixcache.server.origin import OriginPolicy
 
 log = logging.getLogger("prefixcache.cluster")
 
@@ -40,6 +41,7 @@ class IngressSpec:
     tenant_options: dict = field(default_factory=dict)
     limits: ServerLimits = field(default_factory=ServerLimits)
     routing: str = "prefix"
+    origin: OriginPolicy = field(default_factory=OriginPolicy)  # for /v1/cluster, its own route
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
@@ -142,6 +144,9 @@ def build_ingress(serve):
         async def cluster(self, request: Request):
             from prefixcache.server.errors import APIError
 
+            refusal = self.spec.origin.check(request.method, dict(request.headers.items()))
+            if refusal is not None:  # DNS rebinding (server/origin.py); the rest: the replicas
+                return refusal.response()
             try:
                 tenant = self.tenants.authenticate(request.headers.get("authorization"))
             except APIError as e:
@@ -174,7 +179,9 @@ def build_ingress(serve):
                 body = await read_body(request, self.spec.limits) if method in ("POST", "PUT", "PATCH") else b""
             except APIError as e:
                 return e.response()
-            headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS]
+            # Host goes along (unlike the other hop headers): the replica's app checks it
+            # against the cluster's allowed hosts (server/origin.py), as one server would.
+            headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS - {"host"}]
             query = request.url.query
             if (method, path) in FANOUT_ROUTES:
                 return await self._merged(method, path, query, headers, body)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from prefixcache.config import EngineConfig
 from prefixcache.server.limits import ServerLimits
+from prefixcache.server.origin import OriginPolicy
 
 log = logging.getLogger("prefixcache.cluster")
 
@@ -36,6 +37,7 @@ class ReplicaSpec:
     drain_timeout: float | None = None
     log_requests: str | None = None  # each replica writes PATH.<rank>
     threads: int = 1
+    origin: OriginPolicy | None = None  # the cluster's --host/--allowed-hosts (Host forwarded)
 
 
 def _rank() -> tuple[int, int]:
@@ -86,6 +88,7 @@ class EngineReplica:
             limits=spec.limits,
             metrics_key=spec.metrics_key,
             drain_timeout=spec.drain_timeout,
+            origin=spec.origin,
         )
         self._lifespan = None
         self._start_lock = None

@@ -27,6 +27,7 @@ from prefixcache.server.auth import TenantDirectory
 from prefixcache.server.errors import APIError, RequestIdMiddleware, install_error_handlers
 from prefixcache.server.limits import ServerLimits
 from prefixcache.server.metrics import CONTENT_TYPE, ServerMetrics
+from prefixcache.server.origin import BrowserGuard, OriginPolicy
 from prefixcache.server.request_log import BackgroundRequestLog
 from prefixcache.server.serving import Serving
 
@@ -43,10 +44,13 @@ def create_app(
     limits: ServerLimits | None = None,
     metrics_key: str | None = None,
     drain_timeout: float | None = None,
+    origin: OriginPolicy | None = None,
 ) -> FastAPI:
     """``request_log``: a ``RequestLogWriter`` (written from a background thread here);
     ``metrics_key``: when set, ``/metrics`` needs it (or an admin key) as a bearer token;
-    ``drain_timeout``: how long shutdown waits for running requests (None: 300 s)."""
+    ``drain_timeout``: how long shutdown waits for running requests (None: 300 s);
+    ``origin``: the Host/Origin/Content-Type checks (origin.py; None: those of a server bound
+    to loopback)."""
     names = served_model_names or [engine.model_name]
     tenants = tenants or TenantDirectory()
     background_log = (
@@ -76,6 +80,8 @@ def create_app(
     app = FastAPI(title="prefixcache", version=prefixcache.__version__, lifespan=lifespan)
     app.state.serving = serving
     app.state.ready = False
+    # Inside the request-id middleware (added last: outermost), so a refusal carries its id.
+    app.add_middleware(BrowserGuard, policy=origin or OriginPolicy())
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
     app.include_router(completions.router)

@@ -229,6 +229,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="serve on this inherited listening socket instead of binding --host/--port "
         "(socket activation, supervisors)",
     )
+    s.add_argument(
+        "--allowed-hosts",
+        action="append",
+        default=[],
+        metavar="NAME[,NAME]",
+        help="host names clients reach the server by, besides localhost, 127.0.0.1 and [::1] "
+        "(repeatable): the Host and Origin checks against browsers accept them; giving one "
+        "turns the Host check on for a non-loopback --host too (docs/server.md, 'Security')",
+    )
     keys = s.add_mutually_exclusive_group()
     keys.add_argument("--api-key", default=None, help="one key; its holder is the admin")
     keys.add_argument(
@@ -302,6 +311,7 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         config = _engine_config(args)
         limits = _limits(args)
+        origin = origin_policy(args)
         request_log = _request_log(args.log_requests, args.block_size)
     except (ValueError, TypeError) as e:
         print(f"prefixcache serve: {e}", file=sys.stderr)
@@ -325,6 +335,7 @@ def run_serve(args: argparse.Namespace) -> int:
         limits=limits,
         metrics_key=args.metrics_key,
         drain_timeout=args.graceful_shutdown_timeout,
+        origin=origin,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -389,6 +400,13 @@ def _engine_config(args: argparse.Namespace):
 
 def _limits(args: argparse.Namespace) -> ServerLimits:
     return ServerLimits(**{f.name: getattr(args, f.name) for f in fields(ServerLimits)})
+
+
+def origin_policy(args: argparse.Namespace):
+    """The browser checks of a server bound to --host (with --fd, --host names the address)."""
+    from prefixcache.server.origin import OriginPolicy
+
+    return OriginPolicy.for_bind(args.host, args.allowed_hosts)
 
 
 def _request_log(path: str | None, block_size: int):

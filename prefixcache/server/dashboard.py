@@ -3,7 +3,8 @@
 
 The page (``static/dashboard.html``, ``.js``, ``.css``: shipped in the package, no build step,
 nothing from another origin) is served without auth: it holds no data. It asks for an API key
-once, keeps it in the tab (``sessionStorage``), and polls the data route with it. The data route
+once, keeps it in the tab (``sessionStorage``), and polls the data route with it; on an open
+server (no keys: ``GET /dashboard/auth`` says so, also without auth) it asks for none. The data route
 is authenticated like every API route and scoped like ``/v1/cache/stats``, whose body it carries
 unchanged (``stats``, from the same function): an admin sees the whole server, anyone else only
 their own tenant, its namespaces and its requests. ``summary`` puts the figures the page shows
@@ -15,6 +16,7 @@ already scoped per tenant. Tiers, when the engine reports them in the stats, are
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import weakref
 from importlib import resources
@@ -54,6 +56,15 @@ def _static(name: str) -> Response:
 @router.get("/dashboard")
 async def page() -> Response:
     return _static("dashboard.html")
+
+
+@router.get("/dashboard/auth")
+async def auth(request: Request) -> Response:
+    """Whether the data route needs a key: the page connects to an open server by itself. Says
+    nothing a 401 from any route would not."""
+    s: Serving = request.app.state.serving
+    body = json.dumps({"auth_required": s.tenants.auth_required}).encode()
+    return Response(body, media_type="application/json", headers=_HEADERS)
 
 
 @router.get("/dashboard/{name}")

@@ -40,6 +40,18 @@ function showLogin(message) {
   $("key").focus();
 }
 
+// A tab without a key asks the server whether it needs one (GET /dashboard/auth, no auth): an
+// open server (no keys) is connected to at once, without the login form.
+async function start() {
+  try {
+    const r = await fetch("/dashboard/auth", { cache: "no-store" });
+    if (r.ok && (await r.json()).auth_required === false) return connect("");
+  } catch (e) {
+    // a network error: the form is shown (an empty key connects to an open server too)
+  }
+  showLogin();
+}
+
 function stop() {
   if (timer !== null) clearTimeout(timer);
   timer = null;
@@ -294,6 +306,6 @@ document.addEventListener("DOMContentLoaded", () => {
   document.addEventListener("visibilitychange", () => {
     if (!document.hidden && timer !== null) poll();
   });
-  if (storedKey() === null) showLogin();
+  if (storedKey() === null) start();
   else connect(storedKey());
 });
