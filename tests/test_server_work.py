@@ -7,6 +7,7 @@ official `openai` client over httpx's ASGI transport.
 - a streamed chunk's work (Python instructions executed) does not grow with its index;
 - a big non-streamed body is built in a worker thread, byte for byte what JSONResponse writes;
 - streamed and non-streamed answers carry the same text and logprobs;
+- a chat whose document titles/names cannot fit the context is refused untokenized (400).
 """
 
 from __future__ import annotations
@@ -203,3 +204,26 @@ def test_a_big_plain_body_is_built_off_the_loop_as_jsonresponse_writes_it(app, m
 
     _serve(app, test)
 
+
+def test_document_titles_and_names_count_toward_the_context(app):
+    longest = app.state.serving.max_token_chars
+    too_long = 512 * longest + 1  # characters no tokenization of which fits 512 tokens
+
+    async def test(client):
+        half = "x" * (too_long // 2 + 1)
+        for docs in ([{"title": half}, {"title": half}], [{"name": half}, {"title": half}]):
+            msgs = [{"role": "document", "content": "", **d} for d in docs]
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.chat.completions.create(
+                    model=MODEL, messages=[*msgs, {"role": "user", "content": "Hi"}], max_tokens=1
+                )
+            # Refused from its length alone, before it is tokenized.
+            assert e.value.code == "context_length_exceeded" and "characters" in e.value.message
+        ok = await client.chat.completions.create(
+            model=MODEL, max_tokens=1,
+            messages=[{"role": "document", "title": "Capitals", "content": PROMPT},
+                      {"role": "user", "content": "Which?"}],
+        )  # fmt: skip
+        assert ok.choices[0].finish_reason == "length"
+
+    _serve(app, test)

@@ -164,7 +164,10 @@ class Serving:
                 400, f"at most {self.limits.max_messages} messages per request", param="messages"
             )
         dicts = [m.as_template_dict() for m in messages]
-        self._check_text_fits(sum(len(d["content"]) for d in dicts), "messages")
+        # A document's heading is its title, else its name (model/tokenizer_chat.py): rendered
+        # and tokenized like its content, so counted with it.
+        chars = sum(len(d["content"]) + len(d.get("title") or d.get("name") or "") for d in dicts)
+        self._check_text_fits(chars, "messages")
         spans = ()
         try:
             if segments:
