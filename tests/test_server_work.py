@@ -192,10 +192,11 @@ def test_a_big_plain_body_is_built_off_the_loop_as_jsonresponse_writes_it(app, m
         small = await client.completions.with_raw_response.create(
             model=MODEL, prompt=PROMPT, max_tokens=SHORT, **GREEDY
         )
+        # 3 choices x 4 tokens x (2 + 5) entries = 84 > 64: built in a worker thread.
         big = await client.chat.completions.with_raw_response.create(
             model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=SHORT, n=3,
             logprobs=True, top_logprobs=5, **GREEDY,
-        )  # fmt: skip: 3 x 4 tokens x (2 + 5) entries = 84 > 64
+        )  # fmt: skip
         assert [on_loop for on_loop, _ in built] == [True, False]
         for raw, (_, body) in zip((small, big), built, strict=True):
             assert raw.http_response.content == JSONResponse(body).body
