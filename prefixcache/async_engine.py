@@ -199,9 +199,11 @@ class AsyncEngine:
     def check_admission(self, tenant: str | None, num_sequences: int) -> None:
         """Raise unless ``num_sequences`` more waiting sequences of ``tenant`` fit now. The
         tenant's share is checked first: a tenant over it hears so (and nobody else is
-        refused because of it), whatever the state of the whole queue."""
+        refused because of it), whatever the state of the whole queue. A tenant's message
+        gives its own figures only: how many sequences the others have waiting (the global
+        count) would tell it how busy they are."""
+        mine = self.num_waiting_of(tenant) if tenant is not None else 0
         if tenant is not None:
-            mine = self.num_waiting_of(tenant)
             share = self.config.tenant_waiting_limit
             if mine + num_sequences > share:
                 raise TenantQuotaError(
@@ -211,7 +213,12 @@ class AsyncEngine:
         total = self.num_waiting()
         limit = self.config.max_waiting_requests
         if total + num_sequences > limit:
-            raise QueueFullError(f"{total} requests are waiting (limit {limit})")
+            if tenant is None:  # the offline API, direct users: one caller, nothing to hide
+                raise QueueFullError(f"{total} requests are waiting (limit {limit})")
+            raise QueueFullError(
+                f"the queue is full; this tenant has {mine} sequences waiting and asks for "
+                f"{num_sequences} more (its share is {self.config.tenant_waiting_limit})"
+            )
 
     def add_request(
         self,

@@ -109,6 +109,11 @@ class LLMEngine:
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
         self._n_added = 0
+        # The last explanation, with what it answered: (namespace, across, prompt, answer). The
+        # choices of one API request (up to prompts x n) arrive one after another with the same
+        # prompt and are explained once. Only a step or an invalidation changes the index, so
+        # both forget it.
+        self._explained: tuple | None = None
         self.generation_tokens_total = 0
         self._generated_by_tenant: Counter = Counter()
         log.info(
@@ -206,7 +211,11 @@ class LLMEngine:
             seq.segments = plan
             seq.max_registered_blocks = self.segments.register_limit(plan)
         if explain:
-            seq.cache_info = self.explain(ids, namespace, explain_across_namespaces)
+            last, key = self._explained, (namespace, explain_across_namespaces)
+            if last is None or last[:2] != key or last[2] != ids:
+                info = self.explain(ids, namespace, explain_across_namespaces)
+                last = self._explained = (*key, ids, info)
+            seq.cache_info = last[3]
         self._n_added += 1
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -232,6 +241,7 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One batch: schedule, run, postprocess. Returns the sequences that got a new token."""
+        self._explained = None
         self.pool.expire_pins()
         self.tiers.install_completed()
         out = self.scheduler.schedule()
@@ -363,6 +373,7 @@ class LLMEngine:
     def start_invalidate(self, namespace: str | None, all_namespaces: bool = False):
         """The RAM part now, the tiers' deletion queued: (RAM blocks dropped, ticket for
         ``tiers.wait``). The async engine waits for the ticket outside its lock."""
+        self._explained = None
         n = self.pool.invalidate(namespace, all_namespaces)
         self.segments.store.invalidate(namespace, all_namespaces)
         return n, self.tiers.start_invalidate(namespace, all_namespaces)

@@ -195,6 +195,15 @@ def test_queue_full_error(engine, tok):
             assert engine.num_waiting() == MAX_WAITING
             with pytest.raises(QueueFullError):
                 engine.add_request("q-over", prompts[-1], sp)
+            # A tenant refused because others filled the queue hears its own state only:
+            # neither how many the others have waiting nor the global limit.
+            with pytest.raises(QueueFullError) as e:
+                engine.add_request("q-tenant", prompts[-1], sp, tenant="b")
+            assert not isinstance(e.value, TenantQuotaError)
+            assert e.value.message == (
+                "the queue is full; this tenant has 0 sequences waiting and asks for 1 more "
+                f"(its share is {MAX_WAITING // 2})"
+            )
 
         async def drain(s):
             return [d async for d in s]

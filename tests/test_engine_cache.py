@@ -183,3 +183,32 @@ def test_cache_stats_fields(llm):
         assert key in s
     assert 0 <= s["hit_rate"] <= 1
     assert s["used_bytes"] <= s["capacity_bytes"]
+
+
+def test_the_choices_of_one_prompt_are_explained_once(llm, monkeypatch):
+    # A request's n choices share its prompt: one explanation (hashes, for admins a match per
+    # namespace) under the engine lock, not n. A step may change the index: explained afresh.
+    eng, tok = llm.engine, llm.get_tokenizer()
+    calls = []
+    real = eng.kv.explain
+    monkeypatch.setattr(eng.kv, "explain", lambda *a: calls.append(a) or real(*a))
+    prompt = _doc_ids(tok, 3 * B + 1)  # its 3 full blocks are cached after it ran
+    sp = SamplingParams(max_tokens=1, temperature=0)
+
+    def add(rid, ids, across=False):
+        return eng.add_request(rid, ids, sp, namespace="explain-once", explain=True,
+                               explain_across_namespaces=across)  # fmt: skip
+
+    def run(seqs):
+        while any(not s.finished for s in seqs):
+            eng.step()
+
+    seqs = [add(f"once-{i}", prompt) for i in range(8)]
+    assert len(calls) == 1 and {s.cache_info for s in seqs} == {real(prompt, "explain-once", ())}
+    assert seqs[0].cache_info.reason == "no_prior_request"
+    seqs += [add("once-other", prompt[:-1]), add("once-admin", prompt, across=True)]
+    assert len(calls) == 3  # another prompt, another scope: each its own explanation
+    run(seqs)
+    again = [add(f"once-again-{i}", prompt) for i in range(3)]
+    assert len(calls) == 4 and {s.cache_info.reason for s in again} == {"full_hit"}
+    run(again)

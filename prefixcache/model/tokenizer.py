@@ -233,6 +233,13 @@ class Tokenizer:
             ids = [i for i in ids if i not in skip]
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_each(self, ids: Iterable[int], skip_special_tokens: bool = True) -> list[str]:
+        """``[decode([i]) for i in ids]`` in one backend call (the text of each id alone)."""
+        skip = set(self._unmatched.values()) if skip_special_tokens else set()
+        return self._backend.decode_batch(
+            [[] if i in skip else [i] for i in ids], skip_special_tokens=skip_special_tokens
+        )
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 

@@ -4,6 +4,12 @@ Both routes share one path: authenticate, parse, derive the namespace, tokenize,
 :class:`~prefixcache.server.serving.Run`, then either stream its deltas as server-sent events or
 collect them into one JSON body. Only the shape of a choice differs, and that lives in the two
 small formatter classes at the bottom.
+
+The event loop serves every tenant's streams, so what it does per generated token is bounded
+by a constant: a chunk costs its own tokens only (the text offset is a running total, never a
+sum over earlier chunks), and a token of logprobs costs list lookups in the process's table of
+token texts (``Serving.token_texts``), not a tokenizer call per alternative. A big non-streamed
+body is built and serialized in a worker thread, in pieces that each hold the GIL briefly.
 """
 
 from __future__ import annotations
@@ -28,6 +34,13 @@ router = APIRouter()
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions API
 _DISCONNECT_POLL_S = 0.25
+# A non-streamed body of more entries than this (a token, or one of its top logprobs) is built
+# and serialized in a worker thread (about a millisecond of work on the loop at most; a thread
+# hop for every small response would cost more than it saves).
+OFF_LOOP_ENTRIES = 512
+# Items of a long list that one call of the C JSON encoder writes: the worker thread building a
+# big body lets go of the GIL between such pieces, so the event loop is never held for long.
+_JSON_PIECE = 64
 
 
 @router.post("/v1/completions")
@@ -40,10 +53,11 @@ async def completions(request: Request) -> Response:
         s.sampling_params(req, len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs)
         for ids in prompts
     ]
+    texts = None if req.logprobs is None else await s.token_texts()
     run = s.start(
         "cmpl", prompts, params, req.n, tenant, namespace, req.priority, req.return_cache_info
     )
-    fmt = _CompletionFormat(s, run, req.logprobs)
+    fmt = _CompletionFormat(s, run, req.logprobs, texts)
     return await _respond(request, run, fmt, req.stream, req.include_usage)
 
 
@@ -63,11 +77,12 @@ async def chat_completions(request: Request) -> Response:
         ids = await s.chat_prompt(req.messages, req.add_generation_prompt)
     max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     params = s.sampling_params(req, len(ids), max_tokens, None, k)
+    texts = None if k is None else await s.token_texts()
     run = s.start(
         "chatcmpl", [ids], [params], req.n, tenant, namespace, req.priority, req.return_cache_info,
         segments,
     )
-    fmt = _ChatFormat(s, run, k)
+    fmt = _ChatFormat(s, run, k, texts)
     return await _respond(request, run, fmt, req.stream, req.include_usage)
 
 
@@ -94,9 +109,52 @@ async def _respond(request: Request, run: Run, fmt, stream: bool, include_usage:
         except Exception as e:  # noqa: BLE001 - mapped by type; the rest is a logged 500
             # A request the engine refused or failed: its typed error says which status.
             raise (from_engine_error(e, rid) or internal_error(rid, e)) from None
-        return JSONResponse(fmt.response())
+        if fmt.num_entries() <= OFF_LOOP_ENTRIES:
+            return JSONResponse(fmt.response())
+        body = await asyncio.to_thread(_render, fmt)
+        return Response(body, media_type=JSONResponse.media_type)
     finally:
         run.close()
+
+
+def _render(fmt) -> bytes:
+    """The whole body (worker thread): the bytes ``JSONResponse`` writes, built in pieces."""
+    out: list[str] = []
+    _json_pieces(fmt.response(), out, 0)
+    return "".join(out).encode("utf-8")
+
+
+_dumps = json.JSONEncoder(
+    ensure_ascii=False, allow_nan=False, separators=(",", ":")
+).encode  # JSONResponse's options: pieces joined are byte for byte its text of the whole
+
+
+def _json_pieces(obj, out: list[str], depth: int) -> None:
+    """Append the JSON text of ``obj`` to ``out``. A body holds its bulk four levels down
+    (``choices[i].logprobs.content``, ``.top_logprobs``, ...): dicts and lists above that are
+    written item by item, lists at that depth ``_JSON_PIECE`` items per encoder call, and
+    anything else (a text, one token's entry; a dict with keys json.dumps would convert) in
+    one call."""
+    if depth < 4 and isinstance(obj, dict) and all(type(k) is str for k in obj):
+        out.append("{")
+        for i, (key, value) in enumerate(obj.items()):
+            out.append(("," if i else "") + _dumps(key) + ":")
+            _json_pieces(value, out, depth + 1)
+        out.append("}")
+    elif depth < 4 and isinstance(obj, list):
+        out.append("[")
+        for i, value in enumerate(obj):
+            if i:
+                out.append(",")
+            _json_pieces(value, out, depth + 1)
+        out.append("]")
+    elif isinstance(obj, list) and len(obj) > _JSON_PIECE:
+        out.append("[")
+        for i in range(0, len(obj), _JSON_PIECE):
+            out.append(("," if i else "") + _dumps(obj[i : i + _JSON_PIECE])[1:-1])
+        out.append("]")
+    else:
+        out.append(_dumps(obj))
 
 
 def _event(obj) -> str:
@@ -138,10 +196,13 @@ class _Format:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, s: Serving, run: Run, top_k: int | None) -> None:
+    def __init__(
+        self, s: Serving, run: Run, top_k: int | None, texts: list[str] | None = None
+    ) -> None:
         self.s = s
         self.run = run
         self.top_k = top_k  # None: no logprobs; else the number of alternatives per token
+        self._texts = texts  # with logprobs: Serving.token_texts(), each id's text alone
 
     def envelope(self, choices: list, usage: dict | None = None, chunk: bool = True) -> dict:
         body = {
@@ -167,6 +228,12 @@ class _Format:
         choices = [self.choice(c) for c in self.run.choices]
         return self.envelope(choices, usage=self.run.usage(), chunk=False)
 
+    def num_entries(self) -> int:
+        """The size of ``response()``: a token counts 1, with logprobs 2 + top_k (its text and
+        logprob, and its alternatives)."""
+        per_token = 1 if self.top_k is None else 2 + self.top_k
+        return per_token * sum(len(c.token_ids) for c in self.run.choices)
+
     def _extras(self, c: Choice, out: dict) -> dict:
         if c.stop_reason is not None:
             out["stop_reason"] = c.stop_reason
@@ -179,12 +246,21 @@ class _Format:
         return sorted(lp.items(), key=lambda kv: -kv[1])[: self.top_k or 0]
 
     def _token(self, tid: int) -> str:
-        return self.s.tokenizer.decode([tid])
+        texts = self._texts
+        if texts is not None and 0 <= tid < len(texts):
+            return texts[tid]
+        return self.s.tokenizer.decode([tid])  # not reached: the table covers every row
 
 
 class _CompletionFormat(_Format):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        # Per choice: the characters of the text streamed before its current chunk (a
+        # chunk's text_offset starts there), a running total so a chunk costs O(its size).
+        self._streamed: dict[int, int] = {}
 
     def logprobs(self, token_ids: list[int], lps: list[dict[int, float]], offset: int):
         if self.top_k is None:
@@ -209,7 +285,8 @@ class _CompletionFormat(_Format):
         return self._extras(c, out)
 
     def chunk(self, c: Choice, d: StreamDelta) -> dict:
-        offset = sum(len(t) for t in c.text[:-1])
+        offset = self._streamed.get(c.index, 0)
+        self._streamed[c.index] = offset + len(d.text_delta)
         out = {
             "index": c.index,
             "text": d.text_delta,

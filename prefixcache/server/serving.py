@@ -70,6 +70,7 @@ class Serving:
         self.activity = Activity(lambda ids: self.tokenizer.decode(ids), engine.config.block_size)
         self._max_token_chars: int | None = None
         self._chars_lock = threading.Lock()
+        self._token_texts: list[str] | None = None
 
     @property
     def model_name(self) -> str:
@@ -94,6 +95,22 @@ class Serving:
                     texts = backend.decode_batch(ids, skip_special_tokens=False)
                     self._max_token_chars = max(1, max(map(len, texts), default=1))
         return self._max_token_chars
+
+    async def token_texts(self) -> list[str]:
+        """Each token id's text alone, ``tokenizer.decode([id])``, indexed by id: how logprobs
+        name tokens. Built once per process in a worker thread (one batched decode, ~0.05 s
+        for 50k ids), so a token of a logprobs response costs list lookups on the event loop,
+        not ``1 + top_logprobs`` tokenizer calls. It covers the model's rows as well as the
+        tokenizer's ids (an embedding table may be padded past the vocabulary)."""
+        if self._token_texts is None:
+            await asyncio.to_thread(self._build_token_texts)
+        return self._token_texts
+
+    def _build_token_texts(self) -> None:
+        with self._chars_lock:
+            if self._token_texts is None:
+                n = max(self.tokenizer.vocab_size, self.engine.vocab_size)
+                self._token_texts = self.tokenizer.decode_each(range(n))
 
     def _check_text_fits(self, num_chars: int, param: str) -> None:
         limit = self.engine.max_model_len
@@ -147,7 +164,10 @@ class Serving:
                 400, f"at most {self.limits.max_messages} messages per request", param="messages"
             )
         dicts = [m.as_template_dict() for m in messages]
-        self._check_text_fits(sum(len(d["content"]) for d in dicts), "messages")
+        # A document's heading is its title, else its name (model/tokenizer_chat.py): rendered
+        # and tokenized like its content, so counted with it.
+        chars = sum(len(d["content"]) + len(d.get("title") or d.get("name") or "") for d in dicts)
+        self._check_text_fits(chars, "messages")
         spans = ()
         try:
             if segments:
