@@ -72,6 +72,7 @@ def create_app(
             await engine.shutdown(drain=True, timeout=300.0 if drain_timeout is None else drain_timeout)
             if background_log is not None:
                 await asyncio.to_thread(background_log.close)
+            serving.cache_gate.close()
 
     app = FastAPI(title="prefixcache", version=prefixcache.__version__, lifespan=lifespan)
     app.state.serving = serving
