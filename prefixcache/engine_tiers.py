@@ -207,6 +207,8 @@ class EngineTiers:
                     bid, ref.key, ref.key_input[:KEY_BYTES], tokens[i * b : (i + 1) * b],
                     seq.namespace,
                 )  # fmt: skip
+                if holder is None:
+                    break  # a key collision: nothing chained on it is installed
                 self._remember(ref.key, seq.namespace)
                 if holder == bid:  # else RAM had this one already; ours goes back free
                     got[where] += b

@@ -117,8 +117,9 @@ class BlockPool:
         parent: BlockHash,
         token_ids: Sequence[int],
         namespace: str | None,
-    ) -> int:
-        """Make a full, computed, in-use block findable by its key. Returns the block holding it."""
+    ) -> int | None:
+        """Make a full, computed, in-use block findable by its key. Returns the block holding it
+        (None: the key collides with other content, see ``PrefixIndex.insert``)."""
         assert self._ref[block_id] >= 1, "only in-use blocks are registered"
         return self.index.insert(key, block_id, parent, token_ids, namespace)
 
