@@ -24,7 +24,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from prefixcache.config import EngineConfig
@@ -101,6 +101,7 @@ class AsyncEngine:
         self._progress = time.monotonic()  # the engine loop last finished an iteration
         self._warm_ids = 0
         self.slow_consumers_total = 0
+        self._pin_tenants: frozenset[str] = frozenset()  # the owners bound by a pin quota
 
     # ---- facts ------------------------------------------------------------------------------------
     @property
@@ -134,7 +135,7 @@ class AsyncEngine:
             "capacity_tokens": lay.capacity_tokens,
             "capacity_bytes": lay.capacity_bytes,
             "pin_budget_blocks": self.engine.pool.max_pinned_blocks,
-            "pin_quota_blocks": self._pin_quota("any tenant", True),
+            "pin_quota_blocks": self._tenant_pin_quota(len(self._pin_tenants)),
         }
 
     # ---- lifecycle ----------------------------------------------------------------------------------
@@ -391,7 +392,8 @@ class AsyncEngine:
         the budget or the quota is a ``PinQuotaError`` after the prefill (the prompt stays
         cached, unpinned): which blocks are new to the pin is known only once they exist."""
         before = await asyncio.to_thread(self.lookup, prompt_token_ids, namespace)
-        owner_quota = self._pin_quota(tenant, quota)
+        if pin and quota and tenant is not None and tenant not in self._pin_tenants:
+            self.set_pin_tenants(self._pin_tenants | {tenant})  # one nobody named: its share too
         if pin:
             self.engine.check_pin_ttl(ttl_seconds)  # before the prefill: a bad TTL costs nothing
         self._warm_ids += 1
@@ -402,9 +404,7 @@ class AsyncEngine:
         pinned = 0
         if pin:
             with self._lock:
-                pinned = self.engine.pin_prefix(
-                    prompt_token_ids, namespace, ttl_seconds, owner=tenant, owner_quota=owner_quota
-                )
+                pinned = self.engine.pin_prefix(prompt_token_ids, namespace, ttl_seconds, owner=tenant)
         return WarmResult(len(prompt_token_ids), before.num_cached_tokens, pinned)
 
     async def warm_segments(
@@ -419,10 +419,20 @@ class AsyncEngine:
 
         return await asyncio.to_thread(run)
 
-    def _pin_quota(self, tenant: str | None, quota: bool) -> int | None:
-        if not quota or tenant is None:
-            return None
-        return int(self.engine.pool.max_pinned_blocks * self.config.pin_quota_fraction)
+    def set_pin_tenants(self, tenants: Iterable[str]) -> None:
+        """The tenants bound by a pin quota (the server's non-admin ones; called again when the
+        keys change). Each gets ``pin_quota_fraction`` of the pin budget, but never more than
+        an equal share: their quotas sum within the budget, so tenants that pin and renew up
+        to their quotas never leave another without its own (block_pool.py)."""
+        names = frozenset(tenants)
+        with self._lock:
+            quota = self._tenant_pin_quota(len(names))
+            self.engine.pool.set_pin_quotas(dict.fromkeys(names, quota))
+            self._pin_tenants = names
+
+    def _tenant_pin_quota(self, num_tenants: int) -> int:
+        budget = self.engine.pool.max_pinned_blocks
+        return min(int(budget * self.config.pin_quota_fraction), budget // max(1, num_tenants))
 
     def lookup(self, prompt_token_ids: list[int], namespace: str | None = None) -> LookupResult:
         with self._lock:

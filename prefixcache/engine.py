@@ -338,16 +338,16 @@ class LLMEngine:
         namespace: str | None,
         ttl: float | None,
         owner: str | None = None,
-        owner_quota: int | None = None,
     ) -> int:
         """Pin the cached full blocks of a prompt (after it was prefilled) for ``ttl`` seconds
-        (None: the longest, ``max_pin_ttl_seconds``), charged to ``owner``'s quota of
-        ``owner_quota`` blocks (None: only the pool's budget). Returns the blocks pinned."""
+        (None: the longest, ``max_pin_ttl_seconds``), charged to ``owner``'s quota
+        (``pool.set_pin_quotas``; an owner without one: only the pool's budget). Returns the
+        blocks pinned."""
         ttl = self.check_pin_ttl(ttl)
         keys = self.kv.keys_for(prompt_token_ids, namespace)
         m = self.pool.match(keys, prompt_token_ids, self.kv.root(namespace))
         try:
-            self.pool.pin(m.block_ids, ttl, owner=owner, owner_quota=owner_quota)
+            self.pool.pin(m.block_ids, ttl, owner=owner)
         except ValueError as e:
             raise PinQuotaError(str(e), param="pin") from None
         return len(m.block_ids)

@@ -10,7 +10,7 @@ No torch here, and no engine import: plain data and a ``typing.Protocol``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -154,6 +154,9 @@ class EngineAPI(Protocol):
         self, token_ids: list[int], spans: list[tuple[int, int]], namespace: str | None
     ) -> int:
         """Store each span as a segment (cache_mode="segments"); returns those stored already."""
+
+    def set_pin_tenants(self, tenants: Iterable[str]) -> None:
+        """The tenants bound by a pin quota; their quotas sum within the pin budget."""
 
     def lookup(self, prompt_token_ids: list[int], namespace: str | None = None) -> LookupResult: ...
     def explain(

@@ -97,7 +97,7 @@ class EngineTiers:
         self.block_size = kv.block_size
         self._jobs: dict[str, tuple[Sequence, RestoreJob, int]] = {}  # rid -> (seq, job, first)
         self._segment_jobs: dict[str, tuple[Sequence, RestoreJob]] = {}
-        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._known: OrderedDict[bytes, str | None] = OrderedDict()  # key -> its namespace
         self._by_tenant: dict[str | None, Counter] = {}
         # Queued writes are flushed and the I/O threads stopped when the engine goes away or
         # the interpreter exits (the offline LLM has no shutdown call): a restart finds them.
@@ -207,7 +207,9 @@ class EngineTiers:
                     bid, ref.key, ref.key_input[:KEY_BYTES], tokens[i * b : (i + 1) * b],
                     seq.namespace,
                 )  # fmt: skip
-                self._remember(ref.key)
+                if holder is None:
+                    break  # a key collision: nothing chained on it is installed
+                self._remember(ref.key, seq.namespace)
                 if holder == bid:  # else RAM had this one already; ours goes back free
                     got[where] += b
             pool.release(ids)
@@ -244,7 +246,7 @@ class EngineTiers:
                 continue
             parent = seq.block_keys[i - 1] if i else seq.root
             out.append((BlockRef(key, parent + chunk), self.cache.read_block(seq.block_table[i])))
-            self._remember(key)
+            self._remember(key, seq.namespace)
         self.manager.offload(seq.namespace, out)
 
     def offload_segment(self, key: bytes, entry: SegmentEntry) -> None:
@@ -259,8 +261,8 @@ class EngineTiers:
         size = record.payload_bytes(n, lay.num_layers, lay.num_kv_heads, lay.head_dim)
         return SegmentRef(key, record.key_input(sink, token_ids), size, n)
 
-    def _remember(self, key: bytes) -> None:
-        self._known[key] = None
+    def _remember(self, key: bytes, namespace: str | None) -> None:
+        self._known[key] = namespace
         self._known.move_to_end(key)
         if len(self._known) > _RECENT_KEYS:
             self._known.popitem(last=False)
@@ -269,7 +271,13 @@ class EngineTiers:
     def start_invalidate(self, namespace: str | None, all_namespaces: bool):
         """Engine thread (under the engine lock, with the RAM pool's invalidation): from now on
         nothing of the namespace is written or installed. Returns a ticket to ``wait``."""
-        self._known.clear()  # a dropped block must be written again when it is recomputed
+        # A dropped block must be written again when it is recomputed; other namespaces'
+        # blocks stay known (one tenant's invalidations must not make every tenant rewrite).
+        if all_namespaces:
+            self._known.clear()
+        else:
+            for key in [k for k, ns in self._known.items() if ns == namespace]:
+                del self._known[key]
         return self.manager.start_invalidate(namespace, all_namespaces)
 
     def wait(self, ticket) -> dict[str, int]:

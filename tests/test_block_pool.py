@@ -263,6 +263,33 @@ def test_pin_budget_exceeded_raises_with_numbers():
     assert pool.pin(a + b[:1], ttl_seconds=10.0, now=0.0) == 0
 
 
+def test_pin_quotas_sum_within_the_ceiling_so_renewing_tenants_never_starve_another():
+    """Two tenants pinning up to their quotas and renewing forever leave the third its own
+    quota: the quotas sum within the ceiling. Renewal is allowed within the quota."""
+    pool = BlockPool(40, B, max_pinned_blocks=9)
+    with pytest.raises(ValueError, match="sum to 10 blocks"):
+        pool.set_pin_quotas({"a": 5, "b": 5})  # half each for two of three tenants: too much
+    pool.set_pin_quotas({"a": 3, "b": 3, "c": 3})
+    a, b, c = (_cache(pool, _tokens(4 * B, seed)) for seed in (1, 2, 3))
+    assert pool.pin(a[:3], ttl_seconds=10.0, now=0.0, owner="a") == 3
+    assert pool.pin(b[:3], ttl_seconds=10.0, now=0.0, owner="b") == 3
+    for t in range(1, 50):  # renewing, again and again, within the quota
+        assert pool.pin(a[:3], ttl_seconds=10.0, now=t * 5.0, owner="a") == 0
+        assert pool.pin(b[:3], ttl_seconds=10.0, now=t * 5.0, owner="b") == 0
+        assert pool.expire_pins(now=t * 5.0) == 0
+    with pytest.raises(ValueError, match="quota"):
+        pool.pin(a[3:], ttl_seconds=10.0, now=250.0, owner="a")  # over a's own quota
+    assert pool.pin(c[:3], ttl_seconds=10.0, now=250.0, owner="c") == 3  # c gets all of its own
+    assert pool.counts().pinned == 9 and pool.pinned_by("c") == 3
+    # Quotas that shrink leave an owner over them: it renews nothing until it is back within.
+    pool.set_pin_quotas({"a": 2, "b": 3, "c": 3})
+    with pytest.raises(ValueError, match="quota"):
+        pool.pin(a[:3], ttl_seconds=10.0, now=251.0, owner="a")
+    assert pool.expire_pins(now=260.0) == 9  # every TTL ends (none was renewed past 260)
+    assert pool.pin(a[:2], ttl_seconds=10.0, now=260.0, owner="a") == 2  # back within it
+    pool.check_integrity([])
+
+
 def test_pin_of_uncached_block_raises_and_pins_nothing():
     pool = BlockPool(4, B)
     cached = _cache(pool, _tokens(B, 1))

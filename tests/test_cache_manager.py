@@ -248,6 +248,31 @@ def test_two_sequences_computing_the_same_block_share_it_after_commit():
     assert sim.pool.counts().cached == 2
 
 
+def test_a_key_collision_on_insert_shares_nothing_and_ends_the_chain():
+    """A block whose key is already indexed for *other* content (a hash collision, forced here
+    by indexing a block under the key of the prompt's second block) is never shared: the
+    sequence keeps its own block and registers nothing after it, since the keys of its later
+    blocks chain from the colliding one and would serve KV computed after other tokens."""
+    sim = Sim(16)
+    p = _tokens(3 * B + 5, seed=7)
+    keys = sim.mgr.keys_for(p, None)
+    other = _tokens(B, seed=8)
+    forged = sim.pool.allocate(1)[0]
+    sim.shadow[forged] = list(other)
+    # The colliding entry: block 1's key, stored for block 0's key followed by other tokens.
+    assert sim.pool.register(forged, keys[1], keys[0], other, None) == forged
+    sim.pool.release([forged])
+    s = sim.serve(p)  # checks every position reads its own token, and the index's contents
+    assert forged not in s.block_table
+    assert sim.pool.index.entry(keys[1]).block_id == forged  # the first owner keeps its key
+    assert keys[2] not in sim.pool.index  # nothing chained on the collision is findable
+    assert sim.mgr.lookup(p, None) == B  # block 0 only: the collision costs a miss
+    # Whoever hashes to the colliding key (other tokens) gets the forged block, then a miss.
+    m = sim.pool.match(keys, p[:B] + other + p[2 * B : 3 * B], sim.mgr.root(None))
+    assert len(m.block_ids) == 2 and m.block_ids[1] == forged
+    sim.check()
+
+
 def test_fully_cached_prompt_recomputes_last_block_privately_then_shares():
     sim = Sim(16)
     p = _tokens(32, seed=1)

@@ -84,6 +84,49 @@ def test_keys_reload_swaps_all_or_nothing(tmp_path):
     assert not TenantDirectory.from_options(api_key="k").reloadable
 
 
+SECRET = "sk-live-9f8e7d6c5b4a"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f'{{"keys": {{"{SECRET}": {{"tenant": "a", "admin": "no"}}}}}}',  # schema, full form
+        f'{{"{SECRET}": {{"admin": true}}}}',  # schema, flat form (no tenant)
+        f'{{"keys": {{"sk-a": "a"}}, "{SECRET}": "b"}}',  # a key outside "keys"
+        f'{{\n "{SECRET}": "alice",\n "{SECRET}": "bob"\n}}',  # JSON duplicate
+        f"{SECRET}: alice\n{SECRET}: bob\n",  # YAML duplicate
+        f"keys:\n  {SECRET}: [alice\n",  # YAML syntax (PyYAML would quote the line)
+        f"{SECRET}: admin\n",  # a reserved name
+    ],
+)
+def test_keys_file_errors_never_show_a_key(tmp_path, text):
+    """The message is logged on SIGHUP: it names lines, never the key."""
+    path = tmp_path / "keys.txt"
+    path.write_text(text)
+    with pytest.raises((ValueError, TypeError)) as e:
+        load_keys_file(path)
+    assert SECRET not in str(e.value) and "9f8e" not in str(e.value), str(e.value)
+    assert "line" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["admin", "default"])
+def test_reserved_tenant_names_are_refused_at_load_and_reload(tmp_path, name):
+    """A keys-file tenant named like the server's own (--admin-key's "admin", --api-key's and
+    the open server's "default") would share their namespace, quota and prompt excerpts."""
+    path = tmp_path / "keys.yaml"
+    path.write_text(f"keys:\n  sk-a: alice\n  sk-x: {{tenant: {name}, admin: true}}\n")
+    with pytest.raises(ValueError, match=f"line 3 names tenant '{name}', which is reserved"):
+        TenantDirectory.from_options(api_keys_file=path, admin_key="sk-root")
+    path.write_text("keys:\n  sk-a: alice\n")
+    d = TenantDirectory.from_options(api_keys_file=path, admin_key="sk-root")
+    path.write_text(f"sk-a: alice\nsk-x: {name}\n")
+    with pytest.raises(ValueError, match="reserved"):
+        d.reload()
+    assert d.authenticate("Bearer sk-root") == Tenant("admin", admin=True)
+    with pytest.raises(APIError):
+        d.authenticate("Bearer sk-x")
+
+
 def test_metrics_key():
     d = TenantDirectory.from_options(api_key="sk-1", admin_key="sk-root")
     d.authenticate_metrics("Bearer scrape", "scrape")

@@ -83,6 +83,37 @@ def test_a_refused_write_is_dropped_without_taking_the_tier_down():
         s.close()
 
 
+def test_invalidation_drops_exactly_its_namespace_without_scanning_the_keyspace():
+    """Dropping a namespace reads its index set, never SCANs all of Redis (one SCAN per
+    invalidate let a tenant stall the shared Redis and the tier writer). Exactly that
+    namespace's blocks go; a block Redis evicted meanwhile is a harmless stale index entry."""
+    s = RedisServer().start()
+    client = redis.Redis.from_url(s.url)
+    try:
+        tier = RedisTier(s.url)
+        for ns, n in (("ns-a", 5), ("ns-b", 3), ("ns-c", 2)):
+            for i in range(n):
+                assert tier.put(ns, f"block-{i}", b"kv" * 10)
+        client.set("someone-else:key", b"x")  # not ours: never touched
+        client.delete(f"{PREFIX}:ns-a:block-0")  # as if evicted by Redis
+        client.config_resetstat()
+        assert tier.drop_namespace("ns-a") == 4
+        ours = {k.decode() for k in client.keys(f"{PREFIX}:*")}  # (the test may scan)
+        assert ours == {f"{PREFIX}:ns-b:block-{i}" for i in range(3)} | {
+            f"{PREFIX}:ns-c:block-{i}" for i in range(2)
+        }
+        assert tier.get_many("ns-b", ["block-0", "block-1"]) == [b"kv" * 10] * 2
+        assert tier.drop_namespace(None) == 5
+        assert client.keys(f"{PREFIX}:*") == [] and client.get("someone-else:key") == b"x"
+        assert tier.drop_namespace("ns-a") == 0  # nothing left: nothing to do
+        stats = client.info("commandstats")
+        assert "cmdstat_smembers" in stats  # the index was read ...
+        assert "cmdstat_scan" not in stats, stats.get("cmdstat_scan")  # ... never the keyspace
+    finally:
+        client.close()
+        s.close()
+
+
 @pytest.mark.slow
 def test_replica_restores_from_redis_cold_equals_warm(a, b, cold):
     lengths = [4 * BS - 1, 4 * BS, 4 * BS + 1]

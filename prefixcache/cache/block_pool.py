@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from prefixcache.cache.hashing import BlockHash
@@ -47,6 +47,7 @@ class BlockPool:
         self._pinned_until: dict[int, float] = {}  # block id -> deadline (time.monotonic)
         self._pin_owners: dict[int, dict[str | None, float]] = {}  # block -> owner -> deadline
         self._owner_pins: dict[str | None, int] = {}  # owner -> blocks it holds a pin on
+        self._pin_quotas: dict[str | None, int] = {}  # owner -> its quota (set_pin_quotas)
         self._pinned_idle: set[int] = set()
         self.evicted_blocks = 0
 
@@ -117,8 +118,9 @@ class BlockPool:
         parent: BlockHash,
         token_ids: Sequence[int],
         namespace: str | None,
-    ) -> int:
-        """Make a full, computed, in-use block findable by its key. Returns the block holding it."""
+    ) -> int | None:
+        """Make a full, computed, in-use block findable by its key. Returns the block holding it
+        (None: the key collides with other content, see ``PrefixIndex.insert``)."""
         assert self._ref[block_id] >= 1, "only in-use blocks are registered"
         return self.index.insert(key, block_id, parent, token_ids, namespace)
 
@@ -141,7 +143,29 @@ class BlockPool:
     # ---- pins, invalidation -----------------------------------------------------------------
     # A block is pinned while any owner's pin on it lasts. Each owner (a tenant; None for the
     # offline API) holds its own pin with its own deadline, and is charged for it against its
-    # quota; the pool's budget counts each pinned block once, whoever pinned it.
+    # quota; the pool's budget (the ceiling, ``max_pinned_blocks``) counts each pinned block
+    # once, whoever pinned it. The quotas sum within the ceiling (``set_pin_quotas``): the
+    # blocks pinned are at most what the quota'd owners hold plus what the others (admins)
+    # pin, so owners within their quotas can never fill the ceiling for another one, however
+    # long they renew. Renewing a pin one already holds costs no quota, but an owner over its
+    # quota (after the quotas shrank) renews nothing until its pins expire down to it.
+    def set_pin_quotas(self, quotas: Mapping[str | None, int]) -> None:
+        """The owners bound by a pin quota and their quotas in blocks, replacing the previous
+        ones. Raises ValueError unless they sum within the ceiling. Owners not named are bound
+        by the ceiling only (admins, the offline API)."""
+        if any(isinstance(q, bool) or not isinstance(q, int) or q < 0 for q in quotas.values()):
+            raise ValueError("pin quotas must be non-negative block counts")
+        if sum(quotas.values()) > self.max_pinned_blocks:
+            raise ValueError(
+                f"pin quotas sum to {sum(quotas.values())} blocks, over the "
+                f"{self.max_pinned_blocks} blocks that may be pinned"
+            )
+        self._pin_quotas = dict(quotas)
+
+    def pin_quota(self, owner: str | None) -> int | None:
+        """Blocks ``owner`` may hold pinned (None: no quota of its own, only the ceiling)."""
+        return self._pin_quotas.get(owner)
+
     def pin(
         self,
         block_ids: Sequence[int],
@@ -149,13 +173,12 @@ class BlockPool:
         now: float | None = None,
         *,
         owner: str | None = None,
-        owner_quota: int | None = None,
     ) -> int:
         """Keep cached blocks from eviction until the TTL ends (None: until unpinned).
 
-        Raises ValueError if the pool's pin budget, or ``owner_quota`` (blocks this owner may
-        hold pinned; None: no quota), would be exceeded; a failed call pins nothing. Returns the
-        number of blocks that were not pinned before.
+        Raises ValueError if the pool's pin budget, or ``owner``'s quota (``set_pin_quotas``),
+        would be exceeded; a failed call pins nothing. Returns the number of blocks that were
+        not pinned before.
         """
         now = time.monotonic() if now is None else now
         for b in block_ids:  # validate all before pinning any: a failed call changes nothing
@@ -170,6 +193,7 @@ class BlockPool:
             )
         mine = [b for b in wanted if owner not in self._pin_owners.get(b, {})]
         held = self._owner_pins.get(owner, 0)
+        owner_quota = self._pin_quotas.get(owner)
         if owner_quota is not None and held + len(mine) > owner_quota:
             raise ValueError(
                 f"pin quota exceeded: {held} pinned + {len(mine)} new > {owner_quota} blocks "
@@ -264,6 +288,7 @@ class BlockPool:
             for o in owners:
                 per_owner[o] = per_owner.get(o, 0) + 1
         assert per_owner == self._owner_pins, "per-owner pin counts drifted"
+        assert sum(self._pin_quotas.values()) <= self.max_pinned_blocks, "quotas over the ceiling"
         self.index.check_integrity()
         if live_block_tables is not None:
             expected = [0] * self.num_blocks

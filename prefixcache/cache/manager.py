@@ -155,6 +155,9 @@ class KVCacheManager:
             holder = self.pool.register(
                 mine, seq.block_keys[i], parent, tokens[i * b : (i + 1) * b], seq.namespace
             )
+            if holder is None:  # a key collision: ours stays private, and so does the rest
+                seq.max_registered_blocks = n_full = i  # (their keys chain from this one)
+                break
             if holder != mine:  # same content already cached: share it, give ours back
                 self.pool.acquire([holder])
                 seq.block_table[i] = holder

@@ -130,17 +130,21 @@ class PrefixIndex:
         parent: BlockHash,
         token_ids: Sequence[int],
         namespace: str | None,
-    ) -> int:
+    ) -> int | None:
         """Record that ``block_id`` holds the KV named by ``key``; returns the block that does.
 
-        If another block already holds this key (two requests computed the same block at once),
-        the existing one stays the cached copy and its id is returned; ``block_id`` stays private.
+        If another block already holds this key with the same key input (two requests computed
+        the same block at once), the existing one stays the cached copy and its id is returned;
+        ``block_id`` stays private. If it holds the key for another input (a collision), None:
+        nothing is shared and ``block_id`` stays private; the caller must register no block
+        after it either, since their keys chain from the colliding one (design.md §3).
         """
+        key_input = parent + encode_tokens(token_ids)
         existing = self._entries.get(key)
         if existing is not None:
-            return existing.block_id
+            return existing.block_id if existing.key_input == key_input else None
         assert block_id not in self._key_of_block, f"block {block_id} already indexed"
-        self._entries[key] = IndexEntry(block_id, parent + encode_tokens(token_ids), namespace)
+        self._entries[key] = IndexEntry(block_id, key_input, namespace)
         self._key_of_block[block_id] = key
         self._children.setdefault(parent, set()).add(key)
         self._by_namespace.setdefault(namespace, set()).add(block_id)

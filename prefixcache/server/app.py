@@ -58,12 +58,13 @@ def create_app(
     )
     metrics = ServerMetrics(engine, names[0], background_log)
     serving = Serving(engine, names, tenants, metrics, background_log, limits or ServerLimits())
+    _set_pin_tenants(engine, tenants)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
         app.state.ready = True
-        hup = _install_reload(tenants)
+        hup = _install_reload(tenants, engine)
         if on_ready is not None:
             on_ready()
         try:
@@ -76,6 +77,7 @@ def create_app(
             await engine.shutdown(drain=True, timeout=300.0 if drain_timeout is None else drain_timeout)
             if background_log is not None:
                 await asyncio.to_thread(background_log.close)
+            serving.cache_gate.close()
 
     app = FastAPI(title="prefixcache", version=prefixcache.__version__, lifespan=lifespan)
     app.state.serving = serving
@@ -144,7 +146,13 @@ def _model_card(engine: EngineAPI, name: str) -> dict:
     }
 
 
-def _install_reload(tenants: TenantDirectory) -> bool:
+def _set_pin_tenants(engine: EngineAPI, tenants: TenantDirectory) -> None:
+    """Every non-admin tenant of the keys gets its share of the pin budget (quotas that sum
+    within it: tenants renewing their pins never starve another's)."""
+    engine.set_pin_tenants(t.name for t in tenants.tenants if not t.admin)
+
+
+def _install_reload(tenants: TenantDirectory, engine: EngineAPI) -> bool:
     """SIGHUP reloads the keys file (only the main thread's loop can take signals)."""
     if not tenants.reloadable or threading.current_thread() is not threading.main_thread():
         return False
@@ -155,6 +163,8 @@ def _install_reload(tenants: TenantDirectory) -> bool:
         except (ValueError, TypeError) as e:
             log.error("SIGHUP: keys file not reloaded, the old keys stay in force: %s", e)
         else:
+            # Off the loop: it takes the engine lock, which a running step holds.
+            asyncio.get_running_loop().run_in_executor(None, _set_pin_tenants, engine, tenants)
             log.warning("SIGHUP: keys file reloaded (%d keys)", n)
 
     try:

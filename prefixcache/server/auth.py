@@ -28,7 +28,9 @@ is an error naming its line. YAML is read with only ``true``/``false`` resolved 
 every other plain scalar stays the string it looks like, so ``yes``, ``null``, ``0123`` and
 ``1e3`` are the keys and names they are written as. SIGHUP reloads the file (app.py): the new
 keys apply to new requests, running ones keep the tenant they were admitted as; a file that
-fails to load leaves the old keys in force.
+fails to load leaves the old keys in force. Error messages never show a key (SIGHUP logs them):
+a key is named by its line. The tenant names ``admin`` and ``default`` are reserved (the server's
+own tenants) and refused in a keys file.
 
 Without any key configured the server is open: every caller is the admin tenant "default".
 """
@@ -49,6 +51,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from prefixcache.server.errors import APIError
 
 DEFAULT_TENANT = "default"
+ADMIN_TENANT = "admin"
+# Names the server gives tenants itself (--admin-key, --api-key / the open server): a keys-file
+# tenant named so would share their namespace, pin quota and dashboard prompt excerpts.
+RESERVED_TENANTS = frozenset({ADMIN_TENANT, DEFAULT_TENANT})
 MAX_SALT_LEN = 256
 
 
@@ -135,7 +141,7 @@ class TenantDirectory:
         if admin_key:
             if admin_key in keys and not keys[admin_key].admin:
                 raise ValueError("the admin key is also a tenant's key in the keys file")
-            keys[admin_key] = Tenant("admin", admin=True)
+            keys[admin_key] = Tenant(ADMIN_TENANT, admin=True)
         d = cls(keys, shared)
         d._options = {"api_key": api_key, "api_keys_file": api_keys_file,
                       "admin_key": admin_key, "shared_namespaces": list(shared_namespaces)}  # fmt: skip
@@ -237,7 +243,7 @@ class _StringsLoader(yaml.SafeLoader):
             if isinstance(key, str) and key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None,
-                    f"duplicate key {key!r} (first on line {seen[key] + 1})",
+                    f"duplicate key (first on line {seen[key] + 1})",
                     key_node.start_mark,
                 )  # fmt: skip
             if isinstance(key, str):
@@ -259,8 +265,8 @@ def _json_no_duplicates(text: str, path: Path):
         out: dict = {}
         for k, v in items:
             if k in out:
-                raise ValueError(
-                    f"API keys file {path}: duplicate key {k!r} on line {_json_line(text, k)}"
+                raise ValueError(  # never the key itself: it may be an API key
+                    f"API keys file {path}: duplicate key on line {_json_line(text, k)}"
                 )
             out[k] = v
         return out
@@ -291,7 +297,9 @@ def load_keys_file(path: str | Path) -> tuple[dict[str, Tenant], list[str]]:
         try:
             data = yaml.load(text, Loader=_StringsLoader)  # a SafeLoader subclass
         except yaml.YAMLError as e:
-            raise ValueError(f"API keys file {path} is neither JSON nor valid YAML: {e}") from e
+            raise ValueError(
+                f"API keys file {path} is neither JSON nor valid YAML: {_yaml_problem(e)}"
+            ) from None
     if not isinstance(data, dict):
         raise TypeError(f"API keys file {path} must hold a mapping")
     try:
@@ -304,8 +312,7 @@ def load_keys_file(path: str | Path) -> tuple[dict[str, Tenant], list[str]]:
         # Of a union's failures, the deepest says most ("admin: should be a valid boolean"
         # rather than "should be a valid string").
         first = max(e.errors(), key=lambda x: len(x["loc"]))
-        tags = {"entries", "str", "_Entry"}
-        where = ".".join(str(p) for p in first["loc"] if p not in tags)
+        where = _where(first["loc"], text)
         raise ValueError(f"API keys file {path}: {where}: {first['msg']}") from None
     keys = {
         k: Tenant(v) if isinstance(v, str) else Tenant(v.tenant, admin=v.admin)
@@ -313,4 +320,41 @@ def load_keys_file(path: str | Path) -> tuple[dict[str, Tenant], list[str]]:
     }
     if not keys:
         raise ValueError(f"API keys file {path} holds no keys")
+    for k, t in keys.items():
+        if t.name in RESERVED_TENANTS:
+            raise ValueError(
+                f"API keys file {path}: the key on line {_line_of(text, k)} names tenant "
+                f"{t.name!r}, which is reserved (the server's own tenants: "
+                f"{', '.join(sorted(RESERVED_TENANTS))}); rename the tenant"
+            )
     return keys, list(shared)
+
+
+_FIELDS = {"keys", "shared_namespaces", "tenant", "admin"}
+
+
+def _where(loc: tuple, text: str) -> str:
+    """A validation error's location with every API key in it replaced by its line: the key
+    under ``keys`` (or at the top of a flat file), and any unknown top-level name."""
+    parts = [p for p in loc if p not in ("str", "_Entry")]
+    out = []
+    for i, p in enumerate(parts):
+        is_key = (i == 1 and parts[0] in ("keys", "entries")) or (i == 0 and p not in _FIELDS)
+        if p == "entries" and i == 0:
+            continue
+        redact = is_key and isinstance(p, str)
+        out.append(f"<key on line {_line_of(text, p)}>" if redact else str(p))
+    return ".".join(out)
+
+
+def _line_of(text: str, key: str) -> int:
+    """The line where ``key`` first appears in the file (1-based; 1 if not found as written)."""
+    pos = text.find(key)
+    return text.count("\n", 0, pos) + 1 if pos >= 0 else 1
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error without the snippet of the file PyYAML quotes (it may hold a key)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    what = getattr(e, "problem", None) or type(e).__name__
+    return f"{what} (line {mark.line + 1}, column {mark.column + 1})" if mark else what

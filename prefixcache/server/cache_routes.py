@@ -5,11 +5,12 @@ up in the caller's namespace (its tenant, plus ``cache_salt``), which the server
 Invalidating another tenant's namespace, or all of them, takes an admin key. Prompts are
 validated like a completion's (vocabulary, at most the context length) before they are hashed.
 ``/stats`` shows an admin everything and anyone else only their own tenant's numbers.
+Lookup, invalidate and stats call the engine on the cache routes' own threads, at most a few at
+once per tenant (cache_gate.py: 429 above), never on the default executor that tokenizes.
 """
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import asdict, is_dataclass
 
 from fastapi import APIRouter, Request
@@ -81,10 +82,11 @@ async def _warm_segments(request: Request, s: Serving, req: CacheWarmRequest, na
 @router.post("/lookup")
 async def lookup(request: Request) -> dict:
     """How many tokens of a prompt would hit the cache now. Changes nothing."""
-    s, _tenant, req, namespace = await accept(request, CacheLookupRequest)
+    s, tenant, req, namespace = await accept(request, CacheLookupRequest)
     ids = await s.cache_prompt(req)
-    # Engine queries take its lock, which a running step holds: wait for it off the event loop.
-    result = await asyncio.to_thread(s.engine.lookup, ids, namespace)
+    # Engine queries take its lock, which a running step holds: wait for it off the event loop,
+    # on the cache routes' own threads (cache_gate.py), within the tenant's cap.
+    result = await s.cache_gate.run(tenant.name, s.engine.lookup, ids, namespace)
     return {**_as_dict(result), "namespace": namespace}
 
 
@@ -101,7 +103,7 @@ async def invalidate(request: Request) -> dict:
             raise APIError(403, "invalidating every namespace needs an admin key", param="all")
         return {
             "namespace": None,
-            "dropped_blocks": await _invalidate(request, s.engine, None),
+            "dropped_blocks": await _invalidate(request, s, tenant, None),
         }
     if req.namespace is not None and req.cache_salt is not None:
         raise APIError(400, "give 'namespace' or 'cache_salt', not both", param="namespace")
@@ -119,15 +121,15 @@ async def invalidate(request: Request) -> dict:
             raise APIError(
                 403, "invalidating a shared namespace needs an admin key", param="cache_salt"
             )
-    dropped = await _invalidate(request, s.engine, namespace)
+    dropped = await _invalidate(request, s, tenant, namespace)
     return {"namespace": namespace, "dropped_blocks": dropped}
 
 
-async def _invalidate(request: Request, engine, namespace: str | None) -> int:
+async def _invalidate(request: Request, s: Serving, tenant: Tenant, namespace: str | None) -> int:
     """RAM blocks dropped; the namespace goes from the disk and Redis tiers too (503 when a
     tier cannot be reached: retry, the RAM part is done)."""
     try:
-        return await asyncio.to_thread(engine.invalidate, namespace)
+        return await s.cache_gate.run(tenant.name, s.engine.invalidate, namespace)
     except Exception as e:  # noqa: BLE001 - typed errors map to 4xx/503, the rest is a 500
         rid = request_id_of(request.scope)
         raise (from_engine_error(e, rid) or internal_error(rid, e)) from None
@@ -145,10 +147,11 @@ async def stats(request: Request) -> dict:
 async def stats_for(s: Serving, tenant: Tenant) -> dict:
     """The body of ``/v1/cache/stats`` for ``tenant`` (the dashboard's data shows the same)."""
     if tenant.admin:
-        return await asyncio.to_thread(_stats, s.engine)
-    own = await asyncio.to_thread(
-        s.engine.tenant_stats, tenant.name, lambda ns: ns is not None and s.tenants.owns(tenant, ns)
-    )
+        return await s.cache_gate.run(tenant.name, _stats, s.engine)
+    own = await s.cache_gate.run(
+        tenant.name, s.engine.tenant_stats, tenant.name,
+        lambda ns: ns is not None and s.tenants.owns(tenant, ns),
+    )  # fmt: skip
     out = _as_dict(own)
     out["hit_rate"] = own.hit_rate
     out["kv"] = dict(s.engine.kv_info)

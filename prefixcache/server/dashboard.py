@@ -128,7 +128,9 @@ async def _read(s: Serving, tenant: Tenant) -> tuple[float, dict, dict[str, int]
     stats = await stats_for(s, tenant)
     if not tenant.admin:
         return time.time(), stats, stats["namespace_blocks"]
-    every = await asyncio.to_thread(s.engine.tenant_stats, None, lambda ns: ns is not None)
+    every = await s.cache_gate.run(
+        tenant.name, s.engine.tenant_stats, None, lambda ns: ns is not None
+    )
     return time.time(), stats, every.namespace_blocks
 
 

@@ -33,6 +33,10 @@ class ServerLimits:
     keep_alive_timeout: float = 5.0
     send_timeout: float = 30.0
     max_connections: int = 512  # open connections; more are closed at once
+    # Cache control calls (lookup, invalidate, stats: server/cache_gate.py) run on their own
+    # threads, at most this many admitted per tenant at once (429 above).
+    cache_route_threads: int = 4
+    max_cache_calls_per_tenant: int = 2
 
     def __post_init__(self) -> None:
         for f in fields(self):

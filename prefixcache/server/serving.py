@@ -23,6 +23,7 @@ from prefixcache.request import SamplingParams
 from prefixcache.segments.plan import DEFAULT_RECOMPUTE_TOKENS, SegmentOptions, SegmentRequest
 from prefixcache.server.activity import Activity
 from prefixcache.server.auth import Tenant, TenantDirectory
+from prefixcache.server.cache_gate import CacheCallGate
 from prefixcache.server.errors import APIError, from_engine_error
 from prefixcache.server.limits import ServerLimits
 from prefixcache.server.metrics import ServerMetrics
@@ -66,6 +67,9 @@ class Serving:
         self.metrics = metrics
         self.request_log = request_log  # a BackgroundRequestLog, or None
         self.limits = limits or ServerLimits()
+        self.cache_gate = CacheCallGate(
+            self.limits.cache_route_threads, self.limits.max_cache_calls_per_tenant
+        )
         self.tokenizer = engine.tokenizer
         self.activity = Activity(lambda ids: self.tokenizer.decode(ids), engine.config.block_size)
         self._max_token_chars: int | None = None

@@ -10,9 +10,9 @@ block repeats all of it for the load-time check (codec.py).
 
 The namespace also names a *directory* (disk) or a key prefix (Redis), as a hash: tenant names
 are hostile strings and never become file names; dropping a namespace from a tier is one
-directory or one prefix scan. Segment records (segments/record.py) live in the same namespace
-directory or prefix under ``segment_store_id``, so dropping a namespace drops its segments with
-its blocks. Everything here is a pure function of its arguments: the same block has the same
+directory or one index set (redis_tier.py), never a scan. Segment records (segments/record.py)
+live in the same namespace directory or prefix under ``segment_store_id``, so dropping a
+namespace drops its segments with its blocks. Everything here is a pure function of its arguments: the same block has the same
 name in every process, after every restart, on every replica.
 """
 

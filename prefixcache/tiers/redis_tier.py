@@ -1,6 +1,19 @@
 """The remote tier: blocks in a Redis (or Valkey) shared by every server pointed at it.
 
     key = "pc-kv:<namespace id>:<store id><block key>"  -> the encoded block (codec.py)
+    "pc-kv-index:<namespace id>"                          -> set of the block names written there
+    "pc-kv-namespaces"                                    -> set of the namespace ids written
+
+Invalidation never scans the keyspace (SCAN is O(every key in Redis), run per request it lets
+one tenant stall Redis and the tier writer for everyone). Each write adds its name to its
+namespace's index set in the same MULTI as the SET, and dropping a namespace takes the set and
+deletes it atomically (MULTI: SMEMBERS, DEL), then unlinks its members; dropping everything
+does the same over the set of namespace ids. The index is a superset of what is stored: a
+member whose block Redis evicted is a harmless stale name (UNLINK of a missing key), and is
+gone with the set at the next invalidation. Reads TOUCH the index so that, under an LRU
+policy, it is never colder than the blocks it names (an evicted index would orphan them: they
+would outlive an invalidation until Redis evicts them too). Blocks written by a version
+without the index are not in it: flush those once (``redis-cli --scan --pattern 'pc-kv:*'``).
 
 Every replica computes the same names for the same blocks (keys.py), so server B restores what
 server A computed. Eviction is Redis's own (run it with a ``maxmemory`` and an ``allkeys-lru``
@@ -26,7 +39,9 @@ from prefixcache.tiers.stats import TierCounters, TierStats
 log = logging.getLogger(__name__)
 
 PREFIX = "pc-kv"
-_SCAN_BATCH = 1000
+INDEX_PREFIX = "pc-kv-index"
+NAMESPACES = "pc-kv-namespaces"
+_UNLINK_BATCH = 1000
 
 
 class RedisTier:
@@ -67,6 +82,10 @@ class RedisTier:
     def _key(self, ns: str, name: str) -> str:
         return f"{PREFIX}:{ns}:{name}"
 
+    @staticmethod
+    def _index(ns: str) -> str:
+        return f"{INDEX_PREFIX}:{ns}"
+
     # ---- health -------------------------------------------------------------------------------
     def available(self) -> bool:
         with self._lock:
@@ -98,7 +117,10 @@ class RedisTier:
         if not names or not self.available():
             return []
         try:
-            values = self.client.mget([self._key(ns, n) for n in names])
+            pipe = self.client.pipeline(transaction=False)
+            pipe.touch(self._index(ns))  # keeps the index as warm as the blocks (LRU)
+            pipe.mget([self._key(ns, n) for n in names])
+            values = pipe.execute()[1]
         except self._errors as e:
             self._failed(e)
             return []
@@ -118,7 +140,12 @@ class RedisTier:
             self.counters.add(dropped_writes=1)
             return False
         try:
-            self.client.set(self._key(ns, name), data)
+            # One MULTI: a concurrent invalidation sees the block and its index entry, or neither.
+            pipe = self.client.pipeline(transaction=True)
+            pipe.sadd(NAMESPACES, ns)
+            pipe.sadd(self._index(ns), name)
+            pipe.set(self._key(ns, name), data)
+            pipe.execute()
         except self._refused as e:
             self.counters.add(errors=1, dropped_writes=1)
             if not self._refusal_logged:
@@ -143,24 +170,30 @@ class RedisTier:
             self._failed(e)
 
     def drop_namespace(self, ns: str | None) -> int:
-        """Delete a namespace's blocks (``None``: all of ours) from the shared store. Raises
-        ``ConnectionError`` when Redis cannot be reached: the caller must say so."""
-        pattern = f"{PREFIX}:{'*' if ns is None else ns}:*"
-        n = 0
+        """Delete a namespace's blocks (``None``: all of ours) from the shared store, by its
+        index set, never by a scan. Raises ``ConnectionError`` when Redis cannot be reached:
+        the caller must say so."""
         try:
-            batch = []
-            for k in self.client.scan_iter(match=pattern, count=_SCAN_BATCH):
-                batch.append(k)
-                if len(batch) >= _SCAN_BATCH:
-                    n += self.client.unlink(*batch)
-                    batch = []
-            if batch:
-                n += self.client.unlink(*batch)
+            n = 0
+            for one in self._take(NAMESPACES) if ns is None else [ns]:
+                one = one.decode() if isinstance(one, bytes) else one
+                names = self._take(self._index(one))
+                keys = [self._key(one, m.decode()) for m in names]
+                for i in range(0, len(keys), _UNLINK_BATCH):
+                    n += self.client.unlink(*keys[i : i + _UNLINK_BATCH])
         except self._errors as e:
             self._failed(e)
             raise ConnectionError(f"remote cache {self.url_for_logs} unreachable: {e}") from e
         self._ok()
         return n
+
+    def _take(self, key: str) -> set[bytes]:
+        """A set's members, and the set deleted, atomically: a write after this call starts a
+        new set, so no member is lost between reading and deleting."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.smembers(key)
+        pipe.delete(key)
+        return pipe.execute()[0]
 
     # ---- facts --------------------------------------------------------------------------------
     def stats(self) -> TierStats:

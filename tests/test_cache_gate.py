@@ -1,0 +1,89 @@
+"""The cache routes' own threads and per-tenant cap (server/cache_gate.py), in process: the real
+app and a real AsyncEngine on the default model, its lock held as a long step holds it, so the
+cache calls that need the engine stay in flight for as long as the test wants."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from _helpers import shared_default_weights
+
+from prefixcache.async_engine import AsyncEngine
+from prefixcache.config import EngineConfig
+from prefixcache.server.app import create_app
+from prefixcache.server.auth import Tenant, TenantDirectory
+from prefixcache.server.limits import ServerLimits
+from prefixcache.server.protocol import CompletionRequest
+
+pytestmark = pytest.mark.slow
+
+ALICE = {"Authorization": "Bearer sk-alice"}
+BOB = {"Authorization": "Bearer sk-bob"}
+CAP = 2
+LIVENESS_S = 120  # only a hang reaches it
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with shared_default_weights():
+        eng = AsyncEngine(EngineConfig(kv_cache_memory="8MiB", seed=0))
+    yield eng
+    asyncio.run(eng.shutdown(drain=False))
+
+
+async def _until(cond) -> None:
+    for _ in range(LIVENESS_S * 100):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the condition never held")
+
+
+def test_a_flooding_tenant_gets_429_while_others_and_tokenization_go_on(engine):
+    tenants = TenantDirectory({"sk-alice": Tenant("alice"), "sk-bob": Tenant("bob")})
+    limits = ServerLimits(cache_route_threads=2 * CAP, max_cache_calls_per_tenant=CAP)
+    app = create_app(engine, tenants=tenants, limits=limits)
+    serving = app.state.serving
+    gate = serving.cache_gate
+
+    async def main():
+        # One default thread: if a cache call ever ran there, tokenization would wait on it.
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=None) as c:
+            engine._lock.acquire()  # a step that runs long: every engine query waits for it
+            try:
+                flood = [asyncio.create_task(c.post("/v1/cache/invalidate", json={}, headers=ALICE))
+                         for _ in range(CAP)]  # fmt: skip
+                await _until(lambda: gate.admitted("alice") == CAP)
+                over = await c.post("/v1/cache/lookup", json={"prompt": [1, 2, 3]}, headers=ALICE)
+                assert over.status_code == 429, over.text
+                err = over.json()["error"]
+                assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
+                assert over.headers["retry-after"] == "1"
+                stats = await c.get("/v1/cache/stats", headers=ALICE)  # stats count too
+                assert stats.status_code == 429
+                # Bob is admitted while alice is at her cap ...
+                bob = asyncio.create_task(
+                    c.post("/v1/cache/lookup", json={"prompt": [1, 2, 3]}, headers=BOB)
+                )
+                await _until(lambda: gate.admitted("bob") == 1)
+                # ... and tokenization runs while every cache call waits for the engine.
+                req = CompletionRequest(prompt="The capital of France is", max_tokens=1)
+                prompts = await asyncio.wait_for(serving.completion_prompts(req), LIVENESS_S)
+                assert prompts and prompts[0]
+            finally:
+                engine._lock.release()
+            assert [r.status_code for r in await asyncio.gather(*flood)] == [200] * CAP
+            answer = await bob
+            assert answer.status_code == 200 and answer.json()["num_cached_tokens"] == 0
+            # Released when they finished: alice is served again.
+            again = await c.post("/v1/cache/lookup", json={"prompt": [1, 2, 3]}, headers=ALICE)
+            assert again.status_code == 200
+        assert gate.admitted("alice") == gate.admitted("bob") == 0
+
+    asyncio.run(main())
+    gate.close()
