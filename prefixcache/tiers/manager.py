@@ -21,6 +21,9 @@ Decisions:
   same namespace directory / key prefix as the blocks, so dropping a namespace drops them too.
   Each is looked up on its own (no chain), written through when first computed, restored
   into the segment store before its request is scheduled, with the same checks (codec.py).
+- **Every name and record is the deployment's** (secret.py): namespace ids and record names
+  are keyed digests and every record is MAC'd under ``keys``, so what another deployment, or
+  anyone without the secret, put in a shared store is never found or never served.
 - **Invalidation is ordered after every write queued before it** (it runs on the writer thread,
   whose queue is FIFO), and each namespace has a generation: writes and restores of an older
   generation are dropped, so nothing of an invalidated namespace comes back from a queue.

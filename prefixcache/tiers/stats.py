@@ -18,7 +18,7 @@ class TierStats:
     read_blocks: int  # blocks read and verified (a block two requests wait for is read twice)
     read_tokens: int
     miss_blocks: int  # blocks looked up here and not found
-    rejected_blocks: int  # found but corrupt, truncated or foreign: removed, never served
+    rejected_blocks: int  # found but corrupt, forged, truncated or foreign: never served
     written_blocks: int
     written_bytes: int
     read_bytes: int
