@@ -1,6 +1,7 @@
 """The local disk tier: one file per block, LRU within a byte budget, atomic writes.
 
-    DIR/pc-kv/<namespace id>/<store id><block key>.blk     (names: keys.py)
+    DIR/pc-kv/<namespace id>/<record name>.blk     (keyed names: keys.py)
+    DIR/tier-secret                                 (the generated secret, if any: secret.py)
 
 - **Atomic writes.** A block is written to a temporary file in the same directory, fsynced,
   then renamed over its name. A reader sees either no file or a whole one; ``kill -9``

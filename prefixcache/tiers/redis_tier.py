@@ -1,10 +1,11 @@
 """The remote tier: blocks in a Redis (or Valkey) shared by every server pointed at it.
 
-    key = "pc-kv:<namespace id>:<store id><block key>"  -> the encoded block (codec.py)
+    key = "pc-kv:<namespace id>:<record name>"  -> the encoded block (codec.py)
 
-Every replica computes the same names for the same blocks (keys.py), so server B restores what
-server A computed. Eviction is Redis's own (run it with a ``maxmemory`` and an ``allkeys-lru``
-policy); we never assume a block we wrote is still there.
+Every replica of a deployment (one tier secret, secret.py) computes the same names for the same
+blocks (keys.py), so server B restores what server A computed; another deployment's names for
+the same tenant and blocks differ. Eviction is Redis's own (run it with a ``maxmemory`` and an
+``allkeys-lru`` policy); we never assume a block we wrote is still there.
 
 Faults: a write Redis refuses (``OOM`` under a ``noeviction`` policy, a value over its limits)
 is dropped and counted, and nothing else changes: the server is up. A record larger than
