@@ -109,8 +109,11 @@ def servers_figures(args, tmp: Path) -> dict:
     redis = Redis(tmp)
     keys = tmp / "keys.json"
     keys.write_text(json.dumps({"keys": {"sk-bench": {"tenant": "bench", "admin": True}}}))
+    secret = tmp / "tier-secret"  # the two servers are one deployment: they share the secret
+    secret.write_bytes(os.urandom(32))
     common = ["--api-keys-file", str(keys), "--kv-cache-memory", args.server_memory,
-              "--max-model-len", str(args.prompt_len + 16), "--remote-cache", redis.url]  # fmt: skip
+              "--max-model-len", str(args.prompt_len + 16), "--remote-cache", redis.url,
+              "--tier-secret-file", str(secret)]  # fmt: skip
     env = {"OMP_WAIT_POLICY": "PASSIVE"}
     a = ServerProcess([*common, "--disk-cache-dir", str(tmp / "disk")], env=env)
     b = ServerProcess(common, env=env)

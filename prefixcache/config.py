@@ -104,6 +104,11 @@ class EngineConfig:
     disk_cache_size: str | int = "10GiB"
     remote_cache: str | None = None
     tier_compression: str = "none"  # none | lz4 | zstd; used per block only where it pays
+    # The tiers' deployment secret (tiers/secret.py): a file of 32+ random bytes that keys every
+    # record's MAC and name. None: one generated once, kept 0600 next to the disk tier
+    # (replicas sharing a Redis must share one file, or they share nothing).
+    tier_secret_file: str | Path | None = None
+    remote_cache_max_record: str | int = "64MiB"  # larger records are not sent to Redis
     # KV events in vLLM's format (events/): a ZMQ PUB endpoint to bind (None: off), an optional
     # replay endpoint, the topic, and the rank written into each batch (a cluster replica's).
     kv_events_endpoint: str | None = None
@@ -177,6 +182,9 @@ class EngineConfig:
             parse_bytes(self.disk_cache_size)
         if self.remote_cache is not None:
             check_remote_cache_url(self.remote_cache)
+            parse_bytes(self.remote_cache_max_record)
+        if self.tier_secret_file is not None and str(self.tier_secret_file).strip() == "":
+            raise ValueError("tier_secret_file must be a file or None")
         if self.tier_compression not in TIER_COMPRESSIONS:
             raise ValueError(
                 f"tier_compression must be one of {TIER_COMPRESSIONS}, "

@@ -41,6 +41,7 @@ from prefixcache.segments.store import SegmentEntry, SegmentStore
 from prefixcache.sequence import Sequence
 from prefixcache.tiers.keys import StoreLayout
 from prefixcache.tiers.manager import BlockRef, RestoreJob, SegmentRef, TierManager
+from prefixcache.tiers.secret import load_keys
 
 log = logging.getLogger(__name__)
 
@@ -324,14 +325,20 @@ def build_tiers(config: EngineConfig, fingerprint: str, model: ModelConfig,
         scaled=lay.kv_format.scaled, block_bytes=lay.block_size * lay.bytes_per_token,
     )  # fmt: skip
     tiers = []
+    root = resolve_disk_dir(config.disk_cache_dir or "auto")
     if config.disk_cache_dir:
         from prefixcache.tiers.disk import DiskTier
 
-        path = resolve_disk_dir(config.disk_cache_dir)
-        tiers.append(DiskTier(path, parse_bytes(config.disk_cache_size)))
+        tiers.append(DiskTier(root, parse_bytes(config.disk_cache_size)))
+    # The secret's default home is the disk tier's directory (or, for Redis alone, the one
+    # "auto" would use): a restart finds it, and with it its own records.
+    keys = load_keys(config.tier_secret_file, root)
     if config.remote_cache:
         from prefixcache.tiers.redis_tier import RedisTier
 
-        tiers.append(RedisTier(config.remote_cache))
-    log.info("KV tiers: %s", ", ".join(t.name for t in tiers))
-    return EngineTiers(TierManager(tiers, layout, config.tier_compression), kv, cache, segments)
+        cap = parse_bytes(config.remote_cache_max_record)
+        tiers.append(RedisTier(config.remote_cache, max_value_bytes=cap))
+    log.info("KV tiers: %s (deployment %s: replicas sharing a Redis must show the same)",
+             ", ".join(t.name for t in tiers), keys.deployment_id)  # fmt: skip
+    manager = TierManager(tiers, layout, keys, config.tier_compression)
+    return EngineTiers(manager, kv, cache, segments)

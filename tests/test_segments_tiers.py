@@ -14,7 +14,7 @@ from _redis import RedisServer
 from prefixcache import LLM, SamplingParams
 from prefixcache.segments.record import entry_of, key_input, payload_bytes, payload_of
 from prefixcache.tiers.disk import SUBDIR, SUFFIX
-from prefixcache.tiers.keys import StoreLayout, block_name, namespace_id
+from prefixcache.tiers.keys import StoreLayout
 from prefixcache.tiers.redis_tier import PREFIX
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -52,8 +52,8 @@ def _segment_file(llm, root, names, i, salt=None):
     eng = llm.engine
     a, b = spans[i]
     key = eng.segments.key(ids[a:b], salt, eng.segments.sink_of(ids, spans))
-    name = block_name(eng.tiers.manager.segment_store_id, key)
-    return root / SUBDIR / namespace_id(salt) / (name + SUFFIX)
+    m = eng.tiers.manager
+    return root / SUBDIR / m.namespace_id(salt) / (m.record_name(key, "segments") + SUFFIX)
 
 
 def _doc_tokens(llm, names):
@@ -131,7 +131,7 @@ def test_restart_restores_segments_from_disk(tmp_path, llm_cold):
     foreign.write_bytes(_segment_file(third, tmp_path, ["Alice", "Bruno", "Chen"], 1).read_bytes())
     again = _chat(third, ["Alice", "Bruno", "Chen"])
     st = third.cache_stats()
-    assert st["tiers"]["disk"]["rejected_by_reason"] == {"checksum": 1, "foreign": 1}
+    assert st["tiers"]["disk"]["rejected_by_reason"] == {"mac": 1, "foreign": 1}
     assert st["segments"]["computed_alone_tokens"] == lengths[0] + lengths[2]
     assert again.outputs[0].token_ids == computed.outputs[0].token_ids
     assert third.engine.tiers.flush()
@@ -144,7 +144,7 @@ def test_restart_restores_segments_from_disk(tmp_path, llm_cold):
     assert theirs.num_segment_cached_tokens == 0
     assert third.cache_stats()["tiers"]["disk"]["segment_hit_tokens"] == hits
     assert third.engine.tiers.flush()
-    ns_dir = tmp_path / SUBDIR / namespace_id("tenant-b")
+    ns_dir = tmp_path / SUBDIR / third.engine.tiers.manager.namespace_id("tenant-b")
     assert len(list(ns_dir.glob("*" + SUFFIX))) == 3
     third.engine.invalidate("tenant-b")
     assert not ns_dir.exists() or not list(ns_dir.glob("*" + SUFFIX))
@@ -168,7 +168,8 @@ def test_replica_restores_segments_from_redis():
         assert warm.outputs[0].token_ids == computed.outputs[0].token_ids
         b.engine.invalidate("team")
         client = redis.Redis.from_url(server.url)
-        assert not list(client.scan_iter(match=f"{PREFIX}:{namespace_id('team')}:*"))
+        ns = b.engine.tiers.manager.namespace_id("team")
+        assert not list(client.scan_iter(match=f"{PREFIX}:{ns}:*"))
         client.close()
         dropped = _chat(b, ["Bruno", "Chen"], salt="team")
         assert dropped.num_segment_cached_tokens == 0  # RAM and Redis both dropped it

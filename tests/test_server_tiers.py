@@ -27,9 +27,11 @@ from prefixcache.cli import main
 from prefixcache.server.launcher import ServerProcess
 from prefixcache.tiers.keys import namespace_id
 from prefixcache.tiers.redis_tier import PREFIX
+from prefixcache.tiers.secret import TierKeys
 
 BLOCK = 16
 KEYS = {"keys": {"sk-alice": "alice", "sk-bob": "bob", "sk-ops": {"tenant": "ops", "admin": True}}}
+SECRET = b"both servers' tier secret, 32+ bytes"  # replicas sharing a Redis share it
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -66,7 +68,8 @@ def _wait_written(srv, tier, n) -> None:
 def _redis_keys(url, namespace) -> int:
     c = redis.Redis.from_url(url)
     try:
-        return len(list(c.scan_iter(match=f"{PREFIX}:{namespace_id(namespace)}:*")))
+        ns = namespace_id(namespace, TierKeys.from_secret(SECRET))
+        return len(list(c.scan_iter(match=f"{PREFIX}:{ns}:*")))
     finally:
         c.close()
 
@@ -87,9 +90,11 @@ def test_bad_tier_options_are_startup_errors(capsys):
 def test_two_servers_share_redis_restart_from_disk_tenants_faults(tmp_path):
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps(KEYS))
+    secret = tmp_path / "tier-secret"
+    secret.write_bytes(SECRET)
     store = RedisServer().start()
     common = ["--api-keys-file", str(keys), "--kv-cache-memory", "24MiB", "--max-model-len",
-              "512", "--remote-cache", store.url]  # fmt: skip
+              "512", "--remote-cache", store.url, "--tier-secret-file", str(secret)]  # fmt: skip
     a = ServerProcess([*common, "--disk-cache-dir", str(tmp_path / "a")])
     b = ServerProcess([*common, "--disk-cache-dir", str(tmp_path / "b")])
     try:

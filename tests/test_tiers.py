@@ -1,8 +1,10 @@
 """Persistent KV tiers (prefixcache/tiers, engine_tiers.py): the disk tier end to end.
 
-Unit (no model): the block codec rejects corrupt, truncated and foreign blocks; store ids differ
-for every layout input; the disk tier survives a restart, keeps its budget, cleans half-written
-files, and a kill -9 in the middle of writes leaves only whole blocks.
+Unit (no model): the block codec rejects corrupt, truncated, foreign and forged blocks (a
+record made without the deployment's secret); store ids differ for every layout input and names
+for every secret; the disk tier survives a restart, keeps its budget, cleans half-written files,
+keeps its files private whatever the umask, writes again after a full disk got space back, and
+a kill -9 in the middle of writes leaves only whole blocks.
 Engine (real model): a new engine on the same directory restores a prefix and gives the same
 greedy tokens as a cold run at prefix lengths k*16-1 / k*16 / k*16+1, in float32 and int8 KV;
 another KV dtype or block size never hits; corrupt, truncated and foreign files are misses;
@@ -12,6 +14,8 @@ a real kernel failure) turns the tier off while serving goes on.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import resource
 import signal
 import subprocess
@@ -28,10 +32,12 @@ from prefixcache.tiers import codec
 from prefixcache.tiers.disk import SUBDIR, SUFFIX, DiskTier
 from prefixcache.tiers.keys import StoreLayout, block_name, namespace_id
 from prefixcache.tiers.manager import PROBE_EVERY, BlockRef, TierManager
+from prefixcache.tiers.secret import SECRET_NAME, TierKeys, generated_secret
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 MEM = "24MiB"
+KEYS = TierKeys.from_secret(b"deployment one: 32 bytes or more")
 
 
 # ---- unit: codec, keys, disk tier ------------------------------------------------------------------
@@ -41,37 +47,63 @@ def _layout(**kw) -> StoreLayout:
     return StoreLayout(**{**base, **kw})
 
 
-def _name(key=b"k" * 16, ns=None, store=None) -> codec.BlockName:
-    store = store or _layout().store_id()
-    return codec.BlockName(store, key, bytes.fromhex(namespace_id(ns)), b"p" * 16 + b"t" * 64)
+def _name(key=b"k" * 16, ns=None, store=None, tokens=b"t" * 64) -> codec.BlockName:
+    name = bytes.fromhex(block_name(store or _layout().store_id(), key, KEYS))
+    return codec.BlockName(name, bytes.fromhex(namespace_id(ns, KEYS)), b"p" * 16 + tokens)
+
+
+def _decode(data, name=None, size=256):
+    return codec.decode(data, name or _name(), size, KEYS)
 
 
 @pytest.mark.parametrize("compression", codec.COMPRESSIONS)
 def test_codec_round_trip_and_every_rejection(compression):
     payload = bytes(range(256))
-    data = codec.encode(_name(), payload, compression)
-    assert codec.decode(data, _name(), 256) == payload
-    zeros = codec.encode(_name(), bytes(256), compression)  # compresses when asked
-    assert codec.decode(zeros, _name(), 256) == bytes(256)
+    data = codec.encode(_name(), payload, KEYS, compression)
+    assert _decode(data) == payload
+    zeros = codec.encode(_name(), bytes(256), KEYS, compression)  # compresses when asked
+    assert _decode(zeros) == bytes(256)
     assert (len(zeros) < len(data)) == (compression != "none")
     flipped = bytearray(data)
     flipped[len(data) // 2] ^= 1
     cases = {
-        "checksum": bytes(flipped),
+        "mac": bytes(flipped),
         "truncated": data[:-5],
         "format": b"XXXX" + data[4:],
     }
     for reason, bad in cases.items():
         with pytest.raises(codec.BlockRejected) as e:
-            codec.decode(bad, _name(), 256)
-        assert e.value.reason in (reason, "truncated", "checksum")
-    foreign = [_name(key=b"q" * 16), _name(ns="tenant-b"), _name(store=_layout(kv_dtype="int8").store_id())]
+            _decode(bad)
+        assert e.value.reason in (reason, "truncated", "mac")
+    foreign = [_name(key=b"q" * 16), _name(ns="tenant-b"), _name(tokens=b"u" * 64),
+               _name(store=_layout(kv_dtype="int8").store_id())]  # fmt: skip
     for other in foreign:  # a whole, valid block, but not the one asked for
         with pytest.raises(codec.BlockRejected) as e:
-            codec.decode(data, other, 256)
+            _decode(data, other)
         assert e.value.reason == "foreign"
     with pytest.raises(codec.BlockRejected):
-        codec.decode(data, _name(), 255)  # another payload size
+        _decode(data, size=255)  # another payload size
+    assert b"t" * 64 not in data  # the token ids are not stored, only a keyed digest
+
+
+def test_a_record_forged_without_the_secret_is_rejected():
+    """Whoever can write to the store but lacks the secret: a record with the right header (a
+    real one's) and a payload of their choosing, sealed by any digest they can compute (an
+    unkeyed hash, a MAC under another secret), is a rejected miss; so is another deployment's
+    genuine record of the same block and tenant."""
+    real = codec.encode(_name(), bytes(range(256)), KEYS)
+    head = real[: codec.HEADER_BYTES]
+    evil = bytes(255 - i for i in range(256))
+    other = TierKeys.from_secret(b"someone else's secret, 32+ bytes")
+    for seal in (lambda b: hashlib.sha256(b).digest(), lambda b: codec._mac(other, b)):
+        forged = head + evil + seal(head + evil)
+        with pytest.raises(codec.BlockRejected) as e:
+            _decode(forged)
+        assert e.value.reason == "mac"
+    theirs = codec.encode(_name(), evil, other)
+    with pytest.raises(codec.BlockRejected) as e:
+        _decode(theirs)
+    assert e.value.reason == "mac"
 
 
 def test_store_id_depends_on_every_layout_input():
@@ -82,8 +114,13 @@ def test_store_id_depends_on_every_layout_input():
     ids = {base.store_id()} | {v.store_id() for v in variants}
     assert len(ids) == len(variants) + 1
     assert base.store_id() == _layout().store_id()  # pure: same inputs, same name
-    assert namespace_id(None) != namespace_id("") != namespace_id("a")
-    assert len(block_name(base.store_id(), b"k" * 16)) == 64
+    assert namespace_id(None, KEYS) != namespace_id("", KEYS) != namespace_id("a", KEYS)
+    assert len(block_name(base.store_id(), b"k" * 16, KEYS)) == 64
+    # Another deployment (secret): the same tenant and block have other names.
+    other = TierKeys.from_secret(b"x" * 32)
+    assert namespace_id("a", other) != namespace_id("a", KEYS)
+    assert block_name(base.store_id(), b"k" * 16, other) != block_name(base.store_id(), b"k" * 16, KEYS)
+    assert namespace_id("a", TierKeys.from_secret(b"x" * 32)) == namespace_id("a", other)
 
 
 def _put(tier, i, ns="n", size=1000) -> str:
@@ -111,9 +148,65 @@ def test_disk_tier_restart_budget_and_stale_temporaries(tmp_path):
         DiskTier(tmp_path / "file" / "x", 1000)
 
 
+def test_disk_files_and_secret_are_private_whatever_the_umask(tmp_path):
+    old_ns = tmp_path / SUBDIR / "n"
+    old_ns.mkdir(parents=True)
+    old_ns.chmod(0o755)  # a directory of an earlier run
+    mask = os.umask(0)  # the widest: without explicit modes, files 0666, directories 0777
+    try:
+        tier = DiskTier(tmp_path, 1 << 20)
+        name = _put(tier, 1, ns="m")
+        secret = generated_secret(tmp_path)
+    finally:
+        os.umask(mask)
+    assert generated_secret(tmp_path) == secret and len(secret) >= 32  # made once, then read
+    modes = {p: p.stat().st_mode & 0o777 for p in (tmp_path / SUBDIR, old_ns, tmp_path / SUBDIR / "m")}
+    assert set(modes.values()) == {0o700}, modes
+    assert (tmp_path / SUBDIR / "m" / (name + SUFFIX)).stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / SECRET_NAME).stat().st_mode & 0o777 == 0o600
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB filesystem (tmpfs, we run as root): writes past it fail with ENOSPC from the
+    kernel. Without mount rights, the file size limit stands in (EFBIG, the same path)."""
+    d = tmp_path / "tiny"
+    d.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)]
+    if subprocess.run(mount, check=False, capture_output=True).returncode == 0:
+        yield d, None
+        subprocess.run(["umount", str(d)], check=True)
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    yield d, (soft, hard)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_disk_full_pauses_writes_and_a_probe_resumes_them(tiny_disk):
+    d, fsize = tiny_disk
+    tier = DiskTier(d, 1 << 30, retry_after=0.01)  # the budget trusts a disk that is smaller
+    if fsize:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (600_000, fsize[1]))
+    first = _put(tier, 1, size=600_000)
+    assert tier.put("n", f"{2:064x}", bytes(700_000)) is False  # ENOSPC (or EFBIG)
+    st = tier.stats()
+    assert st.enabled is False and st.available and st.errors == 1
+    assert not list((d / SUBDIR).rglob(".tmp-*"))  # the failed write left nothing
+    assert tier.get_many("n", [first]) == [bytes([1]) * 600_000]  # reads go on
+    tier.remove("n", first)  # space comes back (here: by our own hand)
+    if fsize:
+        resource.setrlimit(resource.RLIMIT_FSIZE, fsize)
+    deadline = time.monotonic() + 30
+    while not tier.put("n", f"{3:064x}", bytes(700_000)) and time.monotonic() < deadline:
+        time.sleep(0.01)  # paused: dropped until the back-off ends, then the write probes
+    st = tier.stats()
+    assert st.enabled and st.reconnects == 1 and st.stored_blocks == 1
+    tier.check_integrity()
+
+
 def test_a_tier_slower_than_prefill_is_skipped_but_probed(tmp_path):
     disk = DiskTier(tmp_path, 1 << 20)
-    m = TierManager([disk], _layout())
+    m = TierManager([disk], _layout(), KEYS)
     ref = BlockRef(b"k" * 16, b"p" * 16 + b"t" * 64)
     m.offload("ns", [(ref, bytes(range(256)))])
     assert m.flush()
@@ -143,15 +236,15 @@ def test_kill_9_during_writes_leaves_only_whole_blocks(tmp_path):
         from prefixcache.tiers import codec
         from prefixcache.tiers.disk import DiskTier
         from prefixcache.tiers.keys import namespace_id
+        from prefixcache.tiers.secret import TierKeys
+        keys = TierKeys.from_secret(b"k" * 32)
         tier = DiskTier({str(tmp_path)!r}, 1 << 40)
-        ns = namespace_id(None)
-        store = b"s" * 16
+        ns = namespace_id(None, keys)
         i = 0
         print("ready", flush=True)
         while True:
-            key = i.to_bytes(16, "little")
-            name = codec.BlockName(store, key, bytes.fromhex(ns), b"p" * 80)
-            tier.put(ns, f"{{i:064x}}", codec.encode(name, os.urandom(1 << 20)))
+            name = codec.BlockName(i.to_bytes(32, "little"), bytes.fromhex(ns), b"p" * 80)
+            tier.put(ns, f"{{i:064x}}", codec.encode(name, os.urandom(1 << 20), keys))
             i += 1
     """)
     for delay in (0.05, 0.15, 0.3):
@@ -163,14 +256,15 @@ def test_kill_9_during_writes_leaves_only_whole_blocks(tmp_path):
     files = list((tmp_path / SUBDIR).rglob("*"))
     assert any(f.name.endswith(SUFFIX) for f in files)
     tier = DiskTier(tmp_path, 1 << 40)  # the restart
-    ns = namespace_id(None)
+    keys = TierKeys.from_secret(b"k" * 32)
+    ns = namespace_id(None, keys)
     left = [f.name for f in (tmp_path / SUBDIR / ns).iterdir()]
     assert left and all(n.endswith(SUFFIX) for n in left), "a temporary file survived the restart"
     for n in left:
         i = int(n[: -len(SUFFIX)], 16)
         data = tier.get_many(ns, [n[: -len(SUFFIX)]])[0]
-        name = codec.BlockName(b"s" * 16, i.to_bytes(16, "little"), bytes.fromhex(ns), b"p" * 80)
-        assert len(codec.decode(data, name, 1 << 20)) == 1 << 20
+        name = codec.BlockName(i.to_bytes(32, "little"), bytes.fromhex(ns), b"p" * 80)
+        assert len(codec.decode(data, name, 1 << 20, keys)) == 1 << 20
 
 
 # ---- engine: the real model ------------------------------------------------------------------------
@@ -232,8 +326,8 @@ def test_restart_restores_from_disk_cold_equals_warm_int8(tmp_path, cold):
 
 def _block_file(llm, root: Path, ids, i, namespace=None) -> Path:
     key = llm.engine.block_hashes(ids, namespace)[i]
-    name = block_name(llm.engine.tiers.manager.store_id, key)
-    return root / SUBDIR / namespace_id(namespace) / (name + SUFFIX)
+    m = llm.engine.tiers.manager
+    return root / SUBDIR / m.namespace_id(namespace) / (m.record_name(key) + SUFFIX)
 
 
 @pytest.mark.slow
@@ -262,7 +356,7 @@ def test_corrupt_truncated_foreign_files_tenants_invalidation_and_disk_full(tmp_
     assert [o.outputs[0].token_ids for o in out] == [c.outputs[0].token_ids for c in expect]
     assert [o.num_cached_tokens for o in out] == [2 * BS] * 3  # up to the bad block, not past it
     st = _disk(reader)
-    assert st["rejected_by_reason"] == {"checksum": 1, "truncated": 1, "foreign": 1}
+    assert st["rejected_by_reason"] == {"mac": 1, "truncated": 1, "foreign": 1}
     assert reader.engine.tiers.flush()
     again = DiskTier(tmp_path, 1 << 30)  # removed, then written again whole by the recompute
     for f in files:
@@ -279,7 +373,7 @@ def test_corrupt_truncated_foreign_files_tenants_invalidation_and_disk_full(tmp_
     own = reader.generate([secret], GREEDY, cache_salt="tenant-a")[0]
     assert own.num_cached_tokens == 4 * BS and _disk(reader)["hit_blocks"] == hits + 4
     # Invalidation drops the namespace from RAM and disk: nothing of it comes back.
-    ns_dir = tmp_path / SUBDIR / namespace_id("tenant-a")
+    ns_dir = tmp_path / SUBDIR / reader.engine.tiers.manager.namespace_id("tenant-a")
     assert ns_dir.exists()
     reader.engine.invalidate("tenant-a")
     assert not ns_dir.exists()
@@ -288,7 +382,7 @@ def test_corrupt_truncated_foreign_files_tenants_invalidation_and_disk_full(tmp_
     assert again.outputs[0].token_ids == ref.generate([secret], GREEDY)[0].outputs[0].token_ids
 
     # A write the kernel refuses (here: over the file size limit, EFBIG; a full disk is ENOSPC,
-    # the same path) turns the tier off; serving goes on, cold == warm.
+    # the same path) pauses the tier's writes; serving goes on, cold == warm.
     fresh = [p + [5] for p in _prompts(tok, 1, 3 * BS, salt=9)]
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))

@@ -1,7 +1,10 @@
-"""The Redis tier against a real redis-server (tests/_redis.py): a second engine (a replica)
-restores what the first computed, cold == warm; disk + Redis together (Redis fills the disk);
-tenants stay apart and invalidation empties a namespace in Redis; Redis killed mid-run costs
-recomputes only, and the tier comes back when Redis does."""
+"""The Redis tier against a real redis-server (tests/_redis.py): a second engine (a replica,
+same secret) restores what the first computed, cold == warm; disk + Redis together (Redis fills
+the disk); tenants stay apart and invalidation empties a namespace in Redis; two deployments
+(different secrets) on one Redis never see each other's blocks, and one's record planted under
+the other's name is rejected; a record over the size cap is not sent and a write that times out
+on a Redis that answers does not take the tier down; Redis killed mid-run costs recomputes
+only, and the tier comes back when Redis does."""
 
 from __future__ import annotations
 
@@ -13,12 +16,16 @@ from _redis import RedisServer
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.errors import TierUnavailableError
-from prefixcache.tiers.keys import namespace_id
+from prefixcache.tiers.keys import StoreLayout, namespace_id
+from prefixcache.tiers.manager import BlockRef, TierManager
 from prefixcache.tiers.redis_tier import PREFIX, RedisTier
+from prefixcache.tiers.secret import TierKeys
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 MEM = "24MiB"
+SECRET = b"the replicas' shared secret, 32+ bytes"
+KEYS = TierKeys.from_secret(SECRET)
 
 
 @pytest.fixture(scope="module")
@@ -44,22 +51,94 @@ def _tier(llm, name="redis"):
 def _keys(url, namespace) -> int:
     c = redis.Redis.from_url(url)
     try:
-        return len(list(c.scan_iter(match=f"{PREFIX}:{namespace_id(namespace)}:*")))
+        return len(list(c.scan_iter(match=f"{PREFIX}:{namespace_id(namespace, KEYS)}:*")))
     finally:
         c.close()
 
 
 @pytest.fixture(scope="module")
-def a(server):
-    """One replica: Redis only."""
-    return LLM(kv_cache_memory=MEM, remote_cache=server.url, seed=0)
+def secret_file(tmp_path_factory):
+    """The deployment's secret: replicas sharing a Redis must share it."""
+    f = tmp_path_factory.mktemp("secret") / "tier-secret"
+    f.write_bytes(SECRET)
+    f.chmod(0o600)
+    return f
 
 
 @pytest.fixture(scope="module")
-def b(server, tmp_path_factory):
+def a(server, secret_file):
+    """One replica: Redis only."""
+    return LLM(kv_cache_memory=MEM, remote_cache=server.url, tier_secret_file=secret_file, seed=0)
+
+
+@pytest.fixture(scope="module")
+def b(server, secret_file, tmp_path_factory):
     """Another replica, with its own disk too."""
     disk = tmp_path_factory.mktemp("replica-b")
-    return LLM(kv_cache_memory=MEM, remote_cache=server.url, disk_cache_dir=disk, seed=0)
+    return LLM(kv_cache_memory=MEM, remote_cache=server.url, disk_cache_dir=disk,
+               tier_secret_file=secret_file, seed=0)  # fmt: skip
+
+
+def _restore(m: TierManager, namespace, ref) -> list:
+    job = m.submit_restore("r", namespace, [ref])
+    while not job.done:
+        m.wait_completed(0.05)
+    m.take_completed()
+    return job.found
+
+
+def test_two_deployments_on_one_redis_never_see_each_others_blocks(server):
+    layout = StoreLayout(model_fingerprint="m", block_size=16, num_layers=2, num_kv_heads=1,
+                         head_dim=8, kv_dtype="float32", scaled=False, block_bytes=256)  # fmt: skip
+    ref = BlockRef(b"k" * 16, b"p" * 16 + b"t" * 64)
+
+    def deployment(secret: bytes) -> TierManager:
+        return TierManager([RedisTier(server.url)], layout, TierKeys.from_secret(secret))
+
+    ours, theirs = deployment(SECRET), deployment(b"another deployment's secret, 32+ bytes")
+    replica = deployment(SECRET)
+    client = redis.Redis.from_url(server.url)
+    try:
+        ours.offload("alice", [(ref, bytes(range(256)))])
+        assert ours.flush()
+        assert _restore(theirs, "alice", ref) == []  # same tenant name, same block: not found
+        st = theirs.tiers[0].stats()
+        assert st.miss_blocks == 1 and st.rejected_blocks == 0  # never even read
+        assert len(_restore(replica, "alice", ref)) == 1  # the same secret shares
+        # Someone who can write to the Redis copies our record under their name: rejected.
+        mine = f"{PREFIX}:{ours.namespace_id('alice')}:{ours.record_name(ref.key)}"
+        planted = f"{PREFIX}:{theirs.namespace_id('alice')}:{theirs.record_name(ref.key)}"
+        client.set(planted, client.get(mine))
+        assert _restore(theirs, "alice", ref) == []
+        assert theirs.tiers[0].stats().rejected_by_reason == {"mac": 1}
+    finally:
+        client.close()
+        for m in (ours, theirs, replica):
+            m.close()
+
+
+def test_an_oversize_record_is_not_sent_and_a_slow_write_leaves_redis_up():
+    s = RedisServer().start()
+    client = redis.Redis.from_url(s.url)
+    try:
+        tier = RedisTier(s.url, socket_timeout=0.3, max_value_bytes=1000)
+        assert tier.put("n", "big", b"x" * 1001) is False
+        st = tier.stats()
+        assert st.oversize_writes == 1 and st.dropped_writes == 1 and st.available
+        assert not client.exists(f"{PREFIX}:n:big")
+        assert tier.put("n", "small", b"y" * 1000)
+        # A write that outlasts the socket timeout while the server answers (here: writes are
+        # paused on the server) costs that write only: the tier stays up, reads go on.
+        client.client_pause(5000, all=False)
+        assert tier.put("n", "slow", b"z" * 10) is False
+        st = tier.stats()
+        assert st.available and st.errors == 1 and st.dropped_writes == 2
+        assert tier.get_many("n", ["small"]) == [b"y" * 1000]
+        client.client_unpause()
+        assert tier.put("n", "after", b"w") and tier.stats().reconnects == 0
+    finally:
+        client.close()
+        s.close()
 
 
 def test_a_refused_write_is_dropped_without_taking_the_tier_down():

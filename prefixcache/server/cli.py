@@ -181,6 +181,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "redis://[:password@]host:port/db (rediss:// for TLS)",
     )
     t.add_argument(
+        "--remote-cache-max-record",
+        default="64MiB",
+        metavar="SIZE",
+        help="records larger than this are not sent to Redis (one huge SET would outlast the "
+        "socket timeout)",
+    )
+    t.add_argument(
+        "--tier-secret-file",
+        default=None,
+        metavar="FILE",
+        help="32+ random bytes that authenticate and name every disk/Redis record "
+        "(head -c 32 /dev/urandom > FILE); replicas sharing a Redis must share it. Default: "
+        "one generated once, kept 0600 next to the disk tier",
+    )
+    t.add_argument(
         "--tier-compression",
         default="none",
         choices=("none", "lz4", "zstd"),
@@ -389,6 +404,8 @@ def _engine_config(args: argparse.Namespace):
         segment_cache_memory=args.segment_cache_memory,
         remote_cache=args.remote_cache,
         tier_compression=args.tier_compression,
+        tier_secret_file=args.tier_secret_file,
+        remote_cache_max_record=args.remote_cache_max_record,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,

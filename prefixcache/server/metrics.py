@@ -79,7 +79,7 @@ _TIER_COUNTERS = (
     (
         "prefixcache:tier_rejected_blocks",
         "rejected_blocks",
-        "Blocks found corrupt, truncated or foreign: removed, recomputed, never served.",
+        "Blocks found corrupt, forged (MAC), truncated or foreign: removed, never served.",
     ),
     (
         "prefixcache:tier_dropped_writes",
@@ -87,6 +87,11 @@ _TIER_COUNTERS = (
         "Blocks not written (queue full, tier off or unreachable).",
     ),
     ("prefixcache:tier_errors", "errors", "I/O or connection errors of the tier."),
+    (
+        "prefixcache:tier_oversize_writes",
+        "oversize_writes",
+        "Records not sent: larger than the tier's record size cap (Redis).",
+    ),
     ("prefixcache:tier_restores", "restores", "Restore reads from the tier."),
     ("prefixcache:tier_restore_seconds", "restore_seconds_total", "Time spent in restore reads."),
     ("prefixcache:tier_reconnects", "reconnects", "Times the tier came back after a failure."),
@@ -103,7 +108,7 @@ _TIER_COUNTERS = (
     ),
 )
 _TIER_GAUGES = (
-    ("prefixcache:tier_enabled", "enabled", "1 unless the tier turned itself off (disk full...)."),
+    ("prefixcache:tier_enabled", "enabled", "1 unless the tier paused its writes (disk full...)."),
     ("prefixcache:tier_available", "available", "1 when the tier is reachable now."),
     ("prefixcache:tier_stored_bytes", "stored_bytes", "Bytes the tier holds (disk only)."),
 )

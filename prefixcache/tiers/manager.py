@@ -21,6 +21,9 @@ Decisions:
   same namespace directory / key prefix as the blocks, so dropping a namespace drops them too.
   Each is looked up on its own (no chain), written through when first computed, restored
   into the segment store before its request is scheduled, with the same checks (codec.py).
+- **Every name and record is the deployment's** (secret.py): namespace ids and record names
+  are keyed digests and every record is MAC'd under ``keys``, so what another deployment, or
+  anyone without the secret, put in a shared store is never found or never served.
 - **Invalidation is ordered after every write queued before it** (it runs on the writer thread,
   whose queue is FIFO), and each namespace has a generation: writes and restores of an older
   generation are dropped, so nothing of an invalidated namespace comes back from a queue.
@@ -36,6 +39,7 @@ from collections import deque
 from prefixcache.tiers import codec
 from prefixcache.tiers.jobs import BlockRef, Invalidate, Rates, RestoreJob, SegmentRef, Write
 from prefixcache.tiers.keys import StoreLayout, block_name, namespace_id
+from prefixcache.tiers.secret import TierKeys
 from prefixcache.tiers.stats import TierStats
 
 log = logging.getLogger(__name__)
@@ -45,12 +49,13 @@ PROBE_EVERY = 16  # a tier measured slower than prefill is still read on every 1
 
 
 class TierManager:
-    def __init__(self, tiers: list, layout: StoreLayout, compression: str = "none",
-                 max_queued_bytes: int = 512 << 20):  # fmt: skip
+    def __init__(self, tiers: list, layout: StoreLayout, keys: TierKeys,
+                 compression: str = "none", max_queued_bytes: int = 512 << 20):  # fmt: skip
         if not tiers:
             raise ValueError("a TierManager needs at least one tier")
         self.tiers = tiers
         self.layout = layout
+        self.keys = keys  # the deployment's (secret.py): in every name and MAC
         self.store_id = layout.store_id()
         self.segment_store_id = layout.segment_store_id()
         self.compression = compression
@@ -86,10 +91,16 @@ class TierManager:
         return self.segment_store_id if kind == "segments" else self.store_id
 
     def _expected(self, ns_id: str, ref, kind: str = "blocks") -> codec.BlockName:
-        return codec.BlockName(self._store_id(kind), ref.key, bytes.fromhex(ns_id), ref.key_input)
+        name = bytes.fromhex(self.record_name(ref.key, kind))
+        return codec.BlockName(name, bytes.fromhex(ns_id), ref.key_input)
 
-    def _name(self, key: bytes, kind: str) -> str:
-        return block_name(self._store_id(kind), key)
+    def record_name(self, key: bytes, kind: str = "blocks") -> str:
+        """The name a block (or segment) of chain key ``key`` has in every tier."""
+        return block_name(self._store_id(kind), key, self.keys)
+
+    def namespace_id(self, namespace: str | None) -> str:
+        """The namespace's directory / key prefix in every tier (this deployment's)."""
+        return namespace_id(namespace, self.keys)
 
     # ---- restores (engine thread submits, reader thread runs) -----------------------------------
     def submit_restore(self, request_id: str, namespace: str | None,
@@ -112,7 +123,7 @@ class TierManager:
     def may_have(self, namespace: str | None, key: bytes, kind: str = "blocks") -> bool:
         """False only when every tier knows, without I/O, that it lacks this block or segment
         (the disk tier's index): then a restore is not worth a trip through the reader thread."""
-        ns_id, name = namespace_id(namespace), self._name(key, kind)
+        ns_id, name = self.namespace_id(namespace), self.record_name(key, kind)
         return any(not t.knows_contents or t.contains(ns_id, name) for t in self.tiers)
 
     def take_completed(self) -> list[RestoreJob]:
@@ -147,7 +158,7 @@ class TierManager:
                 self._done_event.set()
 
     def _restore(self, job: RestoreJob) -> None:
-        ns_id = namespace_id(job.namespace)
+        ns_id = self.namespace_id(job.namespace)
         bs = self.layout.block_size
         missing_from: list = []  # tiers that lacked blocks found later (promotion targets)
         for tier in self.tiers:
@@ -158,16 +169,17 @@ class TierManager:
                 tier.counters.add(skipped_slow=1)
                 continue
             t0 = time.perf_counter()
-            datas = tier.get_many(ns_id, [self._name(r.key, "blocks") for r in rest])
+            datas = tier.get_many(ns_id, [self.record_name(r.key, "blocks") for r in rest])
             hits = 0
             for ref, data in zip(rest, datas):
                 try:
-                    payload = codec.decode(data, self._expected(ns_id, ref), self.layout.block_bytes)
+                    expected = self._expected(ns_id, ref)
+                    payload = codec.decode(data, expected, self.layout.block_bytes, self.keys)
                 except codec.BlockRejected as e:
                     tier.counters.reject(e.reason)
                     log.warning("%s tier: block %s rejected (%s); removed, recomputed",
                                 tier.name, ref.key.hex(), e)  # fmt: skip
-                    tier.remove(ns_id, self._name(ref.key, "blocks"))
+                    tier.remove(ns_id, self.record_name(ref.key, "blocks"))
                     break
                 job.found.append((ref, payload, tier.name))
                 hits += 1
@@ -193,7 +205,7 @@ class TierManager:
     def _restore_segments(self, job: RestoreJob) -> None:
         """Each segment from the first tier that has it (disk, then Redis); a rejected record
         is removed and looked for in the next tier. Found only in Redis: also written to disk."""
-        ns_id = namespace_id(job.namespace)
+        ns_id = self.namespace_id(job.namespace)
         pending: list[SegmentRef] = list(job.blocks)
         missing_from: list = []  # tiers skipped or lacking some segment (promotion targets)
         for tier in self.tiers:
@@ -205,14 +217,15 @@ class TierManager:
                 continue
             t0, left, nbytes, tokens = time.perf_counter(), [], 0, 0
             for ref in pending:
-                name = self._name(ref.key, "segments")
+                name = self.record_name(ref.key, "segments")
                 datas = tier.get_many(ns_id, [name])
                 if not datas:
                     left.append(ref)
                     continue
                 try:
                     payload = codec.decode(
-                        datas[0], self._expected(ns_id, ref, "segments"), ref.payload_bytes
+                        datas[0], self._expected(ns_id, ref, "segments"), ref.payload_bytes,
+                        self.keys,
                     )
                 except codec.BlockRejected as e:
                     tier.counters.reject(e.reason)
@@ -291,7 +304,7 @@ class TierManager:
             else:
                 full = False
                 self._queued_bytes += nbytes
-                ns_id = namespace_id(namespace)
+                ns_id = self.namespace_id(namespace)
                 self._writes.append(
                     Write(namespace, ns_id, generation, blocks, tiers, nbytes, kind)
                 )
@@ -328,14 +341,14 @@ class TierManager:
             return  # invalidated after it was queued
         record = "segment" if w.kind == "segments" else "block"
         for ref, payload in w.blocks:
-            name = self._name(ref.key, w.kind)
+            name = self.record_name(ref.key, w.kind)
             data = None
             for tier in w.tiers:
                 if tier.contains(w.ns_id, name):
                     continue
                 if data is None:
                     expected = self._expected(w.ns_id, ref, w.kind)
-                    data = codec.encode(expected, payload, self.compression)
+                    data = codec.encode(expected, payload, self.keys, self.compression)
                 tier.put(w.ns_id, name, data, record)
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -363,7 +376,7 @@ class TierManager:
                     self._epoch += 1
                     self._ns_gen.clear()
                 self._ns_gen[namespace] = self._ns_gen.get(namespace, 0) + 1
-            job = Invalidate(None if all_namespaces else namespace_id(namespace))
+            job = Invalidate(None if all_namespaces else self.namespace_id(namespace))
             self._writes.append(job)
             self._cv.notify_all()
         return job

@@ -1,8 +1,8 @@
 """The remote tier: blocks in a Redis (or Valkey) shared by every server pointed at it.
 
-    key = "pc-kv:<namespace id>:<store id><block key>"  -> the encoded block (codec.py)
-    "pc-kv-index:<namespace id>"                          -> set of the block names written there
-    "pc-kv-namespaces"                                    -> set of the namespace ids written
+    key = "pc-kv:<namespace id>:<record name>"  -> the encoded block (codec.py)
+    "pc-kv-index:<namespace id>"                  -> set of the block names written there
+    "pc-kv-namespaces"                            -> set of the namespace ids written
 
 Invalidation never scans the keyspace (SCAN is O(every key in Redis), run per request it lets
 one tenant stall Redis and the tier writer for everyone). Each write adds its name to its
@@ -15,17 +15,22 @@ policy, it is never colder than the blocks it names (an evicted index would orph
 would outlive an invalidation until Redis evicts them too). Blocks written by a version
 without the index are not in it: flush those once (``redis-cli --scan --pattern 'pc-kv:*'``).
 
-Every replica computes the same names for the same blocks (keys.py), so server B restores what
-server A computed. Eviction is Redis's own (run it with a ``maxmemory`` and an ``allkeys-lru``
-policy); we never assume a block we wrote is still there.
+Every replica of a deployment (one tier secret, secret.py) computes the same names for the same
+blocks (keys.py), so server B restores what server A computed; another deployment's names for
+the same tenant and blocks differ. Eviction is Redis's own (run it with a ``maxmemory`` and an
+``allkeys-lru`` policy); we never assume a block we wrote is still there.
 
 Faults: a write Redis refuses (``OOM`` under a ``noeviction`` policy, a value over its limits)
-is dropped and counted, and nothing else changes: the server is up. A connection or timeout
-error marks the tier down for a back-off (1 s, doubling to
-30 s) during which reads are misses and writes are dropped (counted): requests are served by
-recomputing, and no step waits on a dead server. The first command after the back-off
-reconnects (the client's pool makes a new connection) and the tier is up again. Operations
-time out after ``socket_timeout`` seconds, so a hung server costs a restore at most that.
+is dropped and counted, and nothing else changes: the server is up. A record larger than
+``max_value_bytes`` is never sent (counted, ``oversize_writes``): one SET of hundreds of MB
+(a long document's segment) would outlast the socket timeout. A connection error marks the
+tier down for a back-off (1 s, doubling to 30 s) during which reads are misses and writes are
+dropped (counted): requests are served by recomputing, and no step waits on a dead server. The
+first command after the back-off reconnects (the client's pool makes a new connection) and the
+tier is up again. Operations time out after ``socket_timeout`` seconds, so a hung server costs
+a restore at most that; a timeout is told apart from a dead server by a PING on a fresh
+connection: if Redis answers, only that command was slow (a large value, a busy server),
+which costs that read or write (counted as an error) and nobody else's.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ class RedisTier:
     name = "redis"
     knows_contents = False  # shared: other replicas write, Redis evicts
 
-    def __init__(self, url: str, socket_timeout: float = 2.0):
+    def __init__(self, url: str, socket_timeout: float = 2.0, max_value_bytes: int = 64 << 20):
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -57,7 +62,10 @@ class RedisTier:
         # The server answered and refused this one command (OOM under ``noeviction``, a value
         # over its limits): Redis is up, so no back-off; reads go on.
         self._refused = redis.ResponseError
+        self._timeout = redis.TimeoutError
         self._refusal_logged = False
+        self._slow_logged = False
+        self.max_value_bytes = max_value_bytes
         # One immediate retry on a connection error, none on a timeout: after Redis restarted,
         # the first command on each pooled connection fails (reset); the retry takes a new
         # one. Anything more is handled here (back-off), never by sleeping in the I/O thread.
@@ -102,6 +110,24 @@ class RedisTier:
             log.warning("remote cache %s unreachable (%s: %s); serving without it, retrying",
                         self.url_for_logs, type(e).__name__, e)  # fmt: skip
 
+    def _slow_or_down(self, e: BaseException, what: str) -> None:
+        """``e`` ended one command. A timeout with Redis still answering a PING (on a fresh
+        connection: redis-py drops the one that timed out) costs that command only; anything
+        else, or no answer, is Redis down for everyone (back-off)."""
+        if isinstance(e, self._timeout):
+            try:
+                self.client.ping()
+            except self._errors:
+                pass
+            else:
+                self.counters.add(errors=1)
+                if not self._slow_logged:
+                    self._slow_logged = True
+                    log.warning("remote cache %s: %s timed out but the server answers; that "
+                                "one is dropped, the tier stays up", self.url_for_logs, what)  # fmt: skip
+                return
+        self._failed(e)
+
     def _ok(self) -> None:
         with self._lock:
             back = self._was_down
@@ -122,7 +148,7 @@ class RedisTier:
             pipe.mget([self._key(ns, n) for n in names])
             values = pipe.execute()[1]
         except self._errors as e:
-            self._failed(e)
+            self._slow_or_down(e, f"a read of {len(names)} records")
             return []
         self._ok()
         out = []
@@ -138,6 +164,9 @@ class RedisTier:
     def put(self, ns: str, name: str, data: bytes, record: str = "block") -> bool:
         if not self.available():
             self.counters.add(dropped_writes=1)
+            return False
+        if len(data) > self.max_value_bytes:
+            self.counters.add(oversize_writes=1, dropped_writes=1)
             return False
         try:
             # One MULTI: a concurrent invalidation sees the block and its index entry, or neither.
@@ -155,11 +184,11 @@ class RedisTier:
                             len(data), e)  # fmt: skip
             return False
         except self._errors as e:
-            self._failed(e)
+            self._slow_or_down(e, f"a write of {len(data)} bytes")
             self.counters.add(dropped_writes=1)
             return False
         self._ok()
-        self._refusal_logged = False
+        self._refusal_logged = self._slow_logged = False
         self.counters.written(record, len(data))
         return True
 

@@ -11,18 +11,18 @@ class TierStats:
     """One tier at one moment (``cache_stats()["tiers"]``, ``/v1/cache/stats``, ``/metrics``)."""
 
     name: str  # "disk" | "redis"
-    enabled: bool  # false once the tier turned itself off (disk full, unwritable)
-    available: bool  # reachable now (Redis up); a disabled tier is not available
+    enabled: bool  # false while the tier does not write (disk: paused after a write error)
+    available: bool  # readable now (Redis up; disk: always, reads go on while writes pause)
     hit_blocks: int  # blocks restored from this tier into the RAM pool (served)
     hit_tokens: int
     read_blocks: int  # blocks read and verified (a block two requests wait for is read twice)
     read_tokens: int
     miss_blocks: int  # blocks looked up here and not found
-    rejected_blocks: int  # found but corrupt, truncated or foreign: removed, never served
+    rejected_blocks: int  # found but corrupt, forged, truncated or foreign: never served
     written_blocks: int
     written_bytes: int
     read_bytes: int
-    dropped_writes: int  # not written: the write queue was full, or the tier was off or down
+    dropped_writes: int  # not written: queue full, tier paused or down, refused, too large
     errors: int  # I/O or connection errors (each one also logged)
     stored_blocks: int | None  # blocks held now (None: not known, e.g. a shared Redis)
     stored_bytes: int | None
@@ -36,6 +36,7 @@ class TierStats:
     segment_read: int = 0  # segment records read and verified
     segment_missed: int = 0  # segment records looked up here and not found
     segment_written: int = 0
+    oversize_writes: int = 0  # not sent: over the tier's record size cap (Redis)
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -56,7 +57,7 @@ class TierCounters:
         self.dropped_writes = self.errors = self.restores = self.reconnects = 0
         self.skipped_slow = 0
         self.segment_hit_tokens = self.segment_read = self.segment_missed = 0
-        self.segment_written = 0
+        self.segment_written = self.oversize_writes = 0
         self.restore_seconds_total = 0.0
         self.rejected_by_reason: dict[str, int] = {}
 
@@ -90,6 +91,6 @@ class TierCounters:
                 restore_seconds_total=self.restore_seconds_total, reconnects=self.reconnects,
                 skipped_slow=self.skipped_slow, segment_hit_tokens=self.segment_hit_tokens,
                 segment_read=self.segment_read, segment_missed=self.segment_missed,
-                segment_written=self.segment_written,
+                segment_written=self.segment_written, oversize_writes=self.oversize_writes,
                 rejected_by_reason=dict(self.rejected_by_reason),
             )  # fmt: skip
