@@ -91,24 +91,47 @@ def ttft(llm: LLM, prompt: list[int], salt: str | None = None) -> float:
     return out.metrics.first_token_time - out.metrics.arrival_time
 
 
+def int_rates(m: int = 1024, k: int = 576, n: int = 1536) -> dict:
+    """Integer matmul rates on the MLP shape: torch._int_mm (oneDNN int8 x int8 -> int32, no
+    groups) and our exact kernel (4-bit groups x 16-bit / 8-bit activations), in GOP/s."""
+    from prefixcache import kernels
+    from prefixcache.model.int_linear import IntLinear
+    from prefixcache.model.linear import quantize_int4
+
+    a = torch.randint(-127, 127, (m, k), dtype=torch.int8)
+    b = torch.randint(-127, 127, (k, n), dtype=torch.int8)
+    out = {"int_mm": 2 * m * k * n / median_time(lambda: torch._int_mm(a, b), 10) / 1e9}
+    if kernels.available():
+        groups = quantize_int4(torch.randn(n, k))
+        x = torch.randn(m, k)
+        for isa in kernels.supported_isas():
+            for bits in (16, 8):
+                lin = IntLinear(groups, None, bits, isa)
+                out[f"w4a{bits}_{isa}"] = 2 * m * k * n / median_time(lambda lin=lin: lin(x), 10) / 1e9
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default="results/engine_bench.json")
     ap.add_argument("--agreement-prompts", type=int, default=24)
+    ap.add_argument("--activations", default="auto", choices=("auto", "int16", "int8", "float32"),
+                    help="the engine's arithmetic (docs/engine.md); auto: int16 on the default model")
     ap.add_argument("--bf16", action="store_true",
                     help="also bfloat16 (slow without AVX-512: bf16 matmuls run at ~20 GFLOP/s)")
     args = ap.parse_args()
-    res: dict = {"machine": machine(), "command": "python benchmarks/engine_bench.py"}
+    res: dict = {"machine": machine(), "activations": args.activations,
+                 "command": f"python benchmarks/engine_bench.py --activations {args.activations}"}  # fmt: skip
     print(res["machine"])
 
     t0 = time.perf_counter()
-    warm_llm = LLM(kv_cache_memory="1GiB")
+    warm_llm = LLM(kv_cache_memory="1GiB", activations=args.activations)
     res.update(llm_start_s=time.perf_counter() - t0, rss_after_start_mib=rss_mib(),
                weights=warm_llm.engine.weights_format)  # fmt: skip
     print(f"LLM() {res['llm_start_s']:.1f} s, RSS {res['rss_after_start_mib']:.0f} MiB; "
           f"{res['weights']}")  # fmt: skip
-    cold_llm = LLM(kv_cache_memory="1GiB", enable_prefix_caching=False)
+    cold_llm = LLM(kv_cache_memory="1GiB", enable_prefix_caching=False, activations=args.activations)
     tok = warm_llm.get_tokenizer()
     cfg = warm_llm.engine.model_config
     doc = tok.encode(TEXT * 200)
@@ -123,6 +146,8 @@ def main() -> None:
     rate = max(rate_before, matmul_rate())
     tps = 1000 / t_prefill
     achieved = tps * flops_per_token(cfg, 1000)
+    res.update(int_rates_gops=int_rates())
+    print("integer rates (GOP/s, the MLP shape):", {k: round(v) for k, v in res["int_rates_gops"].items()})
     res.update(
         matmul_gflops=rate / 1e9,
         prefill_1000_s=t_prefill,

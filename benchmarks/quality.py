@@ -30,7 +30,9 @@ from prefixcache import LLM, SamplingParams
 from prefixcache.bench.sharegpt import default_sharegpt_path, first_exchange, iter_conversations
 
 MODES = [
-    ("auto", {"quantization": "auto"}),
+    ("auto (activations int16: exact integer path)", {"quantization": "auto"}),
+    ("activations int8", {"activations": "int8"}),
+    ("activations float32 (the default before the exact path)", {"activations": "float32"}),
     ("int4", {"quantization": "int4"}),
     ("int8", {"quantization": "int8"}),
     ("bfloat16 (dense)", {"quantization": "none", "dtype": "bfloat16"}),

@@ -53,7 +53,7 @@ def test_a_flooding_tenant_gets_429_while_others_and_tokenization_go_on(engine):
         # One default thread: if a cache call ever ran there, tokenization would wait on it.
         asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=None) as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=None) as c:
             engine._lock.acquire()  # a step that runs long: every engine query waits for it
             try:
                 flood = [asyncio.create_task(c.post("/v1/cache/invalidate", json={}, headers=ALICE))

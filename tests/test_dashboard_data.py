@@ -188,9 +188,12 @@ def test_polls_of_one_tenant_share_one_read_of_the_engine(monkeypatch):
         def owns(self, tenant, ns):
             return tenant.admin
 
+    from prefixcache.server.cache_gate import CacheCallGate
+
     class Serving:  # what the route reads of the server's Serving
         engine = _Counting()
         tenants = Tenants()
+        cache_gate = CacheCallGate(2, 16)
 
     s = Serving()
     engine = s.engine

@@ -68,9 +68,9 @@ def _serve(app, test) -> None:
     async def main():
         await app.state.serving.engine.start()
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
             client = openai.AsyncOpenAI(
-                base_url="http://app/v1", api_key="unused", http_client=http, max_retries=0
+                base_url="http://127.0.0.1/v1", api_key="unused", http_client=http, max_retries=0
             )
             await test(client)
 
