@@ -116,65 +116,56 @@ inline int32_t load_i32(const int8_t* p) {
   return v;
 }
 
-// ---- AVX512-VNNI: R rows x C blocks of 16 columns, one zmm accumulator per (row, block, pass).
-template <int R, int C, bool TWO>
+// ---- AVX512-VNNI: R rows x one block of 16 columns. A group's 8 weight operands stay in
+// registers and serve every row, each row's integer sum is one accumulator (the high pass, a
+// shift by 8, then the low pass onto it: 256 dot(hi) + dot(lo)), rows interleaved so R chains of
+// vpdpbusd are in flight. (Two blocks with separate hi/lo accumulators spilled to the stack.)
+template <int R, bool TWO>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512(
     const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd, const float* wm,
-    int64_t b0, float* y, int64_t ldy, int64_t n) {
+    int64_t b, float* y, int64_t ldy, int64_t n) {
   const int64_t groups = k / kGroup;
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i mask = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i dh[R][C], dl[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) dh[r][c] = dl[r][c] = _mm512_setzero_si512();
+    __m512i w[8];
+    const uint8_t* blk = wq + (b * groups + g) * kBlockBytes;
     for (int j = 0; j < 4; ++j) {
-      __m512i w0[C], w1[C];
-      for (int c = 0; c < C; ++c) {
-        const __m512i p = _mm512_loadu_si512(wq + ((b0 + c) * groups + g) * kBlockBytes + j * 64);
-        w0[c] = _mm512_and_si512(p, mask);
-        w1[c] = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);
-      }
-      for (int r = 0; r < R; ++r) {
-        const int64_t off = (r0 + r) * k + g * kGroup + 4 * j;
-        const __m512i l0 = _mm512_set1_epi32(load_i32(qa.lo.data() + off));
-        const __m512i l1 = _mm512_set1_epi32(load_i32(qa.lo.data() + off + 16));
-        for (int c = 0; c < C; ++c) {
-          dl[r][c] = _mm512_dpbusd_epi32(dl[r][c], w0[c], l0);
-          dl[r][c] = _mm512_dpbusd_epi32(dl[r][c], w1[c], l1);
-        }
-        if (TWO) {
-          const __m512i h0 = _mm512_set1_epi32(load_i32(qa.hi.data() + off));
-          const __m512i h1 = _mm512_set1_epi32(load_i32(qa.hi.data() + off + 16));
-          for (int c = 0; c < C; ++c) {
-            dh[r][c] = _mm512_dpbusd_epi32(dh[r][c], w0[c], h0);
-            dh[r][c] = _mm512_dpbusd_epi32(dh[r][c], w1[c], h1);
-          }
-        }
-      }
+      const __m512i p = _mm512_loadu_si512(blk + j * 64);
+      w[2 * j] = _mm512_and_si512(p, mask);                            // k = 4 j .. 4 j + 3
+      w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);  // k = 16 + 4 j ..
     }
-    for (int c = 0; c < C; ++c) {
-      const __m512 vd = _mm512_loadu_ps(wd + ((b0 + c) * groups + g) * kCols);
-      const __m512 vm = _mm512_loadu_ps(wm + ((b0 + c) * groups + g) * kCols);
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    if (TWO) {
+      for (int j = 0; j < 4; ++j)
+        for (int r = 0; r < R; ++r) {
+          const int8_t* h = qa.hi.data() + (r0 + r) * k + g * kGroup + 4 * j;
+          dot[r] = _mm512_dpbusd_epi32(dot[r], w[2 * j], _mm512_set1_epi32(load_i32(h)));
+          dot[r] = _mm512_dpbusd_epi32(dot[r], w[2 * j + 1], _mm512_set1_epi32(load_i32(h + 16)));
+        }
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_slli_epi32(dot[r], 8);
+    }
+    for (int j = 0; j < 4; ++j)
       for (int r = 0; r < R; ++r) {
-        const int64_t rg = (r0 + r) * groups + g;
-        __m512i dot = dl[r][c];
-        if (TWO) dot = _mm512_add_epi32(_mm512_slli_epi32(dh[r][c], 8), dot);
-        const __m512 p = _mm512_mul_ps(_mm512_set1_ps(qa.s[rg]), vd);
-        acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(_mm512_cvtepi32_ps(dot), p));
-        acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
+        const int8_t* l = qa.lo.data() + (r0 + r) * k + g * kGroup + 4 * j;
+        dot[r] = _mm512_dpbusd_epi32(dot[r], w[2 * j], _mm512_set1_epi32(load_i32(l)));
+        dot[r] = _mm512_dpbusd_epi32(dot[r], w[2 * j + 1], _mm512_set1_epi32(load_i32(l + 16)));
       }
+    const __m512 vd = _mm512_loadu_ps(wd + (b * groups + g) * kCols);
+    const __m512 vm = _mm512_loadu_ps(wm + (b * groups + g) * kCols);
+    for (int r = 0; r < R; ++r) {
+      const int64_t rg = (r0 + r) * groups + g;
+      const __m512 p = _mm512_mul_ps(_mm512_set1_ps(qa.s[rg]), vd);
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), p));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      const int64_t col = (b0 + c) * kCols;
-      const int64_t nv = std::min<int64_t>(kCols, n - col);
-      const __mmask16 mk = static_cast<__mmask16>((1u << nv) - 1u);
-      _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r][c]);
-    }
+  const int64_t col = b * kCols;
+  const int64_t nv = std::min<int64_t>(kCols, n - col);
+  const __mmask16 mk = static_cast<__mmask16>((1u << nv) - 1u);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r]);
 }
 
 // ---- AVX2: the same tile in two halves of 8 columns; vpmaddubsw (u8 weight x s8 activation,
@@ -232,17 +223,14 @@ inline void tile256(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* w
 template <bool TWO>
 void rows_avx512(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const uint8_t* wq,
                  const float* wd, const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
-  // Column blocks in pairs (a weight load serves 4 rows x 2 blocks), rows in fours.
-  for (int64_t b = b0; b < b1; b += 2) {
-    const bool pair = b + 1 < b1;
+  for (int64_t b = b0; b < b1; ++b) {
     int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) {
-      if (pair) tile512<4, 2, TWO>(qa, r, k, wq, wd, wm, b, y, n, n);
-      else tile512<4, 1, TWO>(qa, r, k, wq, wd, wm, b, y, n, n);
-    }
-    for (; r < r1; ++r) {
-      if (pair) tile512<1, 2, TWO>(qa, r, k, wq, wd, wm, b, y, n, n);
-      else tile512<1, 1, TWO>(qa, r, k, wq, wd, wm, b, y, n, n);
+    for (; r + 4 <= r1; r += 4) tile512<4, TWO>(qa, r, k, wq, wd, wm, b, y, n, n);
+    switch (r1 - r) {
+      case 3: tile512<3, TWO>(qa, r, k, wq, wd, wm, b, y, n, n); break;
+      case 2: tile512<2, TWO>(qa, r, k, wq, wd, wm, b, y, n, n); break;
+      case 1: tile512<1, TWO>(qa, r, k, wq, wd, wm, b, y, n, n); break;
+      default: break;
     }
   }
 }
