@@ -86,6 +86,7 @@ def build_metadata(
     dec_rows: list[int] = []
     dec_tables: list[list[int]] = []
     dec_lens: list[int] = []
+    contexts: list[torch.Tensor] = []  # each prefill's context slots (the exact path's batch)
     q_start = 0
     for table, done, new in zip(block_tables, num_computed, num_new):
         ctx = done + new
@@ -96,6 +97,7 @@ def build_metadata(
             dec_lens.append(ctx)
         else:
             ctx_slots = slots_of(table, 0, ctx, block_size)
+            contexts.append(ctx_slots)
             slots.append(ctx_slots[done:])
             seqs.append(
                 SeqAttention(q_start, new, ctx, None if done == 0 else ctx_slots.to(device))
@@ -103,15 +105,13 @@ def build_metadata(
         q_start += new
     slot_mapping = torch.cat(slots).to(device) if slots else torch.empty(0, dtype=torch.long)
     if exact and native and seqs:
-        ctx_slots = [slots_of(t, 0, done + new, block_size)
-                     for t, done, new in zip(block_tables, num_computed, num_new)]  # fmt: skip
-        lens = [len(c) for c in ctx_slots]
+        lens = [len(c) for c in contexts]
         offs = [0]
         for n in lens:
             offs.append(offs[-1] + n)
         paged = PagedBatch(
             torch.tensor([s.q_start for s in seqs]), torch.tensor([s.q_len for s in seqs]),
-            torch.tensor(lens), torch.tensor(offs), torch.cat(ctx_slots),
+            torch.tensor(lens), torch.tensor(offs), torch.cat(contexts),
         )  # fmt: skip
         return AttentionMetadata(slot_mapping, [], None, native, paged)
     decode = None

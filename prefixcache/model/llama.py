@@ -196,7 +196,7 @@ class LlamaModel:
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in tensors
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
         bits = self._activation_bits(activations, weight_format, weights)
-        isa = kernels.isa() if bits is not None else None
+        isa = self.isa = kernels.isa() if bits is not None else None
         self.exact = bits is not None
         self.arithmetic = "float32" if bits is None else f"w4a{bits}"
         self.layers = []
@@ -285,18 +285,12 @@ class LlamaModel:
         """What the linear layers run as, e.g. 'q4 layers (57.0 MB) + q8 head (29.9 MB), float32
         activations'."""
         kinds = "+".join(sorted({lin.kind for layer in self.layers for lin in _linears(layer)}))
-        if self.exact:
-            return (
-                f"{kinds} layers ({sum(lin.nbytes for layer in self.layers for lin in _linears(layer)) / 1e6:.1f} MB, "
-                f"exact integer sums, {kernels.isa()}) + {self.lm_head.kind} head "
-                f"({self.lm_head.nbytes / 1e6:.1f} MB)"
-            )
         nbytes = sum(lin.nbytes for layer in self.layers for lin in _linears(layer))
+        head = f"{self.lm_head.kind} head ({self.lm_head.nbytes / 1e6:.1f} MB)"
+        if self.exact:
+            return f"{kinds} layers ({nbytes / 1e6:.1f} MB, exact integer sums, {self.isa}) + {head}"
         dtype = str(self.dtype).removeprefix("torch.")
-        return (
-            f"{kinds} layers ({nbytes / 1e6:.1f} MB) + {self.lm_head.kind} head "
-            f"({self.lm_head.nbytes / 1e6:.1f} MB), {dtype} activations"
-        )
+        return f"{kinds} layers ({nbytes / 1e6:.1f} MB) + {head}, {dtype} activations"
 
     @torch.inference_mode()
     def __call__(
