@@ -72,7 +72,11 @@ class BlockSetSubscriber:
         deadline = time.monotonic() + timeout
         while self.last_seq + 1 < upto:
             before = self.last_seq
-            self._replay.send_multipart([b"", (self.last_seq + 1).to_bytes(8, "big", signed=True)])
+            try:  # no pipe (replay endpoint down, or our handshake refused): never wait for one
+                self._replay.send_multipart([b"", (self.last_seq + 1).to_bytes(8, "big", signed=True)],
+                                            flags=zmq.NOBLOCK)  # fmt: skip
+            except zmq.Again:
+                return
             while True:
                 if not self._replay.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
                     return
