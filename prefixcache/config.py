@@ -19,15 +19,17 @@ _UNITS = {
 SCHEDULING_POLICIES = ("fcfs", "lpm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Weight-only quantization of the decoder's linear layers (docs/engine.md, "Kernels and
-# quantization"). auto: the file's own 4-bit weights run as int4 when it stores them so (GGUF
-# Q4_0/Q4_1) on CPU, otherwise none.
+# quantization"). auto: on CPU the file's own 4- or 8-bit groups (GGUF Q4_0/Q4_1/Q8_0) as stored;
+# with the exact path (ACTIVATIONS) a float checkpoint's layers quantized at load to 8-bit
+# groups; none: dense weights in the compute dtype (the float32 reference).
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 # The arithmetic of the decoder's linear layers (docs/engine.md, "Exact integer arithmetic").
-# int16: 4-bit weight groups times 16-bit integer activations, exact int32 sums: every token's
+# int16: 4- or 8-bit weight groups times 16-bit integer activations, exact int32 sums: every token's
 # K/V and logits bit-for-bit the same alone or batched, chunked or whole, cold or warm, on any
 # thread count and ISA path; float32-like quality. int8: one pass, faster, KL 1.7e-3 vs float32
 # (opt-in, approximate). float32: float32 activations (the reference, agreement only).
-# auto: int16 where the layers are 4-bit groups on CPU with the kernels built, else float32.
+# auto: int16 on CPU with float32 compute and the kernels built, unless quantization is none
+# (a GGUF's 4/8-bit groups as stored, a float checkpoint's quantized to 8 bits); else float32.
 ACTIVATIONS = ("auto", "int16", "int8", "float32")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")  # kv/formats.py
 TIER_COMPRESSIONS = ("none", "lz4", "zstd")  # tiers/codec.py

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from prefixcache import LLM, SamplingParams, kernels
 from prefixcache.model.int_linear import IntLinear, reference
-from prefixcache.model.linear import quantize_int4
+from prefixcache.model.linear import quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the exact path needs the CPU kernels")
 
@@ -109,11 +109,13 @@ def test_default_model_runs_the_exact_path(llm):
 # ---- the kernel against the same integer arithmetic in plain PyTorch
 
 
+@pytest.mark.parametrize("weights", ["w4", "w8"])
 @pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 16), (5, 96, 40), (70, 576, 200)])
-def test_kernel_equals_the_integer_reference_on_every_isa(bits, m, k, n):
+def test_kernel_equals_the_integer_reference_on_every_isa(weights, bits, m, k, n):
     gen = torch.Generator().manual_seed(m * k + n)
-    groups = quantize_int4(torch.randn(n, k, generator=gen))
+    quantize = quantize_int4 if weights == "w4" else quantize_int8
+    groups = quantize(torch.randn(n, k, generator=gen))
     x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
     x[0, :32] = 0  # an all-zero group: scale 0
     ref = reference(x, groups, bits)

@@ -224,3 +224,9 @@ def int4_linear(x, wq, wd, wm, n: int, bits: int, isa_name: str):
     """x [M, K] float32 times packed 4-bit groups (model/int_linear.py) with ``bits``-bit
     activations, exact integer sums: [M, n] float32."""
     return torch.ops.prefixcache.int4_linear(x, wq, wd, wm, n, bits, _ISA_CODE[isa_name])
+
+
+def int8_linear(x, wq, wd, n: int, bits: int, isa_name: str):
+    """x [M, K] float32 times packed 8-bit groups (model/int_linear.py) with ``bits``-bit
+    activations, exact integer sums: [M, n] float32."""
+    return torch.ops.prefixcache.int8_linear(x, wq, wd, n, bits, _ISA_CODE[isa_name])

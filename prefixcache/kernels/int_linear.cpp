@@ -26,6 +26,16 @@
 //   k = 4 j + b of column c, high nibble = weight k = 16 + 4 j + b (k within the group)
 //   then d and m: [blocks, groups, 16] float32 each.
 // A 64-byte row j is one VNNI operand (16 columns x 4 consecutive k) after masking a nibble.
+//
+// int8_linear is the same for 8-bit weight groups (GGUF Q8_0, or a bf16/float checkpoint
+// quantized at load): w[n, k] = q[n, k] * d[n, g], q in -127..127, no offset, so
+//   acc = acc + float(dot) * (s[r, g] * d[n, g])
+// with dot = sum_k a[r, k] q[n, k] over the full 16-bit (or 8-bit) integers a in one pass of
+// 16 x 16 -> 32 bit pair products (vpdpwssd on AVX512-VNNI, vpmaddwd on AVX2): no u8 x s8
+// operand, so no offset trick and no saturation (|pair| <= 2 * 32639 * 127). |dot| may pass
+// 2^24, so float(dot) rounds: to nearest, the same on every path and in the reference.
+// Its layout per block of 16 columns and group: 512 bytes [p = 0..15][column 0..15][2], the
+// weights k = 2 p, 2 p + 1 of the column: 32 bytes widen to one 32 x int16 operand.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -43,19 +53,21 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kCols = 16;              // columns per weight block
 constexpr int64_t kBlockBytes = 256;       // nibbles of one block and group
+constexpr int64_t kBlockBytes8 = 512;      // int8 weights of one block and group (int8_linear)
 constexpr int64_t kRowChunk = 64;          // rows per work item
 
 // Activations of a call, quantized once: per row, hi and lo int8 parts (16-bit) or lo alone
 // (8-bit), and per (row, group) the scale s and s * float(sum of a).
 struct Quantized {
   std::vector<int8_t> hi, lo;
+  std::vector<int16_t> a16;  // the integers whole (int8_linear) instead of hi/lo
   std::vector<float> s, ssum;
 };
 
 // Quantize rows [r0, r1) of x, 8 lanes at a time (one AVX2 build for every ISA path). The
 // float operations are IEEE divisions and round-to-nearest-even (the same as torch.round(x / s)),
 // so the reference in prefixcache/model/int_linear.py computes the same integers.
-void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int bits, Quantized& qa) {
+void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int bits, bool whole, Quantized& qa) {
   const int64_t groups = k / kGroup;
   const float amax_q = bits == 16 ? 32639.f : 127.f;
   const __m256 vq = _mm256_set1_ps(amax_q), vnq = _mm256_set1_ps(-amax_q);
@@ -72,8 +84,9 @@ void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int bits, 
       m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
       const float amax = _mm_cvtss_f32(m4);
       const float s = amax / amax_q;
-      int8_t* lo = qa.lo.data() + r * k + g * kGroup;
-      int8_t* hi = bits == 16 ? qa.hi.data() + r * k + g * kGroup : nullptr;
+      int8_t* lo = whole ? nullptr : qa.lo.data() + r * k + g * kGroup;
+      int8_t* hi = !whole && bits == 16 ? qa.hi.data() + r * k + g * kGroup : nullptr;
+      int16_t* a16 = whole ? qa.a16.data() + r * k + g * kGroup : nullptr;
       __m256i vsum = _mm256_setzero_si256();
       if (s > 0.f) {
         const __m256 vs = _mm256_set1_ps(s);
@@ -84,6 +97,11 @@ void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int bits, 
           const __m256i a = _mm256_cvtps_epi32(v);  // exact: v is an integer
           vsum = _mm256_add_epi32(vsum, a);
           alignas(32) int32_t lo32[8];
+          if (whole) {
+            _mm256_store_si256(reinterpret_cast<__m256i*>(lo32), a);
+            for (int j = 0; j < 8; ++j) a16[i + j] = static_cast<int16_t>(lo32[j]);
+            continue;
+          }
           if (bits == 16) {
             const __m256i h = _mm256_srai_epi32(_mm256_add_epi32(a, c128), 8);  // floor((a + 128) / 256)
             const __m256i l = _mm256_sub_epi32(a, _mm256_slli_epi32(h, 8));    // in [-128, 127]
@@ -97,8 +115,9 @@ void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int bits, 
           for (int j = 0; j < 8; ++j) lo[i + j] = static_cast<int8_t>(lo32[j]);
         }
       } else {
-        std::memset(lo, 0, kGroup);
+        if (lo != nullptr) std::memset(lo, 0, kGroup);
         if (hi != nullptr) std::memset(hi, 0, kGroup);
+        if (a16 != nullptr) std::memset(a16, 0, kGroup * sizeof(int16_t));
       }
       alignas(32) int32_t s32[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(s32), vsum);
@@ -247,6 +266,97 @@ void rows_avx2(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const uin
   }
 }
 
+// ---- 8-bit weights, AVX512-VNNI: R rows x one block of 16 columns; per pair p of the group
+// one widened weight operand serves every row (vpdpwssd: lane c += a[2p] q[c, 2p] +
+// a[2p + 1] q[c, 2p + 1]).
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512_w8(
+    const Quantized& qa, int64_t r0, int64_t k, const int8_t* wq, const float* wd, int64_t b,
+    float* y, int64_t ldy, int64_t n) {
+  const int64_t groups = k / kGroup;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* blk = wq + (b * groups + g) * kBlockBytes8;
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    for (int p = 0; p < kGroup / 2; ++p) {
+      const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + p * 32)));
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, qa.a16.data() + (r0 + r) * k + g * kGroup + 2 * p, 4);
+        dot[r] = _mm512_dpwssd_epi32(dot[r], _mm512_set1_epi32(pair), w);
+      }
+    }
+    const __m512 vd = _mm512_loadu_ps(wd + (b * groups + g) * kCols);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(qa.s[(r0 + r) * groups + g]), vd);
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), sd));
+    }
+  }
+  const int64_t col = b * kCols;
+  const int64_t nv = std::min<int64_t>(kCols, n - col);
+  const __mmask16 mk = static_cast<__mmask16>((1u << nv) - 1u);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r]);
+}
+
+// ---- 8-bit weights, AVX2: half a block (8 columns), vpmaddwd on the widened pairs.
+template <int R>
+inline void tile256_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t* wq, const float* wd,
+                       int64_t b, int half, float* y, int64_t ldy, int64_t n) {
+  const int64_t groups = k / kGroup;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* blk = wq + (b * groups + g) * kBlockBytes8 + half * 16;
+    __m256i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+    for (int p = 0; p < kGroup / 2; ++p) {
+      const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + p * 32)));
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, qa.a16.data() + (r0 + r) * k + g * kGroup + 2 * p, 4);
+        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_set1_epi32(pair), w));
+      }
+    }
+    const __m256 vd = _mm256_loadu_ps(wd + (b * groups + g) * kCols + half * 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 sd = _mm256_mul_ps(_mm256_set1_ps(qa.s[(r0 + r) * groups + g]), vd);
+      acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r]), sd));
+    }
+  }
+  const int64_t col = b * kCols + half * 8;
+  const int64_t nv = std::min<int64_t>(8, n - col);
+  if (nv <= 0) return;
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, acc[r]);
+    std::memcpy(y + (r0 + r) * ldy + col, tmp, static_cast<size_t>(nv) * sizeof(float));
+  }
+}
+
+void rows_w8(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const int8_t* wq, const float* wd,
+             int64_t b0, int64_t b1, float* y, int64_t n, int64_t isa) {
+  for (int64_t b = b0; b < b1; ++b) {
+    if (isa == 2) {
+      int64_t r = r0;
+      for (; r + 4 <= r1; r += 4) tile512_w8<4>(qa, r, k, wq, wd, b, y, n, n);
+      switch (r1 - r) {
+        case 3: tile512_w8<3>(qa, r, k, wq, wd, b, y, n, n); break;
+        case 2: tile512_w8<2>(qa, r, k, wq, wd, b, y, n, n); break;
+        case 1: tile512_w8<1>(qa, r, k, wq, wd, b, y, n, n); break;
+        default: break;
+      }
+    } else {
+      for (int half = 0; half < 2; ++half) {
+        int64_t r = r0;
+        for (; r + 4 <= r1; r += 4) tile256_w8<4>(qa, r, k, wq, wd, b, half, y, n, n);
+        for (; r < r1; ++r) tile256_w8<1>(qa, r, k, wq, wd, b, half, y, n, n);
+      }
+    }
+  }
+}
+
 bool cpu_has_vnni512() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vnni");
@@ -278,7 +388,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
   if (bits == 16) qa.hi.resize(static_cast<size_t>(m * k));
   qa.s.resize(static_cast<size_t>(m * groups));
   qa.ssum.resize(static_cast<size_t>(m * groups));
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) { quantize_rows(xp, k, r0, r1, static_cast<int>(bits), qa); });
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) { quantize_rows(xp, k, r0, r1, static_cast<int>(bits), false, qa); });
   const uint8_t* wqp = wq.data_ptr<uint8_t>();
   const float* wdp = wd.data_ptr<float>();
   const float* wmp = wm.data_ptr<float>();
@@ -306,12 +416,55 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
   return y;
 }
 
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wd, int64_t n,
+                       int64_t bits, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_cpu(), "x: [M, K] float32 on CPU");
+  TORCH_CHECK(bits == 8 || bits == 16, "activation bits: 8 or 16");
+  TORCH_CHECK(isa == 1 || isa == 2, "isa: 1 (avx2) or 2 (avx512-vnni)");
+  TORCH_CHECK(isa == 1 || cpu_has_vnni512(), "this CPU lacks AVX512-VNNI");
+  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
+  const int64_t blocks = (n + kCols - 1) / kCols;
+  TORCH_CHECK(k % kGroup == 0, "K must be a multiple of 32");
+  TORCH_CHECK(wq.is_contiguous() && wq.scalar_type() == at::kChar && wq.numel() == blocks * groups * kBlockBytes8,
+              "wq: packed int8 weights [blocks * groups * 512]");
+  TORCH_CHECK(wd.is_contiguous() && wd.scalar_type() == at::kFloat && wd.numel() == blocks * groups * kCols,
+              "wd: [blocks, groups, 16] float32");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const float* xp = xc.data_ptr<float>();
+  Quantized qa;
+  qa.a16.resize(static_cast<size_t>(m * k));
+  qa.s.resize(static_cast<size_t>(m * groups));
+  qa.ssum.resize(static_cast<size_t>(m * groups));
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    quantize_rows(xp, k, r0, r1, static_cast<int>(bits), true, qa);
+  });
+  const int8_t* wqp = wq.data_ptr<int8_t>();
+  const float* wdp = wd.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t row_chunks = (m + kRowChunk - 1) / kRowChunk;
+  constexpr int64_t kBlocksPerItem = 8;
+  const int64_t col_items = (blocks + kBlocksPerItem - 1) / kBlocksPerItem;
+  at::parallel_for(0, row_chunks * col_items, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t rc = it / col_items, ci = it % col_items;
+      const int64_t r0 = rc * kRowChunk, r1 = std::min(m, r0 + kRowChunk);
+      const int64_t b0 = ci * kBlocksPerItem, b1 = std::min(blocks, b0 + kBlocksPerItem);
+      rows_w8(qa, r0, r1, k, wqp, wdp, b0, b1, yp, n, isa);
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(prefixcache, lib) {
   lib.def("int4_linear(Tensor x, Tensor wq, Tensor wd, Tensor wm, int n, int bits, int isa) -> Tensor");
+  lib.def("int8_linear(Tensor x, Tensor wq, Tensor wd, int n, int bits, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, lib) {
   lib.impl("int4_linear", &int4_linear);
+  lib.impl("int8_linear", &int8_linear);
 }

@@ -1,4 +1,4 @@
-"""The exact linear layer: 4-bit weight groups times integer activations, summed in int32.
+"""The exact linear layer: 4- or 8-bit weight groups times integer activations, summed in int32.
 
 ``IntLinear`` runs ``kernels/int_linear.cpp`` (its header comment has the arithmetic). Its
 result for a row depends on that row alone (integer sums are exact whatever the tiling, the
@@ -6,6 +6,10 @@ batch, the thread count or the ISA, and the float epilogue is one fixed sequence
 so a token's K/V and logits are bit-for-bit the same alone or batched, chunked or whole,
 decoded or prefilled. ``reference`` is the same arithmetic in plain PyTorch (int64 sums, the
 same float32 epilogue), which the kernel is tested equal to with ``torch.equal``.
+
+8-bit groups (GGUF Q8_0, or a float checkpoint quantized at load: ``linear.quantize_int8``) run
+``kernels.int8_linear``: the integers whole in one pass of 16 x 16-bit pair products, then the
+same epilogue without the offset term.
 
 Activations are quantized per row and group of 32: ``s = max|x| / A``, ``a = round(x / s)``
 (half to even) with ``A = 32639`` for 16-bit (run as two int8 passes) or ``127`` for 8-bit.
@@ -16,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from prefixcache import kernels
-from prefixcache.model.loader import Int4Groups
+from prefixcache.model.loader import Int4Groups, Int8Groups
 
 GROUP = 32
 COLS = 16  # output columns per packed block
@@ -24,32 +28,48 @@ ACTIVATION_MAX = {16: 32639.0, 8: 127.0}
 
 
 class IntLinear:
-    """y = x W^T (+ b) for W in 4-bit groups (``Int4Groups``), ``bits``-bit activations."""
+    """y = x W^T (+ b) for W in 4-bit (``Int4Groups``) or 8-bit (``Int8Groups``) groups of 32,
+    ``bits``-bit activations."""
 
-    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None, bits: int, isa: str):
-        if groups.group_size != GROUP:
-            raise ValueError(f"4-bit groups of {groups.group_size}; the kernel takes {GROUP}")
+    def __init__(self, groups: Int4Groups | Int8Groups, bias: torch.Tensor | None, bits: int, isa: str):
+        if getattr(groups, "group_size", GROUP) != GROUP:  # Int8Groups are always 32
+            raise ValueError(f"weight groups of {groups.group_size}; the kernel takes {GROUP}")
         if bits not in ACTIVATION_MAX:
             raise ValueError(f"activation bits must be 8 or 16, got {bits}")
         if not kernels.available():  # loads the built library (or says why there is none)
             raise RuntimeError(f"the exact integer kernels are unavailable: {kernels.unavailable_reason()}")
-        self.kind = f"w4a{bits}"
+        self.wide = isinstance(groups, Int8Groups)
+        self.kind = f"w{8 if self.wide else 4}a{bits}"
         self.bits, self.isa = bits, isa
         self.out_features, self.in_features = groups.q.shape
-        self.wq, self.wd, self.wm = pack(groups)
+        if self.wide:
+            self.wq, self.wd = pack8(groups)
+            self.wm = None
+        else:
+            self.wq, self.wd, self.wm = pack(groups)
         self.groups = groups  # the reference and tests read the file's numbers from here
         self.bias = None if bias is None else bias.float()
 
     @property
     def nbytes(self) -> int:  # what one call reads
-        return self.wq.numel() + 4 * (self.wd.numel() + self.wm.numel())
+        return self.wq.numel() + 4 * (self.wd.numel() + (0 if self.wm is None else self.wm.numel()))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = kernels.int4_linear(x.float(), self.wq, self.wd, self.wm, self.out_features,
-                                self.bits, self.isa)  # fmt: skip
+        if self.wide:
+            y = kernels.int8_linear(x.float(), self.wq, self.wd, self.out_features, self.bits, self.isa)
+        else:
+            y = kernels.int4_linear(x.float(), self.wq, self.wd, self.wm, self.out_features,
+                                    self.bits, self.isa)  # fmt: skip
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
+
+
+def _block_scales(t: torch.Tensor, blocks: int, pad: int) -> torch.Tensor:
+    """[N, groups] -> [blocks, groups, 16] float32, zero scales for the padding columns."""
+    g = t.shape[1]
+    t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad))  # [blocks * 16, groups]
+    return t.view(blocks, COLS, g).transpose(1, 2).contiguous()
 
 
 def pack(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,11 +86,20 @@ def pack(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q = q.permute(0, 2, 3, 4, 1, 5)  # [block, group, half, j, col, b]
     nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous().view(-1)
 
-    def scales(t: torch.Tensor) -> torch.Tensor:
-        t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad))  # [blocks * 16, groups]
-        return t.view(blocks, COLS, g).transpose(1, 2).contiguous()  # [blocks, groups, 16]
+    return nibbles, _block_scales(groups.scale, blocks, pad), _block_scales(groups.offset, blocks, pad)
 
-    return nibbles, scales(groups.scale), scales(groups.offset)
+
+def pack8(groups: Int8Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """``int8_linear``'s layout: per block of 16 output columns and group of 32 inputs, 512 int8
+    ordered [p 0..15][column 0..15][2]: weights 2 p and 2 p + 1 of the group; then d as
+    [blocks, groups, 16] float32. Columns past the layer's end are zero weights, zero scales."""
+    out, n = groups.q.shape
+    g = n // GROUP
+    blocks = -(-out // COLS)
+    pad = blocks * COLS - out
+    q = torch.nn.functional.pad(groups.q, (0, 0, 0, pad)).view(blocks, COLS, g, GROUP // 2, 2)
+    q = q.permute(0, 2, 3, 1, 4).contiguous().view(-1)  # [block, group, p, col, 2]
+    return q, _block_scales(groups.scale, blocks, pad)
 
 
 def quantize_activations(x: torch.Tensor, bits: int):
@@ -85,7 +114,7 @@ def quantize_activations(x: torch.Tensor, bits: int):
     return a.to(torch.int64).view(m, k), s
 
 
-def reference(x: torch.Tensor, groups: Int4Groups, bits: int) -> torch.Tensor:
+def reference(x: torch.Tensor, groups: Int4Groups | Int8Groups, bits: int) -> torch.Tensor:
     """The kernel's arithmetic in plain PyTorch: exact integer sums per group (int64), then the
     float32 epilogue in group order, each multiply and add rounded on its own. [M, N] float32."""
     m, k = x.shape
@@ -94,6 +123,13 @@ def reference(x: torch.Tensor, groups: Int4Groups, bits: int) -> torch.Tensor:
     ag = a.view(m, ng, GROUP)
     qg = groups.q.to(torch.int64).view(-1, ng, GROUP)
     dots = torch.einsum("mgk,ngk->mng", ag, qg)  # exact: int64
+    if isinstance(groups, Int8Groups):
+        d = groups.scale.float()
+        acc = torch.zeros(m, groups.q.shape[0], dtype=torch.float32)
+        for g in range(ng):  # |dot| < 2^31: int32 first, then float32 rounds to nearest
+            p = s[:, g : g + 1] * d[:, g].unsqueeze(0)
+            acc = acc + dots[:, :, g].to(torch.int32).to(torch.float32) * p
+        return acc
     sums = ag.sum(-1)  # [M, groups]
     ssum = s * sums.to(torch.float32)  # [M, groups]
     d, off = groups.scale.float(), groups.offset.float()  # [N, groups]

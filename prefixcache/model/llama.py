@@ -177,8 +177,12 @@ class LlamaModel:
             b = torch.cat(biases) if biases and all(x is not None for x in biases) else None
             groups = stored_groups(names)
             if bits is not None and names[0] != head_name:
-                if not isinstance(groups, Int4Groups):
-                    groups = quantize_int4(w)
+                # The file's own 4- or 8-bit groups as stored; anything else (a bf16/float
+                # checkpoint, other GGUF types) quantized here: to 4 bits when asked, else to
+                # 8-bit groups (w8a16 stays within the quality floor, docs/design.md section 2).
+                want = Int4Groups if weight_format == "int4" else Int8Groups if weight_format == "int8" else None
+                if groups is None or (want is not None and not isinstance(groups, want)):
+                    groups = quantize_int4(w) if weight_format == "int4" else quantize_int8(w)
                     self.requantized = True
                 return IntLinear(groups, b, bits, isa)
             lin = make_linear(w, b, fmt, dtype, device, groups)
@@ -198,7 +202,6 @@ class LlamaModel:
         bits = self._activation_bits(activations, weight_format, weights)
         isa = self.isa = kernels.isa() if bits is not None else None
         self.exact = bits is not None
-        self.arithmetic = "float32" if bits is None else f"w4a{bits}"
         self.layers = []
         for i in range(cfg.num_layers):
             pre = f"model.layers.{i}."
@@ -234,6 +237,10 @@ class LlamaModel:
             self.lm_head.large_m = sys.maxsize
         if tied and self.lm_head.kind == "dense":
             self.lm_head.weight = self.embed_weight  # one tensor for both (packing copies it)
+        # What the decoder's sums are: "float32", or the exact kinds present, e.g. "w4a16" or
+        # "w4a16+w8a16" (a GGUF mixing Q4 and Q8 layers).
+        self.arithmetic = "float32" if bits is None else "+".join(
+            sorted({lin.kind for layer in self.layers for lin in _linears(layer)}))  # fmt: skip
         self.rotary = Rotary(cfg, max_len, tensors.get("rope_freqs"), device)
         self.dtype = dtype
         self.fused_layers = self._fused_layers()
@@ -246,15 +253,8 @@ class LlamaModel:
         why = None
         if not self.native:
             why = "the native CPU kernels in float32 (CPU, dtype float32, AVX2, kernels built)"
-        elif weight_format not in ("file", "int4"):
-            why = "4-bit weight groups (a GGUF Q4_0/Q4_1 file, or --quantization int4)"
-        elif weight_format == "file":
-            names = [f"model.layers.{i}.{p}.weight" for i in range(self.config.num_layers)
-                     for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                               "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]  # fmt: skip
-            if not all(n in weights.int4 for n in names):
-                why = "4-bit weight groups in every decoder layer (this file has others: " \
-                      "use --quantization int4)"
+        elif weight_format not in ("file", "int4", "int8"):
+            why = "weight groups (--quantization auto, int4 or int8; 'none' is the float32 reference)"
         if why is not None:
             if activations == "auto":
                 return None

@@ -25,8 +25,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def weight_format(quantization: str, device: torch.device) -> str:
     """The ``LlamaModel`` weight format a ``quantization`` setting runs as (see linear.py).
 
-    auto: on CPU, the file's own 4/8-bit groups where it stores them (GGUF Q4_0/Q4_1/Q8_0), run
-    by the group kernels with float32 activations: the same numbers as dense, less to read.
+    auto: on CPU, the file's own 4/8-bit groups where it stores them (GGUF Q4_0/Q4_1/Q8_0); on
+    the exact path (``LlamaModel``) other layers are quantized to 8-bit groups at load, with
+    float32 activations they run dense.
     """
     if quantization in ("int4", "int8"):
         if device.type != "cpu":
