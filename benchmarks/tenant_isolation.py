@@ -1,20 +1,28 @@
-"""Tenant isolation figure: a victim tenant's time to first token while another tenant floods the
-server, as a ratio to its time to first token alone.
+"""Tenant isolation figures: a victim tenant's time to first token while another tenant runs an
+attack, as a ratio to its time to first token alone (issue #23's figure: target <= 3x each).
 
-One `prefixcache serve` with two tenants (keys ``sk-victim``, ``sk-flood``) and default limits.
+One `prefixcache serve` per attack, with two tenants (keys ``sk-victim``, ``sk-flood``) and
+default limits.
 
-  alone    the victim sends a small streaming completion (a fresh 40-token prompt, 4 tokens) every
-           ``--pause`` seconds, ``--samples`` times, on an idle server
-  flood    the flooder keeps ``--flood-clients`` requests in flight without pause, each 16 prompts
-           x n=8 (128 sequences, its whole share of the queue) of ``--flood-tokens`` tokens; once
-           it holds the batch, the victim sends the same requests as alone
+  alone      the victim sends a small streaming completion (a fresh 40-token prompt, 4 tokens)
+             every ``--pause`` seconds, ``--samples`` times, on an idle server
+  flood      the attacker keeps ``--flood-clients`` requests in flight without pause, each 16
+             prompts x n=8 (128 sequences, its whole share of the queue) of ``--flood-tokens``
+             tokens; once it holds the batch, the victim sends the same requests as alone
+  segments   the attacker keeps ``--flood-clients`` ``POST /v1/cache/warm`` in flight, each
+             ``--segment-docs`` unique documents of ~300 tokens in segments mode (every one
+             computed alone); 400s (over the documents limit) are counted
+  routes     ``--route-clients`` concurrent loops of cache-control calls (invalidate of its own
+             namespace, lookup, stats), 429s counted
+  logprobs   ``--flood-clients`` requests in flight of 8 prompts x n=16, max_tokens 2000,
+             logprobs 20, ignore_eos (big bodies, per-token work on the event loop)
 
 TTFT is measured by the client: from sending the request to the first SSE event with text.
-Reported: medians (and p90) of each phase, the ratio of the medians, and the flooder's answers
-(200 / 429). ``--checkout DIR`` runs the server from another checkout (e.g. a worktree of the
-commit before tenant fairness) with the same venv, for the before/after comparison.
+Reported per attack: medians (and p90) of each phase, the ratio of the medians, and the
+attacker's answers by status. ``--checkout DIR`` runs the server from another checkout (e.g. a
+worktree of an older commit) with the same venv, for a before/after comparison.
 
-    .venv/bin/python benchmarks/tenant_isolation.py
+    .venv/bin/python benchmarks/tenant_isolation.py --attacks flood,segments,routes,logprobs
     .venv/bin/python benchmarks/tenant_isolation.py --checkout /tmp/before --out before.json
 """
 
@@ -77,46 +85,92 @@ async def victim_phase(client, rng, samples: int, pause: float) -> list[float]:
     return out
 
 
-async def flood(client: httpx.AsyncClient, rng: random.Random, tokens: int, stop: asyncio.Event,
+async def flood(client: httpx.AsyncClient, rng: random.Random, args, stop: asyncio.Event,
                 codes: list[int]) -> None:  # fmt: skip
     while not stop.is_set():
-        body = {"prompt": [prompt_ids(rng, 64) for _ in range(16)], "n": 8, "max_tokens": tokens,
+        body = {"prompt": [prompt_ids(rng, 64) for _ in range(16)], "n": 8, "max_tokens": args.flood_tokens,
                 "ignore_eos": True}  # fmt: skip
-        r = await client.post("/v1/completions", json=body,
-                              headers={"Authorization": "Bearer sk-flood"})  # fmt: skip
-        codes.append(r.status_code)
-        if r.status_code == 429:
-            await asyncio.sleep(float(r.headers.get("retry-after", "1")))
+        await attack_call(client, "POST", "/v1/completions", body, codes)
+
+
+async def attack_call(client, method: str, path: str, body, codes: list[int]) -> None:
+    r = await client.request(method, path, json=body, headers={"Authorization": "Bearer sk-flood"})
+    codes.append(r.status_code)
+    if r.status_code == 429:
+        await asyncio.sleep(float(r.headers.get("retry-after", "1")))
+
+
+def document(rng: random.Random) -> str:
+    words = ["alpha", "river", "stone", "ledger", "orbit", "maple", "copper", "signal", "harbor", "quartz"]
+    return f"Record {rng.getrandbits(64):x}: " + " ".join(rng.choice(words) for _ in range(280))
+
+
+async def segments(client, rng, args, stop, codes) -> None:
+    while not stop.is_set():
+        docs = [{"role": "document", "content": document(rng)} for _ in range(args.segment_docs)]
+        body = {"cache_mode": "segments", "messages": [*docs, {"role": "user", "content": "Summarize."}]}
+        await attack_call(client, "POST", "/v1/cache/warm", body, codes)
+
+
+async def routes(client, rng, args, stop, codes) -> None:
+    calls = [("POST", "/v1/cache/invalidate", {}), ("POST", "/v1/cache/lookup", {"prompt": "hello " * 50}),
+             ("GET", "/v1/cache/stats", None)]  # fmt: skip
+    while not stop.is_set():
+        method, path, body = rng.choice(calls)
+        await attack_call(client, method, path, body, codes)
+
+
+async def logprobs(client, rng, args, stop, codes) -> None:
+    while not stop.is_set():
+        body = {"prompt": [prompt_ids(rng, 32) for _ in range(8)], "n": 16, "max_tokens": 2000,
+                "logprobs": 20, "ignore_eos": True}  # fmt: skip
+        await attack_call(client, "POST", "/v1/completions", body, codes)
+
+
+ATTACKS = {"flood": flood, "segments": segments, "routes": routes, "logprobs": logprobs}
+
+
+async def running(client: httpx.AsyncClient) -> float:
+    text = (await client.get("/metrics")).text
+    for line in text.splitlines():
+        if line.startswith("prefixcache:num_requests_running{"):
+            return float(line.rpartition(" ")[2])
+    return 0.0
 
 
 async def wait_busy(client: httpx.AsyncClient, minimum: int, timeout: float = 600) -> None:
     """Until the flooder holds at least ``minimum`` running sequences (read from /metrics)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        text = (await client.get("/metrics")).text
-        for line in text.splitlines():
-            running = line.startswith("prefixcache:num_requests_running{")
-            if running and float(line.rpartition(" ")[2]) >= minimum:
-                return
+        if await running(client) >= minimum:
+            return
         await asyncio.sleep(0.5)
     raise RuntimeError("the flood never filled the batch")
 
 
-async def measure(base_url: str, args) -> dict:
+async def measure(base_url: str, attack: str, args) -> dict:
     rng = random.Random(0)
-    limits = httpx.Limits(max_connections=args.flood_clients + 4)
+    clients = args.route_clients if attack == "routes" else args.flood_clients
+    limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as client:
         await victim_ttft(client, rng)  # warm-up
         alone = await victim_phase(client, rng, args.samples, args.pause)
         stop, codes = asyncio.Event(), []
-        flooders = [asyncio.create_task(flood(client, random.Random(i + 1), args.flood_tokens,
-                                              stop, codes)) for i in range(args.flood_clients)]  # fmt: skip
-        await wait_busy(client, minimum=64)
+        tasks = [asyncio.create_task(ATTACKS[attack](client, random.Random(i + 1), args, stop, codes))
+                 for i in range(clients)]  # fmt: skip
+        if attack in ("flood", "logprobs"):
+            await wait_busy(client, minimum=64)
+        else:  # under way: the first calls are in (or refused)
+            deadline = time.monotonic() + 120
+            while len(codes) < 1 and time.monotonic() < deadline and not any(t.done() for t in tasks):
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(args.pause)
         during = await victim_phase(client, rng, args.samples, args.pause)
         stop.set()
-        for t in flooders:
+        for t in tasks:
             t.cancel()
-    return {"alone": alone, "flood": during, "flood_codes": codes}
+        errors = [repr(t.exception()) for t in tasks if t.done() and not t.cancelled() and t.exception()]
+    return {"alone": alone, "attack": during, "codes": codes, "attacker_errors": errors}
 
 
 def p90(xs: list[float]) -> float:
@@ -125,48 +179,55 @@ def p90(xs: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--attacks", default="flood", help=f"comma-separated, of {','.join(ATTACKS)}")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--pause", type=float, default=1.0)
     ap.add_argument("--flood-clients", type=int, default=2)
     ap.add_argument("--flood-tokens", type=int, default=32)
+    ap.add_argument("--segment-docs", type=int, default=1000)
+    ap.add_argument("--route-clients", type=int, default=50)
     ap.add_argument("--checkout", default=None, help="run the server from this checkout")
     ap.add_argument("--out", default="results/tenant_isolation.json")
     args = ap.parse_args()
+    attacks = args.attacks.split(",")
+    unknown = set(attacks) - set(ATTACKS)
+    if unknown:
+        ap.error(f"unknown attacks {sorted(unknown)}")
 
-    load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        keys = Path(tmp) / "keys.json"
-        keys.write_text(json.dumps(KEYS))
-        env = {"OMP_WAIT_POLICY": "PASSIVE"}
-        if args.checkout:
-            env["PYTHONPATH"] = str(Path(args.checkout).resolve())
-        server_args = ["--api-keys-file", str(keys), "--kv-cache-memory", "1GiB"]
-        with ServerProcess(server_args, env=env, cwd=args.checkout) as srv:
-            result = asyncio.run(measure(srv.base_url, args))
-    load_after = os.getloadavg()
-
-    alone, during = statistics.median(result["alone"]), statistics.median(result["flood"])
-    codes = result["flood_codes"]
-    summary = {
-        "machine": f"{cpu_name()}, {os.cpu_count()} cores",
-        "checkout": args.checkout or "this one",
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in load_after],
-        "victim_ttft_alone_median_s": round(alone, 4),
-        "victim_ttft_alone_p90_s": round(p90(result["alone"]), 4),
-        "victim_ttft_flood_median_s": round(during, 4),
-        "victim_ttft_flood_p90_s": round(p90(result["flood"]), 4),
-        "ratio_of_medians": round(during / alone, 2),
-        "flooder_200": codes.count(200),
-        "flooder_429": codes.count(429),
-        "flooder_other": len(codes) - codes.count(200) - codes.count(429),
-        "args": vars(args),
-        "samples": result,
-    }
+    summary = {"machine": f"{cpu_name()}, {os.cpu_count()} cores", "checkout": args.checkout or "this one",
+               "args": vars(args), "attacks": {}}  # fmt: skip
+    for attack in attacks:
+        load_before = os.getloadavg()
+        with tempfile.TemporaryDirectory() as tmp:
+            keys = Path(tmp) / "keys.json"
+            keys.write_text(json.dumps(KEYS))
+            env = {"OMP_WAIT_POLICY": "PASSIVE"}
+            if args.checkout:
+                env["PYTHONPATH"] = str(Path(args.checkout).resolve())
+            server_args = ["--api-keys-file", str(keys), "--kv-cache-memory", "1GiB"]
+            with ServerProcess(server_args, env=env, cwd=args.checkout) as srv:
+                result = asyncio.run(measure(srv.base_url, attack, args))
+                log_tail = srv.output()[-3000:]
+        load_after = os.getloadavg()
+        alone, during = statistics.median(result["alone"]), statistics.median(result["attack"])
+        codes = result["codes"]
+        summary["attacks"][attack] = {
+            "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in load_after],
+            "victim_ttft_alone_median_s": round(alone, 4),
+            "victim_ttft_alone_p90_s": round(p90(result["alone"]), 4),
+            "victim_ttft_attack_median_s": round(during, 4),
+            "victim_ttft_attack_p90_s": round(p90(result["attack"]), 4),
+            "ratio_of_medians": round(during / alone, 2),
+            "attacker_status": {str(c): codes.count(c) for c in sorted(set(codes))},
+            "attacker_errors": result["attacker_errors"],
+            "server_5xx_or_tracebacks": "Traceback" in log_tail or any(c >= 500 for c in codes),
+            "samples": {"alone": result["alone"], "attack": result["attack"]},
+        }
+        print(attack, json.dumps({k: v for k, v in summary["attacks"][attack].items() if k != "samples"}), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2))
-    print(json.dumps({k: v for k, v in summary.items() if k != "samples"}, indent=2))
 
 
 if __name__ == "__main__":

@@ -99,6 +99,68 @@ def test_merge_stats_and_metrics():
     ]  # fmt: skip
 
 
+def test_the_specs_carry_no_key(tmp_path):
+    """The replica and ingress specs are pickled into Ray (its object store, GCS, state API):
+    keys given as flags go in a private file the specs name, never in the specs."""
+    import pickle
+    import stat
+
+    from prefixcache.cli import build_parser
+    from prefixcache.cluster.cli import _specs
+    from prefixcache.cluster.secrets import SecretsFile, read_secrets, tenant_options
+    from prefixcache.server.auth import TenantDirectory
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": {"sk-file-key-123": "alice"}}))
+    args = build_parser().parse_args(["cluster", "--api-keys-file", str(keys), "--admin-key",
+                                      "sk-admin-secret-456", "--metrics-key", "sk-metrics-789"])  # fmt: skip
+    secrets = SecretsFile({"admin_key": args.admin_key, "metrics_key": args.metrics_key, "api_key": None})
+    try:
+        mode = stat.S_IMODE(secrets.path.stat().st_mode), stat.S_IMODE(secrets.dir.stat().st_mode)
+        assert mode == (0o600, 0o700)
+        replica, ingress = _specs(args, str(secrets.path))
+        blob = pickle.dumps((replica, ingress))
+        for secret in (b"sk-admin-secret-456", b"sk-metrics-789", b"sk-file-key-123"):
+            assert secret not in blob
+        # where they run, the file gives the same tenants as the flags would
+        tenants = TenantDirectory.from_options(**tenant_options(replica.tenant_options, replica.secrets_file))
+        assert tenants.authenticate("Bearer sk-admin-secret-456").admin
+        assert tenants.authenticate("Bearer sk-file-key-123").name == "alice"
+        assert read_secrets(replica.secrets_file)["metrics_key"] == "sk-metrics-789"
+    finally:
+        secrets.remove()
+    assert not secrets.dir.exists()
+    with pytest.raises(ValueError) as e:  # a replica that cannot read it says where, not what
+        read_secrets(str(secrets.path))
+    assert str(secrets.path) in str(e.value)
+
+
+def test_the_ingress_tokenizes_nothing_a_replica_would_refuse_unread(monkeypatch):
+    """route_keys.py: a text that cannot fit the replicas' context gets no keys, untokenized;
+    one that may fit gets the engine's own keys."""
+    from prefixcache.cache.hashing import hash_blocks, root_hash
+    from prefixcache.cluster.route_keys import RouteKeys
+    from prefixcache.model.tokenizer import load_tokenizer
+    from prefixcache.server.auth import TenantDirectory
+
+    tok = load_tokenizer(None)
+    keys = RouteKeys(tok, TenantDirectory(), "f" * 64, 16, max_tokens=64)
+    text = "The quick brown fox jumps over the lazy dog. " * 12
+    ids = tok.encode(text, add_special_tokens=True)
+    ns = TenantDirectory().namespace(TenantDirectory().authenticate(None), None)
+    want = hash_blocks(ids[:64], 16, root_hash("f" * 64, ns, block_size=16))
+    assert keys.keys("/v1/completions", None, json.dumps({"prompt": text}).encode()) == want
+    calls = []
+    monkeypatch.setattr(tok, "encode", lambda *a, **k: calls.append(1) or [])
+    monkeypatch.setattr(tok, "encode_chat", lambda *a, **k: calls.append(1) or [])
+    huge = "x" * (64 * tok.max_token_chars + 1)
+    assert keys.keys("/v1/completions", None, json.dumps({"prompt": huge}).encode()) == []
+    chat = {"messages": [{"role": "user", "content": huge[:-40]}, {"role": "document", "title": "t" * 40,
+                                                                   "content": "x"}]}  # fmt: skip
+    assert keys.keys("/v1/chat/completions", None, json.dumps(chat).encode()) == []
+    assert calls == []
+
+
 # -- a live cluster -----------------------------------------------------------------------------
 KEYS = {"keys": {"sk-alice": "alice", "sk-bob": "bob", "sk-ops": {"tenant": "ops", "admin": True}}}
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
@@ -112,10 +174,12 @@ def cluster(tmp_path_factory):
     while events + 1 == free_port():  # rank 1 binds events + 1
         events = free_port()
     args = ["--replicas", "2", "--threads-per-replica", "1", "--routing", "prefix",
-            "--api-keys-file", str(keys), "--kv-cache-memory", "48MiB", "--max-model-len", "512",
+            "--api-keys-file", str(keys), "--admin-key", "sk-root", "--metrics-key", "sk-metrics",
+            "--kv-cache-memory", "48MiB", "--max-model-len", "512",
             "--kv-events-endpoint", f"tcp://127.0.0.1:{events}"]  # fmt: skip
     srv = ServerProcess(args, command="cluster", startup_timeout=400)
     srv.events_port = events
+    srv.keys_file = keys
     with srv:
         yield srv
 
@@ -189,7 +253,7 @@ def test_prefix_routing_keeps_each_prefix_on_one_replica_and_tenants_apart(clust
     assert dropped["replicas"] == 2 and dropped["dropped_blocks"] > 0
     u = _post(cluster, "sk-bob", "/v1/completions", {"prompt": prompts[0], "max_tokens": 1})["usage"]
     assert u["prompt_tokens_details"]["cached_tokens"] == 0
-    metrics = httpx.get(cluster.base_url + "/metrics", timeout=60).text
+    metrics = httpx.get(cluster.base_url + "/metrics", headers={"Authorization": "Bearer sk-metrics"}, timeout=60).text
     assert 'prefixcache:prefix_cache_hits_total{replica="0"' in metrics
     assert 'prefixcache:prefix_cache_hits_total{replica="1"' in metrics
     assert "prefixcache:cluster_replicas 2" in metrics
@@ -241,6 +305,33 @@ def test_kv_events_of_each_replica_rebuild_its_block_set(cluster):
     finally:
         for s in subs:
             s.close()
+
+
+@pytest.mark.slow
+def test_sighup_reloads_the_keys_on_the_ingress_and_every_replica(cluster):
+    """Keys given as flags reach the replicas and the ingress through the secrets file; SIGHUP
+    re-reads the keys file everywhere: a revoked key is refused, a new one works (on every
+    replica: stats fan out, and one refusal is the answer)."""
+    def status(key, path="/v1/cache/stats"):
+        return httpx.get(cluster.base_url + path, headers={"Authorization": f"Bearer {key}"}, timeout=60).status_code
+
+    assert status("sk-root", "/v1/cluster") == 200 and status("sk-metrics", "/metrics") == 200
+    assert status("sk-bob") == 200 and status("sk-carol") == 401 and status("sk-ops2", "/v1/cluster") == 401
+    keys = {"keys": {**KEYS["keys"], "sk-carol": "carol", "sk-ops2": {"tenant": "ops2", "admin": True}}}
+    del keys["keys"]["sk-bob"]
+    cluster.keys_file.write_text(json.dumps(keys))
+    cluster.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (status("sk-carol") == 200 and status("sk-ops2", "/v1/cluster") == 200):
+        time.sleep(0.5)
+    assert status("sk-carol") == 200, cluster.output()[-2000:]
+    assert status("sk-ops2", "/v1/cluster") == 200  # the ingress's own route
+    assert status("sk-bob") == 401
+    r = httpx.post(cluster.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                   headers={"Authorization": "Bearer sk-bob"}, timeout=60)  # fmt: skip
+    assert r.status_code == 401
+    assert status("sk-root", "/v1/cluster") == 200 and status("sk-alice") == 200
+    assert "sk-" not in cluster.output()  # the reload's log names no key
 
 
 @pytest.mark.slow

@@ -14,8 +14,11 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 from prefixcache.cluster import POLICIES
+
+log = logging.getLogger("prefixcache.cluster")
 
 
 def register(subparsers) -> None:
@@ -44,9 +47,12 @@ def register(subparsers) -> None:
     p.set_defaults(func=run_cluster)
 
 
-def _specs(args: argparse.Namespace):
+def _specs(args: argparse.Namespace, secrets_path: str | None):
+    """The replicas' and the ingress's specs. They are pickled into Ray, so they carry no key:
+    the keys given as flags are in ``secrets_path`` (cluster/secrets.py), read where they run."""
     from prefixcache.cluster.ingress import IngressSpec
     from prefixcache.cluster.replica import ReplicaSpec
+    from prefixcache.cluster.secrets import tenant_options as with_secrets
     from prefixcache.server.auth import TenantDirectory
     from prefixcache.server.cli import _engine_config, _limits, origin_policy
 
@@ -54,20 +60,23 @@ def _specs(args: argparse.Namespace):
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     if args.fd is not None:
         raise ValueError("--fd is not supported by cluster (Ray Serve's proxy owns the socket)")
-    tenant_options = {"api_key": args.api_key, "api_keys_file": args.api_keys_file,
-                      "admin_key": args.admin_key, "shared_namespaces": list(args.shared_namespace or [])}  # fmt: skip
-    TenantDirectory.from_options(**tenant_options)  # a typo fails here, before Ray starts
+    tenant_options = {"api_keys_file": args.api_keys_file and str(Path(args.api_keys_file).resolve()),
+                      "shared_namespaces": list(args.shared_namespace or [])}  # fmt: skip
+    # a typo fails here, before Ray starts
+    TenantDirectory.from_options(**with_secrets(tenant_options, secrets_path))
     threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // args.replicas)
     config = _engine_config(args)
     limits = _limits(args)
     origin = origin_policy(args)
     replica = ReplicaSpec(
-        engine=config, tenant_options=tenant_options, served_model_names=args.served_model_name,
-        limits=limits, metrics_key=args.metrics_key, drain_timeout=args.graceful_shutdown_timeout,
-        log_requests=args.log_requests, threads=threads, origin=origin,
+        engine=config, tenant_options=tenant_options, secrets_file=secrets_path,
+        served_model_names=args.served_model_name, limits=limits,
+        drain_timeout=args.graceful_shutdown_timeout, log_requests=args.log_requests,
+        threads=threads, origin=origin,
     )  # fmt: skip
     ingress = IngressSpec(model=config.model and str(config.model), tenant_options=tenant_options,
-                          limits=limits, routing=args.routing, origin=origin)  # fmt: skip
+                          secrets_file=secrets_path, limits=limits, routing=args.routing,
+                          origin=origin)  # fmt: skip
     return replica, ingress
 
 
@@ -107,9 +116,34 @@ def deploy(serve, replica_spec, ingress_spec, *, replicas: int, routing: str, im
 
 
 def run_cluster(args: argparse.Namespace) -> int:
+    from prefixcache.cluster.secrets import SecretsFile
+
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    given = {"api_key": args.api_key, "admin_key": args.admin_key, "metrics_key": args.metrics_key}
+    secrets = SecretsFile(given) if any(given.values()) else None
     try:
-        replica_spec, ingress_spec = _specs(args)
+        return _run(args, None if secrets is None else str(secrets.path))
+    finally:
+        if secrets is not None:
+            secrets.remove()
+
+
+def _reload(serve) -> None:
+    """SIGHUP: the ingress re-reads the keys file and has every replica do the same."""
+    try:
+        out = serve.get_app_handle("prefixcache").reload.remote().result(timeout_s=120)
+    except Exception as e:  # noqa: BLE001 - the cluster keeps serving with the old keys
+        log.error("SIGHUP: reload failed, the old keys stay in force where not reloaded: %s", type(e).__name__)
+        return
+    failed = [r for r in out["replicas"] if "error" in r]
+    log.warning("SIGHUP: keys reloaded on the ingress (%s) and %d of %d replicas%s", out["ingress"],
+                len(out["replicas"]) - len(failed), len(out["replicas"]),
+                f"; failed: {failed}" if failed else "")  # fmt: skip
+
+
+def _run(args: argparse.Namespace, secrets_path: str | None) -> int:
+    try:
+        replica_spec, ingress_spec = _specs(args, secrets_path)
     except (ValueError, TypeError) as e:
         print(f"prefixcache cluster: {e}", file=sys.stderr)
         return 2
@@ -135,10 +169,18 @@ def run_cluster(args: argparse.Namespace) -> int:
         f"{args.routing}, ready in {time.monotonic() - t0:.1f} s\n  serving at {url}  (base_url {url}/v1)",
         flush=True,
     )
-    stop = threading.Event()
+    stop, reload = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    if args.api_keys_file:  # as `serve`: SIGHUP re-reads the keys file, everywhere
+        signal.signal(signal.SIGHUP, lambda *_: (reload.set(), stop.set()))
+    while True:
+        stop.wait()
+        if not reload.is_set():
+            break
+        stop.clear()
+        reload.clear()
+        _reload(serve)
     print("prefixcache cluster: shutting down", flush=True)
     serve.shutdown()
     ray.shutdown()

@@ -38,7 +38,8 @@ _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "host"}
 @dataclass(frozen=True)
 class IngressSpec:
     model: str | None
-    tenant_options: dict = field(default_factory=dict)
+    tenant_options: dict = field(default_factory=dict)  # without keys: see ReplicaSpec
+    secrets_file: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
     routing: str = "prefix"
     origin: OriginPolicy = field(default_factory=OriginPolicy)  # for /v1/cluster, its own route
@@ -63,11 +64,12 @@ def build_ingress(serve):
     @serve.ingress(app)
     class Ingress:
         def __init__(self, replicas, spec: IngressSpec) -> None:
+            from prefixcache.cluster.secrets import tenant_options
             from prefixcache.server.auth import TenantDirectory
 
             self.replicas = replicas
             self.spec = spec
-            self.tenants = TenantDirectory.from_options(**spec.tenant_options)
+            self.tenants = TenantDirectory.from_options(**tenant_options(spec.tenant_options, spec.secrets_file))
             self.keys = None  # RouteKeys, once a replica told us the fingerprint
             self.infos: dict[str, dict] = {}
             self.retries = 0
@@ -96,7 +98,8 @@ def build_ingress(serve):
                     router = self._router()
                     if router is not None:
                         router.capacity_blocks = info["num_blocks"]
-                    self.keys = RouteKeys(tok, self.tenants, info["fingerprint"], info["block_size"]) if tok else False
+                    self.keys = RouteKeys(tok, self.tenants, info["fingerprint"], info["block_size"],
+                                          max_tokens=info["max_model_len"]) if tok else False  # fmt: skip
             return self.keys
 
         async def _targets(self) -> list[str]:
@@ -138,6 +141,21 @@ def build_ingress(serve):
                     info, result = {"replica_id": rid}, e
                 out.append((info, result))
             return out
+
+        async def reload(self) -> dict:
+            """SIGHUP on the cluster (cli.py): this ingress's keys (``/v1/cluster`` and the route
+            keys' namespaces), then every replica's, one at a time (see _fanout)."""
+            try:
+                mine = f"{self.tenants.reload()} keys" if self.tenants.reloadable else "no keys file"
+            except (ValueError, TypeError) as e:
+                mine = f"not reloaded: {e}"
+            replicas = []
+            for rid in await self._targets():
+                try:
+                    replicas.append(await asyncio.wait_for(self.replicas.reload.remote(target=rid), FANOUT_TIMEOUT))
+                except Exception as e:  # noqa: BLE001 - a dead replica: its replacement reads the file
+                    replicas.append({"replica_id": rid, "error": type(e).__name__})
+            return {"ingress": mine, "replicas": replicas}
 
         # -- routes -----------------------------------------------------------------------------
         @app.get("/v1/cluster")

@@ -30,10 +30,12 @@ class ReplicaSpec:
     """Everything a replica needs, picklable (it travels to the replica's process)."""
 
     engine: EngineConfig
-    tenant_options: dict = field(default_factory=dict)  # TenantDirectory.from_options kwargs
+    # TenantDirectory.from_options kwargs without the keys, which are in secrets_file (the spec
+    # is pickled into Ray: cluster/secrets.py)
+    tenant_options: dict = field(default_factory=dict)
+    secrets_file: str | None = None
     served_model_names: list[str] | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
-    metrics_key: str | None = None
     drain_timeout: float | None = None
     log_requests: str | None = None  # each replica writes PATH.<rank>
     threads: int = 1
@@ -58,6 +60,7 @@ class EngineReplica:
         import torch
 
         from prefixcache.async_engine import AsyncEngine
+        from prefixcache.cluster.secrets import read_secrets, tenant_options
         from prefixcache.events.publisher import offset_endpoint
         from prefixcache.server.app import create_app
         from prefixcache.server.auth import TenantDirectory
@@ -79,14 +82,15 @@ class EngineReplica:
 
             request_log = RequestLogWriter(f"{spec.log_requests}.{self.rank}", include_text=False,
                                            block_size=config.block_size)  # fmt: skip
+        self.tenants = TenantDirectory.from_options(**tenant_options(spec.tenant_options, spec.secrets_file))
         self.engine = AsyncEngine(config)
         self.app = create_app(
             self.engine,
             served_model_names=spec.served_model_names,
-            tenants=TenantDirectory.from_options(**spec.tenant_options),
+            tenants=self.tenants,
             request_log=request_log,
             limits=spec.limits,
-            metrics_key=spec.metrics_key,
+            metrics_key=read_secrets(spec.secrets_file).get("metrics_key"),
             drain_timeout=spec.drain_timeout,
             origin=spec.origin,
         )
@@ -140,10 +144,25 @@ class EngineReplica:
             "tokenizer_fingerprint": self.engine.tokenizer.fingerprint(),
             "block_size": kv["block_size"],
             "num_blocks": kv["num_blocks"],
+            "max_model_len": self.engine.max_model_len,
             "model": self.engine.model_name,
             "kv_events_endpoint": self.kv_events_endpoint,
             "running": self.engine.engine_stats().num_running,
         }
+
+    async def reload(self, target: str | None = None) -> dict:
+        """Re-read the keys file (SIGHUP on the cluster, through the ingress), as ``serve``'s
+        SIGHUP does: all or nothing, the old keys stay in force on an error."""
+        import asyncio
+
+        from prefixcache.server.app import _set_pin_tenants
+
+        try:
+            n = self.tenants.reload()
+        except (ValueError, TypeError) as e:
+            return {"rank": self.rank, "error": str(e)}
+        await asyncio.to_thread(_set_pin_tenants, self.engine, self.tenants)  # takes the engine lock
+        return {"rank": self.rank, "keys": n}
 
     async def check_health(self) -> None:
         """Ray Serve calls this periodically; raising makes Serve replace the replica."""

@@ -6,6 +6,11 @@ documents merged, BOS rule), the same namespace (the tenant of the API key and `
 derived by the same ``TenantDirectory``), the same model fingerprint and block size (asked
 from a replica once). Anything that fails here (no JSON, an unknown key, a bad message) gives
 no keys: the request is routed by load, and the replica answers it with the proper 4xx.
+
+Length: the ingress is one process in front of every replica, so it tokenizes nothing a replica
+would refuse unread. A text longer than ``max_tokens`` (the replicas' context length) times
+the vocabulary's longest token in characters cannot fit (the replica's own check, serving.py),
+so it gets no keys, untokenized; a text that may fit is tokenized once, as the replica will.
 """
 
 from __future__ import annotations
@@ -33,16 +38,24 @@ class RouteKeys:
         self.tokenizer, self.tenants = tokenizer, tenants
         self.fingerprint, self.block_size, self.max_tokens = fingerprint, block_size, max_tokens
 
+    def _fits(self, num_chars: int) -> bool:
+        return num_chars <= self.max_tokens or num_chars <= self.max_tokens * self.tokenizer.max_token_chars
+
     def token_ids(self, path: str, body: dict) -> list[int] | None:
         messages = body.get("messages")
         if path == "/v1/chat/completions" or (messages is not None and path in PROMPT_ROUTES[2:]):
             dicts = [ChatMessage.model_validate(m).as_template_dict() for m in messages]
+            chars = sum(len(d["content"]) + len(d.get("title") or d.get("name") or "") for d in dicts)
+            if not self._fits(chars):
+                return None
             add = body.get("add_generation_prompt", True)
             return list(self.tokenizer.encode_chat(dicts, add_generation_prompt=bool(add)))
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # several prompts: route on the first
         if isinstance(prompt, str):
+            if not self._fits(len(prompt)):
+                return None
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt

@@ -180,6 +180,18 @@ class Tokenizer:
         )
         self.special_token_ids |= frozenset(self._unmatched.values())
         self._fingerprint: str | None = None
+        self._max_token_chars: int | None = None
+
+    @property
+    def max_token_chars(self) -> int:
+        """The longest token of the vocabulary, in characters (computed once, ~0.2 s): a text
+        of more than ``n`` times this many characters is more than ``n`` tokens, which a length
+        check can tell before tokenizing it. Racing first calls compute the same number."""
+        if self._max_token_chars is None:
+            ids = [[i] for i in self._backend.get_vocab(with_added_tokens=True).values()]
+            texts = self._backend.decode_batch(ids, skip_special_tokens=False)
+            self._max_token_chars = max(1, max(map(len, texts), default=1))
+        return self._max_token_chars
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:

@@ -72,7 +72,6 @@ class Serving:
         )
         self.tokenizer = engine.tokenizer
         self.activity = Activity(lambda ids: self.tokenizer.decode(ids), engine.config.block_size)
-        self._max_token_chars: int | None = None
         self._chars_lock = threading.Lock()
         self._token_texts: list[str] | None = None
 
@@ -90,15 +89,7 @@ class Serving:
 
     @property
     def max_token_chars(self) -> int:
-        """The longest token of the vocabulary, in characters (computed once, ~0.2 s)."""
-        if self._max_token_chars is None:
-            with self._chars_lock:
-                if self._max_token_chars is None:
-                    backend = self.tokenizer.backend
-                    ids = [[i] for i in backend.get_vocab(with_added_tokens=True).values()]
-                    texts = backend.decode_batch(ids, skip_special_tokens=False)
-                    self._max_token_chars = max(1, max(map(len, texts), default=1))
-        return self._max_token_chars
+        return self.tokenizer.max_token_chars
 
     async def token_texts(self) -> list[str]:
         """Each token id's text alone, ``tokenizer.decode([id])``, indexed by id: how logprobs
