@@ -336,8 +336,13 @@ def build_tiers(config: EngineConfig, fingerprint: str, model: ModelConfig,
     if config.remote_cache:
         from prefixcache.tiers.redis_tier import RedisTier
 
+        from prefixcache.tiers.redis_tier import AUTO
+
         cap = parse_bytes(config.remote_cache_max_record)
-        tiers.append(RedisTier(config.remote_cache, max_value_bytes=cap))
+        size = str(config.remote_cache_size).lower()
+        size = AUTO if size == AUTO else None if size == "none" else parse_bytes(size)
+        tiers.append(RedisTier(config.remote_cache, max_value_bytes=cap, capacity_bytes=size,
+                               scope=keys.deployment_id))  # fmt: skip
     log.info("KV tiers: %s (deployment %s: replicas sharing a Redis must show the same)",
              ", ".join(t.name for t in tiers), keys.deployment_id)  # fmt: skip
     manager = TierManager(tiers, layout, keys, config.tier_compression)
