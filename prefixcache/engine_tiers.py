@@ -80,6 +80,8 @@ class NoTiers:
         return []
     def tenant_tokens(self, tenant) -> dict[str, int]:
         return {}
+    def tenant_usage(self, tenant) -> dict[str, dict]:
+        return {}
     def flush(self, timeout: float = 30.0) -> bool:
         return True
     def check_integrity(self) -> None: ...
@@ -293,6 +295,10 @@ class EngineTiers:
 
     def tenant_tokens(self, tenant: str | None) -> dict[str, int]:
         return dict(self._by_tenant.get(tenant, {}))
+
+    def tenant_usage(self, tenant: str | None) -> dict[str, dict]:
+        """The tenant's own share of the tiers: the owner of its namespaces is its name."""
+        return self.manager.owner_stats(tenant)
 
     def flush(self, timeout: float = 30.0) -> bool:
         return self.manager.flush(timeout)

@@ -33,8 +33,9 @@ without the index are not in it: flush those once (``redis-cli --scan --pattern 
 
 Every replica of a deployment (one tier secret, secret.py) computes the same names for the same
 blocks (keys.py), so server B restores what server A computed; another deployment's names for
-the same tenant and blocks differ. Eviction is Redis's own (run it with a ``maxmemory`` and an
-``allkeys-lru`` policy); we never assume a block we wrote is still there.
+the same tenant and blocks differ. Redis may still evict by itself (run it with a ``maxmemory``
+above our capacity and an ``allkeys-lru`` policy: see Shares); we never assume a block we wrote
+is still there.
 
 Faults: a write Redis refuses (``OOM`` under a ``noeviction`` policy, a value over its limits)
 is dropped and counted, and nothing else changes: the server is up. A record larger than
