@@ -340,9 +340,7 @@ def build_tiers(config: EngineConfig, fingerprint: str, model: ModelConfig,
     # "auto" would use): a restart finds it, and with it its own records.
     keys = load_keys(config.tier_secret_file, root)
     if config.remote_cache:
-        from prefixcache.tiers.redis_tier import RedisTier
-
-        from prefixcache.tiers.redis_tier import AUTO
+        from prefixcache.tiers.redis_tier import AUTO, RedisTier
 
         cap = parse_bytes(config.remote_cache_max_record)
         size = str(config.remote_cache_size).lower()

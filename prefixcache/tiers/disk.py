@@ -227,7 +227,7 @@ class DiskTier:
     def drop_namespace(self, ns: str | None, owner: str | None = None) -> int:
         """Remove a namespace's blocks (``None``: every namespace). Returns the blocks removed."""
         with self._lock:
-            gone = [k for k in self._index.keys() if ns is None or k[0] == ns]
+            gone = [k for k in self._index.records() if ns is None or k[0] == ns]
             for k in gone:
                 self._index.pop(k)
             if ns is None:

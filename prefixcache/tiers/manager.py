@@ -366,6 +366,8 @@ class TierManager:
                 del self._writes[g.owner]
             self._queued_bytes -= g.nbytes
             self._owner_bytes[g.owner] -= g.nbytes
+            if not self._owner_bytes[g.owner]:
+                del self._owner_bytes[g.owner]
         return plan
 
     def _next_work(self) -> Write | Invalidate:

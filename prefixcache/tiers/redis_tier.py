@@ -116,6 +116,23 @@ end
 return {evicted, tonumber(redis.call('HGET', KEYS[4], ARGV[4]) or '0')}
 """
 
+# KEYS: use hash. ARGV: LRU prefix, sizes prefix. Read-only, atomic: the owners whose bytes are
+# not the sum of their sizes, or whose sizes and LRU name different records.
+_CHECK = """
+local bad = {}
+local use = redis.call('HGETALL', KEYS[1])
+for i = 1, #use, 2 do
+  local o = use[i]
+  local sizes = redis.call('HGETALL', ARGV[2] .. ':' .. o)
+  local sum = 0
+  for j = 2, #sizes, 2 do sum = sum + tonumber(sizes[j]) end
+  if sum ~= tonumber(use[i + 1]) or redis.call('ZCARD', ARGV[1] .. ':' .. o) * 2 ~= #sizes then
+    table.insert(bad, o)
+  end
+end
+return bad
+"""
+
 # KEYS: use hash, owner's LRU, owner's sizes. ARGV: owner, record prefix, ns, names...
 # Deletes the records and takes them out of the owner's account. Returns the records deleted.
 _FORGET = """
@@ -181,6 +198,7 @@ class RedisTier:
         self._was_down = False
         self._put_script = self.client.register_script(_PUT)
         self._forget_script = self.client.register_script(_FORGET)
+        self._check_script = self.client.register_script(_CHECK)
         try:
             self.client.ping()
             log.info("remote cache %s: connected", self.url_for_logs)
@@ -398,17 +416,13 @@ class RedisTier:
 
     def check_integrity(self) -> None:
         """The shared account adds up: each owner's bytes are the sum of its sizes, and its
-        sizes and LRU name the same records (one round trip per owner; tests). Holds while
-        Redis evicts nothing by itself and no other replica writes meanwhile."""
+        sizes and LRU hold as many records (one read-only script, atomic; tests). Holds while
+        Redis evicts nothing of the accounting by itself."""
         try:
-            use = self.account()
-            for owner, nbytes in use.items():
-                sizes = self.client.hgetall(f"{SIZE_PREFIX}:{owner}")
-                lru = self.client.zrange(f"{LRU_PREFIX}:{owner}", 0, -1)
-                assert nbytes == sum(int(v) for v in sizes.values()), "redis owner bytes drifted"
-                assert set(sizes) == set(lru), "redis owner LRU and sizes disagree"
+            bad = self._check_script(keys=[self._use_key], args=[LRU_PREFIX, SIZE_PREFIX])
         except self._errors:
             return  # down: nothing to check
+        assert not bad, f"redis tier accounting drifted for {len(bad)} owners"
 
     def close(self) -> None:
         try:

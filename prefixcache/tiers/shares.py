@@ -98,7 +98,7 @@ class OwnerLRU:
     def keys_of(self, owner: str) -> list:
         return list(self._lru.get(owner, ()))
 
-    def keys(self) -> list:
+    def records(self) -> list:
         return list(self._owner)
 
     def bytes_of(self, owner: str) -> int:
