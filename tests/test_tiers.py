@@ -4,7 +4,9 @@ Unit (no model): the block codec rejects corrupt, truncated, foreign and forged 
 record made without the deployment's secret); store ids differ for every layout input and names
 for every secret; the disk tier survives a restart, keeps its budget, cleans half-written files,
 keeps its files private whatever the umask, writes again after a full disk got space back, and
-a kill -9 in the middle of writes leaves only whole blocks.
+a kill -9 in the middle of writes leaves only whole blocks; a flooding tenant cannot evict
+another below its share (also after a restart), its write-queue overflow drops only its own
+writes, and the writer serves tenants in turn.
 Engine (real model): a new engine on the same directory restores a prefix and gives the same
 greedy tokens as a cold run at prefix lengths k*16-1 / k*16 / k*16+1, in float32 and int8 KV;
 another KV dtype or block size never hits; corrupt, truncated and foreign files are misses;

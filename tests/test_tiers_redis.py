@@ -3,8 +3,9 @@ same secret) restores what the first computed, cold == warm; disk + Redis togeth
 the disk); tenants stay apart and invalidation empties a namespace in Redis; two deployments
 (different secrets) on one Redis never see each other's blocks, and one's record planted under
 the other's name is rejected; a record over the size cap is not sent and a write that times out
-on a Redis that answers does not take the tier down; Redis killed mid-run costs recomputes
-only, and the tier comes back when Redis does."""
+on a Redis that answers does not take the tier down; a flooding tenant cannot evict another
+below its share (our account, shared by replicas, acts before Redis's own LRU); Redis killed
+mid-run costs recomputes only, and the tier comes back when Redis does."""
 
 from __future__ import annotations
 
