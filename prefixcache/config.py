@@ -111,6 +111,9 @@ class EngineConfig:
     # (replicas sharing a Redis must share one file, or they share nothing).
     tier_secret_file: str | Path | None = None
     remote_cache_max_record: str | int = "64MiB"  # larger records are not sent to Redis
+    # Bytes of records this deployment keeps in Redis, shared fairly between tenants
+    # (tiers/shares.py): "auto" = half the server's maxmemory, "none" = no bound of ours.
+    remote_cache_size: str | int = "auto"
     # KV events in vLLM's format (events/): a ZMQ PUB endpoint to bind (None: off), an optional
     # replay endpoint, the topic, and the rank written into each batch (a cluster replica's).
     kv_events_endpoint: str | None = None
@@ -185,6 +188,8 @@ class EngineConfig:
         if self.remote_cache is not None:
             check_remote_cache_url(self.remote_cache)
             parse_bytes(self.remote_cache_max_record)
+            if str(self.remote_cache_size).lower() not in ("auto", "none"):
+                parse_bytes(self.remote_cache_size)
         if self.tier_secret_file is not None and str(self.tier_secret_file).strip() == "":
             raise ValueError("tier_secret_file must be a file or None")
         if self.tier_compression not in TIER_COMPRESSIONS:

@@ -79,6 +79,11 @@ class TenantStats:
     namespace_blocks: dict[str, int]  # its namespaces -> blocks indexed there now
     # Its prompt tokens restored from each persistent tier (disk, redis); {} without tiers.
     tier_hit_tokens: dict[str, int] = field(default_factory=dict)
+    # Its own share of the tiers (tiers/shares.py), never another tenant's figures: "queue"
+    # (queued_bytes, dropped_writes: its writes dropped at the write queue), and per tier
+    # stored_records / stored_bytes (disk: now; redis: as of this server's last write of it,
+    # records None). {} without tiers.
+    tier_usage: dict[str, dict] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:

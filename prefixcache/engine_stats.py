@@ -83,4 +83,5 @@ def tenant_stats(self, tenant: str | None, owns: Callable[[str | None], bool]) -
             if ns is not None and owns(ns)
         },
         tier_hit_tokens=self.tiers.tenant_tokens(tenant),
+        tier_usage=self.tiers.tenant_usage(tenant),
     )

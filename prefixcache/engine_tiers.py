@@ -80,6 +80,8 @@ class NoTiers:
         return []
     def tenant_tokens(self, tenant) -> dict[str, int]:
         return {}
+    def tenant_usage(self, tenant) -> dict[str, dict]:
+        return {}
     def flush(self, timeout: float = 30.0) -> bool:
         return True
     def check_integrity(self) -> None: ...
@@ -294,6 +296,10 @@ class EngineTiers:
     def tenant_tokens(self, tenant: str | None) -> dict[str, int]:
         return dict(self._by_tenant.get(tenant, {}))
 
+    def tenant_usage(self, tenant: str | None) -> dict[str, dict]:
+        """The tenant's own share of the tiers: the owner of its namespaces is its name."""
+        return self.manager.owner_stats(tenant)
+
     def flush(self, timeout: float = 30.0) -> bool:
         return self.manager.flush(timeout)
 
@@ -334,10 +340,13 @@ def build_tiers(config: EngineConfig, fingerprint: str, model: ModelConfig,
     # "auto" would use): a restart finds it, and with it its own records.
     keys = load_keys(config.tier_secret_file, root)
     if config.remote_cache:
-        from prefixcache.tiers.redis_tier import RedisTier
+        from prefixcache.tiers.redis_tier import AUTO, RedisTier
 
         cap = parse_bytes(config.remote_cache_max_record)
-        tiers.append(RedisTier(config.remote_cache, max_value_bytes=cap))
+        size = str(config.remote_cache_size).lower()
+        size = AUTO if size == AUTO else None if size == "none" else parse_bytes(size)
+        tiers.append(RedisTier(config.remote_cache, max_value_bytes=cap, capacity_bytes=size,
+                               scope=keys.deployment_id))  # fmt: skip
     log.info("KV tiers: %s (deployment %s: replicas sharing a Redis must show the same)",
              ", ".join(t.name for t in tiers), keys.deployment_id)  # fmt: skip
     manager = TierManager(tiers, layout, keys, config.tier_compression)

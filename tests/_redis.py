@@ -33,10 +33,11 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> RedisServer:
+    def start(self, *options: str) -> RedisServer:
+        """Start (again) with the test defaults and ``options`` (e.g. "--maxmemory", "16mb")."""
         self.proc = subprocess.Popen(
             [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
-             "--save", "", "--appendonly", "no", "--protected-mode", "no"],
+             "--save", "", "--appendonly", "no", "--protected-mode", "no", *options],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + 20

@@ -114,6 +114,13 @@ def test_two_servers_share_redis_restart_from_disk_tenants_faults(tmp_path):
         assert _stats(b, "sk-alice")["tier_hit_tokens"] == {"redis": 5 * BLOCK}
         assert _stats(b, "sk-bob")["tier_hit_tokens"] == {}
         assert "tiers" not in _stats(b, "sk-bob")
+        # Its own share of the tiers only: Bob's figures on A count nothing of Alice's there.
+        assert _stats(a, "sk-alice")["tier_usage"]["disk"]["stored_records"] == 5
+        assert _stats(a, "sk-bob")["tier_usage"] == {
+            "queue": {"queued_bytes": 0, "dropped_writes": 0},
+            "disk": {"stored_records": 0, "stored_bytes": 0},
+            "redis": {"stored_records": None, "stored_bytes": None},
+        }  # fmt: skip
         admin = _stats(b, "sk-ops")["tiers"]
         assert admin["redis"]["hit_tokens"] == 5 * BLOCK and admin["disk"]["enabled"] is True
         metrics = httpx.get(b.base_url + "/metrics").text

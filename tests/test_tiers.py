@@ -4,7 +4,9 @@ Unit (no model): the block codec rejects corrupt, truncated, foreign and forged 
 record made without the deployment's secret); store ids differ for every layout input and names
 for every secret; the disk tier survives a restart, keeps its budget, cleans half-written files,
 keeps its files private whatever the umask, writes again after a full disk got space back, and
-a kill -9 in the middle of writes leaves only whole blocks.
+a kill -9 in the middle of writes leaves only whole blocks; a flooding tenant cannot evict
+another below its share (also after a restart), its write-queue overflow drops only its own
+writes, and the writer serves tenants in turn.
 Engine (real model): a new engine on the same directory restores a prefix and gives the same
 greedy tokens as a cold run at prefix lengths k*16-1 / k*16 / k*16+1, in float32 and int8 KV;
 another KV dtype or block size never hits; corrupt, truncated and foreign files are misses;
@@ -21,6 +23,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -29,15 +32,17 @@ from _helpers import PROSE
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.tiers import codec
-from prefixcache.tiers.disk import SUBDIR, SUFFIX, DiskTier
+from prefixcache.tiers.disk import OWNER_FILE, SUBDIR, SUFFIX, DiskTier
 from prefixcache.tiers.keys import StoreLayout, block_name, namespace_id
 from prefixcache.tiers.manager import PROBE_EVERY, BlockRef, TierManager
 from prefixcache.tiers.secret import SECRET_NAME, TierKeys, generated_secret
+from prefixcache.tiers.shares import owner_id
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 MEM = "24MiB"
 KEYS = TierKeys.from_secret(b"deployment one: 32 bytes or more")
+OWNER = owner_id("alice", KEYS)
 
 
 # ---- unit: codec, keys, disk tier ------------------------------------------------------------------
@@ -123,9 +128,9 @@ def test_store_id_depends_on_every_layout_input():
     assert namespace_id("a", TierKeys.from_secret(b"x" * 32)) == namespace_id("a", other)
 
 
-def _put(tier, i, ns="n", size=1000) -> str:
+def _put(tier, i, ns="n", size=1000, owner=OWNER) -> str:
     name = f"{i:064x}"
-    assert tier.put(ns, name, bytes([i % 256]) * size)
+    assert tier.put(ns, name, bytes([i % 256]) * size, owner=owner)
     return name
 
 
@@ -146,6 +151,29 @@ def test_disk_tier_restart_budget_and_stale_temporaries(tmp_path):
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(ValueError, match="not writable"):  # a startup error, with its reason
         DiskTier(tmp_path / "file" / "x", 1000)
+
+
+def test_a_flooding_tenant_cannot_evict_another_below_its_share(tmp_path):
+    """Shares (shares.py): B within its share keeps every block while A writes unique records
+    without end, and still after a restart (owners come back from the directories); B over
+    its share is cut to it, after A's excess."""
+    a, b = owner_id("flooder", KEYS), owner_id("victim", KEYS)
+    tier = DiskTier(tmp_path, capacity_bytes=10_000)
+    mine = [_put(tier, i, ns="b", owner=b) for i in range(4)]  # 4000 of a 5000 share
+    for i in range(100, 160):
+        _put(tier, i, ns="a", owner=a)
+    assert tier.get_many("b", mine) == [bytes([i]) * 1000 for i in range(4)]
+    assert tier.owner_usage(a) == (6, 6000) and tier.owner_usage(b) == (4, 4000)
+    tier.check_integrity()
+    again = DiskTier(tmp_path, capacity_bytes=10_000)
+    for i in range(200, 260):
+        _put(again, i, ns="a2", owner=a)  # another namespace of A's: the same share
+    assert again.get_many("b", mine) == [bytes([i]) * 1000 for i in range(4)]
+    more = [_put(again, i, ns="b", owner=b) for i in range(4, 9)]
+    assert again.owner_usage(a) == (5, 5000) and again.owner_usage(b) == (5, 5000)
+    assert again.get_many("b", mine[:1]) == [] and len(again.get_many("b", more)) == 5
+    assert again.stats().owners == 2
+    again.check_integrity()
 
 
 def test_disk_files_and_secret_are_private_whatever_the_umask(tmp_path):
@@ -188,7 +216,7 @@ def test_disk_full_pauses_writes_and_a_probe_resumes_them(tiny_disk):
     if fsize:
         resource.setrlimit(resource.RLIMIT_FSIZE, (600_000, fsize[1]))
     first = _put(tier, 1, size=600_000)
-    assert tier.put("n", f"{2:064x}", bytes(700_000)) is False  # ENOSPC (or EFBIG)
+    assert tier.put("n", f"{2:064x}", bytes(700_000), owner=OWNER) is False  # ENOSPC (or EFBIG)
     st = tier.stats()
     assert st.enabled is False and st.available and st.errors == 1
     assert not list((d / SUBDIR).rglob(".tmp-*"))  # the failed write left nothing
@@ -197,7 +225,7 @@ def test_disk_full_pauses_writes_and_a_probe_resumes_them(tiny_disk):
     if fsize:
         resource.setrlimit(resource.RLIMIT_FSIZE, fsize)
     deadline = time.monotonic() + 30
-    while not tier.put("n", f"{3:064x}", bytes(700_000)) and time.monotonic() < deadline:
+    while not tier.put("n", f"{3:064x}", bytes(700_000), owner=OWNER) and time.monotonic() < deadline:
         time.sleep(0.01)  # paused: dropped until the back-off ends, then the write probes
     st = tier.stats()
     assert st.enabled and st.reconnects == 1 and st.stored_blocks == 1
@@ -228,6 +256,65 @@ def test_a_tier_slower_than_prefill_is_skipped_but_probed(tmp_path):
     m.close()
 
 
+class _GatedDisk(DiskTier):
+    """A real disk tier whose writes wait for ``gate`` (the writer is held while the queue
+    fills) and that records the namespace of each write, in the order they came."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.gate = threading.Event()
+        self.order: list[str] = []
+
+    def put(self, ns, name, data, record="block", *, owner):
+        self.gate.wait(30)
+        self.order.append(ns)
+        return super().put(ns, name, data, record, owner=owner)
+
+
+def _ref(i: int) -> BlockRef:
+    return BlockRef(i.to_bytes(16, "little"), b"p" * 16 + b"t" * 64)
+
+
+def test_the_writer_serves_tenants_in_turn(tmp_path):
+    disk = _GatedDisk(tmp_path, 1 << 30)
+    m = TierManager([disk], _layout(), KEYS)
+    try:
+        for i in range(20):
+            m.offload("flooder", [(_ref(i), bytes(256))])
+        m.offload("victim/salt", [(_ref(100), bytes(256))])
+        disk.gate.set()
+        assert m.flush()
+        # At most the flooder's write the writer held, then one more of the flooder's turn.
+        assert disk.order.index(m.namespace_id("victim/salt")) <= 2, disk.order
+        assert len(disk.order) == 21
+        m.check_integrity()
+    finally:
+        disk.gate.set()
+        m.close()
+
+
+def test_a_flooding_tenants_queue_overflow_drops_only_its_own_writes(tmp_path):
+    disk = _GatedDisk(tmp_path, 1 << 30)
+    m = TierManager([disk], _layout(), KEYS, max_queued_bytes=10 * 256)
+    try:
+        for i in range(30):  # 10 fit (one of them held by the writer), 20 are dropped
+            m.offload("flooder", [(_ref(i), bytes(256))])
+        for i in range(3):  # the victim's are queued: the flooder's newest make room
+            m.offload("victim", [(_ref(100 + i), bytes(256))])
+        m.check_integrity()
+        assert m.owner_stats("victim")["queue"] == {"queued_bytes": 3 * 256, "dropped_writes": 0}
+        assert m.owner_stats("flooder")["queue"] == {"queued_bytes": 7 * 256, "dropped_writes": 23}
+        assert disk.stats().dropped_writes == 23
+        disk.gate.set()
+        assert m.flush()
+        assert m.owner_stats("victim")["disk"]["stored_records"] == 3
+        assert m.owner_stats("flooder")["disk"]["stored_records"] == 7
+        m.check_integrity()
+    finally:
+        disk.gate.set()
+        m.close()
+
+
 def test_kill_9_during_writes_leaves_only_whole_blocks(tmp_path):
     """A writer killed at a random moment, many times: after restart every block file decodes."""
     script = textwrap.dedent(f"""
@@ -244,7 +331,7 @@ def test_kill_9_during_writes_leaves_only_whole_blocks(tmp_path):
         print("ready", flush=True)
         while True:
             name = codec.BlockName(i.to_bytes(32, "little"), bytes.fromhex(ns), b"p" * 80)
-            tier.put(ns, f"{{i:064x}}", codec.encode(name, os.urandom(1 << 20), keys))
+            tier.put(ns, f"{{i:064x}}", codec.encode(name, os.urandom(1 << 20), keys), owner="0" * 32)
             i += 1
     """)
     for delay in (0.05, 0.15, 0.3):
@@ -258,7 +345,7 @@ def test_kill_9_during_writes_leaves_only_whole_blocks(tmp_path):
     tier = DiskTier(tmp_path, 1 << 40)  # the restart
     keys = TierKeys.from_secret(b"k" * 32)
     ns = namespace_id(None, keys)
-    left = [f.name for f in (tmp_path / SUBDIR / ns).iterdir()]
+    left = [f.name for f in (tmp_path / SUBDIR / ns).iterdir() if f.name != OWNER_FILE]
     assert left and all(n.endswith(SUFFIX) for n in left), "a temporary file survived the restart"
     for n in left:
         i = int(n[: -len(SUFFIX)], 16)

@@ -3,11 +3,13 @@ same secret) restores what the first computed, cold == warm; disk + Redis togeth
 the disk); tenants stay apart and invalidation empties a namespace in Redis; two deployments
 (different secrets) on one Redis never see each other's blocks, and one's record planted under
 the other's name is rejected; a record over the size cap is not sent and a write that times out
-on a Redis that answers does not take the tier down; Redis killed mid-run costs recomputes
-only, and the tier comes back when Redis does."""
+on a Redis that answers does not take the tier down; a flooding tenant cannot evict another
+below its share (our account, shared by replicas, acts before Redis's own LRU); Redis killed
+mid-run costs recomputes only, and the tier comes back when Redis does."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -20,12 +22,14 @@ from prefixcache.tiers.keys import StoreLayout, namespace_id
 from prefixcache.tiers.manager import BlockRef, TierManager
 from prefixcache.tiers.redis_tier import PREFIX, RedisTier
 from prefixcache.tiers.secret import TierKeys
+from prefixcache.tiers.shares import owner_id
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 MEM = "24MiB"
 SECRET = b"the replicas' shared secret, 32+ bytes"
 KEYS = TierKeys.from_secret(SECRET)
+OWNER = owner_id("alice", KEYS)
 
 
 @pytest.fixture(scope="module")
@@ -122,20 +126,20 @@ def test_an_oversize_record_is_not_sent_and_a_slow_write_leaves_redis_up():
     client = redis.Redis.from_url(s.url)
     try:
         tier = RedisTier(s.url, socket_timeout=0.3, max_value_bytes=1000)
-        assert tier.put("n", "big", b"x" * 1001) is False
+        assert tier.put("n", "big", b"x" * 1001, owner=OWNER) is False
         st = tier.stats()
         assert st.oversize_writes == 1 and st.dropped_writes == 1 and st.available
         assert not client.exists(f"{PREFIX}:n:big")
-        assert tier.put("n", "small", b"y" * 1000)
+        assert tier.put("n", "small", b"y" * 1000, owner=OWNER)
         # A write that outlasts the socket timeout while the server answers (here: writes are
         # paused on the server) costs that write only: the tier stays up, reads go on.
         client.client_pause(5000, all=False)
-        assert tier.put("n", "slow", b"z" * 10) is False
+        assert tier.put("n", "slow", b"z" * 10, owner=OWNER) is False
         st = tier.stats()
         assert st.available and st.errors == 1 and st.dropped_writes == 2
         assert tier.get_many("n", ["small"]) == [b"y" * 1000]
         client.client_unpause()
-        assert tier.put("n", "after", b"w") and tier.stats().reconnects == 0
+        assert tier.put("n", "after", b"w", owner=OWNER) and tier.stats().reconnects == 0
     finally:
         client.close()
         s.close()
@@ -148,15 +152,15 @@ def test_a_refused_write_is_dropped_without_taking_the_tier_down():
     client = redis.Redis.from_url(s.url)
     try:
         tier = RedisTier(s.url)
-        assert tier.put("n", "a", b"x" * 1000)
+        assert tier.put("n", "a", b"x" * 1000, owner=OWNER)
         client.config_set("maxmemory-policy", "noeviction")
         client.config_set("maxmemory", 1)  # any use is over it: every write is refused
-        assert tier.put("n", "b", b"y" * 1000) is False
+        assert tier.put("n", "b", b"y" * 1000, owner=OWNER) is False
         st = tier.stats()
         assert st.available and st.dropped_writes == 1 and st.errors == 1
         assert tier.get_many("n", ["a"]) == [b"x" * 1000]
         client.config_set("maxmemory", 0)
-        assert tier.put("n", "b", b"y" * 1000) and tier.stats().reconnects == 0
+        assert tier.put("n", "b", b"y" * 1000, owner=OWNER) and tier.stats().reconnects == 0
     finally:
         client.close()
         s.close()
@@ -172,17 +176,20 @@ def test_invalidation_drops_exactly_its_namespace_without_scanning_the_keyspace(
         tier = RedisTier(s.url)
         for ns, n in (("ns-a", 5), ("ns-b", 3), ("ns-c", 2)):
             for i in range(n):
-                assert tier.put(ns, f"block-{i}", b"kv" * 10)
+                assert tier.put(ns, f"block-{i}", b"kv" * 10, owner=OWNER)
         client.set("someone-else:key", b"x")  # not ours: never touched
         client.delete(f"{PREFIX}:ns-a:block-0")  # as if evicted by Redis
         client.config_resetstat()
-        assert tier.drop_namespace("ns-a") == 4
+        assert tier.drop_namespace("ns-a", owner=OWNER) == 4
+        assert tier.account() == {OWNER: 5 * 20}  # the evicted one is out of the account too
+        tier.check_integrity()
         ours = {k.decode() for k in client.keys(f"{PREFIX}:*")}  # (the test may scan)
         assert ours == {f"{PREFIX}:ns-b:block-{i}" for i in range(3)} | {
             f"{PREFIX}:ns-c:block-{i}" for i in range(2)
         }
         assert tier.get_many("ns-b", ["block-0", "block-1"]) == [b"kv" * 10] * 2
         assert tier.drop_namespace(None) == 5
+        assert tier.account() == {} and client.keys("pc-kv-*") == []
         assert client.keys(f"{PREFIX}:*") == [] and client.get("someone-else:key") == b"x"
         assert tier.drop_namespace("ns-a") == 0  # nothing left: nothing to do
         stats = client.info("commandstats")
@@ -190,6 +197,34 @@ def test_invalidation_drops_exactly_its_namespace_without_scanning_the_keyspace(
         assert "cmdstat_scan" not in stats, stats.get("cmdstat_scan")  # ... never the keyspace
     finally:
         client.close()
+        s.close()
+
+
+def test_a_flooding_tenant_cannot_evict_another_below_its_share_in_redis():
+    """Redis under maxmemory with allkeys-lru, as the docs say to run it. A tenant writing
+    unique records without end deletes its own (our shared account, redis_tier.py) before Redis
+    has to pick victims blind to tenants; the victim, within its share, keeps every record,
+    also as seen by another replica (one account in Redis)."""
+    s = RedisServer().start("--maxmemory", "16mb", "--maxmemory-policy", "allkeys-lru")
+    try:
+        tier = RedisTier(s.url, capacity_bytes="auto", scope="d1")
+        assert tier.capacity_bytes == 8 << 20  # half of maxmemory
+        a, b = owner_id("flooder", KEYS), owner_id("victim", KEYS)
+        mine = [f"v{i}" for i in range(10)]
+        for i, name in enumerate(mine):  # 1 MB of a 4 MiB share
+            assert tier.put("nb", name, bytes([i]) * 100_000, owner=b)
+        replica = RedisTier(s.url, capacity_bytes="auto", scope="d1")
+        for i in range(400):  # 40 MB of unique records, half from each replica
+            assert (tier, replica)[i % 2].put("na", f"f{i}", os.urandom(100_000), owner=a)
+        got = replica.get_many("nb", mine, owner=b)
+        assert got == [bytes([i]) * 100_000 for i in range(10)]
+        use = tier.account()
+        assert use[b] == 1_000_000 and 7 << 20 < use[a] + use[b] <= 8 << 20
+        assert tier.stats().evicted + replica.stats().evicted == 400 - use[a] // 100_000
+        assert tier.owner_usage(b) == (None, 1_000_000)
+        tier.check_integrity()
+        assert redis.Redis.from_url(s.url).info("stats")["evicted_keys"] == 0  # ours did it all
+    finally:
         s.close()
 
 

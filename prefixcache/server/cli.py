@@ -188,6 +188,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "socket timeout)",
     )
     t.add_argument(
+        "--remote-cache-size",
+        default="auto",
+        metavar="SIZE",
+        help="bytes of records this deployment keeps in Redis, shared fairly between tenants "
+        "(auto: half the server's maxmemory; none: no bound of ours)",
+    )
+    t.add_argument(
         "--tier-secret-file",
         default=None,
         metavar="FILE",
@@ -406,6 +413,7 @@ def _engine_config(args: argparse.Namespace):
         tier_compression=args.tier_compression,
         tier_secret_file=args.tier_secret_file,
         remote_cache_max_record=args.remote_cache_max_record,
+        remote_cache_size=args.remote_cache_size,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,

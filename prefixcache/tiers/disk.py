@@ -1,8 +1,17 @@
-"""The local disk tier: one file per block, LRU within a byte budget, atomic writes.
+"""The local disk tier: one file per block, per-tenant shares of a byte budget, atomic writes.
 
     DIR/pc-kv/<namespace id>/<record name>.blk     (keyed names: keys.py)
+    DIR/pc-kv/<namespace id>/owner                  (the namespace's owner id: shares.py)
     DIR/tier-secret                                 (the generated secret, if any: secret.py)
 
+- **Shares.** Bytes are counted per owner (the tenant of the namespace, shares.py). When a
+  write takes the tier past ``capacity_bytes``, the least recently used records of the owner
+  holding the most bytes go first: a tenant writing unique prompts evicts its own blocks, and
+  another's only while that one holds more than it, so no tenant is pushed below
+  ``capacity / owners holding bytes`` by another. A tenant alone may fill the tier. The owner
+  of a namespace is written in its directory (a keyed digest, like the namespace id), so a
+  restart rebuilds the shares with the index; a directory without it (written before owners
+  were recorded) counts as one owner of its own until a write there records its owner.
 - **Atomic writes.** A block is written to a temporary file in the same directory, fsynced,
   then renamed over its name. A reader sees either no file or a whole one; ``kill -9``
   mid-write leaves at most a ``.tmp-*`` file, which is never read and is removed at the next
@@ -32,9 +41,9 @@ import os
 import shutil
 import threading
 import time
-from collections import OrderedDict
 from pathlib import Path
 
+from prefixcache.tiers.shares import UNKNOWN_OWNER, OwnerLRU, is_owner_id, share
 from prefixcache.tiers.stats import TierCounters, TierStats
 
 log = logging.getLogger(__name__)
@@ -42,6 +51,7 @@ log = logging.getLogger(__name__)
 SUBDIR = "pc-kv"
 SUFFIX = ".blk"
 _TMP = ".tmp-"
+OWNER_FILE = "owner"  # in each namespace directory: the owner id of its records (shares.py)
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 MAX_RETRY_AFTER = 60.0  # seconds: the longest pause between write probes after write errors
@@ -59,8 +69,8 @@ class DiskTier:
         self.retry_after = retry_after
         self.counters = TierCounters()
         self._lock = threading.Lock()
-        self._lru: OrderedDict[tuple[str, str], int] = OrderedDict()  # (ns, name) -> bytes
-        self._bytes = 0
+        self._index = OwnerLRU()  # (ns, name) -> bytes, by owner, each owner's LRU first
+        self._ns_owner: dict[str, str] = {}  # namespace id -> owner id, as its directory says
         self._paused_until = 0.0  # writes wait until then (monotonic) after a write error
         self._pause = 0.0  # the current back-off; 0 while writes succeed
         try:
@@ -89,6 +99,9 @@ class DiskTier:
                 os.chmod(ns_dir, DIR_MODE)  # an earlier version's (or umask's) 0755
             except OSError:
                 pass
+            owner = _read_owner(ns_dir)
+            if owner != UNKNOWN_OWNER:
+                self._ns_owner[ns_dir.name] = owner
             for f in ns_dir.iterdir():
                 try:
                     if f.name.startswith(_TMP):  # a write that never finished (crash, kill -9)
@@ -99,15 +112,17 @@ class DiskTier:
                     st = f.stat()
                 except OSError:
                     continue
-                found.append((st.st_mtime_ns, ns_dir.name, f.name[: -len(SUFFIX)], st.st_size))
+                found.append(
+                    (st.st_mtime_ns, owner, ns_dir.name, f.name[: -len(SUFFIX)], st.st_size)
+                )
         found.sort()
-        for _, ns, name, size in found:
-            self._lru[(ns, name)] = size
-            self._bytes += size
+        for _, owner, ns, name, size in found:
+            self._index.add(owner, (ns, name), size)
         self._evict_over_budget()
         if found:
-            log.info("disk cache %s: %d blocks, %.1f MiB from earlier runs", self.dir,
-                     len(self._lru), self._bytes / 2**20)  # fmt: skip
+            log.info("disk cache %s: %d blocks, %.1f MiB from earlier runs (%d owners)",
+                     self.dir, len(self._index), self._index.total / 2**20,
+                     self._index.owners)  # fmt: skip
 
     def _path(self, ns: str, name: str) -> Path:
         return self.dir / ns / (name + SUFFIX)
@@ -115,16 +130,17 @@ class DiskTier:
     # ---- reads --------------------------------------------------------------------------------
     def contains(self, ns: str, name: str) -> bool:
         with self._lock:
-            return (ns, name) in self._lru
+            return (ns, name) in self._index
 
-    def get_many(self, ns: str, names: list[str]) -> list[bytes]:
-        """The stored bytes of the leading ``names`` present here (stops at the first miss)."""
+    def get_many(self, ns: str, names: list[str], owner: str | None = None) -> list[bytes]:
+        """The stored bytes of the leading ``names`` present here (stops at the first miss).
+        (``owner``: the directory knows it here.)"""
         out: list[bytes] = []
         for name in names:
             with self._lock:
-                if (ns, name) not in self._lru:
+                if (ns, name) not in self._index:
                     break
-                self._lru.move_to_end((ns, name))
+                self._index.touch((ns, name))
             try:
                 data = self._path(ns, name).read_bytes()
             except FileNotFoundError:  # evicted or invalidated meanwhile
@@ -138,7 +154,8 @@ class DiskTier:
         return out
 
     # ---- writes -------------------------------------------------------------------------------
-    def put(self, ns: str, name: str, data: bytes, record: str = "block") -> bool:
+    def put(self, ns: str, name: str, data: bytes, record: str = "block", *, owner: str) -> bool:
+        """Store one record of namespace ``ns``, owned by ``owner`` (an owner id, shares.py)."""
         with self._lock:
             paused = time.monotonic() < self._paused_until
         if paused:
@@ -150,6 +167,10 @@ class DiskTier:
         tmp = d / f"{_TMP}{name}-{os.getpid()}-{threading.get_ident()}"
         try:
             _private_dir(d)
+            with self._lock:
+                recorded = self._ns_owner.get(ns) == owner
+            if not recorded:
+                self._record_owner(d, owner)
             _write_private(tmp, data, self.fsync)
             os.replace(tmp, self._path(ns, name))
         except OSError as e:
@@ -158,39 +179,61 @@ class DiskTier:
             return False
         self._write_ok()
         with self._lock:
-            if (ns, name) not in self._lru:
-                self._lru[(ns, name)] = len(data)
-                self._bytes += len(data)
+            if (ns, name) not in self._index:
+                self._index.add(owner, (ns, name), len(data))
         self.counters.written(record, len(data))
         self._evict_over_budget()
         return True
 
-    def remove(self, ns: str, name: str) -> None:
-        """Drop one block (a rejected one)."""
+    def _record_owner(self, d: Path, owner: str) -> None:
+        """Write the owner file of namespace directory ``d`` (atomically) and count what the
+        directory already holds (records of a run before owners were recorded) as its."""
+        if not is_owner_id(owner):
+            raise ValueError(f"not an owner id: {owner!r}")
+        tmp = d / f"{_TMP}{OWNER_FILE}-{os.getpid()}-{threading.get_ident()}"
+        try:
+            _write_private(tmp, owner.encode(), self.fsync)
+            os.replace(tmp, d / OWNER_FILE)
+        except OSError:
+            _unlink_quietly(tmp)
+            raise
+        with self._lock:
+            self._ns_owner[d.name] = owner
+            for key in self._index.keys_of(UNKNOWN_OWNER):
+                if key[0] == d.name:
+                    size = self._index.pop(key)
+                    self._index.add(owner, key, size)
+
+    def remove(self, ns: str, name: str, owner: str | None = None) -> None:
+        """Drop one block (a rejected one). (``owner``: the index knows it here.)"""
         self._forget(ns, name)
         _unlink_quietly(self._path(ns, name))
 
     def _forget(self, ns: str, name: str) -> None:
         with self._lock:
-            size = self._lru.pop((ns, name), None)
-            if size is not None:
-                self._bytes -= size
+            self._index.pop((ns, name))
 
     def _evict_over_budget(self) -> None:
+        """Back within the budget, from the owner holding the most (shares.py)."""
         while True:
             with self._lock:
-                if self._bytes <= self.capacity_bytes or not self._lru:
+                if self._index.total <= self.capacity_bytes:
                     return
-                (ns, name), size = self._lru.popitem(last=False)
-                self._bytes -= size
+                _, (ns, name), _ = self._index.victim()
+                self._index.pop((ns, name))
+                self.counters.add(evicted=1)
             _unlink_quietly(self._path(ns, name))
 
-    def drop_namespace(self, ns: str | None) -> int:
+    def drop_namespace(self, ns: str | None, owner: str | None = None) -> int:
         """Remove a namespace's blocks (``None``: every namespace). Returns the blocks removed."""
         with self._lock:
-            gone = [k for k in self._lru if ns is None or k[0] == ns]
+            gone = [k for k in self._index.records() if ns is None or k[0] == ns]
             for k in gone:
-                self._bytes -= self._lru.pop(k)
+                self._index.pop(k)
+            if ns is None:
+                self._ns_owner.clear()
+            else:
+                self._ns_owner.pop(ns, None)
         dirs = [self.dir / ns] if ns is not None else [p for p in self.dir.iterdir() if p.is_dir()]
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
@@ -217,15 +260,25 @@ class DiskTier:
     # ---- facts --------------------------------------------------------------------------------
     def stats(self) -> TierStats:
         with self._lock:
-            n, b = len(self._lru), self._bytes
+            n, b, owners = len(self._index), self._index.total, self._index.owners
         # Available even while writes are paused: reads go on.
-        return self.counters.snapshot(self.name, self.enabled, True, n, b,
-                                      self.capacity_bytes)  # fmt: skip
+        return self.counters.snapshot(self.name, self.enabled, True, n, b, self.capacity_bytes,
+                                      owners)  # fmt: skip
+
+    def owner_usage(self, owner: str) -> tuple[int, int]:
+        """(records, bytes) that ``owner`` holds here now: its own figures, nobody else's."""
+        with self._lock:
+            return self._index.count_of(owner), self._index.bytes_of(owner)
+
+    def share_bytes(self) -> int:
+        """What each owner is sure to keep now (admin figures: it says how many owners write)."""
+        with self._lock:
+            return share(self.capacity_bytes, self._index.owners)
 
     def check_integrity(self) -> None:
         with self._lock:
-            assert self._bytes == sum(self._lru.values()), "disk tier byte count drifted"
-            assert self._bytes <= self.capacity_bytes or not self._lru, "disk tier over budget"
+            self._index.check()
+            assert self._index.total <= self.capacity_bytes, "disk tier over budget"
 
     def close(self) -> None:
         pass
@@ -250,6 +303,15 @@ def _write_private(path: Path, data: bytes, fsync: bool) -> None:
                 os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _read_owner(ns_dir: Path) -> str:
+    """The owner id a namespace directory records (``UNKNOWN_OWNER`` when none or unreadable)."""
+    try:
+        owner = (ns_dir / OWNER_FILE).read_text("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return UNKNOWN_OWNER
+    return owner if is_owner_id(owner) else UNKNOWN_OWNER
 
 
 def _unlink_quietly(path: Path) -> None:

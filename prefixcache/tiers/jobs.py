@@ -62,6 +62,8 @@ class RestoreJob:
 class Write:
     namespace: str | None
     ns_id: str
+    owner: str | None  # whose share it counts against (shares.py), in the queue and the tiers
+    owner_id: str
     generation: tuple[int, int]
     blocks: list[tuple[BlockRef, bytes]]
     tiers: tuple  # the tiers to write to
@@ -72,6 +74,7 @@ class Write:
 @dataclass
 class Invalidate:
     ns_id: str | None
+    owner_id: str | None  # the namespace's owner (None with ns_id None: everything)
     done: threading.Event = field(default_factory=threading.Event)
     dropped: dict = field(default_factory=dict)
     error: str | None = None

@@ -1,10 +1,10 @@
 """The tiers behind the RAM pool, driven by two I/O threads so that no step waits on them.
 
     engine thread                      reader thread                 writer thread
-    submit_restore(blocks) ──queue──▶  disk, then Redis for what     (FIFO)
-                                       disk lacked; decode + verify  write-through of new
-    take_completed() ◀──── done ────── (codec.py)                    blocks; invalidation
-    offload(blocks) ─────────────────────────────────────────queue──▶
+    submit_restore(blocks) ──queue──▶  disk, then Redis for what     invalidations first,
+                                       disk lacked; decode + verify  then one write of each
+    take_completed() ◀──── done ────── (codec.py)                    tenant in turn
+    offload(blocks) ──────────────────────────────────── a queue per tenant ──▶
 
 Decisions:
 - **Write-through, not write-on-evict.** A block is queued for every tier when it is first
@@ -13,6 +13,14 @@ Decisions:
   inside an allocation, where copying out KV would put I/O-sized work on the step. The copy
   into the queue is one memcpy of the block; the queue is bounded in bytes and a full queue
   drops writes (counted), it never blocks the step.
+- **The write queue is shared fairly** (shares.py). Each owner (tenant) has its own FIFO; the
+  writer takes one write of each owner in turn (round-robin), so a tenant flooding the queue
+  delays another's write-through by at most one of its writes, not by the whole queue. The
+  ``max_queued_bytes`` bound is shared by the same rule as the tiers' capacity: a write that
+  does not fit is dropped when its owner holds its share (``max_queued_bytes / owners with
+  writes queued``) or more, counted as that owner's drop; otherwise the newest queued writes
+  of the owner holding the most (over its share) are dropped to make room. A tenant alone may
+  fill the whole queue; a flood drops only the flooder's writes.
 - **Order of the tiers.** Disk first (local, cheaper), then Redis for the blocks disk lacks;
   blocks found only in Redis are also written to disk. A chain stops at its first missing
   block: later blocks are useless without it.
@@ -24,9 +32,10 @@ Decisions:
 - **Every name and record is the deployment's** (secret.py): namespace ids and record names
   are keyed digests and every record is MAC'd under ``keys``, so what another deployment, or
   anyone without the secret, put in a shared store is never found or never served.
-- **Invalidation is ordered after every write queued before it** (it runs on the writer thread,
-  whose queue is FIFO), and each namespace has a generation: writes and restores of an older
-  generation are dropped, so nothing of an invalidated namespace comes back from a queue.
+- **Invalidation runs before any write queued after it** (invalidations are the writer's first
+  work), and each namespace has a generation: writes and restores of an older generation are
+  dropped, so a write queued before an invalidation either ran before it (and is deleted by
+  it) or is dropped, and nothing of an invalidated namespace comes back from a queue.
 """
 
 from __future__ import annotations
@@ -34,12 +43,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, OrderedDict, deque
 
 from prefixcache.tiers import codec
 from prefixcache.tiers.jobs import BlockRef, Invalidate, Rates, RestoreJob, SegmentRef, Write
 from prefixcache.tiers.keys import StoreLayout, block_name, namespace_id
 from prefixcache.tiers.secret import TierKeys
+from prefixcache.tiers.shares import owner_id, owner_of, share
 from prefixcache.tiers.stats import TierStats
 
 log = logging.getLogger(__name__)
@@ -62,7 +72,12 @@ class TierManager:
         self.max_queued_bytes = max_queued_bytes
         self._cv = threading.Condition()
         self._restores: deque[RestoreJob] = deque()
-        self._writes: deque[Write | Invalidate] = deque()
+        # Writes: one FIFO per owner, in round-robin order (the next to serve first); an owner
+        # with nothing queued has no entry. Invalidations go before every write.
+        self._writes: OrderedDict[str | None, deque[Write]] = OrderedDict()
+        self._invalidations: deque[Invalidate] = deque()
+        self._owner_bytes: Counter = Counter()  # owner -> bytes queued or being written
+        self._owner_dropped: Counter = Counter()  # owner -> records dropped at the queue
         self._completed: list[RestoreJob] = []
         self._done_event = threading.Event()
         self._queued_bytes = 0
@@ -101,6 +116,10 @@ class TierManager:
     def namespace_id(self, namespace: str | None) -> str:
         """The namespace's directory / key prefix in every tier (this deployment's)."""
         return namespace_id(namespace, self.keys)
+
+    def owner_id(self, namespace: str | None) -> str:
+        """The id of the namespace's owner in every tier: whose share its bytes count in."""
+        return owner_id(owner_of(namespace), self.keys)
 
     # ---- restores (engine thread submits, reader thread runs) -----------------------------------
     def submit_restore(self, request_id: str, namespace: str | None,
@@ -158,7 +177,7 @@ class TierManager:
                 self._done_event.set()
 
     def _restore(self, job: RestoreJob) -> None:
-        ns_id = self.namespace_id(job.namespace)
+        ns_id, oid = self.namespace_id(job.namespace), self.owner_id(job.namespace)
         bs = self.layout.block_size
         missing_from: list = []  # tiers that lacked blocks found later (promotion targets)
         for tier in self.tiers:
@@ -169,7 +188,8 @@ class TierManager:
                 tier.counters.add(skipped_slow=1)
                 continue
             t0 = time.perf_counter()
-            datas = tier.get_many(ns_id, [self.record_name(r.key, "blocks") for r in rest])
+            names = [self.record_name(r.key, "blocks") for r in rest]
+            datas = tier.get_many(ns_id, names, owner=oid)
             hits = 0
             for ref, data in zip(rest, datas):
                 try:
@@ -179,7 +199,7 @@ class TierManager:
                     tier.counters.reject(e.reason)
                     log.warning("%s tier: block %s rejected (%s); removed, recomputed",
                                 tier.name, ref.key.hex(), e)  # fmt: skip
-                    tier.remove(ns_id, self.record_name(ref.key, "blocks"))
+                    tier.remove(ns_id, self.record_name(ref.key, "blocks"), owner=oid)
                     break
                 job.found.append((ref, payload, tier.name))
                 hits += 1
@@ -205,7 +225,7 @@ class TierManager:
     def _restore_segments(self, job: RestoreJob) -> None:
         """Each segment from the first tier that has it (disk, then Redis); a rejected record
         is removed and looked for in the next tier. Found only in Redis: also written to disk."""
-        ns_id = self.namespace_id(job.namespace)
+        ns_id, oid = self.namespace_id(job.namespace), self.owner_id(job.namespace)
         pending: list[SegmentRef] = list(job.blocks)
         missing_from: list = []  # tiers skipped or lacking some segment (promotion targets)
         for tier in self.tiers:
@@ -218,7 +238,7 @@ class TierManager:
             t0, left, nbytes, tokens = time.perf_counter(), [], 0, 0
             for ref in pending:
                 name = self.record_name(ref.key, "segments")
-                datas = tier.get_many(ns_id, [name])
+                datas = tier.get_many(ns_id, [name], owner=oid)
                 if not datas:
                     left.append(ref)
                     continue
@@ -231,7 +251,7 @@ class TierManager:
                     tier.counters.reject(e.reason)
                     log.warning("%s tier: segment %s rejected (%s); removed, recomputed",
                                 tier.name, ref.key.hex(), e)  # fmt: skip
-                    tier.remove(ns_id, name)
+                    tier.remove(ns_id, name, owner=oid)
                     left.append(ref)
                     continue
                 job.found.append((ref, payload, tier.name))
@@ -298,29 +318,79 @@ class TierManager:
 
     def _queue_write(self, namespace, blocks, tiers, generation, kind: str = "blocks") -> None:
         nbytes = sum(len(p) for _, p in blocks)
+        owner = owner_of(namespace)
+        w = Write(namespace, self.namespace_id(namespace), owner, owner_id(owner, self.keys),
+                  generation, blocks, tiers, nbytes, kind)  # fmt: skip
         with self._cv:
-            if self._queued_bytes + nbytes > self.max_queued_bytes:
-                full = True
+            gone = self._make_room(owner, nbytes)
+            if gone is None:
+                gone = [w]
             else:
-                full = False
                 self._queued_bytes += nbytes
-                ns_id = self.namespace_id(namespace)
-                self._writes.append(
-                    Write(namespace, ns_id, generation, blocks, tiers, nbytes, kind)
-                )
+                self._owner_bytes[owner] += nbytes
+                self._writes.setdefault(owner, deque()).append(w)
                 self._cv.notify_all()
-        if full:
-            for t in tiers:
-                t.counters.add(dropped_writes=len(blocks))
+            for g in gone:
+                self._owner_dropped[g.owner] += len(g.blocks)
+        for g in gone:
+            for t in g.tiers:
+                t.counters.add(dropped_writes=len(g.blocks))
+
+    def _make_room(self, owner: str | None, nbytes: int) -> list[Write] | None:
+        """Under ``_cv``: room for ``nbytes`` more of ``owner``'s (shares.py's rule). Returns the
+        queued writes dropped to make it (their owners over their share, the one holding the
+        most first, its newest first), or None when this write is the one to drop."""
+        over = self._queued_bytes + nbytes - self.max_queued_bytes
+        if over <= 0:
+            return []
+        owners = {o for o, b in self._owner_bytes.items() if b > 0} | {owner}
+        fair = share(self.max_queued_bytes, len(owners))
+        if self._owner_bytes[owner] + nbytes > fair:
+            return None
+        held, taken, plan = dict(self._owner_bytes), Counter(), []
+        while over > 0:  # plan first: drop nothing unless the room can be made
+            cands = [o for o, q in self._writes.items()
+                     if o != owner and taken[o] < len(q) and held[o] > fair]  # fmt: skip
+            if not cands:
+                return None  # the excess is being written now; it cannot be taken back
+            top = max(cands, key=held.__getitem__)
+            taken[top] += 1
+            g = self._writes[top][-taken[top]]
+            held[top] -= g.nbytes
+            over -= g.nbytes
+            plan.append(g)
+        for g in plan:  # each owner's planned ones are its newest: pop them from the right
+            q = self._writes[g.owner]
+            q.pop()
+            if not q:
+                del self._writes[g.owner]
+            self._queued_bytes -= g.nbytes
+            self._owner_bytes[g.owner] -= g.nbytes
+            if not self._owner_bytes[g.owner]:
+                del self._owner_bytes[g.owner]
+        return plan
+
+    def _next_work(self) -> Write | Invalidate:
+        """Under ``_cv``, with work queued: an invalidation, else the next owner's oldest write
+        (that owner goes to the back of the round)."""
+        if self._invalidations:
+            return self._invalidations.popleft()
+        owner, q = next(iter(self._writes.items()))
+        item = q.popleft()
+        if q:
+            self._writes.move_to_end(owner)
+        else:
+            del self._writes[owner]
+        return item
 
     def _writer(self) -> None:
         while True:
             with self._cv:
-                while not self._writes and not self._stop:
+                while not self._has_work() and not self._stop:
                     self._cv.wait()
-                if self._stop and not self._writes:
+                if self._stop and not self._has_work():
                     return
-                item = self._writes.popleft()
+                item = self._next_work()
                 self._busy_writes += 1
             try:
                 if isinstance(item, Invalidate):
@@ -334,7 +404,13 @@ class TierManager:
                     self._busy_writes -= 1
                     if isinstance(item, Write):
                         self._queued_bytes -= item.nbytes
+                        self._owner_bytes[item.owner] -= item.nbytes
+                        if not self._owner_bytes[item.owner]:
+                            del self._owner_bytes[item.owner]
                     self._cv.notify_all()
+
+    def _has_work(self) -> bool:
+        return bool(self._invalidations or self._writes)
 
     def _run_write(self, w: Write) -> None:
         if self.generation(w.namespace) != w.generation:
@@ -349,13 +425,13 @@ class TierManager:
                 if data is None:
                     expected = self._expected(w.ns_id, ref, w.kind)
                     data = codec.encode(expected, payload, self.keys, self.compression)
-                tier.put(w.ns_id, name, data, record)
+                tier.put(w.ns_id, name, data, record, owner=w.owner_id)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write has run (tests, shutdown). False on timeout."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            while self._writes or self._busy_writes:
+            while self._has_work() or self._busy_writes:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -364,9 +440,10 @@ class TierManager:
 
     # ---- invalidation ---------------------------------------------------------------------------
     def start_invalidate(self, namespace: str | None, all_namespaces: bool = False) -> Invalidate:
-        """Drop a namespace (or everything) from every tier, in the writer's order: writes
-        queued before it run first, then are deleted; queued writes and in-flight restores of
-        the namespace are dropped from now on. ``wait_invalidate`` waits for the deletion."""
+        """Drop a namespace (or everything) from every tier, before any write queued after
+        it; queued writes and in-flight restores of the namespace are dropped from now on (a
+        write already running finishes first and is deleted). ``wait_invalidate`` waits for
+        the deletion."""
         with self._cv:
             if all_namespaces:
                 self._epoch += 1
@@ -376,8 +453,11 @@ class TierManager:
                     self._epoch += 1
                     self._ns_gen.clear()
                 self._ns_gen[namespace] = self._ns_gen.get(namespace, 0) + 1
-            job = Invalidate(None if all_namespaces else self.namespace_id(namespace))
-            self._writes.append(job)
+            if all_namespaces:
+                job = Invalidate(None, None)
+            else:
+                job = Invalidate(self.namespace_id(namespace), self.owner_id(namespace))
+            self._invalidations.append(job)
             self._cv.notify_all()
         return job
 
@@ -398,7 +478,7 @@ class TierManager:
         errors = []
         for tier in self.tiers:
             try:
-                job.dropped[tier.name] = tier.drop_namespace(job.ns_id)
+                job.dropped[tier.name] = tier.drop_namespace(job.ns_id, owner=job.owner_id)
             except Exception as e:  # noqa: BLE001 - reported to the caller
                 errors.append(f"{tier.name}: {e}")
         job.error = "; ".join(errors) or None
@@ -408,9 +488,30 @@ class TierManager:
     def stats(self) -> list[TierStats]:
         return [t.stats() for t in self.tiers]
 
+    def owner_stats(self, owner: str | None) -> dict[str, dict]:
+        """One owner's own figures (a tenant's ``/v1/cache/stats``): its bytes and drops in the
+        write queue and what each tier holds of it. Nothing here counts another owner."""
+        oid = owner_id(owner, self.keys)
+        with self._cv:
+            out = {"queue": {"queued_bytes": self._owner_bytes.get(owner, 0),
+                             "dropped_writes": self._owner_dropped.get(owner, 0)}}  # fmt: skip
+        for t in self.tiers:
+            records, nbytes = t.owner_usage(oid)
+            out[t.name] = {"stored_records": records, "stored_bytes": nbytes}
+        return out
+
     def check_integrity(self) -> None:
         with self._cv:
             assert self._queued_bytes >= 0, "tier write queue accounting drifted"
+            queued = Counter()
+            for owner, q in self._writes.items():
+                assert q, "an empty write queue kept its place in the round"
+                for w in q:
+                    assert w.owner == owner, "a write in another owner's queue"
+                    queued[owner] += w.nbytes
+            if not self._busy_writes:  # else one write's bytes are out of the queues
+                assert +self._owner_bytes == queued, "per-owner queue bytes drifted"
+                assert self._queued_bytes == sum(queued.values()), "queue bytes drifted"
         for t in self.tiers:
             t.check_integrity()
 

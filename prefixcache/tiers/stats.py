@@ -37,6 +37,8 @@ class TierStats:
     segment_missed: int = 0  # segment records looked up here and not found
     segment_written: int = 0
     oversize_writes: int = 0  # not sent: over the tier's record size cap (Redis)
+    evicted: int = 0  # records we removed to stay within capacity (shares.py), by this process
+    owners: int | None = None  # owners (tenants) holding bytes here now (None: not known)
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -57,7 +59,7 @@ class TierCounters:
         self.dropped_writes = self.errors = self.restores = self.reconnects = 0
         self.skipped_slow = 0
         self.segment_hit_tokens = self.segment_read = self.segment_missed = 0
-        self.segment_written = self.oversize_writes = 0
+        self.segment_written = self.oversize_writes = self.evicted = 0
         self.restore_seconds_total = 0.0
         self.rejected_by_reason: dict[str, int] = {}
 
@@ -77,7 +79,7 @@ class TierCounters:
             self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
 
     def snapshot(self, name: str, enabled: bool, available: bool, stored_blocks, stored_bytes,
-                 capacity_bytes) -> TierStats:  # fmt: skip
+                 capacity_bytes, owners: int | None = None) -> TierStats:  # fmt: skip
         with self.lock:
             return TierStats(
                 name=name, enabled=enabled, available=available, hit_blocks=self.hit_blocks,
@@ -92,5 +94,6 @@ class TierCounters:
                 skipped_slow=self.skipped_slow, segment_hit_tokens=self.segment_hit_tokens,
                 segment_read=self.segment_read, segment_missed=self.segment_missed,
                 segment_written=self.segment_written, oversize_writes=self.oversize_writes,
+                evicted=self.evicted, owners=owners,
                 rejected_by_reason=dict(self.rejected_by_reason),
             )  # fmt: skip
