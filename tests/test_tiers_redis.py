@@ -97,7 +97,8 @@ def test_two_deployments_on_one_redis_never_see_each_others_blocks(server):
     ref = BlockRef(b"k" * 16, b"p" * 16 + b"t" * 64)
 
     def deployment(secret: bytes) -> TierManager:
-        return TierManager([RedisTier(server.url)], layout, TierKeys.from_secret(secret))
+        keys = TierKeys.from_secret(secret)
+        return TierManager([RedisTier(server.url, scope=keys.deployment_id)], layout, keys)
 
     ours, theirs = deployment(SECRET), deployment(b"another deployment's secret, 32+ bytes")
     replica = deployment(SECRET)
@@ -115,6 +116,12 @@ def test_two_deployments_on_one_redis_never_see_each_others_blocks(server):
         client.set(planted, client.get(mine))
         assert _restore(theirs, "alice", ref) == []
         assert theirs.tiers[0].stats().rejected_by_reason == {"mac": 1}
+        # Their "invalidate everything" drops their records, never ours.
+        theirs.offload("bob", [(ref, bytes(range(256)))])
+        assert theirs.flush()
+        theirs.invalidate(None, all_namespaces=True)
+        assert _restore(theirs, "bob", ref) == []
+        assert len(_restore(replica, "alice", ref)) == 1
     finally:
         client.close()
         for m in (ours, theirs, replica):

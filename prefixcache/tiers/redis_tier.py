@@ -2,7 +2,7 @@
 
     key = "pc-kv:<namespace id>:<record name>"  -> the encoded block (codec.py)
     "pc-kv-index:<namespace id>"                  -> set of the block names written there
-    "pc-kv-namespaces"                            -> set of the namespace ids written
+    "pc-kv-namespaces:<deployment id>"            -> set of the namespace ids it wrote
     "pc-kv-use:<deployment id>"                   -> hash: owner id -> bytes we wrote for it
     "pc-kv-lru:<owner id>"                        -> sorted set: "<ns>:<name>" by last use
     "pc-kv-size:<owner id>"                       -> hash: "<ns>:<name>" -> bytes
@@ -180,6 +180,9 @@ class RedisTier:
         self._auto_capacity = capacity_bytes == AUTO
         self.capacity_bytes: int | None = None if self._auto_capacity else capacity_bytes
         self._use_key = f"{USE_PREFIX}:{scope}"
+        # Per deployment: dropping "all of ours" must not reach another deployment's records
+        # on the same Redis (its namespace ids differ: keyed by its secret, keys.py).
+        self._namespaces_key = f"{NAMESPACES}:{scope}"
         self._owner_bytes: dict[str, int] = {}  # owner -> its bytes as of our last write of it
         # One immediate retry on a connection error, none on a timeout: after Redis restarted,
         # the first command on each pooled connection fails (reset); the retry takes a new
@@ -313,7 +316,7 @@ class RedisTier:
             # One script, atomic like a MULTI: a concurrent invalidation sees the block, its
             # index entry and its accounting, or none of them.
             evicted, mine = self._put_script(
-                keys=[self._key(ns, name), self._index(ns), NAMESPACES, self._use_key,
+                keys=[self._key(ns, name), self._index(ns), self._namespaces_key, self._use_key,
                       f"{LRU_PREFIX}:{owner}", f"{SIZE_PREFIX}:{owner}"],
                 args=[data, ns, name, owner, self.capacity_bytes or 0, time.time(), PREFIX,
                       INDEX_PREFIX, LRU_PREFIX, SIZE_PREFIX],
@@ -363,7 +366,7 @@ class RedisTier:
             n = 0
             if ns is None:
                 self._drop_accounts()
-            for one in self._take(NAMESPACES) if ns is None else [ns]:
+            for one in self._take(self._namespaces_key) if ns is None else [ns]:
                 one = one.decode() if isinstance(one, bytes) else one
                 names = [m.decode() for m in self._take(self._index(one))]
                 for i in range(0, len(names), _UNLINK_BATCH):
