@@ -204,3 +204,22 @@ def hash_blocks(
     return chain_keys(
         block_chunks(token_ids, block_size, start_block), root if parent is None else parent
     )
+
+
+def hash_blocks_after_shared(
+    token_ids: Sequence[int],
+    block_size: int,
+    shared_root: BlockHash,
+    num_shared_blocks: int,
+    own_root: BlockHash,
+) -> list[BlockHash]:
+    """Keys of the full blocks of a prompt whose first ``num_shared_blocks`` blocks are a
+    shared prefix (the chain of ``shared_root``) and whose later blocks are its owner's (the
+    chain goes on from the join of the last shared key and ``own_root``)."""
+    k = num_shared_blocks
+    if k <= 0:
+        return hash_blocks(token_ids, block_size, own_root)
+    keys = hash_blocks(token_ids[: k * block_size], block_size, shared_root)
+    if len(keys) == k and len(token_ids) >= (k + 1) * block_size:
+        keys += hash_blocks(token_ids, block_size, own_root, k, join_hash(keys[-1], own_root))
+    return keys

@@ -31,6 +31,7 @@ from prefixcache.cache.hashing import (
     block_chunks,
     chain_keys,
     hash_blocks,
+    hash_blocks_after_shared,
     join_hash,
     root_hash,
 )
@@ -133,12 +134,11 @@ class KVCacheManager:
 
     def keys_in(self, token_ids: list[int], scope: KeyScope) -> list[BlockHash]:
         """Keys of the full blocks of ``token_ids`` in ``scope``."""
-        k, b = scope.shared_blocks, self.block_size
-        keys = hash_blocks(token_ids[: k * b] if k else token_ids, b, self.first_root(scope))
-        if k and len(token_ids) > k * b:
-            parent = join_hash(keys[k - 1], self.root(scope.namespace))
-            keys += hash_blocks(token_ids, b, self.root(scope.namespace), k, parent)
-        return keys
+        own = self.root(scope.namespace)
+        if not scope.shared_blocks:
+            return hash_blocks(token_ids, self.block_size, own)
+        shared = self.root(scope.shared_namespace)
+        return hash_blocks_after_shared(token_ids, self.block_size, shared, scope.shared_blocks, own)
 
     def parent_of(self, seq: Sequence, i: int) -> BlockHash:
         """The parent key of block ``i`` of ``seq`` (its keys up to ``i - 1`` are hashed)."""
