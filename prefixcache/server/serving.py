@@ -208,30 +208,11 @@ class Serving:
         return ChatPrompt(ids, tuple(spans), system)
 
     def _system_tokens(self, dicts: list[dict], ids: list[int]) -> int:
-        """How many leading ``ids`` render the chat's leading system messages (developer ones
-        are system messages here) alone: the longest common prefix of the whole rendering and
-        the rendering of those messages without the rest. Every such token comes from the
-        system messages and the template, never from a later message (a token that merges
-        across the boundary differs, and the count stops before it), so declaring them
-        shared shares nothing of the conversation, of documents (merged after the system
-        text) or of the output."""
-        lead = []
-        for d in dicts:
-            if d["role"] != "system":
-                break
-            lead.append(d)
-        if not lead:
-            return 0
-        try:
-            head = self.tokenizer.encode_chat(lead, add_generation_prompt=False)
-        except (ValueError, KeyError, TypeError, jinja2.TemplateError):
-            return 0  # a template that cannot render system messages alone: nothing shared
-        n = 0
-        for x, y in zip(head, ids):
-            if x != y:
-                break
-            n += 1
-        return n
+        """The leading ``ids`` that render the chat's leading system messages (developer ones
+        are system messages here) alone: what a chat with a shared salt declares shared. None
+        of them comes from a later message, a document (merged after the system text) or the
+        output (Tokenizer.leading_system_tokens)."""
+        return self.tokenizer.leading_system_tokens(dicts, ids)
 
     async def chat_prompt(
         self,
