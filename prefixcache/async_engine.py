@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from prefixcache.config import EngineConfig
-from prefixcache.engine import LLMEngine
+from prefixcache.engine import LLMEngine, check_shared_prefix
 from prefixcache.engine_api import (
     EngineHealth,
     EngineStats,
@@ -44,7 +44,7 @@ from prefixcache.errors import (
     SlowConsumerError,
     TenantQuotaError,
 )
-from prefixcache.request import CacheExplanation, SamplingParams, StreamDelta
+from prefixcache.request import CacheExplanation, SamplingParams, SharedPrefix, StreamDelta
 from prefixcache.segments.plan import SegmentRequest
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class AddRequest:
     explain: bool
     explain_across_namespaces: bool
     segments: SegmentRequest | None = None
+    shared_prefix: SharedPrefix | None = None
 
 
 @dataclass(frozen=True)
@@ -233,14 +234,16 @@ class AsyncEngine:
         tenant: str | None = None,
         explain_across_namespaces: bool = False,
         segments: SegmentRequest | None = None,
+        shared_prefix: SharedPrefix | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Validate now (InvalidRequestError, QueueFullError, TenantQuotaError,
         EngineShutDownError), run in the engine thread, stream deltas. Requests added before
         the first ``start()`` wait for it; after ``shutdown()`` they are refused until
-        ``start()`` is called again."""
+        ``start()`` is called again. ``shared_prefix``: LLMEngine.add_request."""
         if self._closed or self._crash is not None:
             raise EngineShutDownError("the engine is shutting down and takes no new requests")
         self.engine.validate(prompt_token_ids, params)
+        check_shared_prefix(shared_prefix, len(prompt_token_ids))
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.check_admission(tenant, 1)
@@ -249,7 +252,7 @@ class AsyncEngine:
         self._inbox.append(
             AddRequest(
                 request_id, list(prompt_token_ids), params, namespace, tenant, priority,
-                explain, explain_across_namespaces, segments,
+                explain, explain_across_namespaces, segments, shared_prefix,
             )
         )  # fmt: skip
         self._wake.set()
@@ -304,6 +307,7 @@ class AsyncEngine:
                     m.request_id, m.prompt_token_ids, m.params, namespace=m.namespace,
                     priority=m.priority, explain=m.explain, tenant=m.tenant,
                     explain_across_namespaces=m.explain_across_namespaces, segments=m.segments,
+                    shared_prefix=m.shared_prefix,
                 )  # fmt: skip
             except Exception as e:  # noqa: BLE001 - handed to the request's consumer
                 self._fail(m.request_id, e)
@@ -386,12 +390,14 @@ class AsyncEngine:
         *,
         tenant: str | None = None,
         quota: bool = True,
+        shared_prefix: SharedPrefix | None = None,
     ) -> WarmResult:
         """Prefill a prompt (one token is generated and dropped) and optionally pin its blocks,
         charged to ``tenant``'s pin quota (``quota=False``: the pool's budget only). A pin over
         the budget or the quota is a ``PinQuotaError`` after the prefill (the prompt stays
-        cached, unpinned): which blocks are new to the pin is known only once they exist."""
-        before = await asyncio.to_thread(self.lookup, prompt_token_ids, namespace)
+        cached, unpinned): which blocks are new to the pin is known only once they exist.
+        ``shared_prefix``: as for a request (a whole prompt may be one)."""
+        before = await asyncio.to_thread(self.lookup, prompt_token_ids, namespace, shared_prefix)
         if pin and quota and tenant is not None and tenant not in self._pin_tenants:
             self.set_pin_tenants(self._pin_tenants | {tenant})  # one nobody named: its share too
         if pin:
@@ -399,12 +405,18 @@ class AsyncEngine:
         self._warm_ids += 1
         rid = f"warm-{self._warm_ids}-{time.monotonic_ns()}"
         params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        async for _ in self.add_request(rid, prompt_token_ids, params, namespace, tenant=tenant):
+        stream = self.add_request(
+            rid, prompt_token_ids, params, namespace, tenant=tenant, shared_prefix=shared_prefix
+        )
+        async for _ in stream:
             pass
         pinned = 0
         if pin:
             with self._lock:
-                pinned = self.engine.pin_prefix(prompt_token_ids, namespace, ttl_seconds, owner=tenant)
+                pinned = self.engine.pin_prefix(
+                    prompt_token_ids, namespace, ttl_seconds, owner=tenant,
+                    shared_prefix=shared_prefix,
+                )  # fmt: skip
         return WarmResult(len(prompt_token_ids), before.num_cached_tokens, pinned)
 
     async def warm_segments(
@@ -434,15 +446,24 @@ class AsyncEngine:
         budget = self.engine.pool.max_pinned_blocks
         return min(int(budget * self.config.pin_quota_fraction), budget // max(1, num_tenants))
 
-    def lookup(self, prompt_token_ids: list[int], namespace: str | None = None) -> LookupResult:
+    def lookup(
+        self,
+        prompt_token_ids: list[int],
+        namespace: str | None = None,
+        shared_prefix: SharedPrefix | None = None,
+    ) -> LookupResult:
         with self._lock:
-            return self.engine.lookup(prompt_token_ids, namespace)
+            return self.engine.lookup(prompt_token_ids, namespace, shared_prefix)
 
     def explain(
-        self, prompt_token_ids: list[int], namespace: str | None = None, across: bool = False
+        self,
+        prompt_token_ids: list[int],
+        namespace: str | None = None,
+        across: bool = False,
+        shared_prefix: SharedPrefix | None = None,
     ) -> CacheExplanation:
         with self._lock:
-            return self.engine.explain(prompt_token_ids, namespace, across)
+            return self.engine.explain(prompt_token_ids, namespace, across, shared_prefix)
 
     def invalidate(self, namespace: str | None, all_namespaces: bool | None = None) -> int:
         """Drop a namespace's cached blocks; ``namespace=None`` drops all namespaces."""
@@ -453,8 +474,13 @@ class AsyncEngine:
         self.engine.tiers.wait(ticket)
         return n
 
-    def block_hashes(self, prompt_token_ids: list[int], namespace: str | None = None) -> list[bytes]:
-        return self.engine.block_hashes(prompt_token_ids, namespace)
+    def block_hashes(
+        self,
+        prompt_token_ids: list[int],
+        namespace: str | None = None,
+        shared_prefix: SharedPrefix | None = None,
+    ) -> list[bytes]:
+        return self.engine.block_hashes(prompt_token_ids, namespace, shared_prefix)
 
     def cache_stats(self) -> dict:
         with self._lock:

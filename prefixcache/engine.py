@@ -33,7 +33,13 @@ from prefixcache.model.paths import DEFAULT_MODEL_NAME, resolve_model_path
 from prefixcache.model.runner import ModelRunner, resolve_dtype, weight_format
 from prefixcache.model.weights_cache import load_model
 from prefixcache.output import OutputProcessor
-from prefixcache.request import CacheExplanation, RequestMetrics, RequestStatus, SamplingParams
+from prefixcache.request import (
+    CacheExplanation,
+    RequestMetrics,
+    RequestStatus,
+    SamplingParams,
+    SharedPrefix,
+)
 from prefixcache.sampler import SampleFailure, make_generator, sample
 from prefixcache.scheduler import Scheduler
 from prefixcache.segments.assembler import SegmentAssembler
@@ -109,7 +115,8 @@ class LLMEngine:
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
         self._n_added = 0
-        # The last explanation, with what it answered: (namespace, across, prompt, answer). The
+        # The last explanation, with what it answered: (namespace, across, scope, prompt,
+        # answer). The
         # choices of one API request (up to prompts x n) arrive one after another with the same
         # prompt and are explained once. Only a step or an invalidation changes the index, so
         # both forget it.
@@ -181,16 +188,22 @@ class LLMEngine:
         tenant: str | None = None,
         explain_across_namespaces: bool = False,
         segments: SegmentRequest | None = None,
+        shared_prefix: SharedPrefix | None = None,
     ) -> Sequence:
         """``explain_across_namespaces`` (admins only): a miss may be explained by blocks of
         other namespaces. Without it the explanation looks at this namespace alone, so what it
         says and what it costs never depend on other tenants' prompts. ``segments``: reuse
-        these document spans through the segment store (cache_mode="segments")."""
+        these document spans through the segment store (cache_mode="segments").
+        ``shared_prefix``: the leading tokens that are cached in a shared namespace (whole
+        blocks of them); everything else of the request, its output included, is keyed in
+        ``namespace`` only."""
         if request_id in self.seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
         self.validate(ids, params)
+        check_shared_prefix(shared_prefix, len(ids))
+        scope = self.kv.scope(namespace, shared_prefix, len(ids))
         plan = None
         if segments is not None and segments.spans:
             plan = self.segments.plan(ids, list(segments.spans), segments.options, namespace)
@@ -198,8 +211,10 @@ class LLMEngine:
             request_id=request_id,
             prompt_token_ids=ids,
             params=params,
-            root=self.kv.root(namespace),
+            root=self.kv.first_root(scope),
             namespace=namespace,
+            shared_namespace=scope.shared_namespace,
+            num_shared_blocks=scope.shared_blocks,
             tenant=tenant,
             priority=priority,
             prompt=text,
@@ -211,11 +226,11 @@ class LLMEngine:
             seq.segments = plan
             seq.max_registered_blocks = self.segments.register_limit(plan)
         if explain:
-            last, key = self._explained, (namespace, explain_across_namespaces)
-            if last is None or last[:2] != key or last[2] != ids:
-                info = self.explain(ids, namespace, explain_across_namespaces)
+            last, key = self._explained, (namespace, explain_across_namespaces, scope)
+            if last is None or last[:3] != key or last[3] != ids:
+                info = self.explain(ids, namespace, explain_across_namespaces, shared_prefix)
                 last = self._explained = (*key, ids, info)
-            seq.cache_info = last[3]
+            seq.cache_info = last[4]
         self._n_added += 1
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -312,19 +327,36 @@ class LLMEngine:
         seq.metrics.finished_time = time.time()
 
     # ---- cache control ----------------------------------------------------------------------------
-    def lookup(self, prompt_token_ids: list[int], namespace: str | None = None) -> LookupResult:
-        return LookupResult(len(prompt_token_ids), self.kv.lookup(prompt_token_ids, namespace))
+    def lookup(
+        self,
+        prompt_token_ids: list[int],
+        namespace: str | None = None,
+        shared_prefix: SharedPrefix | None = None,
+    ) -> LookupResult:
+        check_shared_prefix(shared_prefix, len(prompt_token_ids))
+        hit = self.kv.lookup(prompt_token_ids, namespace, shared_prefix)
+        return LookupResult(len(prompt_token_ids), hit)
 
     def explain(
-        self, prompt_token_ids: list[int], namespace: str | None = None, across: bool = False
+        self,
+        prompt_token_ids: list[int],
+        namespace: str | None = None,
+        across: bool = False,
+        shared_prefix: SharedPrefix | None = None,
     ) -> CacheExplanation:
         """Why this prompt would (not) hit. ``across`` (admin): other namespaces may explain
         a miss; they are the namespaces holding cached blocks now, a set bounded by the pool."""
+        check_shared_prefix(shared_prefix, len(prompt_token_ids))
         others = self.pool.index.namespaces() if across else ()
-        return self.kv.explain(prompt_token_ids, namespace, others)
+        return self.kv.explain(prompt_token_ids, namespace, others, shared_prefix)
 
-    def block_hashes(self, prompt_token_ids: list[int], namespace: str | None = None) -> list[bytes]:
-        return self.kv.keys_for(prompt_token_ids, namespace)
+    def block_hashes(
+        self,
+        prompt_token_ids: list[int],
+        namespace: str | None = None,
+        shared_prefix: SharedPrefix | None = None,
+    ) -> list[bytes]:
+        return self.kv.keys_for(prompt_token_ids, namespace, shared_prefix)
 
     def warm_segments(self, token_ids: list[int], spans, namespace: str | None) -> int:
         """Store each span of ``token_ids`` as a segment; returns how many were stored already."""
@@ -338,14 +370,15 @@ class LLMEngine:
         namespace: str | None,
         ttl: float | None,
         owner: str | None = None,
+        shared_prefix: SharedPrefix | None = None,
     ) -> int:
         """Pin the cached full blocks of a prompt (after it was prefilled) for ``ttl`` seconds
         (None: the longest, ``max_pin_ttl_seconds``), charged to ``owner``'s quota
         (``pool.set_pin_quotas``; an owner without one: only the pool's budget). Returns the
         blocks pinned."""
         ttl = self.check_pin_ttl(ttl)
-        keys = self.kv.keys_for(prompt_token_ids, namespace)
-        m = self.pool.match(keys, prompt_token_ids, self.kv.root(namespace))
+        scope = self.kv.scope(namespace, shared_prefix, len(prompt_token_ids))
+        m = self.kv.match_prompt(prompt_token_ids, scope)
         try:
             self.pool.pin(m.block_ids, ttl, owner=owner)
         except ValueError as e:
@@ -394,6 +427,16 @@ class LLMEngine:
         self.pool.check_integrity(self.scheduler.live_block_tables())
         self.tiers.check_integrity()
         self.segments.store.check_integrity()
+
+
+def check_shared_prefix(shared: SharedPrefix | None, num_prompt_tokens: int) -> None:
+    """A shared prefix lies within the prompt: generated output is never shared."""
+    if shared is not None and shared.num_tokens > num_prompt_tokens:
+        raise InvalidRequestError(
+            f"the shared prefix ({shared.num_tokens} tokens) is longer than the prompt "
+            f"({num_prompt_tokens} tokens)",
+            param="shared_prefix",
+        )
 
 
 def _prompt_tokens(scheduled) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from prefixcache.config import EngineConfig
-from prefixcache.request import CacheExplanation, SamplingParams, StreamDelta
+from prefixcache.request import CacheExplanation, SamplingParams, SharedPrefix, StreamDelta
 from prefixcache.segments.plan import SegmentRequest
 
 
@@ -138,7 +138,10 @@ class EngineAPI(Protocol):
         tenant: str | None = None,
         explain_across_namespaces: bool = False,
         segments: SegmentRequest | None = None,
-    ) -> AsyncIterator[StreamDelta]: ...
+        shared_prefix: SharedPrefix | None = None,
+    ) -> AsyncIterator[StreamDelta]:
+        """``shared_prefix``: the leading tokens cached in a shared namespace (whole blocks);
+        the rest, output included, is keyed in ``namespace`` only."""
 
     def abort(self, request_id: str) -> None: ...
     def validate_prompt(self, prompt_token_ids: list[int]) -> None: ...
@@ -152,6 +155,7 @@ class EngineAPI(Protocol):
         *,
         tenant: str | None = None,
         quota: bool = True,
+        shared_prefix: SharedPrefix | None = None,
     ) -> WarmResult:
         """Prefill (and pin, charged to ``tenant``; ``quota=False`` for admins)."""
 
@@ -163,12 +167,26 @@ class EngineAPI(Protocol):
     def set_pin_tenants(self, tenants: Iterable[str]) -> None:
         """The tenants bound by a pin quota; their quotas sum within the pin budget."""
 
-    def lookup(self, prompt_token_ids: list[int], namespace: str | None = None) -> LookupResult: ...
+    def lookup(
+        self,
+        prompt_token_ids: list[int],
+        namespace: str | None = None,
+        shared_prefix: SharedPrefix | None = None,
+    ) -> LookupResult: ...
     def explain(
-        self, prompt_token_ids: list[int], namespace: str | None = None, across: bool = False
+        self,
+        prompt_token_ids: list[int],
+        namespace: str | None = None,
+        across: bool = False,
+        shared_prefix: SharedPrefix | None = None,
     ) -> CacheExplanation: ...
     def invalidate(self, namespace: str | None, all_namespaces: bool | None = None) -> int: ...
-    def block_hashes(self, prompt_token_ids: list[int], namespace: str | None = None) -> list[bytes]: ...
+    def block_hashes(
+        self,
+        prompt_token_ids: list[int],
+        namespace: str | None = None,
+        shared_prefix: SharedPrefix | None = None,
+    ) -> list[bytes]: ...
     def engine_stats(self) -> EngineStats: ...
     def tenant_stats(
         self, tenant: str | None, owns: Callable[[str | None], bool]

@@ -112,20 +112,32 @@ class EngineTiers:
             return
         seq.tier_tokens = {}
         self._restore_segments(seq)
+        self._restore_blocks(seq)
+
+    def _restore_blocks(self, seq: Sequence, after_shared: bool = False) -> None:
+        """Hand the reader the next run of ``seq``'s full blocks beyond what RAM holds, all of
+        one namespace: a restore job reads one namespace, so a chain that crosses from a shared
+        prefix into the owner's part is restored in two jobs, the owner's part
+        (``after_shared``) once the shared part is installed."""
         m = self.kv.match(seq)  # hashes the usable full blocks into seq.block_keys
         first, n_full = len(m.block_ids), (seq.num_tokens - 1) // self.block_size
         n_full = min(n_full, self.kv.pool.num_blocks - self.kv.pool.max_pinned_blocks)
         if seq.max_registered_blocks is not None:  # segments: later blocks are never stored
             n_full = min(n_full, seq.max_registered_blocks)
-        if first >= n_full or not self.manager.may_have(seq.namespace, seq.block_keys[first]):
+        k = seq.num_shared_blocks
+        if after_shared and first != k:
+            return  # the shared part is not (or no longer) all in RAM: the chain stops there
+        end = min(k, n_full) if first < k else n_full
+        namespace = seq.namespace_of_block(first)
+        if first >= end or not self.manager.may_have(namespace, seq.block_keys[first]):
             return
         b = self.block_size
-        chunks = block_chunks(seq.all_token_ids, b, start_block=first, num_tokens=n_full * b)
-        refs = []
-        for i, chunk in enumerate(chunks, start=first):
-            parent = seq.block_keys[i - 1] if i else seq.root
-            refs.append(BlockRef(seq.block_keys[i], parent + chunk))
-        job = self.manager.submit_restore(seq.request_id, seq.namespace, refs)
+        chunks = block_chunks(seq.all_token_ids, b, start_block=first, num_tokens=end * b)
+        refs = [
+            BlockRef(seq.block_keys[i], self.kv.parent_of(seq, i) + chunk)
+            for i, chunk in enumerate(chunks, start=first)
+        ]
+        job = self.manager.submit_restore(seq.request_id, namespace, refs)
         seq.restoring = True
         self._jobs[seq.request_id] = (seq, job, first)
 
@@ -172,8 +184,11 @@ class EngineTiers:
                 continue
             if job.kind == "segments":
                 self._install_segments(seq, job)
-            else:
-                self._install(seq, job, entry[2])
+                continue
+            self._install(seq, job, entry[2])
+            shared_run = entry[2] + len(job.blocks) == seq.num_shared_blocks
+            if shared_run and len(job.found) == len(job.blocks):
+                self._restore_blocks(seq, after_shared=True)
 
     def _install_segments(self, seq: Sequence, job: RestoreJob) -> None:
         """Restored segments into the segment store, where the assembly finds them."""
@@ -206,21 +221,23 @@ class EngineTiers:
             got: Counter = Counter()
             for i, (bid, (ref, payload, where)) in enumerate(zip(ids, todo), start=have):
                 self.cache.write_block(bid, payload)
+                namespace = seq.namespace_of_block(i)
                 holder = pool.register(
                     bid, ref.key, ref.key_input[:KEY_BYTES], tokens[i * b : (i + 1) * b],
-                    seq.namespace,
+                    namespace,
                 )  # fmt: skip
                 if holder is None:
                     break  # a key collision: nothing chained on it is installed
-                self._remember(ref.key, seq.namespace)
+                self._remember(ref.key, namespace)
                 if holder == bid:  # else RAM had this one already; ours goes back free
                     got[where] += b
             pool.release(ids)
         finally:
             pool.release(m.block_ids)
         if seq.explain:  # explained at arrival, before the restore: say what it gets now
-            seq.cache_info = self.kv.explain(seq.prompt_token_ids, seq.namespace, ())
-        seq.tier_tokens = dict(got)
+            seq.cache_info = self.kv.explain_in(seq.prompt_token_ids, self.kv.scope_of(seq), ())
+        for where, n in got.items():  # a chain crossing a shared prefix comes in two jobs
+            seq.tier_tokens[where] = seq.tier_tokens.get(where, 0) + n
         self._by_tenant.setdefault(seq.tenant, Counter()).update(got)
         self.manager.count_served({k: v // b for k, v in got.items()})
 
@@ -242,15 +259,17 @@ class EngineTiers:
         if n <= first_block:
             return
         chunks = block_chunks(seq.all_token_ids, b, start_block=first_block, num_tokens=n * b)
-        out = []
+        out: dict[str | None, list] = {}  # namespace -> its blocks (a shared run, the owner's)
         for i, chunk in enumerate(chunks, start=first_block):
             key = seq.block_keys[i]
             if key in self._known:
                 continue
-            parent = seq.block_keys[i - 1] if i else seq.root
-            out.append((BlockRef(key, parent + chunk), self.cache.read_block(seq.block_table[i])))
-            self._remember(key, seq.namespace)
-        self.manager.offload(seq.namespace, out)
+            namespace = seq.namespace_of_block(i)
+            ref = BlockRef(key, self.kv.parent_of(seq, i) + chunk)
+            out.setdefault(namespace, []).append((ref, self.cache.read_block(seq.block_table[i])))
+            self._remember(key, namespace)
+        for namespace, blocks in out.items():
+            self.manager.offload(namespace, blocks)
 
     def offload_segment(self, key: bytes, entry: SegmentEntry) -> None:
         """Queue a segment just computed alone for every tier."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prefixcache.config import EngineConfig
 from prefixcache.engine import LLMEngine
-from prefixcache.request import RequestOutput, SamplingParams
+from prefixcache.request import RequestOutput, SamplingParams, SharedPrefix
 from prefixcache.segments.plan import (
     CACHE_MODES,
     DEFAULT_RECOMPUTE_TOKENS,
@@ -46,10 +46,12 @@ class LLM:
         cache_salt: str | None = None,
         priority: Seq[int] | None = None,
         segments: Seq[SegmentRequest | None] | None = None,
+        shared_prefixes: Seq[SharedPrefix | None] | None = None,
     ) -> list[RequestOutput]:
         """Run the prompts as one batch through the scheduler; outputs in input order.
         ``segments`` (one per prompt, as ``chat(cache_mode="segments")`` builds them): document
-        spans to reuse through the segment store."""
+        spans to reuse through the segment store. ``shared_prefixes`` (one per prompt): the
+        leading tokens cached in a shared namespace, the rest in ``cache_salt``'s."""
         plist = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -66,8 +68,10 @@ class LLM:
                 rid = f"offline-{next(self._ids)}"
                 prio = 0 if priority is None else priority[i]
                 seg = None if segments is None else segments[i]
+                shared = None if shared_prefixes is None else shared_prefixes[i]
                 seqs.append(self.engine.add_request(
-                    rid, p, sp, namespace=cache_salt, priority=prio, segments=seg))  # fmt: skip
+                    rid, p, sp, namespace=cache_salt, priority=prio, segments=seg,
+                    shared_prefix=shared))  # fmt: skip
         except BaseException:
             for s in seqs:  # nothing half-added stays behind
                 self.engine.abort(s.request_id)

@@ -89,6 +89,33 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
 
+@dataclass(frozen=True)
+class SharedPrefix:
+    """The leading ``num_tokens`` tokens of a request may be cached in ``namespace``, a
+    namespace shared with others; the rest of the request stays in its own namespace.
+
+    The one way to mark a prefix as shared (the server declares a chat's leading system
+    messages with it, an admin's warm a whole prompt; hosted-API cache breakpoints set it
+    too). Only whole blocks are shared: ``num_tokens`` is rounded down to a multiple of the
+    block size, and the request's later blocks (its suffix, its generated output) are keyed in
+    its own namespace with the chain going on from the shared prefix's last key, salted with
+    that namespace (docs/design.md §3, "Shared prefixes"). So another request can hit the
+    shared part only, and what a request learns about the cache (hits, ``diverged_at``) never
+    reaches past the shared part into blocks it does not own."""
+
+    namespace: str | None
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.namespace is not None and not isinstance(self.namespace, str):
+            raise InvalidRequestError("shared prefix namespace must be a string", param="shared_prefix")
+        if not _is_int(self.num_tokens) or self.num_tokens < 0:
+            raise InvalidRequestError(
+                f"shared prefix num_tokens must be an integer >= 0, got {self.num_tokens!r}",
+                param="shared_prefix",
+            )
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -20,7 +20,14 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     root: BlockHash  # parent of block 0: key format, block size, model fingerprint, namespace
-    namespace: str | None = None
+    namespace: str | None = None  # the request's own namespace
+    # A declared shared prefix (request.SharedPrefix) of whole blocks: blocks
+    # 0..num_shared_blocks-1 are keyed in shared_namespace (``root`` is then its root), every
+    # later block in ``namespace``, block num_shared_blocks with parent ``join``
+    # (hashing.join_hash of the last shared key; set by the KV cache manager when hashed).
+    shared_namespace: str | None = None
+    num_shared_blocks: int = 0
+    join: BlockHash | None = None
     # Who sent it: fair admission and quotas count per tenant (None: the offline API's one user).
     tenant: str | None = None
     priority: int = 0  # orders a tenant's own waiting sequences; never jumps other tenants
@@ -57,6 +64,10 @@ class Sequence:
     num_streamed_chars: int = 0
     detok: object | None = None
     generator: object | None = None  # torch.Generator for sampling; set by the engine
+
+    def namespace_of_block(self, i: int) -> str | None:
+        """The namespace block ``i`` is keyed and registered in."""
+        return self.shared_namespace if i < self.num_shared_blocks else self.namespace
 
     @property
     def all_token_ids(self) -> list[int]:

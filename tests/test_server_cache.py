@@ -152,13 +152,21 @@ def test_tenants_are_isolated(alice, bob, ops):
     assert alice.cached(p, cache_salt="x") == 0
 
 
-def test_shared_namespace(alice, bob):
+def test_shared_namespace(alice, bob, ops):
     q = ids(3, 40)
+    # A raw prompt declares nothing shared: with a shared salt it stays in "alice/public".
     assert alice.cached(q, cache_salt="public") == 0
-    assert bob.cached(q, cache_salt="public") == 32
-    assert bob.lookup(q, cache_salt="handbook") == 0  # shared too (from the command line)
-    alice.warm(q, cache_salt="handbook")
-    assert bob.lookup(q, cache_salt="handbook") == 32
+    assert bob.cached(q, cache_salt="public") == 0
+    assert alice.cached(q, cache_salt="public") == 32
+    # A chat's system messages are what a shared salt shares; an admin warms them for everyone
+    # (here in a shared namespace from the command line).
+    system = [{"role": "system", "content": "You answer questions about the handbook. " * 4}]
+    w = ops.post("/v1/cache/warm", {"messages": system, "add_generation_prompt": False,
+                                    "cache_salt": "handbook"})  # fmt: skip
+    assert w["shared_namespace"] == "handbook" and w["shared_tokens"] >= 32
+    ask = {"messages": [*system, {"role": "user", "content": "Page one?"}], "cache_salt": "handbook"}
+    look = bob.post("/v1/cache/lookup", ask)
+    assert look["num_cached_tokens"] >= 16 and look["namespace"] == "bob/handbook"
     assert bob.cached(q, cache_salt="private") == 0  # "bob/private"
     assert alice.cached(q, cache_salt="private") == 0  # "alice/private"
 

@@ -9,7 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from prefixcache.cli import build_parser
-from prefixcache.server.auth import Tenant, TenantDirectory, load_keys_file
+from prefixcache.request import SharedPrefix
+from prefixcache.server.auth import CacheScope, Tenant, TenantDirectory, load_keys_file
 from prefixcache.server.body import parse_json
 from prefixcache.server.cli import _engine_config, _limits, origin_policy
 from prefixcache.server.errors import APIError, validation_error
@@ -166,6 +167,12 @@ def test_namespaces_are_derived_by_the_server():
     assert d.namespace(alice, "x") == "alice/x"
     assert d.namespace(bob, "alice") == "bob/alice"  # a salt never reaches another tenant
     assert d.namespace(alice, "public") == d.namespace(bob, "public") == "public"
+    # A request with a shared salt is cached in the tenant's own part; only what it declares
+    # shared goes to the shared namespace (docs/server.md "Shared prefixes").
+    assert d.scope(alice, "public") == CacheScope("alice/public", "public")
+    assert d.scope(alice, "x") == CacheScope("alice/x") and d.scope(alice, None).shared is None
+    assert d.scope(bob, "public").prefix(0) is None
+    assert d.scope(bob, "public").prefix(40) == SharedPrefix("public", 40)
     with pytest.raises(APIError):
         d.namespace(alice, "")
     assert d.owns(alice, "alice") and d.owns(alice, "alice/x")

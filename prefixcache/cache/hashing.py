@@ -21,6 +21,14 @@ Byte layout (also in docs/design.md, "Cache keys (format v2)")::
     key_0     = H( root      || u32(t[0])  || ... || u32(t[B-1]) )
     key_i     = H( key_{i-1} || u32(t[iB]) || ... || u32(t[iB+B-1]) )       B = block_size
 
+    A request with a shared prefix of k blocks (request.SharedPrefix): blocks 0..k-1 are the
+    chain of the shared namespace's root; block k's parent is not key_{k-1} but
+
+    join      = H( b"prefixcache/shared-join"        23 ASCII bytes
+                   || u32(KEY_FORMAT_VERSION)
+                   || key_{k-1}                       the shared prefix's last key
+                   || root(owner's namespace) )
+
 Only full blocks get a key. The input of a block key (16 + 4·B bytes: parent key, then the
 block's token ids) is also what the prefix index stores and compares on a hit, so a hash
 collision can never serve the KV of other tokens or of another prefix. A growing sequence
@@ -51,6 +59,8 @@ BlockHash = bytes  # 16 bytes
 KEY_FORMAT_VERSION = 2
 KEY_BYTES = 16
 _ROOT_TAG = b"prefixcache/block-key"
+# 23 bytes: a join input (23 + 4 + 16 + 16 = 59 bytes) is never a block input (16 + 4·B bytes).
+_JOIN_TAG = b"prefixcache/shared-join"
 _MAX_U32 = 2**32 - 1
 
 # H(x): the one hash of the format. The prefix index calls it on the block inputs it builds.
@@ -111,6 +121,14 @@ def root_hash(
     return key_hash(
         _ROOT_TAG + _u32(KEY_FORMAT_VERSION) + _u32(block_size) + _str(model_fingerprint) + ns
     )
+
+
+def join_hash(shared_key: BlockHash, own_root: BlockHash) -> BlockHash:
+    """Parent of the first block after a shared prefix whose last key is ``shared_key``, for
+    the owner whose namespace has root ``own_root``: the chain goes on from the shared prefix
+    but salted with the owner's namespace, so the owner's later blocks are reachable only by
+    the same owner after the same shared prefix (docs/design.md §3, "Shared prefixes")."""
+    return key_hash(_JOIN_TAG + _u32(KEY_FORMAT_VERSION) + shared_key + own_root)
 
 
 def block_hash(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
@@ -186,3 +204,22 @@ def hash_blocks(
     return chain_keys(
         block_chunks(token_ids, block_size, start_block), root if parent is None else parent
     )
+
+
+def hash_blocks_after_shared(
+    token_ids: Sequence[int],
+    block_size: int,
+    shared_root: BlockHash,
+    num_shared_blocks: int,
+    own_root: BlockHash,
+) -> list[BlockHash]:
+    """Keys of the full blocks of a prompt whose first ``num_shared_blocks`` blocks are a
+    shared prefix (the chain of ``shared_root``) and whose later blocks are its owner's (the
+    chain goes on from the join of the last shared key and ``own_root``)."""
+    k = num_shared_blocks
+    if k <= 0:
+        return hash_blocks(token_ids, block_size, own_root)
+    keys = hash_blocks(token_ids[: k * block_size], block_size, shared_root)
+    if len(keys) == k and len(token_ids) >= (k + 1) * block_size:
+        keys += hash_blocks(token_ids, block_size, own_root, k, join_hash(keys[-1], own_root))
+    return keys

@@ -9,6 +9,13 @@ It owns the policy that joins the hash chain to the block pool:
 - when another request already registered the same key, the sequence swaps its private copy for
   the shared one, so equal content is held once.
 
+A request may declare a shared prefix (``KeyScope``, from ``request.SharedPrefix``): its first
+whole blocks are keyed in a shared namespace and every later block in its own, the chain going
+on through ``hashing.join_hash``. Matching walks the shared run, then the owner's run; an
+explanation scans siblings only where the caller's own chain is (the shared run is public by
+declaration, the owner's run holds its blocks alone), so nothing it says reaches past the
+shared part into another owner's blocks.
+
 With caching disabled the strategy object ``_NoCaching`` answers every match with nothing and
 registers nothing; the rest of the code runs unchanged.
 """
@@ -19,9 +26,17 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from prefixcache.cache.block_pool import BlockPool
-from prefixcache.cache.hashing import BlockHash, block_chunks, chain_keys, hash_blocks, root_hash
+from prefixcache.cache.hashing import (
+    BlockHash,
+    block_chunks,
+    chain_keys,
+    hash_blocks,
+    hash_blocks_after_shared,
+    join_hash,
+    root_hash,
+)
 from prefixcache.cache.prefix_index import PrefixMatch
-from prefixcache.request import CacheExplanation
+from prefixcache.request import CacheExplanation, SharedPrefix
 from prefixcache.sequence import Sequence
 
 
@@ -30,6 +45,20 @@ class CacheCounters:
     query_tokens: int
     hit_tokens: int
 
+
+@dataclass(frozen=True)
+class KeyScope:
+    """Where a prompt's blocks are keyed: blocks 0..shared_blocks-1 in ``shared_namespace``'s
+    chain, every later block in ``namespace``'s (the owner's), after the join."""
+
+    namespace: str | None
+    shared_namespace: str | None = None
+    shared_blocks: int = 0
+
+
+# Joins -> the shared key they follow, remembered for the KV events (a subscriber sees block
+# k's parent as block k-1, as in any chain); bounded, a forgotten one is sent as it is.
+MAX_JOINS = 65536
 
 # Roots are cached per namespace to save one hash per request; the cache is bounded because
 # every cache_salt is a namespace, and salts are chosen by clients. Hits do not reorder it: the
@@ -48,6 +77,7 @@ class KVCacheManager:
         self.model_fingerprint = model_fingerprint
         self.enable_caching = enable_caching
         self._roots: OrderedDict[str | None, BlockHash] = OrderedDict()
+        self._joins: OrderedDict[BlockHash, BlockHash] = OrderedDict()
         self.query_tokens = 0
         self.hit_tokens = 0
         # tenant -> [prompt tokens looked up, tokens hit]; tenants are named by the server's
@@ -65,22 +95,93 @@ class KVCacheManager:
                 self._roots.popitem(last=False)  # oldest first; a dropped root is one hash away
         return r
 
-    def keys_for(self, token_ids: list[int], namespace: str | None) -> list[BlockHash]:
-        return hash_blocks(token_ids, self.block_size, self.root(namespace))
+    def scope(
+        self, namespace: str | None, shared: SharedPrefix | None, num_tokens: int
+    ) -> KeyScope:
+        """The scope of a prompt of ``num_tokens`` tokens in ``namespace`` declaring ``shared``:
+        its whole blocks within the declared prefix (and the prompt) are shared. A shared
+        prefix in the request's own namespace, or shorter than a block, shares nothing."""
+        if shared is None or shared.namespace == namespace:
+            return KeyScope(namespace)
+        k = min(shared.num_tokens, num_tokens) // self.block_size
+        return KeyScope(namespace, shared.namespace, k) if k else KeyScope(namespace)
+
+    def scope_of(self, seq: Sequence) -> KeyScope:
+        return KeyScope(seq.namespace, seq.shared_namespace, seq.num_shared_blocks)
+
+    def first_root(self, scope: KeyScope) -> BlockHash:
+        """The parent of block 0."""
+        return self.root(scope.shared_namespace if scope.shared_blocks else scope.namespace)
+
+    def join(self, shared_key: BlockHash, namespace: str | None) -> BlockHash:
+        j = join_hash(shared_key, self.root(namespace))
+        self._joins[j] = shared_key
+        if len(self._joins) > MAX_JOINS:
+            self._joins.popitem(last=False)
+        return j
+
+    def event_parent(self, parent: BlockHash, namespace: str | None) -> BlockHash | None:
+        """A registered block's parent as the KV events show it: None for a namespace's root,
+        the last shared block for a join, else the key itself."""
+        if parent == self.root(namespace):
+            return None
+        return self._joins.get(parent, parent)
+
+    def keys_for(
+        self, token_ids: list[int], namespace: str | None, shared: SharedPrefix | None = None
+    ) -> list[BlockHash]:
+        return self.keys_in(token_ids, self.scope(namespace, shared, len(token_ids)))
+
+    def keys_in(self, token_ids: list[int], scope: KeyScope) -> list[BlockHash]:
+        """Keys of the full blocks of ``token_ids`` in ``scope``."""
+        own = self.root(scope.namespace)
+        if not scope.shared_blocks:
+            return hash_blocks(token_ids, self.block_size, own)
+        shared = self.root(scope.shared_namespace)
+        return hash_blocks_after_shared(token_ids, self.block_size, shared, scope.shared_blocks, own)
+
+    def parent_of(self, seq: Sequence, i: int) -> BlockHash:
+        """The parent key of block ``i`` of ``seq`` (its keys up to ``i - 1`` are hashed)."""
+        if i == 0:
+            return seq.root
+        if i == seq.num_shared_blocks:
+            if seq.join is None:
+                seq.join = self.join(seq.block_keys[i - 1], seq.namespace)
+            return seq.join
+        return seq.block_keys[i - 1]
 
     def extend_keys(self, seq: Sequence, upto_tokens: int) -> None:
         """Hash the full blocks of ``seq`` among its first ``upto_tokens`` tokens (incremental)."""
         n_full = upto_tokens // self.block_size
-        if len(seq.block_keys) >= n_full:
-            return
         start = len(seq.block_keys)
-        parent = seq.block_keys[-1] if seq.block_keys else seq.root
+        if start >= n_full:
+            return
         upto = n_full * self.block_size
         tokens = seq.prompt_token_ids if upto <= seq.num_prompt_tokens else seq.all_token_ids
         chunks = block_chunks(tokens, self.block_size, start, num_tokens=upto)
-        seq.block_keys.extend(chain_keys(chunks, parent))
+        k = seq.num_shared_blocks
+        if start < k < n_full:  # the chain crosses from the shared prefix into the owner's part
+            seq.block_keys.extend(chain_keys(chunks[: k - start], self.parent_of(seq, start)))
+            chunks, start = chunks[k - start :], k
+        seq.block_keys.extend(chain_keys(chunks, self.parent_of(seq, start)))
 
     # ---- matching ------------------------------------------------------------------------------
+    def _match(self, keys: list[BlockHash], token_ids: list[int], scope: KeyScope) -> PrefixMatch:
+        """``pool.match`` of a chain that may cross from a shared prefix into its owner's part:
+        the shared run from the shared root, then (when all of it is cached) the owner's run
+        from the join. No side effects."""
+        k = scope.shared_blocks
+        root = self.first_root(scope)
+        if not k or len(keys) <= k:
+            return self.pool.match(keys, token_ids, root)
+        head = self.pool.match(keys[:k], token_ids, root)
+        if len(head.block_ids) < k:
+            return head
+        b = self.block_size
+        parent = join_hash(keys[k - 1], self.root(scope.namespace))
+        tail = self.pool.match(keys[k:], token_ids[k * b :], parent)
+        return PrefixMatch(head.block_ids + tail.block_ids, head.num_tokens + tail.num_tokens)
+
     def match(self, seq: Sequence) -> PrefixMatch:
         """Cached leading blocks usable by ``seq`` now (capped at len - 1 tokens). No side effects."""
         if not self.enable_caching:
@@ -88,14 +189,24 @@ class KVCacheManager:
         usable = seq.num_tokens - 1
         self.extend_keys(seq, usable)
         n_full = usable // self.block_size
-        return self.pool.match(seq.block_keys[:n_full], seq.all_token_ids, seq.root)
+        return self._match(seq.block_keys[:n_full], seq.all_token_ids, self.scope_of(seq))
 
-    def lookup(self, token_ids: list[int], namespace: str | None) -> int:
+    def match_prompt(self, token_ids: list[int], scope: KeyScope) -> PrefixMatch:
+        """Cached leading full blocks of ``token_ids`` (all of them, not capped). No side effects."""
+        return self._match(self.keys_in(token_ids, scope), token_ids, scope)
+
+    def lookup(
+        self, token_ids: list[int], namespace: str | None, shared: SharedPrefix | None = None
+    ) -> int:
         """Tokens of this prompt a request would get from the cache now. No side effects."""
         if not self.enable_caching or len(token_ids) < 2:
             return 0
+        usable = len(token_ids) - 1
+        scope = self.scope(namespace, shared, len(token_ids))
+        if scope.shared_blocks:
+            return self._match(self.keys_in(token_ids[:usable], scope), token_ids, scope).num_tokens
         # Hash and walk in one loop over the first len - 1 tokens; stops at the first miss.
-        m = self.pool.match_tokens(token_ids, self.root(namespace), len(token_ids) - 1)
+        m = self.pool.match_tokens(token_ids, self.root(namespace), usable)
         return m.num_tokens
 
     def num_new_blocks_for_admission(self, seq: Sequence, m: PrefixMatch, num_new_tokens: int) -> int:
@@ -150,10 +261,10 @@ class KVCacheManager:
         tokens = seq.all_token_ids
         b = self.block_size
         for i in range(seq.num_registered_blocks, n_full):
-            parent = seq.block_keys[i - 1] if i else seq.root
             mine = seq.block_table[i]
             holder = self.pool.register(
-                mine, seq.block_keys[i], parent, tokens[i * b : (i + 1) * b], seq.namespace
+                mine, seq.block_keys[i], self.parent_of(seq, i), tokens[i * b : (i + 1) * b],
+                seq.namespace_of_block(i),
             )
             if holder is None:  # a key collision: ours stays private, and so does the rest
                 seq.max_registered_blocks = n_full = i  # (their keys chain from this one)
@@ -172,20 +283,34 @@ class KVCacheManager:
         seq.num_computed_tokens = 0
 
     # ---- explanation -----------------------------------------------------------------------------
-    def explain(self, token_ids: list[int], namespace: str | None, other_namespaces) -> CacheExplanation:
+    def explain(
+        self,
+        token_ids: list[int],
+        namespace: str | None,
+        other_namespaces,
+        shared: SharedPrefix | None = None,
+    ) -> CacheExplanation:
         """Why this prompt would (not) hit now. No side effects.
 
-        Everything up to the "other namespace" check reads only keys of ``namespace``'s own
-        chain, so its answer and its cost do not depend on other namespaces. Only
-        ``other_namespaces`` (empty unless the caller is an admin) looks elsewhere."""
+        Everything up to the "other namespace" check reads only keys of the prompt's own chain
+        (its declared shared prefix, then ``namespace``'s part), so its answer and its cost do
+        not depend on other namespaces: where the prompt diverges inside the shared prefix the
+        siblings scanned are shared prefixes (public by declaration), and past it they are
+        blocks of ``namespace`` alone, whose chain no other owner reaches (the join). So
+        ``diverged_at`` never reports past the shared part into blocks the caller does not
+        own. Only ``other_namespaces`` (empty unless the caller is an admin) looks elsewhere."""
+        return self.explain_in(token_ids, self.scope(namespace, shared, len(token_ids)), other_namespaces)
+
+    def explain_in(self, token_ids: list[int], scope: KeyScope, other_namespaces) -> CacheExplanation:
+        """``explain`` of a prompt in ``scope``."""
         n = len(token_ids)
         b = self.block_size
+        namespace = scope.namespace
         if not self.enable_caching:
             return CacheExplanation(0, 0, "caching_disabled")
         usable = max(n - 1, 0)
-        keys = self.keys_for(token_ids[:usable], namespace)
-        root = self.root(namespace)
-        m = self.pool.match(keys, token_ids, root)
+        keys = self.keys_in(token_ids[:usable], scope)
+        m = self._match(keys, token_ids, scope)
         cached = m.num_tokens
         if len(m.block_ids) == len(keys):
             reason = "full_hit" if cached == usable else "partial_block"
@@ -194,7 +319,12 @@ class KVCacheManager:
         # This exact block was cached before: the precise answer, even if a sibling diverges.
         if self.pool.index.was_evicted(keys[i]):
             return CacheExplanation(cached, cached, "evicted")
-        parent = keys[i - 1] if i else root
+        if i == 0:
+            parent = self.first_root(scope)
+        elif i == scope.shared_blocks:
+            parent = join_hash(keys[i - 1], self.root(namespace))
+        else:
+            parent = keys[i - 1]
         nxt = token_ids[i * b : (i + 1) * b]
         best = -1
         for e in self.pool.index.children(parent):

@@ -3,8 +3,9 @@
 The router matches these keys against what each replica has been sent, so they must be the
 engine's own (docs/design.md "Cache keys"): the same token ids (tokenizer, chat template with
 documents merged, BOS rule), the same namespace (the tenant of the API key and ``cache_salt``,
-derived by the same ``TenantDirectory``), the same model fingerprint and block size (asked
-from a replica once). Anything that fails here (no JSON, an unknown key, a bad message) gives
+derived by the same ``TenantDirectory``; with a shared salt the same declared shared prefix as
+server/serving.py: a chat's leading system messages, an admin's whole warmed prompt, nothing of
+a raw prompt), the same model fingerprint and block size (asked from a replica once). Anything that fails here (no JSON, an unknown key, a bad message) gives
 no keys: the request is routed by load, and the replica answers it with the proper 4xx.
 
 Length: the ingress is one process in front of every replica, so it tokenizes nothing a replica
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import json
 
-from prefixcache.cache.hashing import hash_blocks, root_hash
+from prefixcache.cache.hashing import hash_blocks, hash_blocks_after_shared, root_hash
 from prefixcache.model.tokenizer import Tokenizer
 from prefixcache.server.auth import TenantDirectory
 from prefixcache.server.protocol import ChatMessage
@@ -70,12 +71,25 @@ class RouteKeys:
             if not isinstance(body, dict):
                 return []
             tenant = self.tenants.authenticate(authorization)
-            namespace = self.tenants.namespace(tenant, body.get("cache_salt"))
+            scope = self.tenants.scope(tenant, body.get("cache_salt"))
             ids = self.token_ids(path, body)
+            shared = 0
+            if scope.shared is not None and ids:
+                if tenant.admin and path in PROMPT_ROUTES[2:]:
+                    shared = len(ids)  # an admin's warm/lookup: the whole prompt is public
+                elif body.get("messages") is not None and path != "/v1/completions":
+                    dicts = [ChatMessage.model_validate(m).as_template_dict()
+                             for m in body["messages"]]  # fmt: skip
+                    shared = self.tokenizer.leading_system_tokens(dicts, ids)
         except Exception:  # noqa: BLE001 - any bad input: route by load, the replica says why
             return []
         if not ids:
             return []
         ids = ids[: self.max_tokens]
-        root = root_hash(self.fingerprint, namespace, block_size=self.block_size)
-        return hash_blocks(ids, self.block_size, root)
+        bs = self.block_size
+        own = root_hash(self.fingerprint, scope.namespace, block_size=bs)
+        k = min(shared, len(ids)) // bs
+        if not k:
+            return hash_blocks(ids, bs, own)
+        public = root_hash(self.fingerprint, scope.shared, block_size=bs)
+        return hash_blocks_after_shared(ids, bs, public, k, own)

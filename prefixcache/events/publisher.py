@@ -238,13 +238,17 @@ class KVEventPublisher:
             self._ctx.term()
 
 
-def attach_publisher(index, is_root: Callable[[bytes, str | None], bool], publisher) -> None:
+def attach_publisher(
+    index, event_parent: Callable[[bytes, str | None], bytes | None], publisher
+) -> None:
     """Make ``publisher`` the listener of ``index`` (a PrefixIndex): every block the index
-    learns or forgets becomes an event. A parent that is a namespace's root is sent as nil."""
+    learns or forgets becomes an event. ``event_parent(parent, namespace)`` names the parent
+    as events show it: None (nil) for a namespace's root, the previous block of the chain for
+    the first block after a shared prefix (whose key input holds the join, cache/manager.py)."""
 
     class _Listener:
         def stored(self, key, parent, token_ids, namespace) -> None:
-            publisher.stored(key, None if is_root(parent, namespace) else parent, token_ids)
+            publisher.stored(key, event_parent(parent, namespace), token_ids)
 
         def removed(self, key) -> None:
             publisher.removed(key)
@@ -270,5 +274,5 @@ def attach_kv_events(config, kv) -> KVEventPublisher | None:
         curve_secret=secret,
         allow_remote=config.kv_events_allow_remote,
     )
-    attach_publisher(kv.pool.index, lambda parent, ns: parent == kv.root(ns), publisher)
+    attach_publisher(kv.pool.index, kv.event_parent, publisher)
     return publisher

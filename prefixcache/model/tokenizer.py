@@ -21,6 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import jinja2
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 
@@ -303,6 +304,31 @@ class Tokenizer:
         if self.add_bos_token and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def leading_system_tokens(self, messages: Sequence[Mapping[str, Any]], ids: Sequence[int]) -> int:
+        """How many leading ``ids`` (the rendering of ``messages``) render the leading
+        ``system`` messages alone: the longest common prefix of ``ids`` and the rendering of
+        those messages without the rest (no generation prompt). Every such token comes from
+        them and the template, never from a later message: a token merging across the
+        boundary differs, and the count stops before it. 0 when there is none, or when the
+        template cannot render them alone."""
+        lead = []
+        for m in messages:
+            if m.get("role") != "system":
+                break
+            lead.append(m)
+        if not lead:
+            return 0
+        try:
+            head = self.encode_chat(lead, add_generation_prompt=False)
+        except (ValueError, KeyError, TypeError, jinja2.TemplateError):
+            return 0
+        n = 0
+        for x, y in zip(head, ids):
+            if x != y:
+                break
+            n += 1
+        return n
 
     def encode_chat_segments(self, messages, add_generation_prompt: bool = True, **kwargs):
         """cache_mode="segments": the ids with each document's span (tokenizer_segments.py)."""

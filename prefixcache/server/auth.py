@@ -4,8 +4,14 @@ The namespace of a request decides which cached blocks it may reuse (it enters t
 block hash chain, docs/design.md §3), so the server derives it and never takes it from the client:
 
     no cache_salt                  -> "<tenant>"
-    cache_salt in the shared set   -> "<cache_salt>"        (same for every tenant)
+    cache_salt in the shared set   -> "<tenant>/<cache_salt>", and its declared shared prefix
+                                      in "<cache_salt>" (the same for every tenant)
     any other cache_salt           -> "<tenant>/<cache_salt>"
+
+A shared salt shares only what the request declares shared (``request.SharedPrefix``; the
+server declares a chat's leading system/developer messages, and an admin's warm a whole
+prompt): the rest of the request, its output included, stays in the tenant's own
+"<tenant>/<cache_salt>", so no tenant hits or explains another's suffix (docs/design.md §3).
 
 Tenant names and shared names may not contain "/" and may not equal each other, so a namespace
 names exactly one owner: a tenant cannot reach another tenant's namespace by choosing a salt.
@@ -48,6 +54,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from prefixcache.request import SharedPrefix
 from prefixcache.server.errors import APIError
 
 DEFAULT_TENANT = "default"
@@ -81,6 +88,21 @@ class _Keys:
 
     by_digest: dict[bytes, Tenant]
     shared: frozenset[str]
+
+
+@dataclass(frozen=True)
+class CacheScope:
+    """Where a request is cached: ``namespace``, its own (the tenant's), and with a shared
+    salt ``shared``, the namespace in which a prefix the request declares may be cached."""
+
+    namespace: str
+    shared: str | None = None
+
+    def prefix(self, num_tokens: int) -> SharedPrefix | None:
+        """The declaration of a shared prefix of ``num_tokens`` tokens (None: nothing shared)."""
+        if self.shared is None or num_tokens <= 0:
+            return None
+        return SharedPrefix(self.shared, num_tokens)
 
 
 class TenantDirectory:
@@ -185,6 +207,8 @@ class TenantDirectory:
             )  # fmt: skip
 
     def namespace(self, tenant: Tenant, cache_salt: str | None) -> str:
+        """The namespace ``cache_salt`` names for ``tenant`` (a shared salt: the shared
+        namespace itself, e.g. to invalidate it). Where a request is cached: ``scope``."""
         if cache_salt is None:
             return tenant.name
         if not cache_salt or len(cache_salt) > MAX_SALT_LEN:
@@ -194,6 +218,13 @@ class TenantDirectory:
         if cache_salt in self._keys.shared:
             return cache_salt
         return f"{tenant.name}/{cache_salt}"
+
+    def scope(self, tenant: Tenant, cache_salt: str | None) -> CacheScope:
+        """Where ``tenant``'s request with ``cache_salt`` is cached (the table at the top)."""
+        namespace = self.namespace(tenant, cache_salt)
+        if cache_salt is not None and cache_salt in self._keys.shared:
+            return CacheScope(f"{tenant.name}/{cache_salt}", cache_salt)
+        return CacheScope(namespace)
 
     def owns(self, tenant: Tenant, namespace: str) -> bool:
         """May ``tenant`` drop the blocks of ``namespace``? Its own ones; the admin any."""

@@ -1,7 +1,10 @@
 """Cache control: ``/v1/cache/warm``, ``/lookup``, ``/invalidate``, ``/stats``.
 
 Authenticated like the completions routes, and scoped the same way: a prompt is warmed or looked
-up in the caller's namespace (its tenant, plus ``cache_salt``), which the server derives.
+up in the caller's namespace (its tenant, plus ``cache_salt``), which the server derives. With a
+shared salt, the part declared shared goes to the shared namespace: an admin's whole prompt (a
+public prefix), anyone else's chat's leading system messages; /lookup answers for the body what
+/warm with the same body would store.
 Invalidating another tenant's namespace, or all of them, takes an admin key. Prompts are
 validated like a completion's (vocabulary, at most the context length) before they are hashed.
 ``/stats`` shows an admin everything and anyone else only their own tenant's numbers.
@@ -15,7 +18,7 @@ from dataclasses import asdict, is_dataclass
 
 from fastapi import APIRouter, Request
 
-from prefixcache.server.auth import Tenant
+from prefixcache.server.auth import CacheScope, Tenant
 from prefixcache.server.errors import APIError, from_engine_error, internal_error, request_id_of
 from prefixcache.server.protocol import (
     CacheInvalidateRequest,
@@ -39,21 +42,30 @@ def _as_dict(x) -> dict:
 @router.post("/warm")
 async def warm(request: Request) -> dict:
     """Prefill a prompt into the cache (no tokens generated); optionally pin it for a TTL."""
-    s, tenant, req, namespace = await accept(request, CacheWarmRequest)
+    s, tenant, req, scope = await accept(request, CacheWarmRequest)
     if req.cache_mode == "segments":
-        return await _warm_segments(request, s, req, namespace)
-    ids = await s.cache_prompt(req)
+        return await _warm_segments(request, s, req, scope.namespace)
+    ids, shared = await s.cache_prompt(req, tenant, scope)
     if req.ttl_seconds is not None and not req.pin:
         raise APIError(400, "ttl_seconds applies to pinned prompts: set pin: true", param="pin")
     try:
         result = await s.engine.warm(
-            ids, namespace=namespace, pin=req.pin, ttl_seconds=req.ttl_seconds,
-            tenant=tenant.name, quota=not tenant.admin,
+            ids, namespace=scope.namespace, pin=req.pin, ttl_seconds=req.ttl_seconds,
+            tenant=tenant.name, quota=not tenant.admin, shared_prefix=shared,
         )  # fmt: skip
     except Exception as e:  # noqa: BLE001 - typed errors map to 4xx, the rest is a logged 500
         rid = request_id_of(request.scope)
         raise (from_engine_error(e, rid) or internal_error(rid, e)) from None
-    return {**_as_dict(result), "namespace": namespace}
+    return {**_as_dict(result), **_where(s, scope, shared)}
+
+
+def _where(s: Serving, scope: CacheScope, shared) -> dict:
+    """Where the prompt is cached: its namespace, and with a shared salt the shared namespace
+    and how many leading tokens (whole blocks) go there."""
+    out = {"namespace": scope.namespace}
+    if scope.shared is not None:
+        out.update(shared_namespace=scope.shared, shared_tokens=s.shared_tokens(shared))
+    return out
 
 
 async def _warm_segments(request: Request, s: Serving, req: CacheWarmRequest, namespace) -> dict:
@@ -63,7 +75,8 @@ async def _warm_segments(request: Request, s: Serving, req: CacheWarmRequest, na
                        param="messages")  # fmt: skip
     if req.pin:
         raise APIError(400, "segments cannot be pinned", param="pin", code="unsupported")
-    ids, spans = await s.chat_prompt(req.messages, req.add_generation_prompt, segments=True)
+    chat = await s.chat_prompt(req.messages, req.add_generation_prompt, segments=True)
+    ids, spans = chat.ids, chat.spans
     if not spans:
         raise APIError(400, "no document message to warm as a segment", param="messages")
     try:
@@ -82,12 +95,12 @@ async def _warm_segments(request: Request, s: Serving, req: CacheWarmRequest, na
 @router.post("/lookup")
 async def lookup(request: Request) -> dict:
     """How many tokens of a prompt would hit the cache now. Changes nothing."""
-    s, tenant, req, namespace = await accept(request, CacheLookupRequest)
-    ids = await s.cache_prompt(req)
+    s, tenant, req, scope = await accept(request, CacheLookupRequest)
+    ids, shared = await s.cache_prompt(req, tenant, scope)
     # Engine queries take its lock, which a running step holds: wait for it off the event loop,
     # on the cache routes' own threads (cache_gate.py), within the tenant's cap.
-    result = await s.cache_gate.run(tenant.name, s.engine.lookup, ids, namespace)
-    return {**_as_dict(result), "namespace": namespace}
+    result = await s.cache_gate.run(tenant.name, s.engine.lookup, ids, scope.namespace, shared)
+    return {**_as_dict(result), **_where(s, scope, shared)}
 
 
 @router.post("/invalidate")

@@ -45,7 +45,9 @@ _JSON_PIECE = 64
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    s, tenant, req, namespace = await accept(request, CompletionRequest)
+    # A raw prompt declares nothing shared: with a shared salt it is cached in the tenant's own
+    # part only (a prompt has no marked system part, and its output is never shared).
+    s, tenant, req, scope = await accept(request, CompletionRequest)
     req.check_unsupported()
     s.check_generation_limits(req, req.logprobs)
     prompts = await s.completion_prompts(req)
@@ -55,33 +57,35 @@ async def completions(request: Request) -> Response:
     ]
     texts = None if req.logprobs is None else await s.token_texts()
     run = s.start(
-        "cmpl", prompts, params, req.n, tenant, namespace, req.priority, req.return_cache_info
-    )
+        "cmpl", prompts, params, req.n, tenant, scope.namespace, req.priority,
+        req.return_cache_info,
+    )  # fmt: skip
     fmt = _CompletionFormat(s, run, req.logprobs, texts)
     return await _respond(request, run, fmt, req.stream, req.include_usage)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    s, tenant, req, namespace = await accept(request, ChatCompletionRequest)
+    s, tenant, req, scope = await accept(request, ChatCompletionRequest)
     req.check_unsupported()
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     k = (req.top_logprobs or 0) if req.logprobs else None
     s.check_generation_limits(req, k)
-    segments = None
-    if req.cache_mode == "segments":
-        ids, spans = await s.chat_prompt(req.messages, req.add_generation_prompt, segments=True)
-        segments = s.segment_request(req, spans)
-    else:
-        ids = await s.chat_prompt(req.messages, req.add_generation_prompt)
+    seg = req.cache_mode == "segments"
+    # With a shared salt, the leading system/developer messages are the declared shared prefix.
+    chat = await s.chat_prompt(
+        req.messages, req.add_generation_prompt, segments=seg, system_prefix=scope.shared is not None
+    )
+    ids = chat.ids
+    segments = s.segment_request(req, chat.spans) if seg else None
     max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     params = s.sampling_params(req, len(ids), max_tokens, None, k)
     texts = None if k is None else await s.token_texts()
     run = s.start(
-        "chatcmpl", [ids], [params], req.n, tenant, namespace, req.priority, req.return_cache_info,
-        segments,
-    )
+        "chatcmpl", [ids], [params], req.n, tenant, scope.namespace, req.priority,
+        req.return_cache_info, segments, scope.prefix(chat.system_tokens),
+    )  # fmt: skip
     fmt = _ChatFormat(s, run, k, texts)
     return await _respond(request, run, fmt, req.stream, req.include_usage)
 

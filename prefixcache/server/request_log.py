@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from prefixcache.request import SharedPrefix
+
 log = logging.getLogger("prefixcache.server")
 
 _STOP = object()
@@ -28,15 +30,17 @@ class LogRecord:
     namespace: str
     prompt_token_ids: Sequence[int]
     num_cached_tokens: int
+    shared_prefix: SharedPrefix | None = None  # what it declared shared: keys as the engine's
 
 
 class BackgroundRequestLog:
-    """Wraps a ``RequestLogWriter``; ``block_hashes(ids, namespace)`` computes the keys."""
+    """Wraps a ``RequestLogWriter``; ``block_hashes(ids, namespace, shared_prefix)`` computes
+    the keys."""
 
     def __init__(
         self,
         writer,
-        block_hashes: Callable[[Sequence[int], str], list[bytes]],
+        block_hashes: Callable[[Sequence[int], str, SharedPrefix | None], list[bytes]],
         max_queue: int = 10_000,
     ) -> None:
         self.writer = writer
@@ -68,7 +72,9 @@ class BackgroundRequestLog:
                     tenant=record.tenant,
                     namespace=record.namespace,
                     num_prompt_tokens=len(record.prompt_token_ids),
-                    block_hashes=self._hashes(record.prompt_token_ids, record.namespace),
+                    block_hashes=self._hashes(
+                        record.prompt_token_ids, record.namespace, record.shared_prefix
+                    ),
                     num_cached_tokens=record.num_cached_tokens,
                     text=None,
                 )

@@ -81,6 +81,7 @@ class Run:
         self.tenant = tenant
         self.namespace = namespace
         self.segments = False  # cache_mode "segments": usage reports segment_cached_tokens
+        self.shared_prefix = None  # the request.SharedPrefix its prompts declare, if any
         self.created = int(time.time())
         self.choices: list[Choice] = []
         self._tasks: list[asyncio.Task] = []
@@ -130,7 +131,7 @@ class Run:
             s.request_log.submit(
                 LogRecord(
                     d.metrics.arrival_time, self.tenant.name, self.namespace,
-                    c.prompt_token_ids, c.num_cached_tokens,
+                    c.prompt_token_ids, c.num_cached_tokens, self.shared_prefix,
                 )
             )  # fmt: skip
         if d.finished:
@@ -186,8 +187,16 @@ class Run:
             "reason": info.reason,
             "diverged_at": info.diverged_at,
             "namespace": self.namespace,
+            **self._shared(),
             **self._tiers(c),
         }
+
+    def _shared(self) -> dict:
+        """With a shared prefix: where it is cached and its tokens that are (whole blocks)."""
+        sp = self.shared_prefix
+        if sp is None:
+            return {}
+        return {"shared_namespace": sp.namespace, "shared_tokens": self.serving.shared_tokens(sp)}
 
     @staticmethod
     def _tiers(c: Choice) -> dict:

@@ -13,16 +13,16 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import jinja2
 
 from prefixcache.engine_api import EngineAPI
 from prefixcache.errors import InvalidRequestError
-from prefixcache.request import SamplingParams
+from prefixcache.request import SamplingParams, SharedPrefix
 from prefixcache.segments.plan import DEFAULT_RECOMPUTE_TOKENS, SegmentOptions, SegmentRequest
 from prefixcache.server.activity import Activity
-from prefixcache.server.auth import Tenant, TenantDirectory
+from prefixcache.server.auth import CacheScope, Tenant, TenantDirectory
 from prefixcache.server.cache_gate import CacheCallGate
 from prefixcache.server.errors import APIError, from_engine_error
 from prefixcache.server.limits import ServerLimits
@@ -47,6 +47,17 @@ def as_api_error(e: InvalidRequestError) -> APIError:
     err = from_engine_error(e)
     assert err is not None
     return err
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered chat: its ids, its document spans (cache_mode "segments"), and how many of
+    its leading ids render its leading system/developer messages (counted when asked: the
+    prefix a chat with a shared salt declares shared)."""
+
+    ids: list[int]
+    spans: tuple = ()
+    system_tokens: int = 0
 
 
 class Serving:
@@ -150,10 +161,15 @@ class Serving:
         return await asyncio.to_thread(self._completion_prompts, req.prompt)
 
     def _chat_prompt(
-        self, messages: list[ChatMessage], add_generation_prompt: bool, segments: bool = False
-    ):
-        """The prompt ids; with ``segments``, (ids, document spans) rendered by the segment
-        boundary convention (model/tokenizer_segments.py)."""
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        segments: bool = False,
+        system_prefix: bool = False,
+    ) -> ChatPrompt:
+        """The prompt ids; with ``segments``, the document spans too, rendered by the segment
+        boundary convention (model/tokenizer_segments.py); with ``system_prefix``, the count
+        of leading ids that are the leading system/developer messages."""
         if len(messages) > self.limits.max_messages:
             raise APIError(
                 400, f"at most {self.limits.max_messages} messages per request", param="messages"
@@ -179,12 +195,26 @@ class Serving:
         if not ids:
             raise APIError(400, "messages render to an empty prompt", param="messages")
         ids = self._ids(list(ids), "messages")
-        return (ids, spans) if segments else ids
+        system = self._system_tokens(dicts, ids) if system_prefix else 0
+        return ChatPrompt(ids, tuple(spans), system)
+
+    def _system_tokens(self, dicts: list[dict], ids: list[int]) -> int:
+        """The leading ``ids`` that render the chat's leading system messages (developer ones
+        are system messages here) alone: what a chat with a shared salt declares shared. None
+        of them comes from a later message, a document (merged after the system text) or the
+        output (Tokenizer.leading_system_tokens)."""
+        return self.tokenizer.leading_system_tokens(dicts, ids)
 
     async def chat_prompt(
-        self, messages: list[ChatMessage], add_generation_prompt: bool, segments: bool = False
-    ):
-        return await asyncio.to_thread(self._chat_prompt, messages, add_generation_prompt, segments)
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        segments: bool = False,
+        system_prefix: bool = False,
+    ) -> ChatPrompt:
+        return await asyncio.to_thread(
+            self._chat_prompt, messages, add_generation_prompt, segments, system_prefix
+        )
 
     @staticmethod
     def segment_request(req: _Generation, spans) -> SegmentRequest:
@@ -201,14 +231,36 @@ class Serving:
             raise as_api_error(e) from None
         return SegmentRequest(tuple(spans), opts)
 
-    async def cache_prompt(self, req: _CacheQuery) -> list[int]:
-        """The prompt of /v1/cache/warm and /lookup, validated like a completion's."""
+    async def cache_prompt(
+        self, req: _CacheQuery, tenant: Tenant, scope: CacheScope
+    ) -> tuple[list[int], SharedPrefix | None]:
+        """The prompt of /v1/cache/warm and /lookup, validated like a completion's, and the
+        prefix it declares shared: with a shared salt, an admin's whole prompt (a public
+        prefix), else a chat's leading system messages, as a chat completion declares them;
+        nothing of another tenant's raw prompt."""
         req.check_one_input()
+        shared = scope.shared is not None
         if req.messages is not None:
-            return await self.chat_prompt(req.messages, req.add_generation_prompt)
-        if isinstance(req.prompt, str):
-            return await asyncio.to_thread(self._text, req.prompt, "prompt")
-        return self._ids(list(req.prompt), "prompt")  # O(1) length check before the scan
+            chat = await self.chat_prompt(
+                req.messages, req.add_generation_prompt, system_prefix=shared and not tenant.admin
+            )
+            ids, declared = chat.ids, chat.system_tokens
+        else:
+            if isinstance(req.prompt, str):
+                ids = await asyncio.to_thread(self._text, req.prompt, "prompt")
+            else:
+                ids = self._ids(list(req.prompt), "prompt")  # O(1) length check before the scan
+            declared = 0
+        if shared and tenant.admin:
+            declared = len(ids)
+        return ids, scope.prefix(declared)
+
+    def shared_tokens(self, shared: SharedPrefix | None) -> int:
+        """The tokens of a declared shared prefix that are shared: its whole blocks."""
+        if shared is None:
+            return 0
+        b = self.engine.config.block_size
+        return shared.num_tokens // b * b
 
     # -- sampling -----------------------------------------------------------------------------
 
@@ -282,9 +334,11 @@ class Serving:
         priority: int = 0,
         explain: bool = False,
         segments: SegmentRequest | None = None,
+        shared_prefix: SharedPrefix | None = None,
     ) -> Run:
         """Add every choice to the engine; on any refusal abort those already added. The whole
-        request is admitted or refused at once (429 for a tenant over its share)."""
+        request is admitted or refused at once (429 for a tenant over its share).
+        ``shared_prefix``: declared by every prompt (a chat's one prompt)."""
         total = len(prompts) * n
         cfg = self.engine.config
         most = min(cfg.max_waiting_requests, cfg.tenant_waiting_limit)
@@ -295,6 +349,7 @@ class Serving:
             )  # fmt: skip
         run = Run(self, new_id(prefix), tenant, namespace, n)
         run.segments = segments is not None
+        run.shared_prefix = shared_prefix
         try:
             self.engine.check_admission(tenant.name, total)
             for p, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -309,7 +364,7 @@ class Serving:
                     choice.stream = self.engine.add_request(
                         choice.request_id, ids, choice_sp, namespace, priority, explain,
                         tenant=tenant.name, explain_across_namespaces=tenant.admin,
-                        segments=segments,
+                        segments=segments, shared_prefix=shared_prefix,
                     )  # fmt: skip
                     run.choices.append(choice)
         except BaseException as e:
@@ -335,9 +390,10 @@ def replace_param(e: InvalidRequestError, param: str) -> InvalidRequestError:
 async def accept(request, schema):
     """The start of every generation and cache route: authenticate the caller, parse the body
     as ``schema`` (bounded, strict), check the model name, and derive the cache namespace
-    (never from the client alone). Returns (serving, tenant, body, namespace)."""
+    (never from the client alone). Returns (serving, tenant, body, scope): ``scope.namespace``
+    is the request's own, ``scope.shared`` the namespace of what it declares shared."""
     s: Serving = request.app.state.serving
     tenant = s.tenants.authenticate(request.headers.get("authorization"))
     req = await parse_body(request, schema, s.limits)
     s.check_model(req.model)
-    return s, tenant, req, s.tenants.namespace(tenant, req.cache_salt)
+    return s, tenant, req, s.tenants.scope(tenant, req.cache_salt)
