@@ -59,6 +59,22 @@ def sample(
     return out
 
 
+def _draw(probs: torch.Tensor, g: torch.Generator) -> int:
+    """One token from ``probs`` by inverting its cumulative distribution at one uniform draw.
+
+    ``torch.multinomial`` draws an exponential variate per vocabulary entry from the CPU
+    generator (measured 16 ms a row for 49k entries on the Zen 2 host: 2 s of every sampled
+    128-row decode step); one uniform and a float64 prefix sum take ~0.1 ms and give the same
+    distribution. A zero-probability token is never chosen: ``searchsorted`` returns the first
+    index whose cumulative sum exceeds ``u``, and a zero entry repeats its predecessor's sum."""
+    cdf = torch.cumsum(probs, 0, dtype=torch.float64)
+    u = torch.rand((), generator=g, dtype=torch.float64) * cdf[-1]
+    tok = min(int(torch.searchsorted(cdf, u, right=True)), probs.numel() - 1)
+    if probs[tok] <= 0:  # u rounded up to the total: the last token that can be drawn
+        tok = int(torch.nonzero(probs).max())
+    return tok
+
+
 def _sample_row(
     row: torch.Tensor, p: SamplingParams, g: torch.Generator, lrow: torch.Tensor | None
 ) -> Sampled:
@@ -77,7 +93,7 @@ def _sample_row(
             # (1e-300) compares as 0 < 0 and would otherwise keep nothing.
             keep[0] = True
             probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
-        tok = int(torch.multinomial(probs, 1, generator=g))
+        tok = _draw(probs, g)
     lp = None
     if p.logprobs is not None and lrow is not None:
         lp = {tok: float(lrow[tok])}
