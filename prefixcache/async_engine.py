@@ -407,7 +407,8 @@ class AsyncEngine:
             self.engine.check_pin_ttl(ttl_seconds)  # before the prefill: a bad TTL costs nothing
         self._warm_ids += 1
         rid = f"warm-{self._warm_ids}-{time.monotonic_ns()}"
-        async for _ in self.add_request(rid, prompt_token_ids, _WARM_PARAMS, namespace, tenant=tenant):
+        stream = self.add_request(rid, prompt_token_ids, _WARM_PARAMS, namespace, tenant=tenant)
+        async for _ in stream:
             pass
         pinned = 0
         if pin:

@@ -89,7 +89,8 @@ def test_segments_over_the_document_or_record_limit_are_a_400(app):
         body = {"messages": [SYSTEM, *_docs(1, "long", PROSE * 2), QUESTION], "max_tokens": 1,
                 "cache_mode": "segments", "segment_recompute_tokens": 10**6}  # fmt: skip
         assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
-        r = await http.post("/v1/cache/warm", json=_warm_body(_docs(MAX_DOCS, "fits"), "limits"))
+        fits = _docs(MAX_DOCS, "fits", PROSE[:80])  # short: the limit is on the count
+        r = await http.post("/v1/cache/warm", json=_warm_body(fits, "limits"))
         assert r.status_code == 200 and r.json()["segments"] == MAX_DOCS
 
     _serve(app, test)
@@ -102,7 +103,9 @@ def test_a_segments_request_over_the_tenant_share_is_a_429(app, engine):
     async def test(http):
         # Holding the engine lock stands for a long step: nothing leaves the queue meanwhile.
         with engine._lock:
-            held = [engine.add_request(f"fill-{i}", ids, sp, tenant="default") for i in range(SHARE)]
+            held = [
+                engine.add_request(f"fill-{i}", ids, sp, tenant="default") for i in range(SHARE)
+            ]
             for path, body in (
                 ("/v1/cache/warm", _warm_body(_docs(2, "quota"), "quota")),
                 ("/v1/chat/completions", {"messages": [SYSTEM, *_docs(2, "quota"), QUESTION],

@@ -34,8 +34,8 @@ recomputed or computed exactly, and the probe as 1/layers of its tokens; placing
 are copies and count nothing. Pieces of a job never change its result: a document computed alone
 in several forwards, or pieces spread over several forwards, give the same bits on the exact
 path (chunked == whole, docs/design.md section 2) and agree elsewhere, as any chunked prefill.
-A preemption voids the job (its blocks are freed); readmitted, the sequence starts a new one,
-finding the documents already kept in the store.
+A preemption voids the job (its blocks are freed: ``KVCacheManager.free`` drops it); readmitted,
+the sequence starts a new one, finding the documents already kept in the store.
 
 ``store_only`` plans (/v1/cache/warm in segments mode) compute and keep each document the store
 lacks and end the request: nothing placed, nothing sampled.
@@ -59,7 +59,6 @@ from prefixcache.segments import record
 from prefixcache.segments.blend import blend_pieces
 from prefixcache.segments.plan import (
     SINK_TOKENS,
-    SegmentOptions,
     SegmentPlan,
     SegmentRequest,
     SegmentSpan,
@@ -80,16 +79,21 @@ class SegmentCounters:
 
 
 class _Job:
-    """A segments sequence's work in progress. ``steps`` (a generator) does at most ``left``
-    tokens of work, then yields until the next step grants more; it returns when done. Begun
-    at the sequence's ``preemptions``-th preemption: another one voids it."""
+    """A segments sequence's work in progress (``Sequence.segment_job``). ``steps`` (a
+    generator) does at most ``left`` tokens of work, then yields until the next step grants
+    more; it returns when done. Freeing the sequence's blocks (a preemption, its end) drops it
+    (``KVCacheManager.free``)."""
 
-    __slots__ = ("left", "preemptions", "steps")
+    __slots__ = ("left", "steps")
 
-    def __init__(self, make: Callable[[_Job], Generator], preemptions: int):
+    def __init__(self):
         self.left = 0
-        self.preemptions = preemptions
-        self.steps = make(self)
+        self.steps: Generator | None = None
+
+    def start(self, work: Callable[..., Generator], *args) -> _Job:
+        """``work(*args, self)`` is the job's generator."""
+        self.steps = work(*args, self)
+        return self
 
     def run(self, tokens: int) -> bool:
         """Work for up to ``tokens`` (the step's grant); True when the job is done."""
@@ -233,14 +237,15 @@ class SegmentAssembler:
                 out.append(s)
                 continue
             job = seq.segment_job
-            if job is None or job.preemptions != seq.num_preemptions:
+            if job is None:
                 if not plan.store_only and not self.kv.allocate_slots(
                     seq, plan.end - seq.num_computed_tokens
                 ):
-                    out.append(s)  # no room now: this chunk runs exactly; spans left are tried later
+                    # no room now: this chunk runs exactly; spans left are tried later
+                    out.append(s)
                     continue
-                make = self._store_only if plan.store_only else self._assemble
-                job = seq.segment_job = _Job(lambda j, m=make: m(seq, plan, j), seq.num_preemptions)
+                work = self._store_only if plan.store_only else self._assemble
+                job = seq.segment_job = _Job().start(work, seq, plan)
             if job.run(s.num_new_tokens):
                 seq.segment_job = None
                 if plan.store_only:
@@ -282,7 +287,9 @@ class SegmentAssembler:
                 ids = seq.prompt_token_ids[sp.start : sp.end]
                 entry = self.store.get(sp.key, ids, seq.namespace, plan.sink)
                 if entry is None:
-                    entry = yield from self._compute_and_keep(sp.key, ids, seq.namespace, plan.sink, job)
+                    entry = yield from self._compute_and_keep(
+                        sp.key, ids, seq.namespace, plan.sink, job
+                    )
                 else:
                     reused += sp.length - k
                 probe = bool(k) and plan.options.probes
@@ -377,7 +384,7 @@ class SegmentAssembler:
         """KV of ``token_ids`` computed after ``sink`` alone, at positions m..m+n-1 (m =
         len(sink)), in a private cache of the pool's KV format (the engine's pool is not
         touched); read back as the float32 values attention would see."""
-        return _finish(_Job(lambda job: self._alone(token_ids, namespace, sink, job), 0))
+        return _finish(_Job().start(self._alone, token_ids, namespace, sink))
 
     def _alone(self, token_ids, namespace: str | None, sink, job: _Job):
         """``compute_alone`` as a job: forwards as large as the grant allows."""
