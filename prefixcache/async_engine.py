@@ -53,6 +53,8 @@ __all__ = ["AsyncEngine", "EngineShutDownError", "QueueFullError", "WarmResult"]
 
 # Put in a stream's queue by ``abort``: the stream ends (a consumer still iterating stops).
 _ABORTED = object()
+# A warm's request (store-only segments: nothing is sampled; its prompt must fit as any's).
+_WARM_PARAMS = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
 
 @dataclass(frozen=True)
@@ -240,13 +242,9 @@ class AsyncEngine:
         EngineShutDownError), run in the engine thread, stream deltas. Requests added before
         the first ``start()`` wait for it; after ``shutdown()`` they are refused until
         ``start()`` is called again. ``shared_prefix``: LLMEngine.add_request."""
-        if self._closed or self._crash is not None:
-            raise EngineShutDownError("the engine is shutting down and takes no new requests")
-        self.engine.validate(prompt_token_ids, params)
-        check_shared_prefix(shared_prefix, len(prompt_token_ids))
+        self._check_request(prompt_token_ids, params, tenant, segments, shared_prefix)
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        self.check_admission(tenant, 1)
         stream = _Stream(asyncio.get_running_loop(), tenant)
         self._streams[request_id] = stream
         self._inbox.append(
@@ -257,6 +255,18 @@ class AsyncEngine:
         )  # fmt: skip
         self._wake.set()
         return self._iterate(request_id, stream)
+
+    def _check_request(self, prompt_token_ids, params, tenant, segments, shared_prefix=None) -> None:
+        """What ``add_request`` refuses at once, in this order: a closed engine, a request that
+        can never run (a segments request over its limits, a shared prefix past its prompt
+        included), a tenant over its share."""
+        if self._closed or self._crash is not None:
+            raise EngineShutDownError("the engine is shutting down and takes no new requests")
+        self.engine.validate(prompt_token_ids, params)
+        check_shared_prefix(shared_prefix, len(prompt_token_ids))
+        if segments is not None and segments.spans:
+            self.engine.segments.check(prompt_token_ids, segments)  # pure: no lock
+        self.check_admission(tenant, 1)
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[StreamDelta]:
         try:
@@ -404,9 +414,8 @@ class AsyncEngine:
             self.engine.check_pin_ttl(ttl_seconds)  # before the prefill: a bad TTL costs nothing
         self._warm_ids += 1
         rid = f"warm-{self._warm_ids}-{time.monotonic_ns()}"
-        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         stream = self.add_request(
-            rid, prompt_token_ids, params, namespace, tenant=tenant, shared_prefix=shared_prefix
+            rid, prompt_token_ids, _WARM_PARAMS, namespace, tenant=tenant, shared_prefix=shared_prefix
         )
         async for _ in stream:
             pass
@@ -420,16 +429,33 @@ class AsyncEngine:
         return WarmResult(len(prompt_token_ids), before.num_cached_tokens, pinned)
 
     async def warm_segments(
-        self, token_ids: list[int], spans: list[tuple[int, int]], namespace: str | None
+        self,
+        token_ids: list[int],
+        spans: list[tuple[int, int]],
+        namespace: str | None,
+        *,
+        tenant: str | None = None,
     ) -> int:
         """Compute and keep each span of ``token_ids`` as a segment (cache_mode="segments" of
-        /v1/cache/warm). Returns how many were stored already."""
+        /v1/cache/warm). Returns how many the store held already. A request of ``tenant`` like
+        any: refused over its share of the queue (before anything is computed), its documents
+        computed alone in pieces within each step's token budget and the tenant's share."""
+        if not spans:
+            return 0
+        request = SegmentRequest(tuple(spans), store_only=True)
+        self._check_request(token_ids, _WARM_PARAMS, tenant, request)
+        before = await asyncio.to_thread(self._num_stored_segments, token_ids, spans, namespace)
+        self._warm_ids += 1
+        rid = f"warm-{self._warm_ids}-{time.monotonic_ns()}"
+        stream = self.add_request(rid, token_ids, _WARM_PARAMS, namespace, tenant=tenant,
+                                  segments=request)  # fmt: skip
+        async for _ in stream:
+            pass
+        return before
 
-        def run() -> int:
-            with self._lock:
-                return self.engine.warm_segments(token_ids, spans, namespace)
-
-        return await asyncio.to_thread(run)
+    def _num_stored_segments(self, token_ids, spans, namespace) -> int:
+        with self._lock:
+            return self.engine.num_stored_segments(token_ids, spans, namespace)
 
     def set_pin_tenants(self, tenants: Iterable[str]) -> None:
         """The tenants bound by a pin quota (the server's non-admin ones; called again when the

@@ -129,6 +129,12 @@ class EngineConfig:
     # only by requests that ask for cache_mode="segments". Kept as float32: ~46 KB/token for
     # the default model, so 512 MiB hold ~11k document tokens.
     segment_cache_memory: str | int = "512MiB"
+    # What one segments request may ask for (SegmentLimitError, a 400, above): documents, and
+    # the size of one document's KV computed alone (its record: 46 KB/token for the default
+    # model, so 64 MiB is ~1,450 tokens; as large as a Redis record may be by default). A
+    # document recomputed whole (segment_recompute_tokens >= its length) makes no record.
+    max_segments_per_request: int = 64
+    max_segment_record: str | int = "64MiB"
     device: str = "cpu"
     seed: int = 0
     max_waiting_requests: int = 256
@@ -156,6 +162,11 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory)
         parse_bytes(self.segment_cache_memory)
+        parse_bytes(self.max_segment_record)
+        if self.max_segments_per_request < 1:
+            raise ValueError(
+                f"max_segments_per_request must be >= 1, got {self.max_segments_per_request}"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_seqs < 1:

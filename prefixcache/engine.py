@@ -111,6 +111,8 @@ class LLMEngine:
         self.segments = SegmentAssembler(
             self.runner, self.kv, segment_store, self.fingerprint,
             config.max_num_batched_tokens, on_computed=self.tiers.offload_segment,
+            max_segments=config.max_segments_per_request,
+            max_record_bytes=parse_bytes(config.max_segment_record),
         )  # fmt: skip
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
@@ -193,10 +195,11 @@ class LLMEngine:
         """``explain_across_namespaces`` (admins only): a miss may be explained by blocks of
         other namespaces. Without it the explanation looks at this namespace alone, so what it
         says and what it costs never depend on other tenants' prompts. ``segments``: reuse
-        these document spans through the segment store (cache_mode="segments").
-        ``shared_prefix``: the leading tokens that are cached in a shared namespace (whole
-        blocks of them); everything else of the request, its output included, is keyed in
-        ``namespace`` only."""
+        these document spans through the segment store (cache_mode="segments"); with
+        ``segments.store_only`` (a warm) the request only computes and keeps them and ends
+        with no output. ``shared_prefix``: the leading tokens that are cached in a shared
+        namespace (whole blocks of them); everything else of the request, its output included,
+        is keyed in ``namespace`` only."""
         if request_id in self.seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
@@ -206,7 +209,7 @@ class LLMEngine:
         scope = self.kv.scope(namespace, shared_prefix, len(ids))
         plan = None
         if segments is not None and segments.spans:
-            plan = self.segments.plan(ids, list(segments.spans), segments.options, namespace)
+            plan = self.segments.plan(ids, segments, namespace)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -263,10 +266,14 @@ class LLMEngine:
         if not out.scheduled:
             self.tiers.idle_wait()  # only restores are left: wait for one, briefly
             return []
-        # Segments requests reaching their documents are assembled now and leave this batch.
-        out.scheduled[:] = self.segments.prepare(out.scheduled)
+        # Segments requests reaching their documents spend their tokens of the step on their
+        # assembly (in pieces, over as many steps as it takes) and leave this batch; warms that
+        # kept their last document are finished.
+        out.scheduled[:], stored = self.segments.prepare(out.scheduled)
+        for seq in stored:
+            self._finish_stored(seq)
         if not out.scheduled:
-            return []
+            return stored
         now = time.time()
         for s in out.scheduled:
             if s.seq.metrics.first_scheduled_time is None:
@@ -288,7 +295,7 @@ class LLMEngine:
                 self.tiers.offload(s.seq, registered)  # write-through to disk / Redis
             except Exception as e:  # noqa: BLE001 - isolated to this sequence
                 failed[id(s.seq)] = e
-        updated: list[Sequence] = []
+        updated: list[Sequence] = list(stored)
         now = time.time()
         for s, res in zip(sampling, sampled):
             seq = s.seq
@@ -312,6 +319,14 @@ class LLMEngine:
                 self._fail_sequence(s.seq, failed.pop(id(s.seq)))
                 updated.append(s.seq)
         return updated
+
+    def _finish_stored(self, seq: Sequence) -> None:
+        """A store-only segments request (a warm) kept its documents: it ends, no output."""
+        self.scheduler.remove(seq)
+        self.seqs.pop(seq.request_id, None)
+        seq.finish_reason = "stop"
+        seq.status = RequestStatus.FINISHED
+        seq.metrics.finished_time = time.time()
 
     def _fail_sequence(self, seq: Sequence, err: BaseException) -> None:
         """Finish one sequence with an error and free its blocks; nobody else is touched."""
@@ -358,11 +373,10 @@ class LLMEngine:
     ) -> list[bytes]:
         return self.kv.keys_for(prompt_token_ids, namespace, shared_prefix)
 
-    def warm_segments(self, token_ids: list[int], spans, namespace: str | None) -> int:
-        """Store each span of ``token_ids`` as a segment; returns how many were stored already."""
-        self.validate_prompt(token_ids)
-        sink = self.segments.sink_of(token_ids, spans)
-        return sum(self.segments.warm(token_ids[a:b], namespace, sink) for a, b in spans)
+    def num_stored_segments(self, token_ids: list[int], spans, namespace: str | None) -> int:
+        """How many of these spans of ``token_ids`` the segment store holds now. A warm in
+        segments mode is a request (``add_request`` with ``SegmentRequest.store_only``)."""
+        return self.segments.num_stored(token_ids, spans, namespace)
 
     def pin_prefix(
         self,

@@ -160,9 +160,15 @@ class EngineAPI(Protocol):
         """Prefill (and pin, charged to ``tenant``; ``quota=False`` for admins)."""
 
     async def warm_segments(
-        self, token_ids: list[int], spans: list[tuple[int, int]], namespace: str | None
+        self,
+        token_ids: list[int],
+        spans: list[tuple[int, int]],
+        namespace: str | None,
+        *,
+        tenant: str | None = None,
     ) -> int:
-        """Store each span as a segment (cache_mode="segments"); returns those stored already."""
+        """Store each span as a segment (cache_mode="segments"), as a request of ``tenant``
+        (admitted and budgeted like any); returns those stored already."""
 
     def set_pin_tenants(self, tenants: Iterable[str]) -> None:
         """The tenants bound by a pin quota; their quotas sum within the pin budget."""

@@ -143,9 +143,10 @@ class EngineTiers:
 
     def _restore_segments(self, seq: Sequence) -> None:
         """Look up in the tiers the segments of ``seq`` that will be placed and that the
-        segment store lacks (a request whose spans are all recomputed needs none)."""
+        segment store lacks (a request whose spans are all recomputed needs none; a warm
+        computes what the store lacks and writes it through: none)."""
         plan = seq.segments
-        if plan is None:
+        if plan is None or plan.store_only:
             return
         refs, seen = [], set()
         for sp in plan.spans:

@@ -6,6 +6,7 @@ The server maps each class to one HTTP status by its type, never by matching mes
       ContextLengthError               400  prompt + max_tokens over the context (code
                                             ``context_length_exceeded``)
       PinQuotaError                    400  a pin over the pool's pin budget or the tenant's quota
+      SegmentLimitError                400  a segments request over its document or record limit
     QueueFullError                     429  too many waiting requests (all tenants); retry later
       TenantQuotaError                 429  this tenant holds its share of the queue; retry later
     EngineShutDownError                503  the engine takes no new requests
@@ -48,6 +49,14 @@ class PinQuotaError(InvalidRequestError):
     """A pin that would exceed the pool's pin budget or the tenant's pin quota."""
 
     code = "pin_quota_exceeded"
+
+
+class SegmentLimitError(InvalidRequestError):
+    """A segments request over a configured limit: more documents than
+    ``max_segments_per_request``, or a document whose KV computed alone would make a record
+    larger than ``max_segment_record``."""
+
+    code = "segment_limit_exceeded"
 
 
 class QueueFullError(EngineError, RuntimeError):

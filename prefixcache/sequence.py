@@ -53,6 +53,8 @@ class Sequence:
     segments: SegmentPlan | None = None
     max_registered_blocks: int | None = None
     num_segment_cached_tokens: int | None = None  # segment tokens reused, not recomputed
+    # Its assembly in progress, done in pieces over several steps (the assembler's ``_Job``).
+    segment_job: object | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cache_info: CacheExplanation | None = None

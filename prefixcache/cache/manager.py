@@ -281,6 +281,7 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_registered_blocks = 0
         seq.num_computed_tokens = 0
+        seq.segment_job = None  # a segments assembly in progress lived in those blocks: void
 
     # ---- explanation -----------------------------------------------------------------------------
     def explain(

@@ -1,8 +1,8 @@
 """The engine side of segment caching: fill a segments request's document spans from the
 segment store, recompute the first tokens of each in its new context, go on normally after.
 
-For a sequence with a ``SegmentPlan``, when it is first scheduled (and again after a preemption:
-the assembly is deterministic), ``prepare`` does, in prompt order::
+For a sequence with a ``SegmentPlan``, from when it is first scheduled (and again after a
+preemption: the assembly is deterministic), ``prepare`` does, in prompt order::
 
     [ exact prefix ][ doc A          ][ doc B          ][ question ... ]
       computed        k tokens | rest   k tokens | rest   left to the scheduler
@@ -14,8 +14,8 @@ the assembly is deterministic), ``prepare`` does, in prompt order::
   are recomputed with attention over everything before them (EPIC-style; k from the options);
   with ``selection`` "deviation"/"both" every token is placed and the k recomputed are picked
   by a one-layer probe of their KV deviation (blend.py, CacheBlend-style);
-- then ``num_computed_tokens`` points at the end of the last span and the sequence drops out of
-  this step; the scheduler prefills the rest (the question) exactly as for any request.
+- then ``num_computed_tokens`` points at the end of the last span; the scheduler prefills the
+  rest (the question) exactly as for any request.
 
 Invariant: blocks from the first span on are never registered in the prefix index
 (``Sequence.max_registered_blocks``), so no other request can hit KV that a cold run would not
@@ -23,26 +23,44 @@ compute. The output of a segments request does not depend on whether its segment
 store: a miss computes the same KV alone that a hit reads (cold == warm within the mode).
 With k >= the span length nothing is placed and the assembly is a chunked cold prefill.
 
-The assembly runs inside the step, outside ``max_num_batched_tokens`` (its forwards are chunked
-by it); a prefill of that size would have run anyway.
+Segments work is prefill work of the requesting tenant, inside the step's token budget. The
+scheduler grants a segments sequence tokens as it grants any prefill chunk (within
+``max_num_batched_tokens`` and the tenant's share, fairness.py); ``prepare`` spends them on the
+sequence's assembly job (``_Job``) and the sequence drops out of the step's forward. The job
+resumes where it stopped at the next step that grants it tokens, so a request with many documents
+takes many steps and every other request runs between them (the engine lock is released between
+steps). Tokens counted: each token of a forward computed alone (the sink included), each token
+recomputed or computed exactly, and the probe as 1/layers of its tokens; placing and store hits
+are copies and count nothing. Pieces of a job never change its result: a document computed alone
+in several forwards, or pieces spread over several forwards, give the same bits on the exact
+path (chunked == whole, docs/design.md section 2) and agree elsewhere, as any chunked prefill.
+A preemption voids the job (its blocks are freed: ``KVCacheManager.free`` drops it); readmitted,
+the sequence starts a new one, finding the documents already kept in the store.
+
+``store_only`` plans (/v1/cache/warm in segments mode) compute and keep each document the store
+lacks and end the request: nothing placed, nothing sampled.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
 
 from prefixcache.cache.manager import KVCacheManager
+from prefixcache.errors import SegmentLimitError
 from prefixcache.kv.pool import KVCache, KVLayout
 from prefixcache.model.attention import build_metadata
 from prefixcache.model.decode_attention import slots_of
 from prefixcache.model.runner import ModelRunner
+from prefixcache.segments import record
 from prefixcache.segments.blend import blend_pieces
 from prefixcache.segments.plan import (
     SINK_TOKENS,
-    SegmentOptions,
     SegmentPlan,
+    SegmentRequest,
     SegmentSpan,
     check_spans,
     segment_key,
@@ -58,6 +76,43 @@ class SegmentCounters:
     reused_tokens: int = 0  # placed from a store hit and not recomputed
     recomputed_tokens: int = 0  # recomputed in context (the first k of each span)
     computed_alone_tokens: int = 0  # store misses: computed alone, then stored
+
+
+class _Job:
+    """A segments sequence's work in progress (``Sequence.segment_job``). ``steps`` (a
+    generator) does at most ``left`` tokens of work, then yields until the next step grants
+    more; it returns when done. Freeing the sequence's blocks (a preemption, its end) drops it
+    (``KVCacheManager.free``)."""
+
+    __slots__ = ("left", "steps")
+
+    def __init__(self):
+        self.left = 0
+        self.steps: Generator | None = None
+
+    def start(self, work: Callable[..., Generator], *args) -> _Job:
+        """``work(*args, self)`` is the job's generator."""
+        self.steps = work(*args, self)
+        return self
+
+    def run(self, tokens: int) -> bool:
+        """Work for up to ``tokens`` (the step's grant); True when the job is done."""
+        self.left = tokens
+        try:
+            next(self.steps)
+        except StopIteration:
+            return True
+        return False
+
+
+def _finish(job: _Job):
+    """Run a job without a budget (``compute_alone``); its return value."""
+    job.left = math.inf
+    try:
+        while True:
+            next(job.steps)
+    except StopIteration as stop:
+        return stop.value
 
 
 class _At:
@@ -89,6 +144,8 @@ class SegmentAssembler:
         fingerprint: str,
         max_chunk: int,
         on_computed=None,
+        max_segments: int = 64,
+        max_record_bytes: int = 64 << 20,
     ):
         self.runner = runner
         self.kv = kv
@@ -96,28 +153,51 @@ class SegmentAssembler:
         self.fingerprint = fingerprint
         self.kv_dtype = runner.kv.fmt.name
         self.block_size = kv.block_size
-        self.max_chunk = max_chunk
+        self.max_chunk = max_chunk  # the most tokens of one forward
+        self.max_segments = max_segments
+        self.max_record_bytes = max_record_bytes
         self.counters = SegmentCounters()
         # Called with (key, entry) for every segment computed alone: the persistent tiers'
         # write-through (engine_tiers.py); None without tiers.
         self.on_computed = on_computed
 
     # ---- planning (at add_request) --------------------------------------------------------------
-    def plan(
-        self,
-        token_ids: list[int],
-        spans: list[tuple[int, int]],
-        options: SegmentOptions,
-        namespace: str | None,
-    ) -> SegmentPlan:
+    def check(self, token_ids: list[int], request: SegmentRequest) -> None:
+        """Refuse what a segments request may never run: bad spans (InvalidRequestError), more
+        documents than ``max_segments`` or a document whose KV computed alone would make a
+        record over ``max_record_bytes`` (SegmentLimitError). Pure: no lock needed."""
+        spans = list(request.spans)
         check_spans(spans, len(token_ids))
+        if len(spans) > self.max_segments:
+            raise SegmentLimitError(
+                f"this request has {len(spans)} documents; at most {self.max_segments} per "
+                "segments request (max_segments_per_request)", param="messages",
+            )  # fmt: skip
+        cfg = self.runner.config
+        for a, b in spans:
+            n = b - a
+            if not request.store_only and request.options.recompute_for(n) >= n:
+                continue  # recomputed whole: never computed alone, no record
+            size = record.payload_bytes(n, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+            if size > self.max_record_bytes:
+                raise SegmentLimitError(
+                    f"a document of {n} tokens would make a segment record of {size} bytes; at "
+                    f"most {self.max_record_bytes} (max_segment_record)", param="messages",
+                )  # fmt: skip
+
+    def plan(
+        self, token_ids: list[int], request: SegmentRequest, namespace: str | None
+    ) -> SegmentPlan:
+        self.check(token_ids, request)
+        spans = list(request.spans)
         sink = self.sink_of(token_ids, spans)
         return SegmentPlan(
             tuple(
                 SegmentSpan(a, b, self.key(token_ids[a:b], namespace, sink)) for a, b in spans
             ),
-            options,
+            request.options,
             sink,
+            request.store_only,
         )
 
     @staticmethod
@@ -132,26 +212,63 @@ class SegmentAssembler:
 
     def register_limit(self, plan: SegmentPlan) -> int:
         """Full blocks of a sequence that may enter the prefix index: those wholly before the
-        first span (exact KV); every later block may hold placed segment KV."""
-        return plan.first_start() // self.block_size
+        first span (exact KV); every later block may hold placed segment KV. A store-only
+        sequence computes nothing into the pool: none."""
+        return 0 if plan.store_only else plan.first_start() // self.block_size
+
+    def num_stored(self, token_ids: list[int], spans, namespace: str | None) -> int:
+        """How many of these spans the store holds now (a warm's "already cached")."""
+        sink = self.sink_of(token_ids, spans)
+        return sum(self.store.contains(self.key(token_ids[a:b], namespace, sink)) for a, b in spans)
 
     # ---- the step -----------------------------------------------------------------------------
-    def prepare(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """Assemble the segments of scheduled sequences that reach their spans now; those drop
-        out of this step's batch (their next step computes what follows the last span)."""
-        out = []
+    @torch.inference_mode()
+    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[Sequence]]:
+        """Spend the tokens granted to segments sequences that are at their spans on their jobs;
+        those drop out of this step's batch (the step after a job ends computes what follows
+        the last span). Returns (the batch left, the store-only sequences now done)."""
+        out, stored = [], []
         for s in scheduled:
             seq = s.seq
             plan = seq.segments
-            if plan is None or not plan.spans or seq.num_computed_tokens >= plan.end:
+            if plan is None or not plan.spans or (
+                not plan.store_only and seq.num_computed_tokens >= plan.end
+            ):
                 out.append(s)
-            elif not self.kv.allocate_slots(seq, plan.end - seq.num_computed_tokens):
-                out.append(s)  # no room now: this chunk runs exactly; spans left are tried later
-            else:
-                self._assemble(seq, plan)
-        return out
+                continue
+            job = seq.segment_job
+            if job is None:
+                if not plan.store_only and not self.kv.allocate_slots(
+                    seq, plan.end - seq.num_computed_tokens
+                ):
+                    # no room now: this chunk runs exactly; spans left are tried later
+                    out.append(s)
+                    continue
+                work = self._store_only if plan.store_only else self._assemble
+                job = seq.segment_job = _Job().start(work, seq, plan)
+            if job.run(s.num_new_tokens):
+                seq.segment_job = None
+                if plan.store_only:
+                    stored.append(seq)
+        return out, stored
 
-    def _assemble(self, seq: Sequence, plan: SegmentPlan) -> None:
+    def _take(self, job: _Job, want: int):
+        """Up to ``want`` tokens for one forward (at most ``max_chunk``), from this step's grant;
+        waits for the next step while it is spent."""
+        while job.left <= 0:
+            yield
+        n = min(want, job.left, self.max_chunk)
+        job.left -= n
+        return n
+
+    def _store_only(self, seq: Sequence, plan: SegmentPlan, job: _Job):
+        """Compute and keep every span the store lacks (a warm)."""
+        for sp in plan.spans:
+            ids = seq.prompt_token_ids[sp.start : sp.end]
+            if self.store.get(sp.key, ids, seq.namespace, plan.sink) is None:
+                yield from self._compute_and_keep(sp.key, ids, seq.namespace, plan.sink, job)
+
+    def _assemble(self, seq: Sequence, plan: SegmentPlan, job: _Job):
         c = seq.num_computed_tokens
         reused = recomputed = 0
         pieces: list[tuple[int, int]] = []  # token ranges to compute, in prompt order
@@ -170,7 +287,9 @@ class SegmentAssembler:
                 ids = seq.prompt_token_ids[sp.start : sp.end]
                 entry = self.store.get(sp.key, ids, seq.namespace, plan.sink)
                 if entry is None:
-                    entry = self._compute_and_keep(sp.key, ids, seq.namespace, plan.sink)
+                    entry = yield from self._compute_and_keep(
+                        sp.key, ids, seq.namespace, plan.sink, job
+                    )
                 else:
                     reused += sp.length - k
                 probe = bool(k) and plan.options.probes
@@ -183,14 +302,37 @@ class SegmentAssembler:
                 pieces.append((sp.start, sp.start + k))
                 recomputed += k
             c = sp.end
+        if probed:  # one layer over the probed tokens, run whole: 1/layers of their tokens
+            while job.left <= 0:
+                yield
+            n = max(sp.end for _, sp in probed) - seq.num_computed_tokens
+            job.left -= -(-n // self.runner.config.num_layers)
         pieces = blend_pieces(self.runner, seq, plan.options, pieces, probed, self.max_chunk)
-        self._compute(seq, pieces)  # after every placement: recomputed tokens attend to them
+        # after every placement: recomputed tokens attend to them
+        yield from self._compute_in_steps(seq, pieces, job)
         seq.num_computed_tokens = c
         if seq.num_segment_cached_tokens is None:  # first assembly: what the user sees
             seq.num_segment_cached_tokens = reused
             self.counters.requests += 1
             self.counters.reused_tokens += reused
             self.counters.recomputed_tokens += recomputed
+
+    def _compute_in_steps(self, seq: Sequence, pieces: list[tuple[int, int]], job: _Job):
+        """``_compute`` of ``pieces`` in forwards as large as the grant allows, over as many
+        steps as it takes. A piece split between forwards, or one computed a step after an
+        earlier one, sees what it would see in one forward (``_compute``'s reason)."""
+        todo = list(reversed(pieces))
+        while todo:
+            size = yield from self._take(job, sum(b - a for a, b in todo))
+            batch = []
+            while size:
+                a, b = todo.pop()
+                n = min(b - a, size)
+                batch.append((a, a + n))
+                size -= n
+                if a + n < b:
+                    todo.append((a + n, b))
+            self._compute(seq, batch)
 
     def _compute(self, seq: Sequence, pieces: list[tuple[int, int]]) -> None:
         """Compute the prompt tokens of ``pieces`` (ordered, disjoint ranges) into ``seq``'s
@@ -242,6 +384,10 @@ class SegmentAssembler:
         """KV of ``token_ids`` computed after ``sink`` alone, at positions m..m+n-1 (m =
         len(sink)), in a private cache of the pool's KV format (the engine's pool is not
         touched); read back as the float32 values attention would see."""
+        return _finish(_Job().start(self._alone, token_ids, namespace, sink))
+
+    def _alone(self, token_ids, namespace: str | None, sink, job: _Job):
+        """``compute_alone`` as a job: forwards as large as the grant allows."""
         seg, token_ids = list(token_ids), list(sink) + list(token_ids)
         m = len(sink)
         n, bs, dev = len(token_ids), self.block_size, self.runner.device
@@ -252,12 +398,14 @@ class SegmentAssembler:
         )
         table = list(range(nblocks))
         model = self.runner.model
-        for a in range(0, n, self.max_chunk):
-            c = min(self.max_chunk, n - a)
+        a = 0
+        while a < n:
+            c = yield from self._take(job, n - a)
             meta = build_metadata([table], [a], [c], bs, dev, native=model.native, exact=model.exact)
             ids = torch.tensor(token_ids[a : a + c], dtype=torch.long, device=dev)
             pos = torch.arange(a, a + c, device=dev)
             model(ids, pos, private, meta, torch.tensor([c - 1], device=dev))
+            a += c
         slots = torch.arange(m, n, device=dev)  # the segment's own tokens
         ks, vs = [], []
         for i in range(self.runner.config.num_layers):
@@ -279,18 +427,9 @@ class SegmentAssembler:
             "computed_alone_tokens": c.computed_alone_tokens,
         }  # fmt: skip
 
-    def warm(self, token_ids: list[int], namespace: str | None, sink: tuple[int, ...]) -> bool:
-        """Compute and keep one segment (``/v1/cache/warm`` in segments mode). Returns whether
-        it was already stored."""
-        key = self.key(token_ids, namespace, sink)
-        if self.store.get(key, token_ids, namespace, sink) is not None:
-            return True
-        self._compute_and_keep(key, token_ids, namespace, sink)
-        return False
-
-    def _compute_and_keep(self, key: bytes, token_ids, namespace, sink) -> SegmentEntry:
+    def _compute_and_keep(self, key: bytes, token_ids, namespace, sink, job: _Job):
         """A store miss: compute the segment alone, keep it, write it through to the tiers."""
-        entry = self.compute_alone(token_ids, namespace, sink)
+        entry = yield from self._alone(token_ids, namespace, sink, job)
         self.store.put(key, entry)
         self.counters.computed_alone_tokens += len(token_ids)
         if self.on_computed is not None:

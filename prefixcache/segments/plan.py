@@ -127,6 +127,9 @@ class SegmentPlan:
     spans: tuple[SegmentSpan, ...]
     options: SegmentOptions
     sink: tuple[int, ...] = ()  # the tokens every segment of this plan is computed after
+    # /v1/cache/warm in segments mode: compute and keep each span the store lacks; nothing is
+    # placed, sampled or written into the pool, and the request ends when they are kept.
+    store_only: bool = False
 
     @property
     def end(self) -> int:
@@ -155,3 +158,4 @@ class SegmentRequest:
 
     spans: tuple[tuple[int, int], ...]
     options: SegmentOptions = SegmentOptions()
+    store_only: bool = False  # see SegmentPlan

@@ -44,7 +44,7 @@ async def warm(request: Request) -> dict:
     """Prefill a prompt into the cache (no tokens generated); optionally pin it for a TTL."""
     s, tenant, req, scope = await accept(request, CacheWarmRequest)
     if req.cache_mode == "segments":
-        return await _warm_segments(request, s, req, scope.namespace)
+        return await _warm_segments(request, s, tenant, req, scope.namespace)
     ids, shared = await s.cache_prompt(req, tenant, scope)
     if req.ttl_seconds is not None and not req.pin:
         raise APIError(400, "ttl_seconds applies to pinned prompts: set pin: true", param="pin")
@@ -68,8 +68,11 @@ def _where(s: Serving, scope: CacheScope, shared) -> dict:
     return out
 
 
-async def _warm_segments(request: Request, s: Serving, req: CacheWarmRequest, namespace) -> dict:
-    """Each document message stored as a segment (docs/segments.md); nothing else prefilled."""
+async def _warm_segments(
+    request: Request, s: Serving, tenant: Tenant, req: CacheWarmRequest, namespace
+) -> dict:
+    """Each document message stored as a segment (docs/segments.md); nothing else prefilled.
+    A request of the tenant's: 429 over its share of the queue, 400 over the segment limits."""
     if req.messages is None or req.prompt is not None:
         raise APIError(400, 'cache_mode "segments" warms document messages: give messages',
                        param="messages")  # fmt: skip
@@ -80,7 +83,7 @@ async def _warm_segments(request: Request, s: Serving, req: CacheWarmRequest, na
     if not spans:
         raise APIError(400, "no document message to warm as a segment", param="messages")
     try:
-        stored = await s.engine.warm_segments(ids, list(spans), namespace)
+        stored = await s.engine.warm_segments(ids, list(spans), namespace, tenant=tenant.name)
     except Exception as e:  # noqa: BLE001 - typed errors map to 4xx, the rest is a logged 500
         rid = request_id_of(request.scope)
         raise (from_engine_error(e, rid) or internal_error(rid, e)) from None

@@ -174,6 +174,22 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "cache_mode \"segments\" (docs/segments.md)",
     )
     t.add_argument(
+        "--max-segments-per-request",
+        type=int,
+        default=64,
+        metavar="N",
+        help="most document messages one cache_mode \"segments\" request (chat or warm) may "
+        "have; more is a 400 segment_limit_exceeded",
+    )
+    t.add_argument(
+        "--max-segment-record",
+        default="64MiB",
+        metavar="SIZE",
+        help="most bytes of one document's KV computed alone (its segment record, ~46 KB/token "
+        "for the default model); a document that would make a larger one is a 400 "
+        "segment_limit_exceeded",
+    )
+    t.add_argument(
         "--remote-cache",
         default=None,
         metavar="URL",
@@ -409,6 +425,8 @@ def _engine_config(args: argparse.Namespace):
         disk_cache_dir=args.disk_cache_dir,
         disk_cache_size=args.disk_cache_size,
         segment_cache_memory=args.segment_cache_memory,
+        max_segments_per_request=args.max_segments_per_request,
+        max_segment_record=args.max_segment_record,
         remote_cache=args.remote_cache,
         tier_compression=args.tier_compression,
         tier_secret_file=args.tier_secret_file,

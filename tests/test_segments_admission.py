@@ -1,0 +1,181 @@
+"""Segments work is admitted and budgeted like any prefill (docs/segments.md, "Cost and limits"):
+a segments request (warm or chat) over its tenant's queue share is a 429, one over the document
+or record limits a 400, and a large warm runs in pieces within the step's token budget, so
+another tenant's short request sent meanwhile finishes first; the pieces change no output.
+
+One AsyncEngine on the default model with a small step budget (64 tokens) and small limits,
+behind the app in this process (httpx's ASGI transport); order of completion, never time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from _helpers import PROSE, shared_default_weights
+
+from prefixcache.async_engine import AsyncEngine
+from prefixcache.config import EngineConfig
+from prefixcache.request import SamplingParams
+from prefixcache.segments.plan import SegmentOptions, SegmentRequest
+from prefixcache.server.app import create_app
+
+BYTES_PER_TOKEN = 46080  # default model, float32: a segment record's bytes per token
+MAX_DOCS = 6
+MAX_RECORD_TOKENS = 200  # the record limit, in tokens of the default model
+SHARE = 2  # the tenant's share of the queue: half of max_waiting_requests
+SYSTEM = {"role": "system", "content": "Answer from the records only."}
+QUESTION = {"role": "user", "content": "Which record names Berlin?"}
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3)
+
+
+def _docs(n: int, tag: str, text: str = PROSE) -> list[dict]:
+    """``n`` distinct documents of ~123 tokens each (PROSE under its own title)."""
+    return [{"role": "document", "title": f"{tag} record {i}", "content": text} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    config = EngineConfig(
+        kv_cache_memory="64MiB",
+        max_model_len=1024,
+        max_num_batched_tokens=64,  # a 6-document warm needs ~12 steps alone, ~24 when shared
+        max_waiting_requests=2 * SHARE,
+        max_segments_per_request=MAX_DOCS,
+        max_segment_record=MAX_RECORD_TOKENS * BYTES_PER_TOKEN,
+        seed=0,
+    )
+    with shared_default_weights():
+        eng = AsyncEngine(config)
+    yield eng
+    asyncio.run(eng.shutdown(drain=False))
+
+
+@pytest.fixture(scope="module")
+def app(engine):
+    return create_app(engine)  # open: every caller is the admin tenant "default"
+
+
+def _serve(app, test) -> None:
+    async def main():
+        await app.state.serving.engine.start()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+            await test(http)
+
+    asyncio.run(main())
+
+
+def _warm_body(docs: list[dict], salt: str) -> dict:
+    return {"messages": [SYSTEM, *docs], "cache_mode": "segments", "cache_salt": salt}
+
+
+def test_segments_over_the_document_or_record_limit_are_a_400(app):
+    async def test(http):
+        for docs in (_docs(MAX_DOCS + 1, "many"), _docs(1, "long", PROSE * 2)):  # 7; ~240 tokens
+            for path, body in (
+                ("/v1/cache/warm", _warm_body(docs, "limits")),
+                ("/v1/chat/completions", {"messages": [SYSTEM, *docs, QUESTION],
+                                          "max_tokens": 1, "cache_mode": "segments"}),
+            ):  # fmt: skip
+                r = await http.post(path, json=body)
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert err["code"] == "segment_limit_exceeded" and err["param"] == "messages"
+                limit = "max_segments_per_request" if len(docs) > 1 else "max_segment_record"
+                assert limit in err["message"]
+        # A long document recomputed whole makes no record: not bound by the record limit.
+        body = {"messages": [SYSTEM, *_docs(1, "long", PROSE * 2), QUESTION], "max_tokens": 1,
+                "cache_mode": "segments", "segment_recompute_tokens": 10**6}  # fmt: skip
+        assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        fits = _docs(MAX_DOCS, "fits", PROSE[:80])  # short: the limit is on the count
+        r = await http.post("/v1/cache/warm", json=_warm_body(fits, "limits"))
+        assert r.status_code == 200 and r.json()["segments"] == MAX_DOCS
+
+    _serve(app, test)
+
+
+def test_a_segments_request_over_the_tenant_share_is_a_429(app, engine):
+    ids = engine.tokenizer.encode(PROSE)[:20]
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    async def test(http):
+        # Holding the engine lock stands for a long step: nothing leaves the queue meanwhile.
+        with engine._lock:
+            held = [
+                engine.add_request(f"fill-{i}", ids, sp, tenant="default") for i in range(SHARE)
+            ]
+            for path, body in (
+                ("/v1/cache/warm", _warm_body(_docs(2, "quota"), "quota")),
+                ("/v1/chat/completions", {"messages": [SYSTEM, *_docs(2, "quota"), QUESTION],
+                                          "max_tokens": 1, "cache_mode": "segments"}),
+            ):  # fmt: skip
+                # Refused before anything waits on the lock (a guard, not a timing assertion).
+                r = await asyncio.wait_for(http.post(path, json=body), 60)
+                assert r.status_code == 429, r.text
+                assert r.json()["error"]["code"] == "tenant_quota_exceeded"
+                assert "Retry-After" in r.headers
+        for stream in held:
+            assert [d async for d in stream][-1].finished
+
+    _serve(app, test)
+
+
+def test_a_short_request_sent_while_a_large_warm_runs_finishes_first(engine, llm):
+    """The warm's documents are computed in pieces, a step at a time within the budget and its
+    tenant's share: the victim's short request is scheduled between them and finishes first.
+    Pieces change nothing: a chat reusing the warmed documents on this 64-token budget, run
+    beside another tenant's request, equals the same chat computed cold on a 2048-token one."""
+    docs, salt = _docs(MAX_DOCS, "big"), "big-warm"
+    tok = engine.tokenizer
+    victim_ids = tok.encode(PROSE)[:24]
+    victim_sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    store = engine.engine.segments.store
+    chat = tok.encode_chat_segments([SYSTEM, *docs, QUESTION])
+    done: list[str] = []
+
+    async def main():
+        await engine.start()
+        seg = tok.encode_chat_segments([SYSTEM, *docs])
+        misses = store.misses
+
+        async def warm():
+            assert await engine.warm_segments(seg.token_ids, list(seg.spans), salt,
+                                              tenant="attacker") == 0  # fmt: skip
+            done.append("warm")
+
+        async def victim():
+            async for _ in engine.add_request("victim", victim_ids, victim_sp, tenant="victim"):
+                pass
+            done.append("victim")
+
+        task = asyncio.create_task(warm())
+        while store.misses == misses:  # the warm has begun on its first document
+            await asyncio.sleep(0.005)
+        await asyncio.gather(victim(), task)
+
+        # Reuse, in pieces, beside another tenant's request.
+        request = SegmentRequest(chat.spans, SegmentOptions(recompute_tokens=4))
+
+        async def reuse():
+            stream = engine.add_request("reuse", chat.token_ids, GREEDY, salt, tenant="attacker",
+                                        segments=request)  # fmt: skip
+            return [d async for d in stream]
+
+        async def other():
+            async for _ in engine.add_request("other", victim_ids, victim_sp, tenant="victim"):
+                pass
+
+        deltas, _ = await asyncio.gather(reuse(), other())
+        return deltas
+
+    deltas = asyncio.run(main())
+    assert done == ["victim", "warm"]
+    cold = llm.chat([SYSTEM, *docs, QUESTION], GREEDY, cache_salt="big-warm-cold",
+                    cache_mode="segments", segment_recompute_tokens=4)[0]  # fmt: skip
+    assert cold.num_segment_cached_tokens == 0  # computed alone there, reused here
+    assert deltas[-1].num_segment_cached_tokens == sum(b - a - 4 for a, b in chat.spans)
+    assert [t for d in deltas for t in d.new_token_ids] == cold.outputs[0].token_ids
+    assert [lp for d in deltas for lp in d.new_logprobs] == cold.outputs[0].logprobs
+    engine.check_integrity()
