@@ -6,7 +6,8 @@ for every secret; the disk tier survives a restart, keeps its budget, cleans hal
 keeps its files private whatever the umask, writes again after a full disk got space back, and
 a kill -9 in the middle of writes leaves only whole blocks; a flooding tenant cannot evict
 another below its share (also after a restart), its write-queue overflow drops only its own
-writes, and the writer serves tenants in turn.
+writes, and the writer serves tenants in turn; so does the reader, whose per-tenant bound drops
+only the flooder's restores.
 Engine (real model): a new engine on the same directory restores a prefix and gives the same
 greedy tokens as a cold run at prefix lengths k*16-1 / k*16 / k*16+1, in float32 and int8 KV;
 another KV dtype or block size never hits; corrupt, truncated and foreign files are misses;
@@ -302,13 +303,64 @@ def test_a_flooding_tenants_queue_overflow_drops_only_its_own_writes(tmp_path):
         for i in range(3):  # the victim's are queued: the flooder's newest make room
             m.offload("victim", [(_ref(100 + i), bytes(256))])
         m.check_integrity()
-        assert m.owner_stats("victim")["queue"] == {"queued_bytes": 3 * 256, "dropped_writes": 0}
-        assert m.owner_stats("flooder")["queue"] == {"queued_bytes": 7 * 256, "dropped_writes": 23}
+        restores = {"queued_restores": 0, "dropped_restores": 0}
+        assert m.owner_stats("victim")["queue"] == {"queued_bytes": 3 * 256, "dropped_writes": 0,
+                                                    **restores}  # fmt: skip
+        assert m.owner_stats("flooder")["queue"] == {"queued_bytes": 7 * 256, "dropped_writes": 23,
+                                                     **restores}  # fmt: skip
         assert disk.stats().dropped_writes == 23
         disk.gate.set()
         assert m.flush()
         assert m.owner_stats("victim")["disk"]["stored_records"] == 3
         assert m.owner_stats("flooder")["disk"]["stored_records"] == 7
+        m.check_integrity()
+    finally:
+        disk.gate.set()
+        m.close()
+
+
+class _GatedReads(DiskTier):
+    """A real disk tier whose reads wait for ``gate`` once one has begun (``reading``): the
+    reader is held on a job while restores queue up behind it."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.gate, self.reading = threading.Event(), threading.Event()
+
+    def get_many(self, ns, names, owner=None):
+        self.reading.set()
+        self.gate.wait(30)
+        return super().get_many(ns, names, owner=owner)
+
+
+def test_the_reader_serves_tenants_in_turn_and_bounds_each_ones_queue(tmp_path):
+    disk = _GatedReads(tmp_path, 1 << 30)
+    m = TierManager([disk], _layout(), KEYS, max_queued_restores=20)
+    try:
+        for ns, i in (("flooder", 0), ("victim/salt", 100)):
+            m.offload(ns, [(_ref(i), bytes(range(256)))])
+        assert m.flush()
+        held = m.submit_restore("f-held", "flooder", [_ref(0)])
+        assert disk.reading.wait(30)  # the reader holds the flooder's first job
+        flood = [m.submit_restore(f"f{i}", "flooder", [_ref(0)]) for i in range(25)]
+        victim = m.submit_restore("v", "victim/salt", [_ref(100)])
+        # The bound drops only the flooder's excess: its 5 newest, not the victim's one.
+        assert all(flood[:20]) and flood[20:] == [None] * 5 and victim is not None
+        assert m.owner_stats("flooder")["queue"]["queued_restores"] == 20
+        assert m.owner_stats("flooder")["queue"]["dropped_restores"] == 5
+        assert m.owner_stats("victim")["queue"]["queued_restores"] == 1
+        assert m.owner_stats("victim")["queue"]["dropped_restores"] == 0
+        m.check_integrity()
+        disk.gate.set()
+        done: list = []
+        while len(done) < 22:
+            m.wait_completed(0.05)
+            done += m.take_completed()
+        order = [j.request_id for j in done]
+        # At most the flooder's job the reader held, then one more of the flooder's turn.
+        assert order.index("v") <= 2, order
+        assert [r for r in order if r != "v"] == ["f-held"] + [f"f{i}" for i in range(20)]
+        assert all(len(j.found) == 1 for j in done) and held.done
         m.check_integrity()
     finally:
         disk.gate.set()
