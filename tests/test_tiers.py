@@ -537,3 +537,23 @@ def test_corrupt_truncated_foreign_files_tenants_invalidation_and_disk_full(tmp_
     out = reader.generate(prompts[:1], GREEDY)  # still serving, from RAM
     assert out[0].outputs[0].token_ids == expect[0].outputs[0].token_ids
     reader.check_integrity()
+
+
+@pytest.mark.slow
+def test_a_restore_over_the_tenants_bound_is_computed_cold_equals_warm(tmp_path, cold):
+    """The engine's side of the reader's per-tenant bound: a restore that is not queued leaves
+    the request to compute those blocks, with the outputs of a cold run."""
+    ref = cold["float32"]
+    prompt = _prompts(ref.get_tokenizer(), 1, 3 * BS + 2, salt=10)[0]
+    writer = LLM(kv_cache_memory=MEM, disk_cache_dir=tmp_path, seed=0)
+    writer.generate([prompt], GREEDY, cache_salt="t")
+    assert writer.engine.tiers.flush()
+    del writer
+    reader = LLM(kv_cache_memory=MEM, disk_cache_dir=tmp_path, seed=0)
+    reader.engine.tiers.manager.max_queued_restores = 0  # every restore is over the bound
+    out = reader.generate([prompt], GREEDY, cache_salt="t")[0]
+    assert out.num_cached_tokens == 0
+    assert out.outputs[0].token_ids == ref.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    assert reader.engine.tiers.tenant_usage("t")["queue"]["dropped_restores"] == 1
+    assert _disk(reader)["restores"] == 0
+    reader.check_integrity()

@@ -173,9 +173,9 @@ class TierManager:
     def _submit(self, job: RestoreJob, requester) -> RestoreJob | None:
         job.owner = owner_of(job.namespace) if requester is _OF_NAMESPACE else requester
         with self._cv:
-            q = self._restores.get(job.owner)
+            q = self._restores.get(job.owner, ())
             # Cancelled jobs (their request left) cost the reader nothing: they do not count.
-            if q is not None and sum(not j.cancelled for j in q) >= self.max_queued_restores:
+            if sum(not j.cancelled for j in q) >= self.max_queued_restores:
                 self._owner_restores_dropped[job.owner] += 1
                 return None
             self._restores.setdefault(job.owner, deque()).append(job)
