@@ -12,7 +12,8 @@ Engine (real model): a new engine on the same directory restores a prefix and gi
 greedy tokens as a cold run at prefix lengths k*16-1 / k*16 / k*16+1, in float32 and int8 KV;
 another KV dtype or block size never hits; corrupt, truncated and foreign files are misses;
 namespaces are isolated and invalidation drops them from disk; a write error (file size limit:
-a real kernel failure) turns the tier off while serving goes on.
+a real kernel failure) turns the tier off while serving goes on; a restore over its tenant's
+bound is computed instead, cold == warm.
 """
 
 from __future__ import annotations
@@ -350,6 +351,8 @@ def test_the_reader_serves_tenants_in_turn_and_bounds_each_ones_queue(tmp_path):
         assert m.owner_stats("flooder")["queue"]["dropped_restores"] == 5
         assert m.owner_stats("victim")["queue"]["queued_restores"] == 1
         assert m.owner_stats("victim")["queue"]["dropped_restores"] == 0
+        m.cancel(flood[19])  # its request left: its job no longer counts against the bound
+        assert m.submit_restore("f-late", "flooder", [_ref(0)]) is not None
         m.check_integrity()
         disk.gate.set()
         done: list = []
@@ -359,7 +362,8 @@ def test_the_reader_serves_tenants_in_turn_and_bounds_each_ones_queue(tmp_path):
         order = [j.request_id for j in done]
         # At most the flooder's job the reader held, then one more of the flooder's turn.
         assert order.index("v") <= 2, order
-        assert [r for r in order if r != "v"] == ["f-held"] + [f"f{i}" for i in range(20)]
+        flooder = ["f-held"] + [f"f{i}" for i in range(19)] + ["f-late"]
+        assert [r for r in order if r != "v"] == flooder  # its own jobs keep their order
         assert all(len(j.found) == 1 for j in done) and held.done
         m.check_integrity()
     finally:

@@ -173,9 +173,7 @@ class TierManager:
     def _submit(self, job: RestoreJob, requester) -> RestoreJob | None:
         job.owner = owner_of(job.namespace) if requester is _OF_NAMESPACE else requester
         with self._cv:
-            q = self._restores.get(job.owner, ())
-            # Cancelled jobs (their request left) cost the reader nothing: they do not count.
-            if sum(not j.cancelled for j in q) >= self.max_queued_restores:
+            if len(self._restores.get(job.owner, ())) >= self.max_queued_restores:
                 self._owner_restores_dropped[job.owner] += 1
                 return None
             self._restores.setdefault(job.owner, deque()).append(job)
@@ -341,7 +339,18 @@ class TierManager:
                 t.counters.add(segment_hit_tokens=seg)
 
     def cancel(self, job: RestoreJob) -> None:
+        """The request left: a queued job leaves its queue (it no longer counts against its
+        owner's bound, nor takes a turn); a running one installs nothing."""
         job.cancelled = True
+        with self._cv:
+            q = self._restores.get(job.owner)
+            for i, j in enumerate(q or ()):
+                if j is job:  # identity: jobs are dataclasses, == compares their fields
+                    del q[i]
+                    if not q:
+                        del self._restores[job.owner]
+                    job.done = True
+                    break
 
     @property
     def pending_restores(self) -> int:
@@ -558,9 +567,8 @@ class TierManager:
             for owner, q in self._restores.items():
                 assert q, "an empty restore queue kept its place in the round"
                 assert all(j.owner == owner for j in q), "a restore in another owner's queue"
-                assert all(not j.done for j in q), "a finished restore still queued"
-                live = sum(not j.cancelled for j in q)
-                assert live <= self.max_queued_restores, "an owner's restores passed the bound"
+                assert all(not j.done and not j.cancelled for j in q), "a dead restore queued"
+                assert len(q) <= self.max_queued_restores, "an owner's restores passed the bound"
         for t in self.tiers:
             t.check_integrity()
 
