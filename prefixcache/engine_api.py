@@ -80,7 +80,8 @@ class TenantStats:
     # Its prompt tokens restored from each persistent tier (disk, redis); {} without tiers.
     tier_hit_tokens: dict[str, int] = field(default_factory=dict)
     # Its own share of the tiers (tiers/shares.py), never another tenant's figures: "queue"
-    # (queued_bytes, dropped_writes: its writes dropped at the write queue), and per tier
+    # (queued_bytes, dropped_writes: its writes dropped at the write queue; queued_restores,
+    # dropped_restores: its restores not queued, over the reader's per-tenant bound), and per tier
     # stored_records / stored_bytes (disk: now; redis: as of this server's last write of it,
     # records None). {} without tiers.
     tier_usage: dict[str, dict] = field(default_factory=dict)

@@ -9,6 +9,8 @@ Flow of a restore:
    found are copied into fresh pool blocks and registered in the prefix index exactly like
    computed ones (then released: cached, evictable); the request stops restoring and its
    admission in the same step hits on them like on any cached block.
+   The reader serves tenants in turn and each has a bounded queue (manager.py): a restore
+   over its tenant's bound is not queued, and the request computes those blocks instead.
 3. A restore that found nothing, was invalidated meanwhile, or whose request was aborted,
    installs nothing. The step never waits on it while other work exists; when nothing else
    can run, the step waits at most ``IDLE_WAIT`` seconds for a restore to finish.
@@ -42,6 +44,7 @@ from prefixcache.sequence import Sequence
 from prefixcache.tiers.keys import StoreLayout
 from prefixcache.tiers.manager import BlockRef, RestoreJob, SegmentRef, TierManager
 from prefixcache.tiers.secret import load_keys
+from prefixcache.tiers.shares import owner_of
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,12 @@ def resolve_disk_dir(setting: str | Path) -> Path:
     else:
         base = Path.home() / ".cache" / "prefixcache"
     return base / "kv"
+
+
+def _requester(seq: Sequence) -> str | None:
+    """Whose turn at the tiers' reader a restore for ``seq`` takes (manager.py): the owner of
+    its own namespace (its tenant), also when the chain's shared part is read."""
+    return owner_of(seq.namespace)
 
 
 class NoTiers:
@@ -137,7 +146,9 @@ class EngineTiers:
             BlockRef(seq.block_keys[i], self.kv.parent_of(seq, i) + chunk)
             for i, chunk in enumerate(chunks, start=first)
         ]
-        job = self.manager.submit_restore(seq.request_id, namespace, refs)
+        job = self.manager.submit_restore(seq.request_id, namespace, refs, _requester(seq))
+        if job is None:
+            return  # the tenant's restore queue is full: the request computes these blocks
         seq.restoring = True
         self._jobs[seq.request_id] = (seq, job, first)
 
@@ -159,7 +170,11 @@ class EngineTiers:
                 continue
             refs.append(self._segment_ref(sp.key, plan.sink, seq.prompt_token_ids[sp.start : sp.end]))
         if refs:
-            job = self.manager.submit_segment_restore(seq.request_id, seq.namespace, refs)
+            job = self.manager.submit_segment_restore(
+                seq.request_id, seq.namespace, refs, _requester(seq)
+            )
+            if job is None:
+                return  # the tenant's restore queue is full: the documents are computed
             seq.restoring = True
             self._segment_jobs[seq.request_id] = (seq, job)
 

@@ -117,7 +117,8 @@ def test_two_servers_share_redis_restart_from_disk_tenants_faults(tmp_path):
         # Its own share of the tiers only: Bob's figures on A count nothing of Alice's there.
         assert _stats(a, "sk-alice")["tier_usage"]["disk"]["stored_records"] == 5
         assert _stats(a, "sk-bob")["tier_usage"] == {
-            "queue": {"queued_bytes": 0, "dropped_writes": 0},
+            "queue": {"queued_bytes": 0, "dropped_writes": 0, "queued_restores": 0,
+                      "dropped_restores": 0},
             "disk": {"stored_records": 0, "stored_bytes": 0},
             "redis": {"stored_records": None, "stored_bytes": None},
         }  # fmt: skip

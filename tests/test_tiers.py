@@ -6,12 +6,14 @@ for every secret; the disk tier survives a restart, keeps its budget, cleans hal
 keeps its files private whatever the umask, writes again after a full disk got space back, and
 a kill -9 in the middle of writes leaves only whole blocks; a flooding tenant cannot evict
 another below its share (also after a restart), its write-queue overflow drops only its own
-writes, and the writer serves tenants in turn.
+writes, and the writer serves tenants in turn; so does the reader, whose per-tenant bound drops
+only the flooder's restores.
 Engine (real model): a new engine on the same directory restores a prefix and gives the same
 greedy tokens as a cold run at prefix lengths k*16-1 / k*16 / k*16+1, in float32 and int8 KV;
 another KV dtype or block size never hits; corrupt, truncated and foreign files are misses;
 namespaces are isolated and invalidation drops them from disk; a write error (file size limit:
-a real kernel failure) turns the tier off while serving goes on.
+a real kernel failure) turns the tier off while serving goes on; a restore over its tenant's
+bound is computed instead, cold == warm.
 """
 
 from __future__ import annotations
@@ -302,13 +304,67 @@ def test_a_flooding_tenants_queue_overflow_drops_only_its_own_writes(tmp_path):
         for i in range(3):  # the victim's are queued: the flooder's newest make room
             m.offload("victim", [(_ref(100 + i), bytes(256))])
         m.check_integrity()
-        assert m.owner_stats("victim")["queue"] == {"queued_bytes": 3 * 256, "dropped_writes": 0}
-        assert m.owner_stats("flooder")["queue"] == {"queued_bytes": 7 * 256, "dropped_writes": 23}
+        restores = {"queued_restores": 0, "dropped_restores": 0}
+        assert m.owner_stats("victim")["queue"] == {"queued_bytes": 3 * 256, "dropped_writes": 0,
+                                                    **restores}  # fmt: skip
+        assert m.owner_stats("flooder")["queue"] == {"queued_bytes": 7 * 256, "dropped_writes": 23,
+                                                     **restores}  # fmt: skip
         assert disk.stats().dropped_writes == 23
         disk.gate.set()
         assert m.flush()
         assert m.owner_stats("victim")["disk"]["stored_records"] == 3
         assert m.owner_stats("flooder")["disk"]["stored_records"] == 7
+        m.check_integrity()
+    finally:
+        disk.gate.set()
+        m.close()
+
+
+class _GatedReads(DiskTier):
+    """A real disk tier whose reads wait for ``gate`` once one has begun (``reading``): the
+    reader is held on a job while restores queue up behind it."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.gate, self.reading = threading.Event(), threading.Event()
+
+    def get_many(self, ns, names, owner=None):
+        self.reading.set()
+        self.gate.wait(30)
+        return super().get_many(ns, names, owner=owner)
+
+
+def test_the_reader_serves_tenants_in_turn_and_bounds_each_ones_queue(tmp_path):
+    disk = _GatedReads(tmp_path, 1 << 30)
+    m = TierManager([disk], _layout(), KEYS, max_queued_restores=20)
+    try:
+        for ns, i in (("flooder", 0), ("victim/salt", 100)):
+            m.offload(ns, [(_ref(i), bytes(range(256)))])
+        assert m.flush()
+        held = m.submit_restore("f-held", "flooder", [_ref(0)])
+        assert disk.reading.wait(30)  # the reader holds the flooder's first job
+        flood = [m.submit_restore(f"f{i}", "flooder", [_ref(0)]) for i in range(25)]
+        victim = m.submit_restore("v", "victim/salt", [_ref(100)])
+        # The bound drops only the flooder's excess: its 5 newest, not the victim's one.
+        assert all(flood[:20]) and flood[20:] == [None] * 5 and victim is not None
+        assert m.owner_stats("flooder")["queue"]["queued_restores"] == 20
+        assert m.owner_stats("flooder")["queue"]["dropped_restores"] == 5
+        assert m.owner_stats("victim")["queue"]["queued_restores"] == 1
+        assert m.owner_stats("victim")["queue"]["dropped_restores"] == 0
+        m.cancel(flood[19])  # its request left: its job no longer counts against the bound
+        assert m.submit_restore("f-late", "flooder", [_ref(0)]) is not None
+        m.check_integrity()
+        disk.gate.set()
+        done: list = []
+        while len(done) < 22:
+            m.wait_completed(0.05)
+            done += m.take_completed()
+        order = [j.request_id for j in done]
+        # At most the flooder's job the reader held, then one more of the flooder's turn.
+        assert order.index("v") <= 2, order
+        flooder = ["f-held"] + [f"f{i}" for i in range(19)] + ["f-late"]
+        assert [r for r in order if r != "v"] == flooder  # its own jobs keep their order
+        assert all(len(j.found) == 1 for j in done) and held.done
         m.check_integrity()
     finally:
         disk.gate.set()
@@ -484,4 +540,24 @@ def test_corrupt_truncated_foreign_files_tenants_invalidation_and_disk_full(tmp_
     assert not list((tmp_path / SUBDIR).rglob(".tmp-*"))  # the failed write left nothing
     out = reader.generate(prompts[:1], GREEDY)  # still serving, from RAM
     assert out[0].outputs[0].token_ids == expect[0].outputs[0].token_ids
+    reader.check_integrity()
+
+
+@pytest.mark.slow
+def test_a_restore_over_the_tenants_bound_is_computed_cold_equals_warm(tmp_path, cold):
+    """The engine's side of the reader's per-tenant bound: a restore that is not queued leaves
+    the request to compute those blocks, with the outputs of a cold run."""
+    ref = cold["float32"]
+    prompt = _prompts(ref.get_tokenizer(), 1, 3 * BS + 2, salt=10)[0]
+    writer = LLM(kv_cache_memory=MEM, disk_cache_dir=tmp_path, seed=0)
+    writer.generate([prompt], GREEDY, cache_salt="t")
+    assert writer.engine.tiers.flush()
+    del writer
+    reader = LLM(kv_cache_memory=MEM, disk_cache_dir=tmp_path, seed=0)
+    reader.engine.tiers.manager.max_queued_restores = 0  # every restore is over the bound
+    out = reader.generate([prompt], GREEDY, cache_salt="t")[0]
+    assert out.num_cached_tokens == 0
+    assert out.outputs[0].token_ids == ref.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    assert reader.engine.tiers.tenant_usage("t")["queue"]["dropped_restores"] == 1
+    assert _disk(reader)["restores"] == 0
     reader.check_integrity()

@@ -52,6 +52,9 @@ class RestoreJob:
     blocks: list  # BlockRef (a chain: "blocks") or SegmentRef (independent: "segments")
     generation: tuple[int, int]
     kind: str = "blocks"
+    # The requester (shares.py's owner of the request's own namespace): whose turn at the
+    # reader and whose bound it uses (manager.py); set when submitted.
+    owner: str | None = None
     # Filled by the reader: the leading blocks found, with their payload and the tier's name.
     found: list[tuple[BlockRef, bytes, str]] = field(default_factory=list)
     done: bool = False

@@ -1,9 +1,9 @@
 """The tiers behind the RAM pool, driven by two I/O threads so that no step waits on them.
 
-    engine thread                      reader thread                 writer thread
-    submit_restore(blocks) ──queue──▶  disk, then Redis for what     invalidations first,
-                                       disk lacked; decode + verify  then one write of each
-    take_completed() ◀──── done ────── (codec.py)                    tenant in turn
+    engine thread                          reader thread                 writer thread
+    submit_restore(blocks) ─a queue per──▶ one restore of each tenant    invalidations first,
+                            tenant         in turn: disk, then Redis     then one write of each
+    take_completed() ◀──── done ────────── for what disk lacked          tenant in turn
     offload(blocks) ──────────────────────────────────── a queue per tenant ──▶
 
 Decisions:
@@ -21,6 +21,18 @@ Decisions:
   writes queued``) or more, counted as that owner's drop; otherwise the newest queued writes
   of the owner holding the most (over its share) are dropped to make room. A tenant alone may
   fill the whole queue; a flood drops only the flooder's writes.
+- **The reader is shared the same way.** Each tenant has its own FIFO of restore jobs and the
+  reader takes one job of each tenant in turn, so a tenant queueing many restores (long prompts
+  whose blocks are on disk) delays another's restore, and with it its first token, by at most
+  one of its jobs per round, not by its whole backlog; a tenant's own jobs keep their order.
+  The tenant of a restore is the *requester* (the owner of the request's own namespace), not
+  the owner of the namespace read: a chain's shared part (a shared namespace) is read for
+  whoever asked, so one tenant's restores of a public prefix never queue ahead of, or count
+  against, another's. Each tenant may have ``max_queued_restores`` jobs waiting; past that its
+  newest restore is not queued (``submit_*`` returns None, counted as that tenant's
+  ``dropped_restores``) and its request computes those blocks, which gives the same outputs
+  (cold == warm). A count, not bytes: a job is at most one prompt's blocks (``max_model_len``),
+  so the count bounds a tenant's backlog in bytes too, with nothing to size per deployment.
 - **Order of the tiers.** Disk first (local, cheaper), then Redis for the blocks disk lacks;
   blocks found only in Redis are also written to disk. A chain stops at its first missing
   block: later blocks are useless without it.
@@ -56,11 +68,26 @@ log = logging.getLogger(__name__)
 
 MAX_GENERATIONS = 65536  # namespaces remembered as invalidated (then a global epoch moves on)
 PROBE_EVERY = 16  # a tier measured slower than prefill is still read on every 16th restore
+MAX_QUEUED_RESTORES = 32  # restore jobs one tenant may have waiting for the reader
+_OF_NAMESPACE = object()  # submit_*'s default requester: the owner of the namespace read
+
+
+def _pop_in_turn(queues: OrderedDict) -> object:
+    """The round robin of both threads (under ``_cv``, ``queues`` not empty): the oldest item
+    of the owner first in the round, which then goes to the back (or leaves, emptied)."""
+    owner, q = next(iter(queues.items()))
+    item = q.popleft()
+    if q:
+        queues.move_to_end(owner)
+    else:
+        del queues[owner]
+    return item
 
 
 class TierManager:
     def __init__(self, tiers: list, layout: StoreLayout, keys: TierKeys,
-                 compression: str = "none", max_queued_bytes: int = 512 << 20):  # fmt: skip
+                 compression: str = "none", max_queued_bytes: int = 512 << 20,
+                 max_queued_restores: int = MAX_QUEUED_RESTORES):  # fmt: skip
         if not tiers:
             raise ValueError("a TierManager needs at least one tier")
         self.tiers = tiers
@@ -70,8 +97,13 @@ class TierManager:
         self.segment_store_id = layout.segment_store_id()
         self.compression = compression
         self.max_queued_bytes = max_queued_bytes
+        if max_queued_restores < 0:
+            raise ValueError(f"max_queued_restores must be >= 0, got {max_queued_restores}")
+        self.max_queued_restores = max_queued_restores
         self._cv = threading.Condition()
-        self._restores: deque[RestoreJob] = deque()
+        # Restores: one FIFO per requesting owner, in round-robin order, like the writes.
+        self._restores: OrderedDict[str | None, deque[RestoreJob]] = OrderedDict()
+        self._owner_restores_dropped: Counter = Counter()  # owner -> restores not queued
         # Writes: one FIFO per owner, in round-robin order (the next to serve first); an owner
         # with nothing queued has no entry. Invalidations go before every write.
         self._writes: OrderedDict[str | None, deque[Write]] = OrderedDict()
@@ -122,20 +154,29 @@ class TierManager:
         return owner_id(owner_of(namespace), self.keys)
 
     # ---- restores (engine thread submits, reader thread runs) -----------------------------------
-    def submit_restore(self, request_id: str, namespace: str | None,
-                       blocks: list[BlockRef]) -> RestoreJob:  # fmt: skip
-        return self._submit(RestoreJob(request_id, namespace, blocks, self.generation(namespace)))
+    def submit_restore(self, request_id: str, namespace: str | None, blocks: list[BlockRef],
+                       requester=_OF_NAMESPACE) -> RestoreJob | None:  # fmt: skip
+        """Queue a chain's restore for ``requester`` (the owner whose turn and bound it uses;
+        by default the owner of ``namespace``). None: the requester has ``max_queued_restores``
+        restores waiting already, so this one is not queued and its request computes."""
+        job = RestoreJob(request_id, namespace, blocks, self.generation(namespace))
+        return self._submit(job, requester)
 
     def submit_segment_restore(self, request_id: str, namespace: str | None,
-                               refs: list[SegmentRef]) -> RestoreJob:  # fmt: skip
-        """Look each segment up on its own; ``found`` gets those present and verified."""
-        return self._submit(
-            RestoreJob(request_id, namespace, refs, self.generation(namespace), "segments")
-        )
+                               refs: list[SegmentRef],
+                               requester=_OF_NAMESPACE) -> RestoreJob | None:  # fmt: skip
+        """Look each segment up on its own; ``found`` gets those present and verified. None as
+        for ``submit_restore``."""
+        job = RestoreJob(request_id, namespace, refs, self.generation(namespace), "segments")
+        return self._submit(job, requester)
 
-    def _submit(self, job: RestoreJob) -> RestoreJob:
+    def _submit(self, job: RestoreJob, requester) -> RestoreJob | None:
+        job.owner = owner_of(job.namespace) if requester is _OF_NAMESPACE else requester
         with self._cv:
-            self._restores.append(job)
+            if len(self._restores.get(job.owner, ())) >= self.max_queued_restores:
+                self._owner_restores_dropped[job.owner] += 1
+                return None
+            self._restores.setdefault(job.owner, deque()).append(job)
             self._cv.notify_all()
         return job
 
@@ -161,7 +202,7 @@ class TierManager:
                     self._cv.wait()
                 if self._stop:
                     return
-                job = self._restores.popleft()
+                job = _pop_in_turn(self._restores)  # one job of each requester in turn
             if not job.cancelled:
                 try:
                     if job.kind == "segments":
@@ -298,12 +339,23 @@ class TierManager:
                 t.counters.add(segment_hit_tokens=seg)
 
     def cancel(self, job: RestoreJob) -> None:
+        """The request left: a queued job leaves its queue (it no longer counts against its
+        owner's bound, nor takes a turn); a running one installs nothing."""
         job.cancelled = True
+        with self._cv:
+            q = self._restores.get(job.owner)
+            for i, j in enumerate(q or ()):
+                if j is job:  # identity: jobs are dataclasses, == compares their fields
+                    del q[i]
+                    if not q:
+                        del self._restores[job.owner]
+                    job.done = True
+                    break
 
     @property
     def pending_restores(self) -> int:
         with self._cv:
-            return len(self._restores)
+            return sum(len(q) for q in self._restores.values())
 
     # ---- writes ---------------------------------------------------------------------------------
     def offload(self, namespace: str | None, blocks: list[tuple[BlockRef, bytes]]) -> None:
@@ -375,13 +427,7 @@ class TierManager:
         (that owner goes to the back of the round)."""
         if self._invalidations:
             return self._invalidations.popleft()
-        owner, q = next(iter(self._writes.items()))
-        item = q.popleft()
-        if q:
-            self._writes.move_to_end(owner)
-        else:
-            del self._writes[owner]
-        return item
+        return _pop_in_turn(self._writes)
 
     def _writer(self) -> None:
         while True:
@@ -490,11 +536,17 @@ class TierManager:
 
     def owner_stats(self, owner: str | None) -> dict[str, dict]:
         """One owner's own figures (a tenant's ``/v1/cache/stats``): its bytes and drops in the
-        write queue and what each tier holds of it. Nothing here counts another owner."""
+        write queue, its restores waiting for the reader and those not queued (over
+        ``max_queued_restores``), and what each tier holds of it. Nothing here counts another
+        owner."""
         oid = owner_id(owner, self.keys)
         with self._cv:
-            out = {"queue": {"queued_bytes": self._owner_bytes.get(owner, 0),
-                             "dropped_writes": self._owner_dropped.get(owner, 0)}}  # fmt: skip
+            out = {"queue": {
+                "queued_bytes": self._owner_bytes.get(owner, 0),
+                "dropped_writes": self._owner_dropped.get(owner, 0),
+                "queued_restores": len(self._restores.get(owner, ())),
+                "dropped_restores": self._owner_restores_dropped.get(owner, 0),
+            }}  # fmt: skip
         for t in self.tiers:
             records, nbytes = t.owner_usage(oid)
             out[t.name] = {"stored_records": records, "stored_bytes": nbytes}
@@ -512,6 +564,11 @@ class TierManager:
             if not self._busy_writes:  # else one write's bytes are out of the queues
                 assert +self._owner_bytes == queued, "per-owner queue bytes drifted"
                 assert self._queued_bytes == sum(queued.values()), "queue bytes drifted"
+            for owner, q in self._restores.items():
+                assert q, "an empty restore queue kept its place in the round"
+                assert all(j.owner == owner for j in q), "a restore in another owner's queue"
+                assert all(not j.done and not j.cancelled for j in q), "a dead restore queued"
+                assert len(q) <= self.max_queued_restores, "an owner's restores passed the bound"
         for t in self.tiers:
             t.check_integrity()
 
