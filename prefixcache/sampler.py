@@ -68,6 +68,9 @@ def _draw(probs: torch.Tensor, g: torch.Generator) -> int:
     distribution. A zero-probability token is never chosen: ``searchsorted`` returns the first
     index whose cumulative sum exceeds ``u``, and a zero entry repeats its predecessor's sum."""
     cdf = torch.cumsum(probs, 0, dtype=torch.float64)
+    total = float(cdf[-1])
+    if not (total > 0 and total < float("inf")):  # NaN too: a poisoned row fails alone
+        raise ValueError(f"the sampling distribution is not a distribution (sum {total})")
     u = torch.rand((), generator=g, dtype=torch.float64) * cdf[-1]
     tok = min(int(torch.searchsorted(cdf, u, right=True)), probs.numel() - 1)
     if probs[tok] <= 0:  # u rounded up to the total: the last token that can be drawn
