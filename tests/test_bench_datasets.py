@@ -156,7 +156,8 @@ def test_options_are_checked(tok):
     with pytest.raises(DatasetError):
         sample_requests("custom", tok, 2)
     assert set(DATASET_OPTIONS) == {"random", "prefix_repetition", "generated-shared-prefix",
-                                    "sharegpt", "multi-turn", "rag", "custom"}
+                                    "sharegpt", "multi-turn", "rag", "custom",
+                                    "mooncake-trace"}
 
 
 def test_custom_jsonl_in_order_and_cycled(tok, tmp_path):
