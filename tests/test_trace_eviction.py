@@ -106,6 +106,9 @@ def test_policies_never_evict_a_block_in_use_or_a_parent_before_its_child(policy
             for h in held.pop(0):
                 p.release(h)
         in_use = {h for q in held for h in q}
+        p.tick()
+        for h in in_use:  # another request hits a block in use
+            p.touch(h)
         while len(p) > 8:
             try:
                 v = p.evict()
