@@ -168,6 +168,8 @@ class EvictionPolicy:
             m = self._meta.get(block)
             if m is None or m.version != version or m.queue != q:
                 continue  # stale entry
+            if m.refs or m.children:  # cannot happen (entries go stale first); never evict one
+                raise EvictionError(f"candidate {block!r} is in use or has cached children")
             self._drop(block, m)
             self._on_evict(block, m)
             return block
