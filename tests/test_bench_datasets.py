@@ -15,6 +15,7 @@ from prefixcache.bench.datasets import (
     DatasetError,
     conversation_histories,
     sample_requests,
+    trace_ideal_hit_rate,
 )
 from prefixcache.bench.runner import arrival_delays
 from prefixcache.bench.server_metrics import cache_counters, hit_rate, parse_prometheus
@@ -155,7 +156,8 @@ def test_options_are_checked(tok):
     with pytest.raises(DatasetError):
         sample_requests("custom", tok, 2)
     assert set(DATASET_OPTIONS) == {"random", "prefix_repetition", "generated-shared-prefix",
-                                    "sharegpt", "multi-turn", "rag", "custom"}
+                                    "sharegpt", "multi-turn", "rag", "custom",
+                                    "mooncake-trace"}
 
 
 def test_custom_jsonl_in_order_and_cycled(tok, tmp_path):
@@ -285,3 +287,23 @@ def test_compare_table(tmp_path):
     assert compare_table(runs, markdown=True).startswith("| Metric | on | off | off / on |")
     with pytest.raises(ValueError):
         load_results([str(tmp_path / "a.json")], labels=["x", "y"])
+
+
+def test_mooncake_trace_replay_shares_tokens_for_shared_hash_ids(tok, tmp_path):
+    rows = [{"timestamp": 0, "input_length": 1024, "output_length": 512, "hash_ids": [7, 8]},
+            {"timestamp": 2000, "input_length": 1300, "output_length": 100,
+             "hash_ids": [7, 8, 9]},
+            {"timestamp": 4000, "input_length": 600, "output_length": 10, "hash_ids": [7, 5]}]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reqs = sample_requests("mooncake-trace", tok, 10, dataset_path=str(path), block_tokens=8,
+                           time_scale=2.0)
+    a, b, c = (r.prompt for r in reqs)
+    assert [len(p) for p in (a, b, c)] == [16, 16 + 5, 8 + 2]  # 276 tokens of 512 -> ceil 4.3
+    assert b[:16] == a and c[:8] == a[:8] and c[8:] != a[8:10]
+    assert [r.expected_output_len for r in reqs] == [8, 2, 1]
+    assert [r.extra["arrival_s"] for r in reqs] == [0.0, 1.0, 2.0]
+    assert trace_ideal_hit_rate(reqs) == (16 + 8) / (16 + 21 + 10)
+    again = sample_requests("mooncake-trace", tok, 2, seed=5, dataset_path=str(path),
+                            block_tokens=8)
+    assert [r.prompt for r in again] == [a, b]  # per hash id, not per seed

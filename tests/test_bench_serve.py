@@ -196,3 +196,18 @@ def test_unreachable_url_is_a_clear_error(tmp_path, capsys):
     rc, r = bench(f"http://127.0.0.1:{free_port()}", tmp_path, "--num-prompts", "2")
     assert rc == 1 and r is None
     assert "cannot reach the server" in capsys.readouterr().err
+
+
+def test_mooncake_trace_replay(on, tmp_path, capsys):
+    rows = [{"timestamp": 0, "input_length": 1024, "output_length": 128, "hash_ids": [1, 2]},
+            {"timestamp": 10, "input_length": 1536, "output_length": 128, "hash_ids": [1, 2, 3]}]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc, r = bench(on.url, tmp_path, "--dataset-name", "mooncake-trace", "--dataset-path",
+                  str(path), "--block-tokens", "32", "--time-scale", "1000", "--ignore-eos",
+                  "--max-concurrency", "1", "--ready-check-timeout-sec", "0")
+    assert rc == 0
+    assert r["completed"] == 2 and r["dataset_name"] == "mooncake-trace"
+    assert r["trace_ideal_hit_rate"] == round(64 / (64 + 96), 4)
+    assert r["cached_tokens"][1] >= 64 - 16  # the shared hash blocks are shared tokens
+    assert "Trace ideal hit rate" in capsys.readouterr().out

@@ -41,6 +41,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=int, default=10, help="top prefixes and cache killers to list")
     p.add_argument("--no-killers", action="store_true", help="skip the cache-killer search")
     p.add_argument("--json", action="store_true", help="print summary.json to stdout")
+    t = p.add_argument_group("traces (--trace-format mooncake: docs/analyze.md)")
+    t.add_argument("--trace-format", choices=("log", "mooncake"), default="log",
+                   help="log: a request log (default); mooncake: a Mooncake trace of hash ids")
+    t.add_argument("--cache-fraction", default="0.01,0.02,0.05,0.1,0.2,0.5",
+                   help="RAM cache sizes as fractions of the working set (distinct hash ids), "
+                        "comma-separated")
+    t.add_argument("--eviction-policy", default="all",
+                   help="all, or comma-separated of lru, lru-demote, belady")
+    t.add_argument("--disk-multiple", type=float, default=0.0,
+                   help="also simulate a disk tier of N x the RAM capacity behind it")
+    t.add_argument("--restore-cost", type=float, default=None,
+                   help="a disk restore's cost as a fraction of recomputing (default: the "
+                        "measured ratio in docs/benchmarks.md)")
     g = p.add_argument_group("bench datasets (instead of a log)")
     g.add_argument("--dataset", default=None,
                    help="analyse a `prefixcache bench` dataset by name (e.g. rag, multi-turn)")
@@ -55,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     from prefixcache.analyze.analyzer import AnalyzeOptions, analyze_file, analyze_prompts
     from prefixcache.analyze.report import text_summary, write_report
 
+    if args.trace_format == "mooncake":
+        return run_trace(args)
     if (args.log is None) == (args.dataset is None):
         print("prefixcache analyze: give a LOG file or --dataset NAME (one of them)",
               file=sys.stderr)
@@ -98,6 +113,53 @@ def run(args: argparse.Namespace) -> int:
     if summary["requests"] == 0:
         print("prefixcache analyze: no usable request in the input", file=sys.stderr)
         return 1
+    return 0
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    from prefixcache.analyze.mooncake import TraceFormatError
+    from prefixcache.analyze.trace_report import (
+        DEFAULT_RESTORE_COST,
+        text_table,
+        trace_summary,
+        write_trace_report,
+    )
+    from prefixcache.cache.eviction import parse_policies
+
+    def fail(msg: str) -> int:
+        print(f"prefixcache analyze: {msg}", file=sys.stderr)
+        return 2
+
+    if args.log is None or args.dataset is not None:
+        return fail("--trace-format mooncake takes a TRACE file (and no --dataset)")
+    if not Path(args.log).is_file():
+        return fail(f"no such file: {args.log}")
+    try:
+        fractions = [float(x) for x in args.cache_fraction.split(",") if x.strip()]
+        policies = parse_policies(args.eviction_policy)
+    except ValueError as e:
+        return fail(str(e))
+    if not fractions or any(not 0 < f <= 1 for f in fractions):
+        return fail("--cache-fraction takes fractions in (0, 1]")
+    if args.disk_multiple < 0:
+        return fail("--disk-multiple must be >= 0")
+    restore = DEFAULT_RESTORE_COST if args.restore_cost is None else args.restore_cost
+    if not 0 <= restore <= 1:
+        return fail("--restore-cost must be in [0, 1]")
+    try:
+        summary = trace_summary(args.log, fractions, policies, args.disk_multiple, restore)
+    except TraceFormatError as e:
+        return fail(str(e))
+    if summary["working_set_blocks"] == 0:
+        return fail(f"{args.log}: no request in the trace")
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(text_table(summary, name=args.log))
+    if args.report:
+        written = write_trace_report(summary, args.report)
+        if not args.json:
+            print(f"\nreport: {', '.join(str(p) for p in written)}")
     return 0
 
 

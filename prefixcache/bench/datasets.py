@@ -106,6 +106,14 @@ DATASET_OPTIONS: dict[str, dict[str, object]] = {
         "dataset_path": None,
         "custom_output_len": 256,
     },
+    "mooncake-trace": {
+        "dataset_path": None,
+        "block_tokens": 16,
+        "time_scale": 1.0,
+        "max_requests": 0,
+        "trace_start_s": 0.0,
+        "trace_duration_s": 0.0,
+    },
 }
 
 DATASET_NAMES = tuple(DATASET_OPTIONS)
@@ -322,6 +330,72 @@ def _custom(tok, n, rng, *, dataset_path, custom_output_len):
     return out
 
 
+def _mooncake_trace(tok, n, rng, *, dataset_path, block_tokens, time_scale, max_requests,
+                    trace_start_s, trace_duration_s):
+    """A Mooncake trace (``analyze/mooncake.py``) replayed with synthetic token ids.
+
+    Each 512-token hash block becomes ``block_tokens`` word-token ids drawn from a generator
+    seeded by the hash id alone, so equal ids give equal tokens in every request (a partial last
+    block is the first tokens of its id's); input and output lengths shrink by the same factor
+    ``block_tokens / 512``. Requests of the window ``[trace_start_s, + trace_duration_s)`` (0:
+    to the end), at most ``n`` (and ``max_requests`` when set), arrive at their timestamps
+    divided by ``time_scale`` (``extra["arrival_s"]``; the runner honours it over
+    ``--request-rate``). ``extra["ideal_cached_tokens"]``: what an infinite cache of the
+    replayed window would serve, for the trace's own ideal hit rate next to the measured one.
+    """
+    from prefixcache.analyze.mooncake import TRACE_BLOCK_TOKENS, TraceFormatError, read_trace
+
+    if dataset_path is None:
+        raise DatasetError("mooncake-trace needs --dataset-path TRACE.jsonl")
+    if block_tokens < 1 or time_scale <= 0:
+        raise DatasetError("block_tokens must be >= 1 and time_scale > 0")
+    limit = min(n, max_requests) if max_requests else n
+    start_ms = trace_start_s * 1000.0
+    end_ms = start_ms + trace_duration_s * 1000.0 if trace_duration_s > 0 else None
+    try:
+        trace = read_trace(dataset_path, limit, start_ms or None, end_ms)
+    except TraceFormatError as e:
+        raise DatasetError(str(e)) from e
+    if not trace:
+        raise DatasetError(f"{dataset_path}: no request in the window")
+    word_ids = synthetic_text(tok).word_ids
+    scale = block_tokens / TRACE_BLOCK_TOKENS
+    blocks: dict[int, list[int]] = {}
+    seen: set[int] = set()
+    t0 = trace[0].timestamp_ms
+    out = []
+    for i, r in enumerate(trace):
+        ids: list[int] = []
+        ideal = 0
+        leading = True
+        for j, h in enumerate(r.hash_ids):
+            toks = blocks.get(h)
+            if toks is None:
+                toks = blocks[h] = np.random.default_rng([h, 0x6D6F6F6E]).choice(
+                    word_ids, size=block_tokens).tolist()
+            m = max(1, math.ceil(r.block_tokens(j) * scale))
+            ids.extend(toks[:m])
+            if leading and h in seen:
+                ideal += m
+            else:
+                leading = False
+        seen.update(r.hash_ids)
+        out.append(SampleRequest(
+            ids, len(ids), max(1, round(r.output_length * scale)),
+            request_id=f"mooncake-{i}",
+            extra={"arrival_s": (r.timestamp_ms - t0) / 1000.0 / time_scale,
+                   "hash_ids": list(r.hash_ids), "ideal_cached_tokens": ideal}))
+    return out
+
+
+def trace_ideal_hit_rate(requests: list[SampleRequest]) -> float | None:
+    """The replayed trace's infinite-cache hit rate in its synthetic tokens (None: no trace)."""
+    if not requests or any("ideal_cached_tokens" not in r.extra for r in requests):
+        return None
+    total = sum(r.prompt_len for r in requests)
+    return sum(r.extra["ideal_cached_tokens"] for r in requests) / total if total else 0.0
+
+
 _BUILDERS: dict[str, Callable[..., list[SampleRequest]]] = {
     "random": _random,
     "prefix_repetition": _prefix_repetition,
@@ -330,6 +404,7 @@ _BUILDERS: dict[str, Callable[..., list[SampleRequest]]] = {
     "multi-turn": _multi_turn,
     "rag": _rag,
     "custom": _custom,
+    "mooncake-trace": _mooncake_trace,
 }
 
 

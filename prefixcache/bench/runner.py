@@ -142,7 +142,10 @@ async def _sleep_until(start: float, delay: float) -> None:
 
 
 async def _run_independent(client, cfg, requests, sem, pbar, rng, start):
-    delays = arrival_delays(len(requests), cfg.request_rate, cfg.burstiness, rng)
+    if requests and all("arrival_s" in r.extra for r in requests):  # a trace's own times
+        delays = [float(r.extra["arrival_s"]) for r in requests]
+    else:
+        delays = arrival_delays(len(requests), cfg.request_rate, cfg.burstiness, rng)
 
     async def one(r: SampleRequest, delay: float) -> RequestFuncOutput:
         await _sleep_until(start, delay)

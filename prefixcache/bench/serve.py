@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 
 from prefixcache.bench.cli import IGNORE_EOS_DATASETS, probe, resolve_endpoint
-from prefixcache.bench.datasets import DATASET_OPTIONS, sample_requests
+from prefixcache.bench.datasets import DATASET_OPTIONS, sample_requests, trace_ideal_hit_rate
 from prefixcache.bench.report import (
     DETAILED_FIELDS,
     cache_fields,
@@ -133,12 +133,19 @@ def run_serve(args: argparse.Namespace) -> dict:
         **cache_fields(run.outputs),
         **run.cache,
     }
+    ideal = trace_ideal_hit_rate(requests)
+    if ideal is not None:
+        result["trace_ideal_hit_rate"] = round(ideal, 4)
     # Only the selected metrics are in vLLM's JSON.
     for name in ("ttft", "tpot", "itl", "e2el"):
         if name not in selected:
             for key in [k for k in result if k.endswith(f"_{name}_ms")]:
                 del result[key]
     print_report(result, selected, percentiles)
+    if ideal is not None:
+        measured = result.get("prefix_cache_hit_rate")
+        shown = "n/a" if measured is None else f"{measured:.3f}"
+        print(f"Trace ideal hit rate (infinite cache): {ideal:.3f}   measured: {shown}")
     detailed = detailed_fields(run.outputs, output_lens)
     if args.save_detailed:
         result.update(detailed)

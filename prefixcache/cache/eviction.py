@@ -1,0 +1,389 @@
+"""Eviction policies over a forest of cached prefix blocks: which cached block goes next.
+
+Torch-free and pool-agnostic: a policy sees block ids (any hashable), each with its parent (the
+block before it in the prompt, ``None`` for a first block), and answers ``evict()`` with one
+victim. The engine's block pool and the trace simulator (``analyze/trace_sim.py``) drive the
+same classes, so what the simulator measures is what the pool would do.
+
+Invariants every policy keeps (checked by the tests):
+
+- **never a block in use**: ``acquire``/``release`` count references; a block with a
+  reference is not a candidate;
+- **leaves before parents**: a block with a cached child is not a candidate (a child is useless
+  without its parent, so evicting the parent first would strand it);
+- ties go to the deeper block (the tail of a prompt first), as the engine's LRU does.
+
+Candidates (unreferenced leaves) live in binary heaps with lazy deletion: each block carries a
+version, a heap entry whose version is stale is skipped when it reaches the top. Every operation
+is O(log n) amortized.
+
+Policies:
+
+- ``lru``: least recently used first (what vLLM, SGLang and the engine do).
+- ``lru-demote`` (ours, docs/design.md "Eviction policy"): LRU with *quick demotion* of blocks
+  never reused. What predicts reuse in both Mooncake traces (docs/benchmarks.md "Real traces:
+  eviction"): a block that has been hit once is reused again with probability 0.42-0.84, a
+  block seen once only 0.24-0.42, and the last block of a prompt (a leaf no later request
+  extended) 0.01-0.05. So blocks enter a *probation* queue and move to the *main* LRU on their
+  first hit; probation is evicted first while it holds more than ``probation_fraction`` of the
+  capacity (S3-FIFO's small queue, SOSP'23); evicted blocks are remembered (*ghosts*, ids
+  only, at most ``capacity`` per queue) so that a return enters main directly (it was reused,
+  just late), and which queue the returns come from moves probation's share (ARC's
+  adaptation). Leaves no request has extended are ranked first in probation.
+- ``belady``: the offline optimum for the simulator; the caller passes each block's next use.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+import itertools
+
+Block = Hashable
+
+POLICY_NAMES = ("lru", "lru-demote")  # online policies; "belady" is offline (simulator only)
+
+
+class EvictionError(RuntimeError):
+    """A call that breaks the policy's contract (unknown block, evicting with no candidate)."""
+
+
+class NoEvictableBlock(EvictionError):
+    """Every cached block is in use or has a cached child."""
+
+
+class _Meta:
+    __slots__ = ("parent", "depth", "children", "refs", "hits", "last", "queue", "version",
+                 "tail")
+
+    def __init__(self, parent: Block | None, depth: int) -> None:
+        self.parent = parent
+        self.depth = depth
+        self.children = 0  # cached children
+        self.refs = 0
+        self.hits = 0  # touches after the insert
+        self.last = 0  # clock of the last touch
+        self.queue = 0  # which heap the block is a candidate in
+        self.version = 0  # bumped whenever the block's heap entry becomes stale
+        self.tail = False  # ended the path of the last access that touched it
+
+
+class EvictionPolicy:
+    """Base: the block forest, references, and candidate heaps. Subclasses rank candidates.
+
+    ``_rank(meta)`` gives ``(queue, key)``: the heap a candidate is in and its order there
+    (smallest first); ``_pick_queue()`` chooses the heap the next victim comes from.
+    """
+
+    name = "base"
+    num_queues = 1
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self.capacity = capacity
+        self._meta: dict[Block, _Meta] = {}
+        self._heaps: list[list] = [[] for _ in range(self.num_queues)]
+        self._sizes = [0] * self.num_queues  # cached blocks per queue, candidates or not
+        self._clock = 0
+        self._seq = itertools.count(1)  # versions: unique, so heap entries never compare blocks
+
+    # ---- queries -----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._meta)
+
+    def __contains__(self, block: Block) -> bool:
+        return block in self._meta
+
+    def is_evictable(self, block: Block) -> bool:
+        m = self._meta.get(block)
+        return m is not None and m.refs == 0 and m.children == 0
+
+    def parent(self, block: Block) -> Block | None:
+        return self._get(block).parent
+
+    def depth(self, block: Block) -> int:
+        return self._get(block).depth
+
+    # ---- updates -----------------------------------------------------------------------------
+    def tick(self) -> int:
+        """Advance the clock: touches at one tick are simultaneous (one request's blocks)."""
+        self._clock += 1
+        return self._clock
+
+    def insert(self, block: Block, parent: Block | None = None) -> None:
+        """A block newly cached, as a child of ``parent`` (which must be cached)."""
+        if block in self._meta:
+            raise EvictionError(f"block {block!r} is already cached")
+        if parent is not None:
+            pm = self._get(parent)
+            depth = pm.depth + 1
+            if pm.children == 0:
+                self._withdraw(pm)
+            pm.children += 1
+        else:
+            depth = 0
+        m = self._meta[block] = _Meta(parent, depth)
+        m.last = self._clock
+        self._on_insert(block, m)
+        self._sizes[m.queue] += 1
+        self._offer(block, m)
+
+    def touch(self, block: Block) -> None:
+        """A cache hit on ``block`` at the current tick."""
+        m = self._get(block)
+        m.hits += 1
+        m.last = self._clock
+        self._on_touch(block, m)
+        self._offer(block, m)
+
+    def mark_tail(self, block: Block, tail: bool = True) -> None:
+        """Whether ``block`` ended the path of the access that just touched it."""
+        m = self._get(block)
+        if m.tail != tail:
+            m.tail = tail
+            self._offer(block, m)
+
+    def acquire(self, block: Block) -> None:
+        """One more reference: the block is in use and no candidate until released."""
+        m = self._get(block)
+        if m.refs == 0:
+            self._withdraw(m)
+        m.refs += 1
+
+    def release(self, block: Block) -> None:
+        m = self._get(block)
+        if m.refs == 0:
+            raise EvictionError(f"block {block!r} released more often than acquired")
+        m.refs -= 1
+        self._offer(block, m)
+
+    def evict(self) -> Block:
+        """Remove and return the next victim: an unreferenced block without cached children."""
+        while True:
+            q = self._pick_queue()
+            if q is None:
+                raise NoEvictableBlock(f"none of {len(self._meta)} cached blocks is evictable")
+            heap = self._heaps[q]
+            _, _, version, block = heapq.heappop(heap)
+            m = self._meta.get(block)
+            if m is None or m.version != version or m.queue != q:
+                continue  # stale entry
+            if m.refs or m.children:  # cannot happen (entries go stale first); never evict one
+                raise EvictionError(f"candidate {block!r} is in use or has cached children")
+            self._drop(block, m)
+            self._on_evict(block, m)
+            return block
+
+    def remove(self, block: Block) -> None:
+        """Drop a cached block on the owner's decision (invalidation): it must be a candidate."""
+        m = self._get(block)
+        if m.refs or m.children:
+            raise EvictionError(f"block {block!r} is in use or has cached children")
+        self._drop(block, m)
+
+    def access(self, path: Sequence[Block]) -> int:
+        """One request over ``path`` (root first), as the simulator drives it: returns how many
+        leading blocks were cached (the hit), touches them, inserts the rest and marks the tail.
+        References are the caller's (``acquire``/``release``); nothing is evicted here."""
+        self.tick()
+        hit = 0
+        meta = self._meta
+        for b in path:
+            if b not in meta:
+                break
+            hit += 1
+        for i in range(hit):
+            self.touch(path[i])
+        for i in range(hit, len(path)):
+            self.insert(path[i], path[i - 1] if i else None)
+        if path:
+            for b in path[:-1]:
+                if meta[b].tail:
+                    self.mark_tail(b, False)
+            self.mark_tail(path[-1], True)
+        return hit
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _get(self, block: Block) -> _Meta:
+        m = self._meta.get(block)
+        if m is None:
+            raise EvictionError(f"block {block!r} is not cached")
+        return m
+
+    def _withdraw(self, m: _Meta) -> None:
+        m.version = next(self._seq)
+
+    def _offer(self, block: Block, m: _Meta) -> None:
+        """(Re)enter ``block`` in its heap if it is a candidate; its old entry goes stale."""
+        m.version = next(self._seq)
+        q, key = self._rank(m)
+        if q != m.queue:
+            self._sizes[m.queue] -= 1
+            self._sizes[q] += 1
+            m.queue = q
+        if m.refs == 0 and m.children == 0:
+            heapq.heappush(self._heaps[q], (key, -m.depth, m.version, block))
+
+    def _drop(self, block: Block, m: _Meta) -> None:
+        del self._meta[block]
+        self._sizes[m.queue] -= 1
+        m.version = next(self._seq)
+        if m.parent is not None:
+            pm = self._meta[m.parent]
+            pm.children -= 1
+            if pm.children == 0:
+                self._offer(m.parent, pm)
+
+    def _top_valid(self, q: int) -> bool:
+        """Whether heap ``q`` has a live candidate (stale tops are popped on the way)."""
+        heap = self._heaps[q]
+        meta = self._meta
+        while heap:
+            _, _, version, block = heap[0]
+            m = meta.get(block)
+            if m is not None and m.version == version and m.queue == q:
+                return True
+            heapq.heappop(heap)
+        return False
+
+    def _pick_queue(self) -> int | None:
+        return 0 if self._top_valid(0) else None
+
+    def _rank(self, m: _Meta) -> tuple[int, object]:
+        return 0, m.last
+
+    def _on_insert(self, block: Block, m: _Meta) -> None:
+        pass
+
+    def _on_touch(self, block: Block, m: _Meta) -> None:
+        pass
+
+    def _on_evict(self, block: Block, m: _Meta) -> None:
+        pass
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first; among blocks touched together the deeper one."""
+
+    name = "lru"
+
+
+class DemotePolicy(EvictionPolicy):
+    """LRU with quick demotion of blocks never reused, adaptive split (module docstring).
+
+    Probation's share of the capacity is a *target* that moves as in ARC: a block that returns
+    after eviction from probation (a probation ghost) says probation was too small, one that
+    returns after eviction from main says main was; each moves the target by one block (more
+    when the other ghost list is longer), within [5%, 90%] of the capacity.
+    """
+
+    name = "lru-demote"
+    num_queues = 2
+    PROBATION, MAIN = 0, 1
+
+    def __init__(self, capacity: int | None = None, probation_fraction: float = 0.5) -> None:
+        super().__init__(capacity)
+        if not 0.0 < probation_fraction < 1.0:
+            raise ValueError("probation_fraction must be in (0, 1)")
+        self.probation_fraction = probation_fraction
+        self._target = probation_fraction * (capacity or 0)
+        self._ghosts: OrderedDict[Block, None] = OrderedDict()  # evicted from probation
+        self._main_ghosts: OrderedDict[Block, None] = OrderedDict()  # evicted from main
+
+    def _cap(self) -> int:
+        return self.capacity if self.capacity is not None else max(len(self._meta), 1)
+
+    def _on_insert(self, block: Block, m: _Meta) -> None:
+        cap = self._cap()
+        if block in self._ghosts:  # evicted from probation, then wanted: probation too small
+            del self._ghosts[block]
+            m.hits = 1
+            step = max(1.0, len(self._main_ghosts) / max(1, len(self._ghosts)))
+            self._target = min(0.9 * cap, self._target + step)
+        elif block in self._main_ghosts:  # evicted from main, then wanted: main too small
+            del self._main_ghosts[block]
+            m.hits = 1
+            step = max(1.0, len(self._ghosts) / max(1, len(self._main_ghosts)))
+            self._target = max(0.05 * cap, self._target - step)
+        m.queue = self.MAIN if m.hits else self.PROBATION
+
+    def _rank(self, m: _Meta) -> tuple[int, object]:
+        if m.hits:
+            return self.MAIN, m.last
+        # Probation: leaves no request extended (a prompt's last block) go first, then oldest.
+        return self.PROBATION, (0 if m.tail else 1, m.last)
+
+    def _on_evict(self, block: Block, m: _Meta) -> None:
+        ghosts = self._ghosts if m.queue == self.PROBATION else self._main_ghosts
+        ghosts[block] = None
+        while len(ghosts) > self._cap():  # ids only: at most capacity of each
+            ghosts.popitem(last=False)
+
+    def _pick_queue(self) -> int | None:
+        p_ok = self._top_valid(self.PROBATION)
+        m_ok = self._top_valid(self.MAIN)
+        if p_ok and m_ok:
+            return self.PROBATION if self._sizes[self.PROBATION] > self._target else self.MAIN
+        if p_ok:
+            return self.PROBATION
+        return self.MAIN if m_ok else None
+
+
+class BeladyPolicy(EvictionPolicy):
+    """Offline optimum: the candidate needed furthest in the future goes first.
+
+    The caller sets each block's next use (``set_next_use``) before the access that touches it
+    ends; a child's next use is never before its parent's, so evicting leaves first loses
+    nothing against Belady's MIN over all blocks.
+    """
+
+    name = "belady"
+
+    def __init__(self, capacity: int | None = None) -> None:
+        super().__init__(capacity)
+        self._next: dict[Block, int] = {}
+
+    def set_next_use(self, block: Block, when: int) -> None:
+        self._next[block] = when
+        m = self._meta.get(block)
+        if m is not None:
+            self._offer(block, m)
+
+    def _rank(self, m: _Meta) -> tuple[int, object]:
+        return 0, 0  # unused: see _offer
+
+    def _offer(self, block: Block, m: _Meta) -> None:
+        m.version = next(self._seq)
+        if m.refs == 0 and m.children == 0:
+            # furthest next use first: heap on its negation
+            heapq.heappush(self._heaps[0], (-self._next.get(block, 1 << 62), -m.depth,
+                                            m.version, block))
+
+
+def make_policy(name: str, capacity: int | None = None) -> EvictionPolicy:
+    """An online policy by name (``POLICY_NAMES``)."""
+    if name == "lru":
+        return LRUPolicy(capacity)
+    if name == "lru-demote":
+        return DemotePolicy(capacity)
+    raise ValueError(f"unknown eviction policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
+
+
+def parse_policies(spec: str, offline: bool = True) -> list[str]:
+    """``"all"`` or comma-separated names → the list, in a stable order; belady is offline."""
+    names = list(POLICY_NAMES) + (["belady"] if offline else [])
+    if spec.strip() == "all":
+        return names
+    out = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if part not in names:
+            raise ValueError(f"unknown eviction policy {part!r}; choose from "
+                             f"{', '.join(names)} or all")
+        if part not in out:
+            out.append(part)
+    if not out:
+        raise ValueError("no eviction policy given")
+    return out

@@ -1,0 +1,171 @@
+"""Mooncake traces: the reader, the eviction policies' invariants, the simulator, the CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from prefixcache.analyze.mooncake import (
+    TraceFormatError,
+    infinite_hit_rate,
+    read_trace,
+    working_set_blocks,
+)
+from prefixcache.analyze.simulate import lru_distance_histogram, lru_hits
+from prefixcache.analyze.trace_sim import simulate_trace
+from prefixcache.cache.eviction import (
+    BeladyPolicy,
+    EvictionError,
+    NoEvictableBlock,
+    make_policy,
+    parse_policies,
+)
+from prefixcache.cli import main
+
+TRACES = Path("/work/shared/traces")
+
+# Hand-checked: r0 [1,2] 700 tokens; r1 [1,2,3] 1500 (hits 1,2 = 1024); r2 [1,4] 600
+# (hits 1 = 512); r3 [5] 100 (miss). Infinite: (1024 + 512) / 2900; working set 5 blocks.
+TINY = [
+    {"timestamp": 0, "input_length": 700, "output_length": 10, "hash_ids": [1, 2]},
+    {"timestamp": 1000, "input_length": 1500, "output_length": 20, "hash_ids": [1, 2, 3]},
+    {"timestamp": 2000, "input_length": 600, "output_length": 5, "hash_ids": [1, 4]},
+    {"timestamp": 3000, "input_length": 100, "output_length": 1, "hash_ids": [5]},
+]
+
+
+def write(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_reader_and_infinite_hit_rate_on_a_hand_checked_trace(tmp_path):
+    reqs = read_trace(write(tmp_path / "t.jsonl", TINY))
+    assert [r.hash_ids for r in reqs] == [(1, 2), (1, 2, 3), (1, 4), (5,)]
+    assert reqs[1].block_tokens(2) == 1500 - 1024 and reqs[0].hit_tokens(2) == 700
+    assert infinite_hit_rate(reqs) == pytest.approx(1536 / 2900)
+    assert working_set_blocks(reqs) == 5
+    # Two blocks of RAM: after r1 the cache holds [1, 2] (3, the deeper, went first), so r2
+    # hits 1 (512); LRU evicts 2 then, leaving [1, 4]; r3 misses.
+    r = simulate_trace(reqs, "lru", 2)
+    assert (r.ram_hit_tokens, r.total_tokens) == (1024 + 512, 2900)
+    # One block: leaves go first, so the root 1 stays: r1 and r2 hit it (512 each).
+    assert simulate_trace(reqs, "lru", 1).ram_hit_tokens == 512 + 512
+    # A disk tier behind one RAM block serves the rest of the infinite ideal.
+    d = simulate_trace(reqs, "lru", 1, disk_capacity=10)
+    assert (d.ram_hit_tokens, d.disk_hit_tokens) == (1024, 512)
+
+
+def test_a_bad_line_is_an_error_with_its_line_number(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(TINY[0]) + "\n"
+                    + json.dumps({**TINY[1], "hash_ids": [1, 2]}) + "\n")
+    with pytest.raises(TraceFormatError, match=r"bad.jsonl:2: 2 hash ids for input_length 1500"):
+        read_trace(path)
+
+
+def random_trace(seed: int, n: int = 300) -> list:
+    """Conversations that extend their previous turn, over a few shared roots."""
+    rng = random.Random(seed)
+    convs: list[list[int]] = []
+    next_id = 100
+    rows = []
+    for t in range(n):
+        if convs and rng.random() < 0.6:
+            path = rng.choice(convs)
+        else:
+            path = [rng.randrange(3)]
+            convs.append(path)
+        for _ in range(rng.randrange(1, 4)):
+            path.append(next_id)
+            next_id += 1
+        rows.append({"timestamp": t, "input_length": 512 * len(path), "output_length": 1,
+                     "hash_ids": list(path)})
+    return rows
+
+
+@pytest.mark.parametrize("policy", ["lru", "lru-demote", "belady"])
+def test_policies_never_evict_a_block_in_use_or_a_parent_before_its_child(policy):
+    rng = random.Random(1)
+    p = BeladyPolicy(8) if policy == "belady" else make_policy(policy, 8)
+    rows = random_trace(2, 200)
+    held: list[list[int]] = []
+    for row in rows:
+        path = row["hash_ids"]
+        if policy == "belady":
+            for h in path:
+                p.set_next_use(h, rng.randrange(1000))
+        p.access(path)
+        for h in path:
+            p.acquire(h)
+        held.append(path)
+        if len(held) > 2:  # two requests stay in flight
+            for h in held.pop(0):
+                p.release(h)
+        in_use = {h for q in held for h in q}
+        p.tick()
+        for h in in_use:  # another request hits a block in use
+            p.touch(h)
+        while len(p) > 8:
+            try:
+                v = p.evict()
+            except NoEvictableBlock:
+                break
+            assert v not in in_use
+            assert all(p.parent(b) != v for b in p._meta)  # no cached child left behind
+    with pytest.raises(EvictionError):
+        p.release(10**9)
+
+
+def test_lru_module_matches_the_stack_distance_simulator():
+    """One LRU, two implementations: the policy module and analyze/simulate.py's one-pass LRU."""
+    rows = random_trace(3)
+    reqs = [read_trace_row(r) for r in rows]
+    ids = sorted({h for r in reqs for h in r.hash_ids})
+    edge = {h: i for i, h in enumerate(ids)}
+    path, start = [], [0]
+    for r in reqs:
+        path += [edge[h] for h in r.hash_ids]
+        start.append(len(path))
+    hist = lru_distance_histogram(path, start, [1] * len(ids), len(ids))
+    for cap in (4, 16, 64):
+        assert simulate_trace(reqs, "lru", cap).ram_hit_tokens == 512 * lru_hits(hist, [cap])[0]
+
+
+def read_trace_row(row):
+    from prefixcache.analyze.mooncake import parse_request
+
+    return parse_request(json.dumps(row))
+
+
+def test_belady_is_at_least_every_online_policy():
+    reqs = [read_trace_row(r) for r in random_trace(4)]
+    for cap in (4, 16):
+        best = simulate_trace(reqs, "belady", cap).hit_rate
+        for p in ("lru", "lru-demote"):
+            assert simulate_trace(reqs, p, cap).hit_rate <= best + 1e-12
+
+
+def test_cli_json_shape(tmp_path, capsys):
+    path = write(tmp_path / "t.jsonl", random_trace(5, 100))
+    rc = main(["analyze", str(path), "--trace-format", "mooncake", "--cache-fraction",
+               "0.05,0.1", "--eviction-policy", "all", "--json"])
+    assert rc == 0
+    s = json.loads(capsys.readouterr().out)
+    assert set(s) == {"infinite", "working_set_blocks", "sizes"}
+    assert list(s["sizes"]) == ["5%", "10%"]
+    assert s["sizes"]["5%"]["blocks"] == int(0.05 * s["working_set_blocks"])
+    assert set(s["sizes"]["10%"]) == {"blocks", *parse_policies("all")}
+    assert main(["analyze", str(path), "--trace-format", "mooncake",
+                 "--eviction-policy", "fifo"]) == 2
+
+
+@pytest.mark.parametrize("name, expected", [("conversation", 0.374), ("synthetic", 0.651)])
+def test_infinite_hit_rate_of_the_published_traces(name, expected):
+    path = TRACES / f"mooncake_{name}_trace.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path} is not here")
+    assert round(infinite_hit_rate(read_trace(path)), 3) == expected
