@@ -61,8 +61,8 @@ def trace_summary(path: str, fractions: list[float], policies: list[str],
 def text_table(summary: dict, markdown: bool = False, name: str = "") -> str:
     sizes = summary["sizes"]
     policies = [k for k in next(iter(sizes.values()), {}) if k != "blocks"]
-    lines = [f"trace: {name}  working set: {summary['working_set_blocks']} blocks  "
-             f"infinite-cache hit rate: {summary['infinite']:.3f}", ""]
+    lines = [(f"trace: {name}  working set: {summary['working_set_blocks']} blocks  "
+              f"infinite-cache hit rate: {summary['infinite']:.3f}"), ""]
     head = ["size", "blocks", *policies]
     rows = [[label, str(r["blocks"]), *(f"{r[p]:.3f}" for p in policies)]
             for label, r in sizes.items()]

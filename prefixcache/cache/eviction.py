@@ -36,9 +36,9 @@ Policies:
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-import itertools
 
 Block = Hashable
 
@@ -54,8 +54,17 @@ class NoEvictableBlock(EvictionError):
 
 
 class _Meta:
-    __slots__ = ("parent", "depth", "children", "refs", "hits", "last", "queue", "version",
-                 "tail")
+    __slots__ = (
+        "children",
+        "depth",
+        "hits",
+        "last",
+        "parent",
+        "queue",
+        "refs",
+        "tail",
+        "version",
+    )
 
     def __init__(self, parent: Block | None, depth: int) -> None:
         self.parent = parent
