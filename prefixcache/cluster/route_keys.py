@@ -21,7 +21,7 @@ import json
 from prefixcache.cache.hashing import hash_blocks, hash_blocks_after_shared, root_hash
 from prefixcache.model.tokenizer import Tokenizer
 from prefixcache.server.auth import TenantDirectory
-from prefixcache.server.protocol import ChatMessage
+from prefixcache.server.protocol import ChatMessage, template_text_chars
 
 # The routes whose body names a prompt; everything else is routed by load alone.
 PROMPT_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/cache/warm", "/v1/cache/lookup")
@@ -46,7 +46,7 @@ class RouteKeys:
         messages = body.get("messages")
         if path == "/v1/chat/completions" or (messages is not None and path in PROMPT_ROUTES[2:]):
             dicts = [ChatMessage.model_validate(m).as_template_dict() for m in messages]
-            chars = sum(len(d["content"]) + len(d.get("title") or d.get("name") or "") for d in dicts)
+            chars = template_text_chars(dicts)
             if not self._fits(chars):
                 return None
             add = body.get("add_generation_prompt", True)

@@ -178,6 +178,13 @@ async def parse_body(request: Request, model: type[_B], limits: ServerLimits) ->
     return _parse(raw, model, limits)
 
 
+def template_text_chars(dicts: list[dict]) -> int:
+    """Characters a chat's template dicts put into the prompt: each content and a document's
+    heading (its title, else its name: model/tokenizer_chat.py), for the length pre-checks of
+    the server and the cluster ingress."""
+    return sum(len(d["content"]) + len(d.get("title") or d.get("name") or "") for d in dicts)
+
+
 def _parse(raw: bytes, model: type[_B], limits: ServerLimits) -> _B:
     data = parse_json(raw, limits)
     try:

@@ -33,6 +33,7 @@ from prefixcache.server.protocol import (
     _CacheQuery,
     _Generation,
     parse_body,
+    template_text_chars,
 )
 from prefixcache.server.run import Choice, Run
 
@@ -177,7 +178,7 @@ class Serving:
         dicts = [m.as_template_dict() for m in messages]
         # A document's heading is its title, else its name (model/tokenizer_chat.py): rendered
         # and tokenized like its content, so counted with it.
-        chars = sum(len(d["content"]) + len(d.get("title") or d.get("name") or "") for d in dicts)
+        chars = template_text_chars(dicts)
         self._check_text_fits(chars, "messages")
         spans = ()
         try:
