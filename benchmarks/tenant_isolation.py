@@ -4,22 +4,26 @@ attack, as a ratio to its time to first token alone (issue #23's figure: target 
 One `prefixcache serve` per attack, with two tenants (keys ``sk-victim``, ``sk-flood``) and
 default limits.
 
-  alone      the victim sends a small streaming completion (a fresh 40-token prompt, 4 tokens)
+  alone      the victim sends a small streaming completion (a fresh 32-token prompt, 4 tokens)
              every ``--pause`` seconds, ``--samples`` times, on an idle server
   flood      the attacker keeps ``--flood-clients`` requests in flight without pause, each 16
              prompts x n=8 (128 sequences, its whole share of the queue) of ``--flood-tokens``
              tokens; once it holds the batch, the victim sends the same requests as alone
   segments   the attacker keeps ``--flood-clients`` ``POST /v1/cache/warm`` in flight, each
              ``--segment-docs`` unique documents of ~300 tokens in segments mode (every one
-             computed alone); 400s (over the documents limit) are counted
+             computed alone; 64, the default limit, so that the work is done: 1000 are
+             refused with 400 at once); 400s are counted
   routes     ``--route-clients`` concurrent loops of cache-control calls (invalidate of its own
              namespace, lookup, stats), 429s counted
   logprobs   ``--flood-clients`` requests in flight of 8 prompts x n=16, max_tokens 2000,
              logprobs 20, ignore_eos (big bodies, per-token work on the event loop)
 
 TTFT is measured by the client: from sending the request to the first SSE event with text.
-Reported per attack: medians (and p90) of each phase, the ratio of the medians, and the
-attacker's answers by status. ``--checkout DIR`` runs the server from another checkout (e.g. a
+Reported per attack: medians (and p90) of each phase, the ratio of the medians, the
+attacker's answers by status, and the server's generated tokens per second during the attack
+phase (the attacker's throughput, the victim's few tokens included). ``--server-args`` passes
+flags to the server, e.g. ``"--shared-step-ms 0"`` for the throughput the short shared steps
+cost the attacker. ``--checkout DIR`` runs the server from another checkout (e.g. a
 worktree of an older commit) with the same venv, for a before/after comparison.
 
     .venv/bin/python benchmarks/tenant_isolation.py --attacks flood,segments,routes,logprobs
@@ -34,6 +38,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import statistics
 import tempfile
 import time
@@ -61,7 +66,7 @@ def prompt_ids(rng: random.Random, n: int) -> list[int]:
 
 
 async def victim_ttft(client: httpx.AsyncClient, rng: random.Random) -> float:
-    body = {"prompt": prompt_ids(rng, 40), "max_tokens": 4, "temperature": 0, "stream": True,
+    body = {"prompt": prompt_ids(rng, 32), "max_tokens": 4, "temperature": 0, "stream": True,
             "ignore_eos": True}  # fmt: skip
     t0 = time.perf_counter()
     async with client.stream("POST", "/v1/completions", json=body,
@@ -130,12 +135,20 @@ async def logprobs(client, rng, args, stop, codes) -> None:
 ATTACKS = {"flood": flood, "segments": segments, "routes": routes, "logprobs": logprobs}
 
 
-async def running(client: httpx.AsyncClient) -> float:
+async def metric(client: httpx.AsyncClient, name: str) -> float:
     text = (await client.get("/metrics")).text
     for line in text.splitlines():
-        if line.startswith("prefixcache:num_requests_running{"):
+        if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rpartition(" ")[2])
     return 0.0
+
+
+async def running(client: httpx.AsyncClient) -> float:
+    return await metric(client, "prefixcache:num_requests_running")
+
+
+async def generated(client: httpx.AsyncClient) -> float:
+    return await metric(client, "prefixcache:generation_tokens_total")
 
 
 async def wait_busy(client: httpx.AsyncClient, minimum: int, timeout: float = 600) -> None:
@@ -165,12 +178,15 @@ async def measure(base_url: str, attack: str, args) -> dict:
             while len(codes) < 1 and time.monotonic() < deadline and not any(t.done() for t in tasks):
                 await asyncio.sleep(0.2)
             await asyncio.sleep(args.pause)
+        tokens0, t0 = await generated(client), time.perf_counter()
         during = await victim_phase(client, rng, args.samples, args.pause)
+        rate = (await generated(client) - tokens0) / (time.perf_counter() - t0)
         stop.set()
         for t in tasks:
             t.cancel()
         errors = [repr(t.exception()) for t in tasks if t.done() and not t.cancelled() and t.exception()]
-    return {"alone": alone, "attack": during, "codes": codes, "attacker_errors": errors}
+    return {"alone": alone, "attack": during, "codes": codes, "attacker_errors": errors,
+            "generated_tokens_per_s": rate}  # fmt: skip
 
 
 def p90(xs: list[float]) -> float:
@@ -184,9 +200,10 @@ def main() -> None:
     ap.add_argument("--pause", type=float, default=1.0)
     ap.add_argument("--flood-clients", type=int, default=2)
     ap.add_argument("--flood-tokens", type=int, default=32)
-    ap.add_argument("--segment-docs", type=int, default=1000)
+    ap.add_argument("--segment-docs", type=int, default=64)
     ap.add_argument("--route-clients", type=int, default=50)
     ap.add_argument("--checkout", default=None, help="run the server from this checkout")
+    ap.add_argument("--server-args", default="", help="more flags for the server (one string)")
     ap.add_argument("--out", default="results/tenant_isolation.json")
     args = ap.parse_args()
     attacks = args.attacks.split(",")
@@ -204,7 +221,8 @@ def main() -> None:
             env = {"OMP_WAIT_POLICY": "PASSIVE"}
             if args.checkout:
                 env["PYTHONPATH"] = str(Path(args.checkout).resolve())
-            server_args = ["--api-keys-file", str(keys), "--kv-cache-memory", "1GiB"]
+            server_args = ["--api-keys-file", str(keys), "--kv-cache-memory", "1GiB",
+                           *shlex.split(args.server_args)]  # fmt: skip
             with ServerProcess(server_args, env=env, cwd=args.checkout) as srv:
                 result = asyncio.run(measure(srv.base_url, attack, args))
                 log_tail = srv.output()[-3000:]
@@ -219,6 +237,7 @@ def main() -> None:
             "victim_ttft_attack_median_s": round(during, 4),
             "victim_ttft_attack_p90_s": round(p90(result["attack"]), 4),
             "ratio_of_medians": round(during / alone, 2),
+            "generated_tokens_per_s_during_attack": round(result["generated_tokens_per_s"], 1),
             "attacker_status": {str(c): codes.count(c) for c in sorted(set(codes))},
             "attacker_errors": result["attacker_errors"],
             "server_5xx_or_tracebacks": "Traceback" in log_tail or any(c >= 500 for c in codes),

@@ -90,6 +90,12 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 128  # vLLM's CPU default for its server: throughput needs wide decode steps
     max_num_batched_tokens: int = 2048
+    # While two or more tenants are active (running, waiting, or a request within the last
+    # shared_window_s seconds), a step carries only the tokens that fit in about
+    # shared_step_ms at the pace of recent steps, so another tenant's short request waits one or
+    # two short steps rather than a full chunk (fairness.py 4.); 0 turns the bound off.
+    shared_step_ms: float = 250.0
+    shared_window_s: float = 60.0
     scheduling_policy: str = "fcfs"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     quantization: str = "auto"
@@ -174,6 +180,11 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.shared_step_ms < 0 or self.shared_window_s < 0:
+            raise ValueError(
+                "shared_step_ms and shared_window_s must be >= 0, got "
+                f"{self.shared_step_ms} and {self.shared_window_s}"
             )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(

@@ -41,7 +41,7 @@ from prefixcache.request import (
     SharedPrefix,
 )
 from prefixcache.sampler import SampleFailure, make_generator, sample
-from prefixcache.scheduler import Scheduler
+from prefixcache.scheduler import Scheduler, SchedulerOutput
 from prefixcache.segments.assembler import SegmentAssembler
 from prefixcache.segments.plan import SegmentRequest
 from prefixcache.segments.store import SegmentStore
@@ -259,6 +259,7 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One batch: schedule, run, postprocess. Returns the sequences that got a new token."""
+        t0 = time.perf_counter()
         self._explained = None
         self.pool.expire_pins()
         self.tiers.install_completed()
@@ -266,6 +267,14 @@ class LLMEngine:
         if not out.scheduled:
             self.tiers.idle_wait()  # only restores are left: wait for one, briefly
             return []
+        tokens = out.num_batched_tokens
+        try:
+            return self._run(out)
+        finally:  # the pace that sizes steps while tenants share (fairness.py 4.)
+            self.scheduler.observe_step(tokens, time.perf_counter() - t0)
+
+    def _run(self, out: SchedulerOutput) -> list[Sequence]:
+        """The scheduled batch: segments' share of it, the forward, sampling, commit."""
         # Segments requests reaching their documents spend their tokens of the step on their
         # assembly (in pieces, over as many steps as it takes) and leave this batch; warms that
         # kept their last document are finished.

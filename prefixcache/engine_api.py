@@ -56,6 +56,7 @@ class EngineStats:
     capacity_bytes: int
     enable_prefix_caching: bool
     num_fairness_preemptions_total: int = 0
+    num_shared_steps_total: int = 0
     # One tiers.stats.TierStats per persistent tier (disk, redis), in lookup order; () if none.
     tiers: tuple = ()
 

@@ -61,6 +61,7 @@ def engine_stats(self) -> EngineStats:
         capacity_bytes=self.layout.capacity_bytes,
         enable_prefix_caching=self.kv.enable_caching,
         num_fairness_preemptions_total=self.scheduler.counters.fairness_preemptions,
+        num_shared_steps_total=self.scheduler.counters.shared_steps,
         tiers=tuple(self.tiers.stats()),
     )
 

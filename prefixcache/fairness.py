@@ -23,7 +23,18 @@ Two rules, both pure functions of the queues:
    admission. What a tenant leaves unused goes to the others at the end of the step (the
    scheduler tops capped chunks up), so the cap costs no throughput.
 
-4. **Memory preemption** (``memory_victim``): when blocks run out, the newest sequence of the
+4. **Short steps while tenants share** (``StepPace``, ``RecentTenants``, ``shared_budget``): a
+   step cannot be interrupted, so a request that arrives waits for the step under way and then
+   for its own; on 2 CPU cores a full 2,048-token step takes ~9 s and 128 decode rows ~0.5 s.
+   While two or more tenants are active (running, waiting, or finished a request within
+   ``shared_window_s``), the step carries only as many tokens as fit in ``shared_step_ms`` at
+   the pace of recent steps (seconds per token, a moving average the engine feeds), so another
+   tenant's short request waits at most about two such steps. A tenant alone keeps the full
+   ``max_num_batched_tokens``. What it costs a busy tenant is the per-step overhead of smaller
+   steps (docs/benchmarks.md "Tenant isolation"); outputs never change with step sizes (the
+   exact path is batch-invariant, docs/design.md section 2).
+
+5. **Memory preemption** (``memory_victim``): when blocks run out, the newest sequence of the
    tenant holding the most running sequences goes first (with one tenant: the newest, as before),
    so a tenant's flood cannot push out another tenant's only request.
 
@@ -124,3 +135,69 @@ def memory_victim(running: Seq[Sequence]) -> Sequence:
         return newest
     loser = next(t for t, n in counts.items() if n == most)
     return next(s for s in reversed(running) if s.tenant == loser)
+
+
+class StepPace:
+    """Seconds per batched token of recent steps (an exponential moving average), to turn a step
+    duration into a token count. Unknown until the first step is observed."""
+
+    # Weight of the newest step: a few steps follow a change of load (long contexts, a wider
+    # batch) without one odd step swinging the budget.
+    ALPHA = 0.3
+
+    def __init__(self) -> None:
+        self.seconds_per_token: float | None = None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        x = seconds / tokens
+        old = self.seconds_per_token
+        self.seconds_per_token = x if old is None else old + self.ALPHA * (x - old)
+
+    def tokens_within(self, seconds: float) -> int | None:
+        """Tokens a step may carry to last about ``seconds``; None while the pace is unknown."""
+        if self.seconds_per_token is None:
+            return None
+        return int(seconds / self.seconds_per_token)
+
+
+class RecentTenants:
+    """When each tenant last had work in the engine, so that a tenant between two requests (a
+    chat user reading the answer) still counts as sharing for ``window`` seconds. Bounded: at
+    most ``limit`` tenants are remembered (the oldest are forgotten first)."""
+
+    def __init__(self, window: float, limit: int = 4096) -> None:
+        self.window = window
+        self.limit = limit
+        self._seen: dict[str | None, float] = {}
+
+    def touch(self, tenants: Iterable[str | None], now: float) -> None:
+        for t in tenants:
+            self._seen.pop(t, None)
+            self._seen[t] = now  # insertion order is recency order
+        while len(self._seen) > self.limit:
+            del self._seen[next(iter(self._seen))]
+
+    def active(self, now: float) -> set[str | None]:
+        cutoff = now - self.window
+        while self._seen:
+            t, last = next(iter(self._seen.items()))
+            if last >= cutoff:
+                break
+            del self._seen[t]
+        return set(self._seen)
+
+
+def shared_budget(
+    budget: int, active: int, pace: StepPace, step_seconds: float, floor: int
+) -> int:
+    """The step's token budget: ``budget`` while one tenant is active (or the bound is off or the
+    pace unknown); otherwise what fits in ``step_seconds``, at least ``floor`` per active tenant
+    (every tenant's next block can progress), never more than ``budget``."""
+    if active < 2 or step_seconds <= 0:
+        return budget
+    fit = pace.tokens_within(step_seconds)
+    if fit is None:
+        return budget
+    return max(1, min(budget, max(fit, floor * active)))

@@ -1,6 +1,7 @@
 """Continuous batching with chunked prefill, cache-aware admission and preemption.
 
-Each step builds one flat batch under ``max_num_batched_tokens``:
+Each step builds one flat batch under ``max_num_batched_tokens`` (fewer tokens, sized to
+``shared_step_ms``, while several tenants are active: fairness.py 4.):
 1. running sequences first, in arrival order: a decode token each, or the next chunk of an
    unfinished prefill. When a block cannot be had, the newest running sequence is preempted
    (its blocks are released, its computed blocks stay cached, so resuming is mostly hits);
@@ -18,16 +19,21 @@ The scheduler never touches tensors; the engine runs the batch it returns.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prefixcache.cache.hashing import BlockHash
 from prefixcache.cache.manager import KVCacheManager
 from prefixcache.config import EngineConfig
 from prefixcache.fairness import (
+    RecentTenants,
+    StepPace,
     fair_order,
     memory_victim,
     rebalance,
     running_by_tenant,
+    shared_budget,
     token_caps,
 )
 from prefixcache.request import RequestStatus
@@ -52,16 +58,27 @@ class SchedulerCounters:
     computed_prompt_tokens: int = 0  # prefill tokens actually run through the model
     deferred_for_sharing: int = 0  # admissions postponed because another request computes it
     fairness_preemptions: int = 0  # preempted to give a tenant under its share a slot
+    shared_steps: int = 0  # steps shortened because tenants share the engine (fairness.py 4.)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.config = config
         self.kv = kv
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
         self.step_index = 0
+        # Short steps while tenants share (fairness.py 4.): the pace of recent steps, fed by the
+        # engine through observe_step, and who was active lately, on ``clock``.
+        self.pace = StepPace()
+        self.recent = RecentTenants(config.shared_window_s)
+        self.clock = clock
 
     # ---- queue operations ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -77,6 +94,23 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free(seq)
 
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """The engine reports each step's batched tokens and its wall time (schedule to end)."""
+        self.pace.observe(tokens, seconds)
+
+    def step_budget(self) -> int:
+        """This step's token budget: ``max_num_batched_tokens``, or less while tenants share."""
+        cfg = self.config
+        now = self.clock()
+        self.recent.touch({s.tenant for s in self.running} | {s.tenant for s in self.waiting}, now)
+        return shared_budget(
+            cfg.max_num_batched_tokens,
+            len(self.recent.active(now)),
+            self.pace,
+            cfg.shared_step_ms / 1000,
+            floor=cfg.block_size,
+        )
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -87,7 +121,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.step_index += 1
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = total = self.step_budget()
+        if total < self.config.max_num_batched_tokens:
+            self.counters.shared_steps += 1
         if self.waiting and len(self.running) >= self.config.max_num_seqs:
             ready = [s for s in self._order_waiting() if not s.restoring]
             for victim in rebalance(ready, self.running, self.config.max_num_seqs):
@@ -98,7 +134,7 @@ class Scheduler:
         budget -= out.num_batched_tokens
         if len(out.preempted) == fair_preempted:  # out of memory this step: admit nobody new
             self._schedule_waiting(out, budget)
-            self._top_up(out, self.config.max_num_batched_tokens - out.num_batched_tokens)
+            self._top_up(out, total - out.num_batched_tokens)
         self.counters.num_steps += 1
         self.counters.batched_tokens += out.num_batched_tokens
         for s in out.scheduled:

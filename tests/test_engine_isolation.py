@@ -19,7 +19,16 @@ from prefixcache.cache.manager import MAX_CACHED_ROOTS
 from prefixcache.config import EngineConfig
 from prefixcache.engine import LLMEngine
 from prefixcache.errors import InvalidRequestError, SequenceFailedError
-from prefixcache.fairness import fair_order, fair_share, memory_victim, rebalance, token_caps
+from prefixcache.fairness import (
+    RecentTenants,
+    StepPace,
+    fair_order,
+    fair_share,
+    memory_victim,
+    rebalance,
+    shared_budget,
+    token_caps,
+)
 from prefixcache.request import GREEDY_TEMPERATURE_EPS
 from prefixcache.sequence import Sequence
 
@@ -149,7 +158,10 @@ def test_long_prefills_of_one_tenant_leave_room_in_every_step(llm_cold):
     """Tenant a's prefills would take every token of the next steps; b's request is admitted at
     once because a gets half a step while b waits, and what b leaves goes back to a."""
     with shared_default_weights():
-        eng = LLMEngine(EngineConfig(kv_cache_memory="32MiB", max_num_batched_tokens=64, seed=0))
+        eng = LLMEngine(EngineConfig(
+            kv_cache_memory="32MiB", max_num_batched_tokens=64, seed=0,
+            shared_step_ms=0,  # full steps: this test is about the caps and the top-up
+        ))  # fmt: skip
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     long = [PROSE[i * 50 :] for i in range(3)]  # ~150+ tokens each: several chunks of 64
     a = [eng.add_request(f"a{i}", p, sp, tenant="a") for i, p in enumerate(long)]
@@ -164,6 +176,89 @@ def test_long_prefills_of_one_tenant_leave_room_in_every_step(llm_cold):
     assert [s.output_token_ids for s in a] + [b.output_token_ids] == [
         r.outputs[0].token_ids for r in refs
     ]
+
+
+def test_step_pace_recent_tenants_and_the_shared_budget():
+    pace = StepPace()
+    assert pace.tokens_within(0.25) is None  # unknown before the first step
+    assert shared_budget(2048, 2, pace, 0.25, floor=16) == 2048  # ... so no bound yet
+    pace.observe(100, 0.5)  # 5 ms a token
+    assert pace.tokens_within(0.25) == 50
+    pace.observe(0, 1.0)  # an empty step says nothing about the pace
+    assert pace.tokens_within(0.25) == 50
+    pace.observe(100, 1.0)  # slower steps move the average by ALPHA of the difference
+    assert pace.seconds_per_token == pytest.approx(0.005 + StepPace.ALPHA * 0.005)
+    pace = StepPace()
+    pace.observe(100, 0.5)
+    assert shared_budget(2048, 1, pace, 0.25, floor=16) == 2048  # one tenant: every token
+    assert shared_budget(2048, 2, pace, 0.25, floor=16) == 50
+    assert shared_budget(2048, 4, pace, 0.25, floor=16) == 64  # a block per tenant at least
+    assert shared_budget(2048, 2, pace, 0.0, floor=16) == 2048  # 0: the bound is off
+    assert shared_budget(40, 2, pace, 0.25, floor=16) == 40  # never above the configured max
+    recent = RecentTenants(window=10, limit=3)
+    recent.touch(["a", "b"], now=0)
+    recent.touch(["a"], now=8)
+    assert recent.active(now=9) == {"a", "b"}
+    assert recent.active(now=11) == {"a"}  # b's last work was 11 s ago
+    recent.touch(["c", "d", "e"], now=12)
+    assert recent.active(now=12) == {"c", "d", "e"}  # bounded: the oldest is forgotten
+
+
+class _FixedPace(StepPace):
+    """A pace that ignores the wall clock, so the test's budgets do not depend on the host."""
+
+    def __init__(self, seconds_per_token: float) -> None:
+        self.seconds_per_token = seconds_per_token
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pass
+
+
+def test_steps_are_short_while_another_tenant_is_active(llm_cold):
+    """Tenant a's long prefills take whole 256-token steps while it is alone; once tenant b has
+    a request, every step carries only the tokens that fit in shared_step_ms (here 40 at the
+    fixed pace), b's short prompt is computed in its first step, and the bound holds while b
+    was active within the window, then a gets full steps again. Every output equals its solo
+    run (the exact path does not depend on how steps are cut)."""
+    now = [0.0]
+    with shared_default_weights():
+        eng = LLMEngine(EngineConfig(
+            kv_cache_memory="32MiB", max_num_batched_tokens=256, seed=0,
+            shared_step_ms=100, shared_window_s=30,
+        ))  # fmt: skip
+    eng.scheduler.pace = _FixedPace(0.1 / 40)
+    eng.scheduler.clock = lambda: now[0]
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    long = [(PROSE * 3)[i * 80 :] for i in range(3)]  # ~1,000 tokens: several full steps
+    a = [eng.add_request(f"a{i}", p, sp, tenant="a") for i, p in enumerate(long)]
+    eng.step()
+    assert eng.scheduler.counters.batched_tokens == 256  # alone: the whole budget
+    short = eng.tokenizer.encode(PROSE[:60])[:18]  # <= b's half of 40
+    b = eng.add_request("b0", short, sp, tenant="b")
+    before = eng.scheduler.counters.batched_tokens
+    eng.step()
+    assert eng.scheduler.counters.batched_tokens - before <= 40
+    assert len(b.output_token_ids) == 1  # b's prompt in one short step: its first token
+    while not b.finished:
+        before = eng.scheduler.counters.batched_tokens
+        eng.step()
+        assert eng.scheduler.counters.batched_tokens - before <= 40
+    now[0] += 10  # b is between requests: a's steps stay short
+    before = eng.scheduler.counters.batched_tokens
+    eng.step()
+    assert eng.scheduler.counters.batched_tokens - before <= 40
+    shared = eng.scheduler.counters.shared_steps
+    assert shared >= 3 and eng.stats().num_shared_steps_total == shared
+    now[0] += 31  # b's window is over: a is alone again
+    before = eng.scheduler.counters.batched_tokens
+    eng.step()
+    assert eng.scheduler.counters.batched_tokens - before > 40
+    assert eng.scheduler.counters.shared_steps == shared
+    _run(eng)
+    refs = llm_cold.generate(long + [short], sp)
+    got = [s.output_token_ids for s in a] + [b.output_token_ids]
+    assert got == [r.outputs[0].token_ids for r in refs]
+    assert eng.pool.counts().in_use == 0
 
 
 def test_a_flooding_tenant_does_not_hold_the_batch(llm_cold):

@@ -77,6 +77,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--max-model-len", type=int, default=None)
     m.add_argument("--max-num-seqs", type=int, default=128)
     m.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    m.add_argument(
+        "--shared-step-ms",
+        type=float,
+        default=250.0,
+        metavar="MS",
+        help="while several tenants are active, steps carry only the tokens that fit in about "
+        "this long, so a short request never waits behind a long chunk (0: off)",
+    )
+    m.add_argument(
+        "--shared-window",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a tenant counts as active this long after its last request",
+    )
     m.add_argument("--scheduling-policy", choices=("fcfs", "lpm"), default="fcfs")
     m.add_argument(
         "--max-waiting-requests",
@@ -407,6 +422,8 @@ def _engine_config(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        shared_step_ms=args.shared_step_ms,
+        shared_window_s=args.shared_window,
         scheduling_policy=args.scheduling_policy,
         dtype=args.dtype,
         quantization=args.quantization,

@@ -58,6 +58,11 @@ _COUNTERS = (
         "num_fairness_preemptions_total",
         "Requests preempted to give a tenant under its fair share a slot.",
     ),
+    (
+        "prefixcache:num_shared_steps",
+        "num_shared_steps_total",
+        "Steps shortened to --shared-step-ms because several tenants were active.",
+    ),
 )
 _GAUGES = (
     ("prefixcache:num_requests_running", "num_running", "Requests in the running batch."),
