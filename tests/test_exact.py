@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixcache import LLM, SamplingParams, kernels
-from prefixcache.model.int_linear import IntLinear, reference
+from prefixcache.model.int_linear import IntLinear, quantize_activations, reference
+from prefixcache.model.loader import Int4Groups
 from prefixcache.model.linear import quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the exact path needs the CPU kernels")
@@ -125,6 +126,31 @@ def test_kernel_equals_the_integer_reference_on_every_isa(weights, bits, m, k, n
         assert torch.equal(y, ref), isa
         # one row alone: the same bits as in the batch
         assert torch.equal(lin(x[m // 2 : m // 2 + 1])[0], y[m // 2]), isa
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_kernel_is_exact_at_the_largest_partial_sums(bits):
+    """The AVX2 path sums a group's u8 x s8 pair products in 16 bits (|sum| <= 8 x 2 x 15 x 128 =
+    30720): every weight at 15 and every activation part at its most negative value (-128 for
+    the low part of 16-bit activations, -127 for 8-bit) reach that bound, and the kernel still
+    equals the int64 reference."""
+    n, k = 32, 96
+    groups = Int4Groups(torch.full((n, k), 15, dtype=torch.uint8), torch.ones(n, k // 32),
+                        torch.zeros(n, k // 32), 32)  # fmt: skip
+    rows = []
+    if bits == 16:  # a = 256 h - 128 has low part -128; one element at the group max sets s
+        x = torch.full((k,), -(256 * 100 - 128) / 32639.0)
+        x[::32] = -1.0
+        rows += [x, -x]
+    rows += [torch.full((k,), -1.0), torch.full((k,), 1.0)]
+    x = torch.stack(rows)
+    a, _ = quantize_activations(x, bits)
+    if bits == 16:
+        lo = a - 256 * torch.div(a + 128, 256, rounding_mode="floor")
+        assert (lo[0] == -128).sum() >= k - 3  # the bound is reached
+    ref = reference(x, groups, bits)
+    for isa in kernels.supported_isas():
+        assert torch.equal(IntLinear(groups, None, bits, isa)(x), ref), isa
 
 
 def test_isa_switch(monkeypatch):

@@ -187,8 +187,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512(
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r]);
 }
 
-// ---- AVX2: the same tile in two halves of 8 columns; vpmaddubsw (u8 weight x s8 activation,
-// |pair sum| <= 2 * 15 * 128: never saturates) then vpmaddwd with ones gives the same int32 sums.
+// ---- AVX2: the same tile in two halves of 8 columns; vpmaddubsw (u8 weight x s8 activation)
+// gives 16-bit pair sums, |pair| <= 2 * 15 * 128 = 3840, that never saturate; a group's eight
+// of them per lane are summed in 16 bits (|sum| <= 8 * 3840 = 30720 < 2^15: exact, no
+// overflow), and one vpmaddwd with ones per group widens the pairs of lanes to the column's
+// int32 sum: the same integers as a widening per product, with one multiply-port op in place of
+// eight (the kernel is bound by those ports on AVX2).
 template <int R, bool TWO>
 inline void tile256(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd,
                     const float* wm, int64_t b, int half, float* y, int64_t ldy, int64_t n) {
@@ -197,7 +201,7 @@ inline void tile256(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* w
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < groups; ++g) {
-    __m256i dh[R], dl[R];
+    __m256i dh[R], dl[R];  // 16-bit pair sums of the group, per row
     for (int r = 0; r < R; ++r) dh[r] = dl[r] = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
       const __m256i p = _mm256_loadu_si256(
@@ -208,13 +212,13 @@ inline void tile256(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* w
         const int64_t off = (r0 + r) * k + g * kGroup + 4 * j;
         const __m256i l0 = _mm256_set1_epi32(load_i32(qa.lo.data() + off));
         const __m256i l1 = _mm256_set1_epi32(load_i32(qa.lo.data() + off + 16));
-        dl[r] = _mm256_add_epi32(dl[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, l0), ones));
-        dl[r] = _mm256_add_epi32(dl[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, l1), ones));
+        dl[r] = _mm256_add_epi16(dl[r], _mm256_maddubs_epi16(w0, l0));
+        dl[r] = _mm256_add_epi16(dl[r], _mm256_maddubs_epi16(w1, l1));
         if (TWO) {
           const __m256i h0 = _mm256_set1_epi32(load_i32(qa.hi.data() + off));
           const __m256i h1 = _mm256_set1_epi32(load_i32(qa.hi.data() + off + 16));
-          dh[r] = _mm256_add_epi32(dh[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, h0), ones));
-          dh[r] = _mm256_add_epi32(dh[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, h1), ones));
+          dh[r] = _mm256_add_epi16(dh[r], _mm256_maddubs_epi16(w0, h0));
+          dh[r] = _mm256_add_epi16(dh[r], _mm256_maddubs_epi16(w1, h1));
         }
       }
     }
@@ -222,8 +226,8 @@ inline void tile256(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* w
     const __m256 vm = _mm256_loadu_ps(wm + (b * groups + g) * kCols + half * 8);
     for (int r = 0; r < R; ++r) {
       const int64_t rg = (r0 + r) * groups + g;
-      __m256i dot = dl[r];
-      if (TWO) dot = _mm256_add_epi32(_mm256_slli_epi32(dh[r], 8), dot);
+      __m256i dot = _mm256_madd_epi16(dl[r], ones);
+      if (TWO) dot = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(dh[r], ones), 8), dot);
       const __m256 p = _mm256_mul_ps(_mm256_set1_ps(qa.s[rg]), vd);
       acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(dot), p));
       acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(vm, _mm256_set1_ps(qa.ssum[rg])));
