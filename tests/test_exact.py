@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixcache import LLM, SamplingParams, kernels
-from prefixcache.model.int_linear import IntLinear, quantize_activations, reference
+from prefixcache.model.int_linear import WIDE_ROWS, IntLinear, quantize_activations, reference
 from prefixcache.model.loader import Int4Groups
 from prefixcache.model.linear import quantize_int4, quantize_int8
 
@@ -151,6 +151,27 @@ def test_kernel_is_exact_at_the_largest_partial_sums(bits):
     ref = reference(x, groups, bits)
     for isa in kernels.supported_isas():
         assert torch.equal(IntLinear(groups, None, bits, isa)(x), ref), isa
+
+
+def test_4bit_groups_held_as_int8_give_the_nibble_kernels_bits():
+    """On AVX2 a wide call with 16-bit activations runs 4-bit groups through int8_linear
+    (WIDE_ROWS rows or more) and a narrow one through the nibble kernel: every row is the same
+    bits either way."""
+    if "avx2" not in kernels.supported_isas():
+        pytest.skip("no AVX2")
+    gen = torch.Generator().manual_seed(7)
+    groups = quantize_int4(torch.randn(48, 128, generator=gen))
+    x = torch.randn(WIDE_ROWS + 5, 128, generator=gen) * 3
+    lin = IntLinear(groups, None, 16, "avx2")
+    assert lin.wq8 is not None and lin.resident_bytes > lin.nbytes
+    assert IntLinear(groups, None, 8, "avx2").wq8 is None  # 8-bit activations keep the nibbles
+    wide = lin(x)
+    one_by_one = torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(wide, one_by_one)
+    assert torch.equal(wide, reference(x, groups, 16))
+    for isa in kernels.supported_isas():  # the offset epilogue on every ISA path of int8_linear
+        y = kernels.int8_linear(x, lin.wq8, lin.wd, lin.out_features, 16, isa, lin.wm)
+        assert torch.equal(y, wide), isa
 
 
 def test_isa_switch(monkeypatch):

@@ -273,10 +273,10 @@ void rows_avx2(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const uin
 // ---- 8-bit weights, AVX512-VNNI: R rows x one block of 16 columns; per pair p of the group
 // one widened weight operand serves every row (vpdpwssd: lane c += a[2p] q[c, 2p] +
 // a[2p + 1] q[c, 2p + 1]).
-template <int R>
+template <int R, bool OFF>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512_w8(
-    const Quantized& qa, int64_t r0, int64_t k, const int8_t* wq, const float* wd, int64_t b,
-    float* y, int64_t ldy, int64_t n) {
+    const Quantized& qa, int64_t r0, int64_t k, const int8_t* wq, const float* wd, const float* wm,
+    int64_t b, float* y, int64_t ldy, int64_t n) {
   const int64_t groups = k / kGroup;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -293,9 +293,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512_w8(
       }
     }
     const __m512 vd = _mm512_loadu_ps(wd + (b * groups + g) * kCols);
+    const __m512 vm = OFF ? _mm512_loadu_ps(wm + (b * groups + g) * kCols) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
-      const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(qa.s[(r0 + r) * groups + g]), vd);
+      const int64_t rg = (r0 + r) * groups + g;
+      const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(qa.s[rg]), vd);
       acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), sd));
+      if (OFF) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
     }
   }
   const int64_t col = b * kCols;
@@ -305,9 +308,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512_w8(
 }
 
 // ---- 8-bit weights, AVX2: half a block (8 columns), vpmaddwd on the widened pairs.
-template <int R>
+template <int R, bool OFF>
 inline void tile256_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t* wq, const float* wd,
-                       int64_t b, int half, float* y, int64_t ldy, int64_t n) {
+                       const float* wm, int64_t b, int half, float* y, int64_t ldy, int64_t n) {
   const int64_t groups = k / kGroup;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -324,9 +327,12 @@ inline void tile256_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t*
       }
     }
     const __m256 vd = _mm256_loadu_ps(wd + (b * groups + g) * kCols + half * 8);
+    const __m256 vm = OFF ? _mm256_loadu_ps(wm + (b * groups + g) * kCols + half * 8) : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
-      const __m256 sd = _mm256_mul_ps(_mm256_set1_ps(qa.s[(r0 + r) * groups + g]), vd);
+      const int64_t rg = (r0 + r) * groups + g;
+      const __m256 sd = _mm256_mul_ps(_mm256_set1_ps(qa.s[rg]), vd);
       acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r]), sd));
+      if (OFF) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(vm, _mm256_set1_ps(qa.ssum[rg])));
     }
   }
   const int64_t col = b * kCols + half * 8;
@@ -339,23 +345,24 @@ inline void tile256_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t*
   }
 }
 
+template <bool OFF>
 void rows_w8(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const int8_t* wq, const float* wd,
-             int64_t b0, int64_t b1, float* y, int64_t n, int64_t isa) {
+             const float* wm, int64_t b0, int64_t b1, float* y, int64_t n, int64_t isa) {
   for (int64_t b = b0; b < b1; ++b) {
     if (isa == 2) {
       int64_t r = r0;
-      for (; r + 4 <= r1; r += 4) tile512_w8<4>(qa, r, k, wq, wd, b, y, n, n);
+      for (; r + 4 <= r1; r += 4) tile512_w8<4, OFF>(qa, r, k, wq, wd, wm, b, y, n, n);
       switch (r1 - r) {
-        case 3: tile512_w8<3>(qa, r, k, wq, wd, b, y, n, n); break;
-        case 2: tile512_w8<2>(qa, r, k, wq, wd, b, y, n, n); break;
-        case 1: tile512_w8<1>(qa, r, k, wq, wd, b, y, n, n); break;
+        case 3: tile512_w8<3, OFF>(qa, r, k, wq, wd, wm, b, y, n, n); break;
+        case 2: tile512_w8<2, OFF>(qa, r, k, wq, wd, wm, b, y, n, n); break;
+        case 1: tile512_w8<1, OFF>(qa, r, k, wq, wd, wm, b, y, n, n); break;
         default: break;
       }
     } else {
       for (int half = 0; half < 2; ++half) {
         int64_t r = r0;
-        for (; r + 4 <= r1; r += 4) tile256_w8<4>(qa, r, k, wq, wd, b, half, y, n, n);
-        for (; r < r1; ++r) tile256_w8<1>(qa, r, k, wq, wd, b, half, y, n, n);
+        for (; r + 4 <= r1; r += 4) tile256_w8<4, OFF>(qa, r, k, wq, wd, wm, b, half, y, n, n);
+        for (; r < r1; ++r) tile256_w8<1, OFF>(qa, r, k, wq, wd, wm, b, half, y, n, n);
       }
     }
   }
@@ -420,8 +427,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
   return y;
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wd, int64_t n,
-                       int64_t bits, int64_t isa) {
+// wm (optional): per-group offsets as int4_linear's, for 4-bit weights held as int8 (q in
+// 0..15): then the epilogue is int4_linear's too, acc + float(dot) (s d) + m (s sum(a)), with
+// the same integer dot (256 dot(hi) + dot(lo) == dot(a)), so the bits equal int4_linear's.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wd,
+                       const std::optional<at::Tensor>& wm, int64_t n, int64_t bits, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_cpu(), "x: [M, K] float32 on CPU");
   TORCH_CHECK(bits == 8 || bits == 16, "activation bits: 8 or 16");
   TORCH_CHECK(isa == 1 || isa == 2, "isa: 1 (avx2) or 2 (avx512-vnni)");
@@ -433,6 +443,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
               "wq: packed int8 weights [blocks * groups * 512]");
   TORCH_CHECK(wd.is_contiguous() && wd.scalar_type() == at::kFloat && wd.numel() == blocks * groups * kCols,
               "wd: [blocks, groups, 16] float32");
+  const bool off = wm.has_value();
+  TORCH_CHECK(!off || (wm->is_contiguous() && wm->scalar_type() == at::kFloat && wm->numel() == wd.numel()),
+              "wm: [blocks, groups, 16] float32");
+  const float* wmp = off ? wm->data_ptr<float>() : nullptr;
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
@@ -455,7 +469,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
       const int64_t rc = it / col_items, ci = it % col_items;
       const int64_t r0 = rc * kRowChunk, r1 = std::min(m, r0 + kRowChunk);
       const int64_t b0 = ci * kBlocksPerItem, b1 = std::min(blocks, b0 + kBlocksPerItem);
-      rows_w8(qa, r0, r1, k, wqp, wdp, b0, b1, yp, n, isa);
+      if (off) rows_w8<true>(qa, r0, r1, k, wqp, wdp, wmp, b0, b1, yp, n, isa);
+      else rows_w8<false>(qa, r0, r1, k, wqp, wdp, wmp, b0, b1, yp, n, isa);
     }
   });
   return y;
@@ -465,7 +480,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
 
 TORCH_LIBRARY_FRAGMENT(prefixcache, lib) {
   lib.def("int4_linear(Tensor x, Tensor wq, Tensor wd, Tensor wm, int n, int bits, int isa) -> Tensor");
-  lib.def("int8_linear(Tensor x, Tensor wq, Tensor wd, int n, int bits, int isa) -> Tensor");
+  lib.def("int8_linear(Tensor x, Tensor wq, Tensor wd, Tensor? wm, int n, int bits, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, lib) {

@@ -11,6 +11,13 @@ same float32 epilogue), which the kernel is tested equal to with ``torch.equal``
 ``kernels.int8_linear``: the integers whole in one pass of 16 x 16-bit pair products, then the
 same epilogue without the offset term.
 
+On AVX2 (no VNNI) with 16-bit activations, 4-bit groups are also held as int8 (``q`` in 0..15,
+with their offsets) and a call of ``WIDE_ROWS`` rows or more (prefill, wide decode) runs
+``int8_linear`` on them: on Zen 2 it is 1.2x the nibble kernel's two passes (150 vs 122 GOP/s;
+8-bit activations stay with the nibbles' single pass, 190), and its integers and epilogue are
+the nibble kernel's (``256 dot(hi) + dot(lo) == dot(a)``), so the bits do not depend on which
+of the two ran (tested). Narrower calls (decode) keep the nibbles, half the bytes to read.
+
 Activations are quantized per row and group of 32: ``s = max|x| / A``, ``a = round(x / s)``
 (half to even) with ``A = 32639`` for 16-bit (run as two int8 passes) or ``127`` for 8-bit.
 """
@@ -25,6 +32,9 @@ from prefixcache.model.loader import Int4Groups, Int8Groups
 GROUP = 32
 COLS = 16  # output columns per packed block
 ACTIVATION_MAX = {16: 32639.0, 8: 127.0}
+# Rows from which 4-bit groups run as int8 on AVX2 (above). At 16 rows the int8 layout is
+# already ahead (143 vs 113 GOP/s on Zen 2); below, reading twice the bytes costs more.
+WIDE_ROWS = 8
 
 
 class IntLinear:
@@ -42,11 +52,14 @@ class IntLinear:
         self.kind = f"w{8 if self.wide else 4}a{bits}"
         self.bits, self.isa = bits, isa
         self.out_features, self.in_features = groups.q.shape
+        self.wq8 = None  # 4-bit groups as int8, for wide calls on AVX2
         if self.wide:
             self.wq, self.wd = pack8(groups)
             self.wm = None
         else:
             self.wq, self.wd, self.wm = pack(groups)
+            if isa == "avx2" and bits == 16:  # 8-bit activations: one vpmaddubsw pass is faster
+                self.wq8, _ = pack8(Int8Groups(groups.q.to(torch.int8), groups.scale))
         self.groups = groups  # the reference and tests read the file's numbers from here
         self.bias = None if bias is None else bias.float()
 
@@ -54,9 +67,16 @@ class IntLinear:
     def nbytes(self) -> int:  # what one call reads
         return self.wq.numel() + 4 * (self.wd.numel() + (0 if self.wm is None else self.wm.numel()))
 
+    @property
+    def resident_bytes(self) -> int:  # what it holds: nbytes and the int8 copy on AVX2
+        return self.nbytes + (0 if self.wq8 is None else self.wq8.numel())
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.wide:
             y = kernels.int8_linear(x.float(), self.wq, self.wd, self.out_features, self.bits, self.isa)
+        elif self.wq8 is not None and x.shape[0] >= WIDE_ROWS:
+            y = kernels.int8_linear(x.float(), self.wq8, self.wd, self.out_features, self.bits,
+                                    self.isa, self.wm)  # fmt: skip
         else:
             y = kernels.int4_linear(x.float(), self.wq, self.wd, self.wm, self.out_features,
                                     self.bits, self.isa)  # fmt: skip
