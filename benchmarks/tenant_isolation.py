@@ -10,9 +10,10 @@ default limits.
              prompts x n=8 (128 sequences, its whole share of the queue) of ``--flood-tokens``
              tokens; once it holds the batch, the victim sends the same requests as alone
   segments   the attacker keeps ``--flood-clients`` ``POST /v1/cache/warm`` in flight, each
-             ``--segment-docs`` unique documents of ~300 tokens in segments mode (every one
-             computed alone; 64, the default limit, so that the work is done: 1000 are
-             refused with 400 at once); 400s are counted
+             ``--segment-docs`` (20) unique documents of ~350 tokens in segments mode, every one
+             computed alone (within the context, so the work is done)
+  refused    the same with 64 documents: over the context, so every one is a 400 once its
+             ~128 KiB body is parsed and tokenized (a flood of refused requests)
   routes     ``--route-clients`` concurrent loops of cache-control calls (invalidate of its own
              namespace, lookup, stats), 429s counted
   logprobs   ``--flood-clients`` requests in flight of 8 prompts x n=16, max_tokens 2000,
@@ -110,11 +111,17 @@ def document(rng: random.Random) -> str:
     return f"Record {rng.getrandbits(64):x}: " + " ".join(rng.choice(words) for _ in range(280))
 
 
-async def segments(client, rng, args, stop, codes) -> None:
+async def segments(client, rng, args, stop, codes, docs: int | None = None) -> None:
     while not stop.is_set():
-        docs = [{"role": "document", "content": document(rng)} for _ in range(args.segment_docs)]
-        body = {"cache_mode": "segments", "messages": [*docs, {"role": "user", "content": "Summarize."}]}
+        docs_ = [{"role": "document", "content": document(rng)} for _ in range(docs or args.segment_docs)]
+        body = {"cache_mode": "segments", "messages": [*docs_, {"role": "user", "content": "Summarize."}]}
         await attack_call(client, "POST", "/v1/cache/warm", body, codes)
+
+
+async def refused(client, rng, args, stop, codes) -> None:
+    """64 documents (the documents limit) of ~350 tokens: over the context, each a 400 after
+    its ~128 KiB body is parsed and its text tokenized."""
+    await segments(client, rng, args, stop, codes, docs=64)
 
 
 async def routes(client, rng, args, stop, codes) -> None:
@@ -132,13 +139,14 @@ async def logprobs(client, rng, args, stop, codes) -> None:
         await attack_call(client, "POST", "/v1/completions", body, codes)
 
 
-ATTACKS = {"flood": flood, "segments": segments, "routes": routes, "logprobs": logprobs}
+ATTACKS = {"flood": flood, "segments": segments, "refused": refused, "routes": routes,
+           "logprobs": logprobs}  # fmt: skip
 
 
 async def metric(client: httpx.AsyncClient, name: str) -> float:
     text = (await client.get("/metrics")).text
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if line.startswith((name + "{", name + " ")):
             return float(line.rpartition(" ")[2])
     return 0.0
 
@@ -200,7 +208,7 @@ def main() -> None:
     ap.add_argument("--pause", type=float, default=1.0)
     ap.add_argument("--flood-clients", type=int, default=2)
     ap.add_argument("--flood-tokens", type=int, default=32)
-    ap.add_argument("--segment-docs", type=int, default=64)
+    ap.add_argument("--segment-docs", type=int, default=20)
     ap.add_argument("--route-clients", type=int, default=50)
     ap.add_argument("--checkout", default=None, help="run the server from this checkout")
     ap.add_argument("--server-args", default="", help="more flags for the server (one string)")

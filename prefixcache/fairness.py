@@ -29,7 +29,10 @@ Two rules, both pure functions of the queues:
    While two or more tenants are active (running, waiting, or finished a request within
    ``shared_window_s``), the step carries only as many tokens as fit in ``shared_step_ms`` at
    the pace of recent steps (seconds per token, a moving average the engine feeds), so another
-   tenant's short request waits at most about two such steps. A tenant alone keeps the full
+   tenant's short request waits at most about two such steps. And when a tenant with nothing
+   running has a request waiting, the next step runs only such tenants' first chunks (at most
+   every other step, so running sequences always progress): the newcomer waits for the step
+   under way and then for its own tokens alone, not for everyone's. A tenant alone keeps the full
    ``max_num_batched_tokens``. What it costs a busy tenant is the per-step overhead of smaller
    steps (docs/benchmarks.md "Tenant isolation"); outputs never change with step sizes (the
    exact path is batch-invariant, docs/design.md section 2).

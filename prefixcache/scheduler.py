@@ -59,6 +59,7 @@ class SchedulerCounters:
     deferred_for_sharing: int = 0  # admissions postponed because another request computes it
     fairness_preemptions: int = 0  # preempted to give a tenant under its share a slot
     shared_steps: int = 0  # steps shortened because tenants share the engine (fairness.py 4.)
+    first_steps: int = 0  # steps that ran only newly arrived tenants' first chunks (fairness.py 4.)
 
 
 class Scheduler:
@@ -79,6 +80,7 @@ class Scheduler:
         self.pace = StepPace()
         self.recent = RecentTenants(config.shared_window_s)
         self.clock = clock
+        self._last_first_step = -2
 
     # ---- queue operations ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -130,17 +132,39 @@ class Scheduler:
                 self._preempt(victim, out)
                 self.counters.fairness_preemptions += 1
         fair_preempted = len(out.preempted)
+        if total < self.config.max_num_batched_tokens and self._first_step(out, total):
+            self.counters.first_steps += 1
+            return self._finish(out)
         self._schedule_running(out, budget)
         budget -= out.num_batched_tokens
         if len(out.preempted) == fair_preempted:  # out of memory this step: admit nobody new
             self._schedule_waiting(out, budget)
             self._top_up(out, total - out.num_batched_tokens)
+        return self._finish(out)
+
+    def _finish(self, out: SchedulerOutput) -> SchedulerOutput:
         self.counters.num_steps += 1
         self.counters.batched_tokens += out.num_batched_tokens
         for s in out.scheduled:
             prompt_left = s.seq.num_prompt_tokens - s.seq.num_computed_tokens
             self.counters.computed_prompt_tokens += max(0, min(s.num_new_tokens, prompt_left))
         return out
+
+    def _first_step(self, out: SchedulerOutput, budget: int) -> bool:
+        """While tenants share: a step of newly arrived tenants' first chunks alone (fairness.py
+        4.), when some tenant has sequences waiting and none running. At most every other step,
+        so running sequences always progress. True if it scheduled anything."""
+        if self.step_index - self._last_first_step < 2:
+            return False
+        running = running_by_tenant(self.running)
+        fresh = {s.tenant for s in self.waiting if not s.restoring and running[s.tenant] == 0}
+        if not fresh:
+            return False
+        self._schedule_waiting(out, budget, tenants=fresh)
+        if not out.scheduled:
+            return False
+        self._last_first_step = self.step_index
+        return True
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
         """Running sequences in order, each tenant's within its token cap (fairness.py); when
@@ -236,13 +260,19 @@ class Scheduler:
         rest.sort(key=lambda s: (s.priority, -self.kv.match(s).num_tokens, s.metrics.arrival_time))
         return starved + rest
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(
+        self, out: SchedulerOutput, budget: int, tenants: set | None = None
+    ) -> None:
+        """Admit waiting sequences in fair order while the budget and slots last; ``tenants``:
+        only theirs."""
         if budget <= 0 or not self.waiting:
             return
         pending = self._pending_keys() if self.kv.enable_caching else set()
         for seq in self._order_waiting():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if tenants is not None and seq.tenant not in tenants:
+                continue
             if seq.restoring:
                 continue  # its blocks are on their way from a persistent tier; others go first
             m = self.kv.match(seq)

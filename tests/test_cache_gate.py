@@ -87,3 +87,38 @@ def test_a_flooding_tenant_gets_429_while_others_and_tokenization_go_on(engine):
 
     asyncio.run(main())
     gate.close()
+
+
+def test_a_tenant_whose_requests_keep_being_refused_is_refused_early_alone(engine):
+    """server/refusals.py: past max_refusals_per_second refusals (400, 422) a tenant's requests
+    are 429 too_many_refusals before their body is read, for refusal_penalty seconds; another
+    tenant and the admin are not affected, and admins' refusals are not counted."""
+    tenants = TenantDirectory({"sk-alice": Tenant("alice"), "sk-bob": Tenant("bob"),
+                               "sk-ops": Tenant("ops", admin=True)})  # fmt: skip
+    app = create_app(engine, tenants=tenants, limits=ServerLimits(max_refusals_per_second=3, refusal_penalty=30))
+    now = [0.0]
+    app.state.serving.refusals.clock = lambda: now[0]
+    too_long = {"prompt": [5] * (engine.config.max_model_len or 8192) + [5], "max_tokens": 1}
+    ok = {"prompt": [1, 2, 3]}  # a lookup (no generation: this app's engine loop is not started)
+    ops = {"Authorization": "Bearer sk-ops"}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=LIVENESS_S) as c:
+
+            async def status(body, headers, path="/v1/completions"):
+                return (await c.post(path, json=body, headers=headers)).status_code
+
+            assert [await status(b, ops) for b in [too_long] * 6] == [400] * 6  # admins: never
+            bad = [too_long, {"prompt": 5}, too_long, too_long]  # a 422 counts like a 400
+            assert [await status(b, ALICE) for b in bad] == [400, 422, 400, 400]
+            r = await c.post("/v1/cache/lookup", json=ok, headers=ALICE)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_refusals"
+            assert r.headers["retry-after"] == "30"
+            assert await status({}, ALICE, "/v1/cache/invalidate") == 429  # every route
+            assert await status(ok, BOB, "/v1/cache/lookup") == 200  # bob is not alice
+            now[0] += 31
+            assert await status(ok, ALICE, "/v1/cache/lookup") == 200  # the penalty is over
+
+    asyncio.run(main())
+    assert app.state.serving.refusals.refused_early == 2

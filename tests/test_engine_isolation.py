@@ -217,8 +217,8 @@ class _FixedPace(StepPace):
 def test_steps_are_short_while_another_tenant_is_active(llm_cold):
     """Tenant a's long prefills take whole 256-token steps while it is alone; once tenant b has
     a request, every step carries only the tokens that fit in shared_step_ms (here 40 at the
-    fixed pace), b's short prompt is computed in its first step, and the bound holds while b
-    was active within the window, then a gets full steps again. Every output equals its solo
+    fixed pace), b's short prompt is computed in a first step of its own, and the bound holds
+    while b was active within the window, then a gets full steps again. Every output equals its solo
     run (the exact path does not depend on how steps are cut)."""
     now = [0.0]
     with shared_default_weights():
@@ -233,12 +233,15 @@ def test_steps_are_short_while_another_tenant_is_active(llm_cold):
     a = [eng.add_request(f"a{i}", p, sp, tenant="a") for i, p in enumerate(long)]
     eng.step()
     assert eng.scheduler.counters.batched_tokens == 256  # alone: the whole budget
-    short = eng.tokenizer.encode(PROSE[:60])[:18]  # <= b's half of 40
+    short = eng.tokenizer.encode(PROSE[:60])[:18]  # <= the step's 40
     b = eng.add_request("b0", short, sp, tenant="b")
+    progress = {s.request_id: s.num_computed_tokens for s in a}
     before = eng.scheduler.counters.batched_tokens
     eng.step()
-    assert eng.scheduler.counters.batched_tokens - before <= 40
-    assert len(b.output_token_ids) == 1  # b's prompt in one short step: its first token
+    # b's first chunk runs alone (a's sequences wait one step): its first token at once
+    assert eng.scheduler.counters.batched_tokens - before == len(short)
+    assert len(b.output_token_ids) == 1 and eng.scheduler.counters.first_steps == 1
+    assert all(s.num_computed_tokens == progress[s.request_id] for s in a)
     while not b.finished:
         before = eng.scheduler.counters.batched_tokens
         eng.step()

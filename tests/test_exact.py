@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from prefixcache import LLM, SamplingParams, kernels
 from prefixcache.model.int_linear import WIDE_ROWS, IntLinear, quantize_activations, reference
-from prefixcache.model.loader import Int4Groups
 from prefixcache.model.linear import quantize_int4, quantize_int8
+from prefixcache.model.loader import Int4Groups
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the exact path needs the CPU kernels")
 

@@ -26,7 +26,7 @@ from prefixcache.server.protocol import (
     CacheWarmRequest,
     parse_body,
 )
-from prefixcache.server.serving import Serving, accept
+from prefixcache.server.serving import Serving, accept, authenticate
 
 router = APIRouter(prefix="/v1/cache")
 
@@ -110,7 +110,7 @@ async def lookup(request: Request) -> dict:
 async def invalidate(request: Request) -> dict:
     """Drop the cached blocks of a namespace; blocks running requests hold go when released."""
     s: Serving = request.app.state.serving
-    tenant = s.tenants.authenticate(request.headers.get("authorization"))
+    tenant = authenticate(request)
     req = await parse_body(request, CacheInvalidateRequest, s.limits)
     if req.all:
         if req.namespace is not None or req.cache_salt is not None:
@@ -156,7 +156,7 @@ async def stats(request: Request) -> dict:
     """Admin: the engine's cache statistics, live request counts and KV geometry. Anyone else:
     their own tenant's numbers and namespaces only (the pool is shared, its counts are not)."""
     s: Serving = request.app.state.serving
-    tenant = s.tenants.authenticate(request.headers.get("authorization"))
+    tenant = authenticate(request)
     return await stats_for(s, tenant)
 
 

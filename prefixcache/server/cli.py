@@ -28,6 +28,9 @@ _LIMIT_HELP = {
     "keep_alive_timeout": "seconds an idle keep-alive connection stays open",
     "send_timeout": "seconds a client may take to accept a streamed chunk (cancelled after)",
     "max_connections": "open connections; more are closed at once",
+    "max_refusals_per_second": "refused requests (400/413/422) a non-admin tenant may have in a "
+    "second; past it, 429 for --refusal-penalty seconds",
+    "refusal_penalty": "seconds a tenant over --max-refusals-per-second is refused early",
 }
 
 

@@ -140,13 +140,23 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     return APIError(422, f"{where}{msg}{more}", param=param, code="invalid_type")
 
 
+def _count_refusal(request: Request, status: int) -> None:
+    """A refusal of a tenant's request counts toward its refusal limit (server/refusals.py);
+    ``accept`` names the tenant on the request when it is counted."""
+    tenant = getattr(request.state, "refusal_tenant", None)
+    if tenant is not None:
+        request.app.state.serving.refusals.record(tenant, status)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        _count_refusal(request, exc.status)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        _count_refusal(request, 422)
         return validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -161,6 +171,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         rid = request_id_of(request.scope)
         err = from_engine_error(exc, rid) or internal_error(rid, exc)
+        _count_refusal(request, err.status)
         resp = err.response()
         if rid:
             resp.headers["X-Request-Id"] = rid

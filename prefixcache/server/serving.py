@@ -35,6 +35,7 @@ from prefixcache.server.protocol import (
     parse_body,
     template_text_chars,
 )
+from prefixcache.server.refusals import RefusalLimiter
 from prefixcache.server.run import Choice, Run
 
 PRIORITY_BOUND = 2**31 - 1
@@ -81,6 +82,9 @@ class Serving:
         self.limits = limits or ServerLimits()
         self.cache_gate = CacheCallGate(
             self.limits.cache_route_threads, self.limits.max_cache_calls_per_tenant
+        )
+        self.refusals = RefusalLimiter(
+            self.limits.max_refusals_per_second, self.limits.refusal_penalty
         )
         self.tokenizer = engine.tokenizer
         self.activity = Activity(lambda ids: self.tokenizer.decode(ids), engine.config.block_size)
@@ -388,13 +392,25 @@ def replace_param(e: InvalidRequestError, param: str) -> InvalidRequestError:
     return e
 
 
+def authenticate(request) -> Tenant:
+    """The caller of a generation or cache route; a non-admin tenant over its refusal limit is
+    refused here, before its body is read, and its refusals are counted by the error handler
+    (refusals.py)."""
+    s: Serving = request.app.state.serving
+    tenant = s.tenants.authenticate(request.headers.get("authorization"))
+    if not tenant.admin:
+        s.refusals.check(tenant.name)
+        request.state.refusal_tenant = tenant.name
+    return tenant
+
+
 async def accept(request, schema):
     """The start of every generation and cache route: authenticate the caller, parse the body
     as ``schema`` (bounded, strict), check the model name, and derive the cache namespace
     (never from the client alone). Returns (serving, tenant, body, scope): ``scope.namespace``
     is the request's own, ``scope.shared`` the namespace of what it declares shared."""
     s: Serving = request.app.state.serving
-    tenant = s.tenants.authenticate(request.headers.get("authorization"))
+    tenant = authenticate(request)
     req = await parse_body(request, schema, s.limits)
     s.check_model(req.model)
     return s, tenant, req, s.tenants.scope(tenant, req.cache_salt)

@@ -1,0 +1,67 @@
+"""Integer kernel rates (GOP/s) on the default model's linear shapes, per ISA path this CPU has,
+at several batch sizes M: what ``IntLinear`` runs for w4a16 (the default model's layers), w4a8
+and w8a16 (a bf16 checkpoint's default), next to ``torch._int_mm`` and float32 ``F.linear``.
+
+    .venv/bin/python benchmarks/kernel_rates.py [--json results/kernel_rates.json]
+
+On AVX2 a w4a16 call of ``WIDE_ROWS`` rows or more runs the 4-bit weights held as int8
+(model/int_linear.py), so its figure at M >= 8 is that path's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_bench import median_time
+
+from prefixcache import kernels
+from prefixcache.model.int_linear import IntLinear
+from prefixcache.model.linear import quantize_int4, quantize_int8
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default="results/kernel_rates.json")
+    ap.add_argument("--rows", default="1,16,128,512")
+    args = ap.parse_args()
+    rows = [int(m) for m in args.rows.split(",")]
+    res: dict = {"cpu": platform.processor() or "unknown", "threads": torch.get_num_threads(), "gops": {}}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            res["cpu"] = line.split(":", 1)[1].strip()
+            break
+    for k, n in [(576, 1536), (1536, 576)]:
+        w = torch.randn(n, k)
+        g4, g8 = quantize_int4(w), quantize_int8(w)
+        for m in rows:
+            x = torch.randn(m, k)
+            flops = 2 * m * k * n
+            for isa in kernels.supported_isas():
+                for name, g, bits in [("w4a16", g4, 16), ("w4a8", g4, 8), ("w8a16", g8, 16)]:
+                    lin = IntLinear(g, None, bits, isa)
+                    res["gops"][f"{name} {isa} K={k} N={n} M={m}"] = round(flops / median_time(lambda lin=lin, x=x: lin(x), 15) / 1e9, 1)
+            res["gops"][f"F.linear float32 K={k} N={n} M={m}"] = round(
+                flops / median_time(lambda x=x, w=w: torch.nn.functional.linear(x, w), 15) / 1e9, 1
+            )
+            if m >= 32:
+                a = torch.randint(-127, 127, (m, k), dtype=torch.int8)
+                b = torch.randint(-127, 127, (k, n), dtype=torch.int8)
+                res["gops"][f"torch._int_mm K={k} N={n} M={m}"] = round(
+                    flops / median_time(lambda a=a, b=b: torch._int_mm(a, b), 15) / 1e9, 1
+                )
+    for key, v in res["gops"].items():
+        print(f"{key:45s} {v:8.1f}")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
