@@ -20,7 +20,7 @@ from prefixcache import SamplingParams
 from prefixcache.cluster.aggregate import merge_metrics, merge_stats
 from prefixcache.cluster.router import PrefixAffinityRouter
 from prefixcache.events import BlockSetSubscriber
-from prefixcache.server.launcher import ServerProcess, free_port
+from prefixcache.server.launcher import ServerProcess
 
 
 # -- units --------------------------------------------------------------------------------------
@@ -166,13 +166,30 @@ KEYS = {"keys": {"sk-alice": "alice", "sk-bob": "bob", "sk-ops": {"tenant": "ops
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 both free, below the kernel's ephemeral range (32768+ here), so
+    that no outgoing connection of another test takes p + 1 before rank 1 binds it (it did: the
+    replica failed to start three times and the first tests saw one replica)."""
+    import random
+    import socket
+
+    for _ in range(200):
+        p = random.randrange(20000, 32000)  # above Ray's worker ports (10002-19999)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no two adjacent free ports")
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps(KEYS))
-    events = free_port()
-    while events + 1 == free_port():  # rank 1 binds events + 1
-        events = free_port()
+    events = _free_port_pair()  # rank 1 binds events + 1
     args = ["--replicas", "2", "--threads-per-replica", "1", "--routing", "prefix",
             "--api-keys-file", str(keys), "--admin-key", "sk-root", "--metrics-key", "sk-metrics",
             "--kv-cache-memory", "48MiB", "--max-model-len", "512",

@@ -102,6 +102,11 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
+            # A cluster answers /health as soon as one replica runs; it is ready when its CLI
+            # says so (serve.run returned: every replica running), which it prints after.
+            if self.command == "cluster" and "serving at" not in self.output():
+                time.sleep(0.2)
+                continue
             try:
                 if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
                     return True
