@@ -60,7 +60,7 @@ def main() -> None:
     prompts = make_prompts(docs, args.prompts, args.docs_per_prompt, rng)
     t0 = time.perf_counter()
     warm_docs(first, docs, "seg")
-    assert first.engine.tiers.flush(300)
+    assert first.engine.connectors.flush(300)
     warm_s = time.perf_counter() - t0
     disk = first.cache_stats()["tiers"]["disk"]
     written, written_bytes = disk["segment_written"], disk["written_bytes"]
@@ -78,7 +78,7 @@ def main() -> None:
                 out = llm.generate([ids], params, cache_salt=f"cold-{i}")[0]
             else:
                 if mode == "disk":  # RAM only: the tiers keep every record
-                    llm.engine.segments.store.invalidate(None, all_namespaces=True)
+                    llm.engine.connectors.get("segments").store.invalidate(None, all_namespaces=True)
                 salt = f"alone-{i}" if mode == "alone" else "seg"
                 if mode == "alone":  # its system prompt cached, as in "seg" (not timed)
                     llm.chat(p["nodocs"], params, cache_salt=salt)

@@ -2,7 +2,7 @@
 
 Threading model: one engine thread owns the LLMEngine and runs steps while holding ``_lock``.
 Event-loop code never waits on a step to submit work: ``add_request`` and ``abort`` put typed
-messages (:class:`AddRequest`, :class:`AbortRequest`) in an inbox that the engine thread drains
+messages (:class:`~prefixcache.engine_api.EngineRequest`, :class:`AbortRequest`) in an inbox that the engine thread drains
 between steps. Read-only cache queries (lookup, stats) take the lock briefly; call them through
 ``asyncio.to_thread`` when a step may be long. Deltas are handed back to each request's event
 loop with ``call_soon_threadsafe``.
@@ -28,9 +28,10 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from prefixcache.config import EngineConfig
-from prefixcache.engine import LLMEngine, check_shared_prefix
+from prefixcache.engine import LLMEngine
 from prefixcache.engine_api import (
     EngineHealth,
+    EngineRequest,
     EngineStats,
     LookupResult,
     TenantStats,
@@ -58,25 +59,11 @@ _WARM_PARAMS = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
 
 @dataclass(frozen=True)
-class AddRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    namespace: str | None
-    tenant: str | None
-    priority: int
-    explain: bool
-    explain_across_namespaces: bool
-    segments: SegmentRequest | None = None
-    shared_prefix: SharedPrefix | None = None
-
-
-@dataclass(frozen=True)
 class AbortRequest:
     request_id: str
 
 
-InboxMessage = AddRequest | AbortRequest
+InboxMessage = EngineRequest | AbortRequest
 
 
 class _Stream:
@@ -174,9 +161,8 @@ class AsyncEngine:
         for rid in list(self._streams):
             self._fail(rid, EngineShutDownError("engine shut down"))
         # Blocks queued for disk / Redis are written before we return: a restart finds them.
-        await asyncio.to_thread(self.engine.tiers.flush, 30.0)
-        if self.engine.kv_events is not None:  # subscribers see the last removals too
-            await asyncio.to_thread(self.engine.kv_events.flush)
+        # And KV event subscribers see the last removals too.
+        await asyncio.to_thread(self.engine.connectors.flush, 30.0)
 
     def _thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -242,31 +228,28 @@ class AsyncEngine:
         EngineShutDownError), run in the engine thread, stream deltas. Requests added before
         the first ``start()`` wait for it; after ``shutdown()`` they are refused until
         ``start()`` is called again. ``shared_prefix``: LLMEngine.add_request."""
-        self._check_request(prompt_token_ids, params, tenant, segments, shared_prefix)
+        request = EngineRequest(
+            request_id, list(prompt_token_ids), params, namespace=namespace, tenant=tenant,
+            priority=priority, explain=explain, explain_across_namespaces=explain_across_namespaces,
+            segments=segments, shared_prefix=shared_prefix,
+        )  # fmt: skip
+        self._check_request(request)
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), tenant)
         self._streams[request_id] = stream
-        self._inbox.append(
-            AddRequest(
-                request_id, list(prompt_token_ids), params, namespace, tenant, priority,
-                explain, explain_across_namespaces, segments, shared_prefix,
-            )
-        )  # fmt: skip
+        self._inbox.append(request)
         self._wake.set()
         return self._iterate(request_id, stream)
 
-    def _check_request(self, prompt_token_ids, params, tenant, segments, shared_prefix=None) -> None:
+    def _check_request(self, request: EngineRequest) -> None:
         """What ``add_request`` refuses at once, in this order: a closed engine, a request that
-        can never run (a segments request over its limits, a shared prefix past its prompt
-        included), a tenant over its share."""
+        can never run (``LLMEngine.check_request``: a segments request over its limits, a shared
+        prefix past its prompt included), a tenant over its share."""
         if self._closed or self._crash is not None:
             raise EngineShutDownError("the engine is shutting down and takes no new requests")
-        self.engine.validate(prompt_token_ids, params)
-        check_shared_prefix(shared_prefix, len(prompt_token_ids))
-        if segments is not None and segments.spans:
-            self.engine.segments.check(prompt_token_ids, segments)  # pure: no lock
-        self.check_admission(tenant, 1)
+        self.engine.check_request(request.prompt, request)  # pure: no lock
+        self.check_admission(request.tenant, 1)
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[StreamDelta]:
         try:
@@ -296,11 +279,11 @@ class AsyncEngine:
         self._wake.set()
 
     def num_waiting(self) -> int:
-        adds = sum(1 for m in list(self._inbox) if isinstance(m, AddRequest))
+        adds = sum(1 for m in list(self._inbox) if isinstance(m, EngineRequest))
         return len(self.engine.scheduler.waiting) + adds
 
     def num_waiting_of(self, tenant: str | None) -> int:
-        adds = sum(1 for m in list(self._inbox) if isinstance(m, AddRequest) and m.tenant == tenant)
+        adds = sum(1 for m in list(self._inbox) if isinstance(m, EngineRequest) and m.tenant == tenant)
         return adds + sum(1 for s in list(self.engine.scheduler.waiting) if s.tenant == tenant)
 
     # ---- engine thread ----------------------------------------------------------------------------
@@ -313,12 +296,7 @@ class AsyncEngine:
             if m.request_id not in self._streams:  # aborted before it was added
                 continue
             try:
-                self.engine.add_request(
-                    m.request_id, m.prompt_token_ids, m.params, namespace=m.namespace,
-                    priority=m.priority, explain=m.explain, tenant=m.tenant,
-                    explain_across_namespaces=m.explain_across_namespaces, segments=m.segments,
-                    shared_prefix=m.shared_prefix,
-                )  # fmt: skip
+                self.engine.add(m)
             except Exception as e:  # noqa: BLE001 - handed to the request's consumer
                 self._fail(m.request_id, e)
 
@@ -443,7 +421,8 @@ class AsyncEngine:
         if not spans:
             return 0
         request = SegmentRequest(tuple(spans), store_only=True)
-        self._check_request(token_ids, _WARM_PARAMS, tenant, request)
+        self._check_request(EngineRequest("warm", list(token_ids), _WARM_PARAMS, namespace,
+                                          tenant=tenant, segments=request))  # fmt: skip
         before = await asyncio.to_thread(self._num_stored_segments, token_ids, spans, namespace)
         self._warm_ids += 1
         rid = f"warm-{self._warm_ids}-{time.monotonic_ns()}"
@@ -495,9 +474,9 @@ class AsyncEngine:
         """Drop a namespace's cached blocks; ``namespace=None`` drops all namespaces."""
         everything = namespace is None if all_namespaces is None else all_namespaces
         with self._lock:
-            n, ticket = self.engine.start_invalidate(namespace, everything)
+            n, tickets = self.engine.start_invalidate(namespace, everything)
         # Deleting from disk / Redis happens outside the lock: steps go on meanwhile.
-        self.engine.tiers.wait(ticket)
+        self.engine.connectors.wait(tickets)
         return n
 
     def block_hashes(

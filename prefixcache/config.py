@@ -220,8 +220,8 @@ class EngineConfig:
                 f"got {self.tier_compression!r}"
             )
         if self.kv_events_endpoint is not None or self.kv_events_replay_endpoint is not None:
-            from prefixcache.events.access import check_bind, load_server_secret
-            from prefixcache.events.publisher import check_endpoint
+            # events/access.py imports nothing of ours: the one import of config
+            from prefixcache.events.access import check_bind, check_endpoint, load_server_secret
 
             if self.kv_events_endpoint is None:
                 raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")

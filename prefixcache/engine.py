@@ -1,4 +1,9 @@
-"""LLMEngine: the step loop — schedule, run, postprocess — and the request lifecycle around it.
+"""LLMEngine: the step loop — schedule, run, sample, commit, connectors — and the request
+lifecycle around it.
+
+Every feature that reads or fills the KV cache beyond the prefix index (persistent tiers,
+segment caching, KV events) is a KV connector (cache/connector.py), built by connectors.py; the
+engine calls the protocol and never a concrete connector.
 
 Not thread-safe by itself; ``AsyncEngine`` (async_engine.py) serialises access with a lock.
 """
@@ -8,24 +13,23 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 
 import torch
 
 from prefixcache import engine_stats, kernels
 from prefixcache.cache.block_pool import BlockPool
-from prefixcache.cache.manager import KVCacheManager, blocks_needed
-from prefixcache.config import EngineConfig, parse_bytes
-from prefixcache.engine_api import EngineStats, LookupResult, TenantStats
-from prefixcache.engine_tiers import build_tiers
+from prefixcache.cache.connector import IDLE_WAIT
+from prefixcache.cache.manager import blocks_needed, kv_cache_manager
+from prefixcache.config import EngineConfig
+from prefixcache.connectors import build_connectors
+from prefixcache.engine_api import EngineRequest, EngineStats, LookupResult, TenantStats
 from prefixcache.errors import (
     ContextLengthError,
     InvalidRequestError,
     PinQuotaError,
     SequenceFailedError,
 )
-from prefixcache.events.publisher import attach_kv_events
 from prefixcache.kv.formats import kv_format
 from prefixcache.kv.pool import plan_kv_layout
 from prefixcache.model.loader import load_weights
@@ -42,9 +46,7 @@ from prefixcache.request import (
 )
 from prefixcache.sampler import SampleFailure, make_generator, sample
 from prefixcache.scheduler import Scheduler, SchedulerOutput
-from prefixcache.segments.assembler import SegmentAssembler
 from prefixcache.segments.plan import SegmentRequest
-from prefixcache.segments.store import SegmentStore
 from prefixcache.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -98,22 +100,12 @@ class LLMEngine:
             config.block_size,
             max_pinned_blocks=int(layout.num_blocks * config.pin_budget_fraction),
         )
-        self.kv = KVCacheManager(pool, self.fingerprint, config.enable_prefix_caching)
+        self.kv = kv_cache_manager(pool, self.fingerprint, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
-        # Segment caching, for requests that ask for it (segments/); idle otherwise.
-        segment_store = SegmentStore(parse_bytes(config.segment_cache_memory))
-        # Disk and Redis behind the pool and the segment store (engine_tiers.py); NoTiers when
-        # none is configured.
-        self.tiers = build_tiers(
-            config, self.fingerprint, weights.config, self.kv, self.runner.kv, segment_store
-        )
-        self.kv_events = attach_kv_events(config, self.kv)  # None unless configured
-        self.segments = SegmentAssembler(
-            self.runner, self.kv, segment_store, self.fingerprint,
-            config.max_num_batched_tokens, on_computed=self.tiers.offload_segment,
-            max_segments=config.max_segments_per_request,
-            max_record_bytes=parse_bytes(config.max_segment_record),
-        )  # fmt: skip
+        # Segments, the persistent tiers, KV events: what the config asks for (connectors.py).
+        self.connectors = build_connectors(config, self.fingerprint, self.kv, self.runner)
+        if self.connectors.wants_events:
+            self.pool.index.record_events()
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
         self._n_added = 0
@@ -123,8 +115,7 @@ class LLMEngine:
         # prompt and are explained once. Only a step or an invalidation changes the index, so
         # both forget it.
         self._explained: tuple | None = None
-        self.generation_tokens_total = 0
-        self._generated_by_tenant: Counter = Counter()
+        self.generated = engine_stats.Generated()
         log.info(
             "KV cache: %s, %d bytes/token, %d blocks of %d tokens, capacity %d tokens (%.1f MiB)",
             kv_fmt.name, layout.bytes_per_token, layout.num_blocks, layout.block_size,
@@ -192,61 +183,66 @@ class LLMEngine:
         segments: SegmentRequest | None = None,
         shared_prefix: SharedPrefix | None = None,
     ) -> Sequence:
-        """``explain_across_namespaces`` (admins only): a miss may be explained by blocks of
-        other namespaces. Without it the explanation looks at this namespace alone, so what it
-        says and what it costs never depend on other tenants' prompts. ``segments``: reuse
-        these document spans through the segment store (cache_mode="segments"); with
-        ``segments.store_only`` (a warm) the request only computes and keeps them and ends
-        with no output. ``shared_prefix``: the leading tokens that are cached in a shared
-        namespace (whole blocks of them); everything else of the request, its output included,
-        is keyed in ``namespace`` only."""
-        if request_id in self.seqs:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
-        self.validate(ids, params)
-        check_shared_prefix(shared_prefix, len(ids))
-        scope = self.kv.scope(namespace, shared_prefix, len(ids))
-        plan = None
-        if segments is not None and segments.spans:
-            plan = self.segments.plan(ids, segments, namespace)
+        """``add`` of an EngineRequest of these fields (engine_api.py says what each means)."""
+        return self.add(EngineRequest(
+            request_id, prompt, params, namespace=namespace, tenant=tenant, priority=priority,
+            explain=explain, explain_across_namespaces=explain_across_namespaces,
+            segments=segments, shared_prefix=shared_prefix, arrival_time=arrival_time,
+        ))  # fmt: skip
+
+    def check_request(self, ids: list[int], request: EngineRequest) -> None:
+        """Refuse what can never run (typed errors): the prompt and lengths, a shared prefix
+        past the prompt, what a connector can never do (a segments request over its limits).
+        Pure: no lock needed."""
+        self.validate(ids, request.params)
+        check_shared_prefix(request.shared_prefix, len(ids))
+        self.connectors.check(ids, request)
+
+    def add(self, request: EngineRequest) -> Sequence:
+        """A request enters: checked, keyed, explained if asked, queued, and shown to the
+        connectors (a segments request is planned, a restore from the tiers may start). With
+        ``segments.store_only`` (a warm) the request only computes and keeps its documents and
+        ends with no output."""
+        r = request
+        if r.request_id in self.seqs:
+            raise InvalidRequestError(f"request id {r.request_id!r} is already in use")
+        text = r.prompt if isinstance(r.prompt, str) else None
+        ids = self.tokenizer.encode(text, add_special_tokens=True) if text is not None else list(r.prompt)
+        self.check_request(ids, r)
+        scope = self.kv.scope(r.namespace, r.shared_prefix, len(ids))
         seq = Sequence(
-            request_id=request_id,
+            request_id=r.request_id,
             prompt_token_ids=ids,
-            params=params,
+            params=r.params,
             root=self.kv.first_root(scope),
-            namespace=namespace,
+            namespace=r.namespace,
             shared_namespace=scope.shared_namespace,
             num_shared_blocks=scope.shared_blocks,
-            tenant=tenant,
-            priority=priority,
+            tenant=r.tenant,
+            priority=r.priority,
             prompt=text,
-            explain=explain,
-            metrics=RequestMetrics(time.time() if arrival_time is None else arrival_time),
+            explain=r.explain,
+            metrics=RequestMetrics(time.time() if r.arrival_time is None else r.arrival_time),
         )
-        seq.generator = make_generator(params, self.config.seed, self._n_added)
-        if plan is not None:
-            seq.segments = plan
-            seq.max_registered_blocks = self.segments.register_limit(plan)
-        if explain:
-            last, key = self._explained, (namespace, explain_across_namespaces, scope)
+        seq.generator = make_generator(r.params, self.config.seed, self._n_added)
+        if r.explain:
+            last, key = self._explained, (r.namespace, r.explain_across_namespaces, scope)
             if last is None or last[:3] != key or last[3] != ids:
-                info = self.explain(ids, namespace, explain_across_namespaces, shared_prefix)
+                info = self.explain(ids, r.namespace, r.explain_across_namespaces, r.shared_prefix)
                 last = self._explained = (*key, ids, info)
             seq.cache_info = last[4]
         self._n_added += 1
-        self.seqs[request_id] = seq
+        self.seqs[r.request_id] = seq
         self.scheduler.add(seq)
-        self.tiers.on_add(seq)
+        self.connectors.on_arrival(seq, r)
         return seq
 
     def abort(self, request_id: str) -> Sequence | None:
         """Stop a request now and free its blocks (its computed full blocks stay cached)."""
-        seq = self.seqs.pop(request_id, None)
+        seq = self.seqs.get(request_id)
         if seq is None:
             return None
-        self.scheduler.remove(seq)
-        self.tiers.forget(seq)
+        self._retire(seq)
         if not seq.finished:
             seq.finish_reason = "abort"
             seq.status = RequestStatus.FINISHED
@@ -258,31 +254,35 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """One batch: schedule, run, postprocess. Returns the sequences that got a new token."""
+        """One batch: schedule, run, sample, commit; the connectors around it. Returns the
+        sequences that got a new token (or finished)."""
         t0 = time.perf_counter()
         self._explained = None
         self.pool.expire_pins()
-        self.tiers.install_completed()
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            self.tiers.idle_wait()  # only restores are left: wait for one, briefly
-            return []
-        tokens = out.num_batched_tokens
         try:
-            return self._run(out)
-        finally:  # the pace that sizes steps while tenants share (fairness.py 4.)
-            self.scheduler.observe_step(tokens, time.perf_counter() - t0)
+            self.connectors.before_step()  # finished restores are installed
+            out = self.scheduler.schedule()
+            if not out.scheduled:
+                self.connectors.idle_wait(IDLE_WAIT)  # only connector work is left: briefly
+                return []
+            tokens = out.num_batched_tokens
+            try:
+                return self._run(out)
+            finally:  # the pace that sizes steps while tenants share (fairness.py 4.)
+                self.scheduler.observe_step(tokens, time.perf_counter() - t0)
+        finally:
+            self.connectors.on_events(self.pool.index.take_events())
 
     def _run(self, out: SchedulerOutput) -> list[Sequence]:
-        """The scheduled batch: segments' share of it, the forward, sampling, commit."""
-        # Segments requests reaching their documents spend their tokens of the step on their
-        # assembly (in pieces, over as many steps as it takes) and leave this batch; warms that
-        # kept their last document are finished.
-        out.scheduled[:], stored = self.segments.prepare(out.scheduled)
-        for seq in stored:
-            self._finish_stored(seq)
+        """The scheduled batch: connectors' share of it, the forward, sampling, commit."""
+        # A connector may spend the tokens granted to some sequences on its own work (segments
+        # assembling their documents, in pieces over as many steps as it takes); those leave
+        # this forward, and those it finished (warms that kept their documents) end.
+        out.scheduled[:], finished = self.connectors.take_scheduled(out.scheduled)
+        for seq in finished:
+            self._finish(seq, "stop")
         if not out.scheduled:
-            return stored
+            return finished
         now = time.time()
         for s in out.scheduled:
             if s.seq.metrics.first_scheduled_time is None:
@@ -292,7 +292,7 @@ class LLMEngine:
         # forward pass itself is shared; if it raises, the caller fails the whole batch.
         t0 = time.perf_counter()
         logits = self.runner.execute(out.scheduled)
-        self.tiers.observe_step(_prompt_tokens(out.scheduled), time.perf_counter() - t0)
+        self.connectors.after_forward(_prompt_tokens(out.scheduled), time.perf_counter() - t0)
         sampling = [s for s in out.scheduled if s.samples]
         sampled = sample(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
         failed: dict[int, BaseException] = {}
@@ -301,10 +301,10 @@ class LLMEngine:
             registered = s.seq.num_registered_blocks
             try:
                 self.kv.commit(s.seq)
-                self.tiers.offload(s.seq, registered)  # write-through to disk / Redis
+                self.connectors.after_commit(s.seq, registered)  # e.g. write-through to the tiers
             except Exception as e:  # noqa: BLE001 - isolated to this sequence
                 failed[id(s.seq)] = e
-        updated: list[Sequence] = list(stored)
+        updated: list[Sequence] = list(finished)
         now = time.time()
         for s, res in zip(sampling, sampled):
             seq = s.seq
@@ -313,15 +313,13 @@ class LLMEngine:
                     raise failed.pop(id(seq))
                 if isinstance(res, SampleFailure):
                     raise res.error
-                self.generation_tokens_total += 1
-                self._generated_by_tenant[seq.tenant] += 1
+                self.generated.add(seq.tenant)
                 done = self.output.append(seq, res, now)
             except Exception as e:  # noqa: BLE001 - isolated to this sequence
                 self._fail_sequence(seq, e)
                 done = False
             if done:
-                self.scheduler.remove(seq)
-                self.seqs.pop(seq.request_id, None)
+                self._retire(seq)
             updated.append(seq)
         for s in out.scheduled:  # a commit failed on a chunk that samples nothing
             if id(s.seq) in failed:
@@ -329,11 +327,17 @@ class LLMEngine:
                 updated.append(s.seq)
         return updated
 
-    def _finish_stored(self, seq: Sequence) -> None:
-        """A store-only segments request (a warm) kept its documents: it ends, no output."""
+    def _retire(self, seq: Sequence) -> None:
+        """The sequence leaves the engine (finished, aborted, failed): its blocks are freed and
+        the connectors forget it."""
         self.scheduler.remove(seq)
         self.seqs.pop(seq.request_id, None)
-        seq.finish_reason = "stop"
+        self.connectors.on_finish(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """Finish a sequence now, with no further output (a warm that kept its documents)."""
+        self._retire(seq)
+        seq.finish_reason = reason
         seq.status = RequestStatus.FINISHED
         seq.metrics.finished_time = time.time()
 
@@ -343,12 +347,8 @@ class LLMEngine:
             "request %s failed in its step and was finished alone: %s: %s",
             seq.request_id, type(err).__name__, err, exc_info=err,
         )  # fmt: skip
-        self.scheduler.remove(seq)
-        self.seqs.pop(seq.request_id, None)
         seq.error = SequenceFailedError(seq.request_id, err)
-        seq.finish_reason = "error"
-        seq.status = RequestStatus.FINISHED
-        seq.metrics.finished_time = time.time()
+        self._finish(seq, "error")
 
     # ---- cache control ----------------------------------------------------------------------------
     def lookup(
@@ -385,7 +385,8 @@ class LLMEngine:
     def num_stored_segments(self, token_ids: list[int], spans, namespace: str | None) -> int:
         """How many of these spans of ``token_ids`` the segment store holds now. A warm in
         segments mode is a request (``add_request`` with ``SegmentRequest.store_only``)."""
-        return self.segments.num_stored(token_ids, spans, namespace)
+        segments = self.connectors.get("segments")
+        return 0 if segments is None else segments.num_stored(token_ids, spans, namespace)
 
     def pin_prefix(
         self,
@@ -422,34 +423,38 @@ class LLMEngine:
     def invalidate(self, namespace: str | None, all_namespaces: bool = False) -> int:
         """Drop a namespace (or all) from the RAM pool and every tier. Returns the RAM blocks
         dropped; a tier that cannot be reached: TierUnavailableError, after the rest is done."""
-        n, ticket = self.start_invalidate(namespace, all_namespaces)
-        self.tiers.wait(ticket)
+        n, tickets = self.start_invalidate(namespace, all_namespaces)
+        self.connectors.wait(tickets)
         return n
 
     def start_invalidate(self, namespace: str | None, all_namespaces: bool = False):
-        """The RAM part now, the tiers' deletion queued: (RAM blocks dropped, ticket for
-        ``tiers.wait``). The async engine waits for the ticket outside its lock."""
+        """The RAM part now, the tiers' deletion queued: (RAM blocks dropped, tickets for
+        ``connectors.wait``). The async engine waits for them outside its lock."""
         self._explained = None
         n = self.pool.invalidate(namespace, all_namespaces)
-        self.segments.store.invalidate(namespace, all_namespaces)
-        return n, self.tiers.start_invalidate(namespace, all_namespaces)
+        tickets = self.connectors.start_invalidate(namespace, all_namespaces)
+        self.connectors.on_events(self.pool.index.take_events())
+        return n, tickets
 
     # ---- facts (engine_stats.py) ------------------------------------------------------------------
     def cache_stats(self) -> dict:
         """The offline API's view of ``stats()`` (the keys documented in docs/engine.md)."""
-        return engine_stats.cache_stats(self)
+        return engine_stats.cache_stats(self.stats(), self.layout, self.connectors)
 
     def stats(self) -> EngineStats:
-        return engine_stats.engine_stats(self)
+        return engine_stats.engine_stats(
+            self.kv, self.scheduler, self.layout, self.generated, self.connectors
+        )
 
     def tenant_stats(self, tenant: str | None, owns: Callable[[str | None], bool]) -> TenantStats:
         """``tenant``'s own numbers; ``owns(namespace)`` says which namespaces are its."""
-        return engine_stats.tenant_stats(self, tenant, owns)
+        return engine_stats.tenant_stats(
+            tenant, owns, self.kv, self.scheduler, self.generated, self.connectors
+        )
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.scheduler.live_block_tables())
-        self.tiers.check_integrity()
-        self.segments.store.check_integrity()
+        self.connectors.check_integrity()
 
 
 def check_shared_prefix(shared: SharedPrefix | None, num_prompt_tokens: int) -> None:
@@ -467,20 +472,3 @@ def _prompt_tokens(scheduled) -> int:
         max(0, min(s.num_new_tokens, s.seq.num_prompt_tokens - s.seq.num_computed_tokens))
         for s in scheduled
     )
-
-
-def __getattr__(name: str):
-    # AsyncEngine lives in async_engine.py (threading); importable from here as well.
-    if name == "AsyncEngine":
-        from prefixcache import async_engine
-
-        return async_engine.AsyncEngine
-    if name in ("EngineShutDownError", "QueueFullError"):  # their home is prefixcache.errors
-        from prefixcache import errors
-
-        return getattr(errors, name)
-    if name == "WarmResult":
-        from prefixcache import engine_api
-
-        return engine_api.WarmResult
-    raise AttributeError(name)

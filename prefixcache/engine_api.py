@@ -20,6 +20,31 @@ from prefixcache.segments.plan import SegmentRequest
 
 
 @dataclass(frozen=True)
+class EngineRequest:
+    """One request as it enters the engine (``LLMEngine.add``), the same object from the API to
+    the step loop: the async engine queues it for the engine thread as it is.
+
+    ``prompt``: text (tokenized by the engine) or token ids. ``namespace``: the cache namespace
+    its blocks are keyed in; ``shared_prefix``: the leading tokens keyed in a shared namespace
+    instead (whole blocks of them; generated output is never shared). ``tenant``: who sent it
+    (fair admission, quotas, the tiers' shares). ``priority`` orders a tenant's own waiting
+    requests. ``explain``: say why it hit or missed (``explain_across_namespaces``, admins only:
+    other namespaces may explain a miss). ``segments``: cache_mode "segments"."""
+
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    namespace: str | None = None
+    tenant: str | None = None
+    priority: int = 0
+    explain: bool = False
+    explain_across_namespaces: bool = False
+    segments: SegmentRequest | None = None
+    shared_prefix: SharedPrefix | None = None
+    arrival_time: float | None = None  # time.time() at arrival; None: when added
+
+
+@dataclass(frozen=True)
 class LookupResult:
     num_tokens: int
     num_cached_tokens: int

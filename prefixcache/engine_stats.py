@@ -1,21 +1,66 @@
-"""The engine's figures: ``EngineStats`` (server, metrics), ``cache_stats()`` (the offline API's
-dict, docs/engine.md) and a tenant's own ``TenantStats``. Read-only views of an ``LLMEngine``'s
-parts (pool, scheduler, tiers, segment store); the engine's methods of the same names call these.
-The argument is named ``self`` on purpose: these are the engine's methods, kept in their own
-module because engine.py is the step loop.
+"""The engine's figures, read at one moment from the parts that count them: ``EngineStats``
+(server, metrics), the offline API's ``cache_stats()`` dict (docs/engine.md) and a tenant's own
+``TenantStats``. Pure functions of their arguments; ``Generated`` is the one counter the step
+loop keeps itself (tokens sampled, per tenant).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
+from prefixcache.cache.connector import ConnectorSet
+from prefixcache.cache.manager import KVCacheManager
 from prefixcache.engine_api import EngineStats, TenantStats
-from prefixcache.engine_tiers import tier_dict
+from prefixcache.kv.pool import KVLayout
+from prefixcache.scheduler import Scheduler
 
 
-def cache_stats(self) -> dict:
-    """The offline API's view of ``stats()`` (the keys documented in docs/engine.md)."""
-    st = engine_stats(self)
+@dataclass
+class Generated:
+    """Tokens sampled, in all and per tenant (the step loop's ``add``)."""
+
+    total: int = 0
+    by_tenant: Counter = field(default_factory=Counter)
+
+    def add(self, tenant: str | None) -> None:
+        self.total += 1
+        self.by_tenant[tenant] += 1
+
+
+def engine_stats(kv: KVCacheManager, scheduler: Scheduler, layout: KVLayout, generated: Generated,
+                 connectors: ConnectorSet) -> EngineStats:  # fmt: skip
+    pool = kv.pool
+    c = pool.counts()
+    bs = layout.block_size
+    return EngineStats(
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_preemptions_total=scheduler.counters.num_preemptions,
+        prompt_tokens_total=kv.query_tokens,
+        generation_tokens_total=generated.total,
+        prefix_cache_queries_total=kv.query_tokens,
+        prefix_cache_hits_total=kv.hit_tokens,
+        evicted_blocks_total=pool.evicted_blocks,
+        kv_cache_usage=c.in_use / c.total,
+        cached_blocks=c.cached,
+        free_blocks=c.free,
+        in_use_blocks=c.in_use,
+        pinned_blocks=c.pinned,
+        total_blocks=c.total,
+        block_size=bs,
+        used_bytes=(c.cached + c.in_use) * bs * layout.bytes_per_token,
+        capacity_bytes=layout.capacity_bytes,
+        enable_prefix_caching=kv.enable_caching,
+        num_fairness_preemptions_total=scheduler.counters.fairness_preemptions,
+        num_shared_steps_total=scheduler.counters.shared_steps,
+        tiers=tuple(connectors.stats().get("tiers", ())),
+    )
+
+
+def cache_stats(st: EngineStats, layout: KVLayout, connectors: ConnectorSet) -> dict:
+    """The offline API's view of ``st`` (the keys documented in docs/engine.md)."""
     return {
         "query_tokens": st.prefix_cache_queries_total,
         "hit_tokens": st.prefix_cache_hits_total,
@@ -30,59 +75,42 @@ def cache_stats(self) -> dict:
         "capacity_bytes": st.capacity_bytes,
         "evicted_blocks": st.evicted_blocks_total,
         "enable_prefix_caching": st.enable_prefix_caching,
-        "kv_cache_dtype": self.layout.kv_format.name,
-        "bytes_per_token": self.layout.bytes_per_token,
-        "capacity_tokens": self.layout.capacity_tokens,
+        "kv_cache_dtype": layout.kv_format.name,
+        "bytes_per_token": layout.bytes_per_token,
+        "capacity_tokens": layout.capacity_tokens,
         "tiers": {t.name: tier_dict(t) for t in st.tiers},
-        "segments": self.segments.stats(),
+        "segments": connectors.stats().get("segments", {}),
     }
 
 
-def engine_stats(self) -> EngineStats:
-    c = self.pool.counts()
-    bs = self.config.block_size
-    return EngineStats(
-        num_running=len(self.scheduler.running),
-        num_waiting=len(self.scheduler.waiting),
-        num_preemptions_total=self.scheduler.counters.num_preemptions,
-        prompt_tokens_total=self.kv.query_tokens,
-        generation_tokens_total=self.generation_tokens_total,
-        prefix_cache_queries_total=self.kv.query_tokens,
-        prefix_cache_hits_total=self.kv.hit_tokens,
-        evicted_blocks_total=self.pool.evicted_blocks,
-        kv_cache_usage=c.in_use / c.total,
-        cached_blocks=c.cached,
-        free_blocks=c.free,
-        in_use_blocks=c.in_use,
-        pinned_blocks=c.pinned,
-        total_blocks=c.total,
-        block_size=bs,
-        used_bytes=(c.cached + c.in_use) * bs * self.layout.bytes_per_token,
-        capacity_bytes=self.layout.capacity_bytes,
-        enable_prefix_caching=self.kv.enable_caching,
-        num_fairness_preemptions_total=self.scheduler.counters.fairness_preemptions,
-        num_shared_steps_total=self.scheduler.counters.shared_steps,
-        tiers=tuple(self.tiers.stats()),
-    )
+def tier_dict(t) -> dict:
+    """A TierStats as the plain dict of ``cache_stats()["tiers"][name]``."""
+    d = asdict(t)
+    d["restore_tokens_per_second"] = t.restore_tokens_per_second
+    return d
 
 
-def tenant_stats(self, tenant: str | None, owns: Callable[[str | None], bool]) -> TenantStats:
+def tenant_stats(tenant: str | None, owns: Callable[[str | None], bool], kv: KVCacheManager,
+                 scheduler: Scheduler, generated: Generated,
+                 connectors: ConnectorSet) -> TenantStats:  # fmt: skip
     """``tenant``'s own numbers; ``owns(namespace)`` says which namespaces are its."""
-    query, hit = self.kv.by_tenant.get(tenant, (0, 0))
-    index = self.pool.index
+    query, hit = kv.by_tenant.get(tenant, (0, 0))
+    pool = kv.pool
+    index = pool.index
+    tiers = connectors.tenant_stats(tenant).get("tiers", {})
     return TenantStats(
         tenant=tenant,
-        num_running=sum(1 for s in self.scheduler.running if s.tenant == tenant),
-        num_waiting=sum(1 for s in self.scheduler.waiting if s.tenant == tenant),
+        num_running=sum(1 for s in scheduler.running if s.tenant == tenant),
+        num_waiting=sum(1 for s in scheduler.waiting if s.tenant == tenant),
         prompt_tokens_total=query,
         prefix_cache_hits_total=hit,
-        generation_tokens_total=self._generated_by_tenant[tenant],
-        pinned_blocks=self.pool.pinned_by(tenant),
+        generation_tokens_total=generated.by_tenant[tenant],
+        pinned_blocks=pool.pinned_by(tenant),
         namespace_blocks={
             ns: index.num_blocks_in_namespace(ns)
             for ns in index.namespaces()
             if ns is not None and owns(ns)
         },
-        tier_hit_tokens=self.tiers.tenant_tokens(tenant),
-        tier_usage=self.tiers.tenant_usage(tenant),
+        tier_hit_tokens=tiers.get("hit_tokens", {}),
+        tier_usage=tiers.get("usage", {}),
     )

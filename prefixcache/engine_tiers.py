@@ -1,11 +1,11 @@
-"""The engine's side of the persistent tiers (prefixcache/tiers): restore on admission,
-write-through of new blocks, and installing restored blocks into the RAM pool.
+"""The persistent tiers (prefixcache/tiers) as a KV connector (cache/connector.py): restore
+on arrival, write-through of new blocks, and installing restored blocks into the RAM pool.
 
 Flow of a restore:
-1. ``on_add`` (engine thread, when a request arrives): the request's full blocks beyond what
+1. ``on_arrival`` (engine thread, when a request arrives): the request's full blocks beyond what
    RAM holds are handed to the reader thread, and the request is marked ``restoring``; the
    scheduler leaves it in the queue while everything else runs.
-2. At the start of each step ``install_completed`` takes the finished restores: the blocks
+2. At the start of each step ``before_step`` takes the finished restores: the blocks
    found are copied into fresh pool blocks and registered in the prefix index exactly like
    computed ones (then released: cached, evictable); the request stops restoring and its
    admission in the same step hits on them like on any cached block.
@@ -13,14 +13,11 @@ Flow of a restore:
    over its tenant's bound is not queued, and the request computes those blocks instead.
 3. A restore that found nothing, was invalidated meanwhile, or whose request was aborted,
    installs nothing. The step never waits on it while other work exists; when nothing else
-   can run, the step waits at most ``IDLE_WAIT`` seconds for a restore to finish.
+   can run, the step waits at most ``connector.IDLE_WAIT`` seconds for a restore to finish.
 
-Segments (cache_mode "segments") ride the same threads as records of their own
-(segments/record.py): a segments request's documents that the segment store lacks are looked
-up at arrival like blocks (the request waits in the queue), found ones go into the segment store
-before its first step, and a segment computed alone is written through.
-
-``NoTiers`` is the strategy without tiers: every hook is a no-op.
+Segments (cache_mode "segments") ride the same TierManager as records of their own kind
+(segments/record.py); the segments connector (segments/connector.py) restores and writes them.
+Without tiers there is no tier connector (and ``build_storage`` returns None).
 """
 
 from __future__ import annotations
@@ -29,26 +26,23 @@ import logging
 import os
 import weakref
 from collections import Counter, OrderedDict
-from dataclasses import asdict
 from pathlib import Path
 
+from prefixcache.cache.connector import KVConnector
 from prefixcache.cache.hashing import KEY_BYTES, block_chunks
 from prefixcache.cache.manager import KVCacheManager
 from prefixcache.config import EngineConfig, parse_bytes
 from prefixcache.errors import TierUnavailableError
 from prefixcache.kv.pool import KVCache
 from prefixcache.model.loader import ModelConfig
-from prefixcache.segments import record
-from prefixcache.segments.store import SegmentEntry, SegmentStore
 from prefixcache.sequence import Sequence
 from prefixcache.tiers.keys import StoreLayout
-from prefixcache.tiers.manager import BlockRef, RestoreJob, SegmentRef, TierManager
+from prefixcache.tiers.manager import BlockRef, RestoreJob, TierManager
 from prefixcache.tiers.secret import load_keys
 from prefixcache.tiers.shares import owner_of
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT = 0.005  # seconds a step with nothing to run waits for a restore
 MIN_PREFILL_SAMPLE = 256  # prompt tokens a step needs to count as a prefill-speed sample
 _RECENT_KEYS = 65536  # keys known to be in the tiers already (written or restored): not rewritten
 
@@ -72,43 +66,15 @@ def _requester(seq: Sequence) -> str | None:
     return owner_of(seq.namespace)
 
 
-class NoTiers:
-    active = False
+class TierConnector(KVConnector):
+    name = "tiers"
 
-    def on_add(self, seq: Sequence) -> None: ...
-    def forget(self, seq: Sequence) -> None: ...
-    def install_completed(self) -> None: ...
-    def offload(self, seq: Sequence, first_block: int) -> None: ...
-    def offload_segment(self, key: bytes, entry: SegmentEntry) -> None: ...
-    def idle_wait(self) -> None: ...
-    def observe_step(self, prefill_tokens: int, seconds: float) -> None: ...
-    def start_invalidate(self, namespace, all_namespaces: bool) -> None: ...
-    def wait(self, ticket) -> dict[str, int]:
-        return {}
-    def stats(self) -> list:
-        return []
-    def tenant_tokens(self, tenant) -> dict[str, int]:
-        return {}
-    def tenant_usage(self, tenant) -> dict[str, dict]:
-        return {}
-    def flush(self, timeout: float = 30.0) -> bool:
-        return True
-    def check_integrity(self) -> None: ...
-    def close(self) -> None: ...
-
-
-class EngineTiers:
-    active = True
-
-    def __init__(self, manager: TierManager, kv: KVCacheManager, cache: KVCache,
-                 segments: SegmentStore):  # fmt: skip
+    def __init__(self, manager: TierManager, kv: KVCacheManager, cache: KVCache):
         self.manager = manager
         self.kv = kv
         self.cache = cache
-        self.segments = segments
         self.block_size = kv.block_size
         self._jobs: dict[str, tuple[Sequence, RestoreJob, int]] = {}  # rid -> (seq, job, first)
-        self._segment_jobs: dict[str, tuple[Sequence, RestoreJob]] = {}
         self._known: OrderedDict[bytes, str | None] = OrderedDict()  # key -> its namespace
         self._by_tenant: dict[str | None, Counter] = {}
         # Queued writes are flushed and the I/O threads stopped when the engine goes away or
@@ -116,12 +82,12 @@ class EngineTiers:
         weakref.finalize(self, manager.close)
 
     # ---- restore ---------------------------------------------------------------------------------
-    def on_add(self, seq: Sequence) -> None:
-        if not self.kv.enable_caching:
-            return
+    def on_arrival(self, seq: Sequence, request) -> None:
         seq.tier_tokens = {}
-        self._restore_segments(seq)
         self._restore_blocks(seq)
+
+    def pending(self, seq: Sequence) -> bool:
+        return seq.request_id in self._jobs
 
     def _restore_blocks(self, seq: Sequence, after_shared: bool = False) -> None:
         """Hand the reader the next run of ``seq``'s full blocks beyond what RAM holds, all of
@@ -149,77 +115,32 @@ class EngineTiers:
         job = self.manager.submit_restore(seq.request_id, namespace, refs, _requester(seq))
         if job is None:
             return  # the tenant's restore queue is full: the request computes these blocks
-        seq.restoring = True
         self._jobs[seq.request_id] = (seq, job, first)
 
-    def _restore_segments(self, seq: Sequence) -> None:
-        """Look up in the tiers the segments of ``seq`` that will be placed and that the
-        segment store lacks (a request whose spans are all recomputed needs none; a warm
-        computes what the store lacks and writes it through: none)."""
-        plan = seq.segments
-        if plan is None or plan.store_only:
-            return
-        refs, seen = [], set()
-        for sp in plan.spans:
-            if plan.options.recompute_for(sp.length) >= sp.length or sp.key in seen:
-                continue
-            seen.add(sp.key)
-            if self.segments.contains(sp.key):
-                continue
-            if not self.manager.may_have(seq.namespace, sp.key, "segments"):
-                continue
-            refs.append(self._segment_ref(sp.key, plan.sink, seq.prompt_token_ids[sp.start : sp.end]))
-        if refs:
-            job = self.manager.submit_segment_restore(
-                seq.request_id, seq.namespace, refs, _requester(seq)
-            )
-            if job is None:
-                return  # the tenant's restore queue is full: the documents are computed
-            seq.restoring = True
-            self._segment_jobs[seq.request_id] = (seq, job)
+    def on_finish(self, seq: Sequence) -> None:
+        """The request left (finished, aborted): its restore installs nothing."""
+        entry = self._jobs.pop(seq.request_id, None)
+        if entry is not None and entry[0] is seq:
+            self.manager.cancel(entry[1])
 
-    def forget(self, seq: Sequence) -> None:
-        """The request left (finished, aborted): its restores install nothing."""
-        for jobs in (self._jobs, self._segment_jobs):
-            entry = jobs.pop(seq.request_id, None)
-            if entry is not None and entry[0] is seq:
-                self.manager.cancel(entry[1])
-                seq.restoring = False
-
-    def install_completed(self) -> None:
-        for job in self.manager.take_completed():
-            jobs = self._segment_jobs if job.kind == "segments" else self._jobs
-            entry = jobs.get(job.request_id)
+    def before_step(self) -> list[Sequence]:
+        if not self._jobs:
+            return []
+        changed = []
+        for job in self.manager.take_completed("blocks"):
+            entry = self._jobs.get(job.request_id)
             if entry is None or entry[1] is not job:
                 continue  # aborted meanwhile
-            del jobs[job.request_id]
+            del self._jobs[job.request_id]
             seq = entry[0]
-            # still restoring while the other kind of restore (blocks, segments) is out
-            seq.restoring = seq.request_id in self._jobs or seq.request_id in self._segment_jobs
+            changed.append(seq)
             if not job.found or not self.manager.is_current(job):
-                continue
-            if job.kind == "segments":
-                self._install_segments(seq, job)
                 continue
             self._install(seq, job, entry[2])
             shared_run = entry[2] + len(job.blocks) == seq.num_shared_blocks
             if shared_run and len(job.found) == len(job.blocks):
                 self._restore_blocks(seq, after_shared=True)
-
-    def _install_segments(self, seq: Sequence, job: RestoreJob) -> None:
-        """Restored segments into the segment store, where the assembly finds them."""
-        lay, plan = self.manager.layout, seq.segments
-        spans = {sp.key: sp for sp in plan.spans}
-        got: Counter = Counter()
-        for ref, payload, where in job.found:
-            sp = spans[ref.key]
-            entry = record.entry_of(
-                payload, seq.namespace, seq.prompt_token_ids[sp.start : sp.end], plan.sink,
-                lay.num_layers, lay.num_kv_heads, lay.head_dim, self.cache.k.device,
-            )  # fmt: skip
-            if self.segments.put(ref.key, entry):
-                got[where] += ref.tokens
-        self.manager.count_served({}, dict(got))
+        return changed
 
     def _install(self, seq: Sequence, job: RestoreJob, first: int) -> None:
         pool, b = self.kv.pool, self.block_size
@@ -257,18 +178,20 @@ class EngineTiers:
         self._by_tenant.setdefault(seq.tenant, Counter()).update(got)
         self.manager.count_served({k: v // b for k, v in got.items()})
 
-    def observe_step(self, prefill_tokens: int, seconds: float) -> None:
+    def after_forward(self, prefill_tokens: int, seconds: float) -> None:
         """A step's prompt tokens and forward time: steps mostly of prefill teach the tiers
         what recomputing costs (a tier slower than that is skipped)."""
         if prefill_tokens >= MIN_PREFILL_SAMPLE:
             self.manager.observe_prefill(prefill_tokens, seconds)
 
-    def idle_wait(self) -> None:
-        if self._jobs or self._segment_jobs:
-            self.manager.wait_completed(IDLE_WAIT)
+    def has_pending(self) -> bool:
+        return bool(self._jobs)
+
+    def idle_wait(self, timeout: float) -> None:
+        self.manager.wait_completed(timeout)
 
     # ---- write-through ---------------------------------------------------------------------------
-    def offload(self, seq: Sequence, first_block: int) -> None:
+    def after_commit(self, seq: Sequence, first_block: int) -> None:
         """Queue the blocks ``seq`` registered since ``first_block`` for every tier."""
         b = self.block_size
         n = seq.num_registered_blocks
@@ -286,18 +209,6 @@ class EngineTiers:
             self._remember(key, namespace)
         for namespace, blocks in out.items():
             self.manager.offload(namespace, blocks)
-
-    def offload_segment(self, key: bytes, entry: SegmentEntry) -> None:
-        """Queue a segment just computed alone for every tier."""
-        ref = self._segment_ref(key, entry.sink, entry.token_ids)
-        self.manager.offload_segment(entry.namespace, ref, record.payload_of(entry))
-
-    def _segment_ref(self, key: bytes, sink, token_ids) -> SegmentRef:
-        """The name, key input and exact payload length of a segment's tier record."""
-        lay = self.manager.layout
-        n = len(token_ids)
-        size = record.payload_bytes(n, lay.num_layers, lay.num_kv_heads, lay.head_dim)
-        return SegmentRef(key, record.key_input(sink, token_ids), size, n)
 
     def _remember(self, key: bytes, namespace: str | None) -> None:
         self._known[key] = namespace
@@ -328,37 +239,30 @@ class EngineTiers:
     def stats(self) -> list:
         return self.manager.stats()
 
-    def tenant_tokens(self, tenant: str | None) -> dict[str, int]:
-        return dict(self._by_tenant.get(tenant, {}))
-
-    def tenant_usage(self, tenant: str | None) -> dict[str, dict]:
-        """The tenant's own share of the tiers: the owner of its namespaces is its name."""
-        return self.manager.owner_stats(tenant)
+    def tenant_stats(self, tenant: str | None) -> dict:
+        """The tenant's tokens served from each tier, and its own share of the tiers (the owner
+        of its namespaces is its name)."""
+        return {"hit_tokens": dict(self._by_tenant.get(tenant, {})),
+                "usage": self.manager.owner_stats(tenant)}  # fmt: skip
 
     def flush(self, timeout: float = 30.0) -> bool:
         return self.manager.flush(timeout)
 
     def check_integrity(self) -> None:
-        for seq, job, *_ in (*self._jobs.values(), *self._segment_jobs.values()):
-            assert seq.restoring and seq.request_id == job.request_id, "restore bookkeeping"
+        for seq, job, _ in self._jobs.values():
+            assert seq.loading and seq.request_id == job.request_id, "restore bookkeeping"
         self.manager.check_integrity()
 
     def close(self) -> None:
         self.manager.close()
 
 
-def tier_dict(t) -> dict:
-    """A TierStats as the plain dict of ``cache_stats()["tiers"][name]``."""
-    d = asdict(t)
-    d["restore_tokens_per_second"] = t.restore_tokens_per_second
-    return d
-
-
-def build_tiers(config: EngineConfig, fingerprint: str, model: ModelConfig,
-                kv: KVCacheManager, cache: KVCache, segments: SegmentStore):  # fmt: skip
-    """The tiers the config asks for (``NoTiers`` when none, or caching is off)."""
+def build_storage(config: EngineConfig, fingerprint: str, model: ModelConfig,
+                  cache: KVCache) -> TierManager | None:  # fmt: skip
+    """The tiers the config asks for, behind one TierManager (None when none, or caching is
+    off); the tier and segments connectors share it."""
     if not config.enable_prefix_caching or not (config.disk_cache_dir or config.remote_cache):
-        return NoTiers()
+        return None
     lay = cache.layout
     layout = StoreLayout(
         model_fingerprint=fingerprint, block_size=lay.block_size, num_layers=model.num_layers,
@@ -384,5 +288,4 @@ def build_tiers(config: EngineConfig, fingerprint: str, model: ModelConfig,
                                scope=keys.deployment_id))  # fmt: skip
     log.info("KV tiers: %s (deployment %s: replicas sharing a Redis must show the same)",
              ", ".join(t.name for t in tiers), keys.deployment_id)  # fmt: skip
-    manager = TierManager(tiers, layout, keys, config.tier_compression)
-    return EngineTiers(manager, kv, cache, segments)
+    return TierManager(tiers, layout, keys, config.tier_compression)

@@ -127,7 +127,7 @@ class Scheduler:
         if total < self.config.max_num_batched_tokens:
             self.counters.shared_steps += 1
         if self.waiting and len(self.running) >= self.config.max_num_seqs:
-            ready = [s for s in self._order_waiting() if not s.restoring]
+            ready = [s for s in self._order_waiting() if not s.loading]
             for victim in rebalance(ready, self.running, self.config.max_num_seqs):
                 self._preempt(victim, out)
                 self.counters.fairness_preemptions += 1
@@ -157,7 +157,7 @@ class Scheduler:
         if self.step_index - self._last_first_step < 2:
             return False
         running = running_by_tenant(self.running)
-        fresh = {s.tenant for s in self.waiting if not s.restoring and running[s.tenant] == 0}
+        fresh = {s.tenant for s in self.waiting if not s.loading and running[s.tenant] == 0}
         if not fresh:
             return False
         self._schedule_waiting(out, budget, tenants=fresh)
@@ -273,8 +273,8 @@ class Scheduler:
                 break
             if tenants is not None and seq.tenant not in tenants:
                 continue
-            if seq.restoring:
-                continue  # its blocks are on their way from a persistent tier; others go first
+            if seq.loading:
+                continue  # a connector is loading its KV (a restore); others go first
             m = self.kv.match(seq)
             nb = len(m.block_ids)
             if nb < len(seq.block_keys) and seq.block_keys[nb] in pending:

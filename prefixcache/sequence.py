@@ -1,8 +1,10 @@
 """Sequence: the engine's mutable state of one request (tokens, block table, progress).
 
-Plain data, no torch. The scheduler and the KV cache manager change it; the model runner only
-reads the token ids, positions and block table it is handed (as ``ScheduledSeq``, which lives
-here and not in the scheduler so that ``model/`` does not import the scheduler).
+Plain data, no torch, core fields only: a feature's state lives with its connector
+(cache/connector.py), keyed by request id. The scheduler and the KV cache manager change it;
+the model runner only reads the token ids, positions and block table it is handed (as
+``ScheduledSeq``, which lives here and not in the scheduler so that ``model/`` does not import
+the scheduler).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from dataclasses import dataclass, field
 
 from prefixcache.cache.hashing import BlockHash
 from prefixcache.request import CacheExplanation, RequestMetrics, RequestStatus, SamplingParams
-from prefixcache.segments.plan import SegmentPlan
 
 
 @dataclass(eq=False)
@@ -43,18 +44,19 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks of block_table findable in the index
     num_computed_tokens: int = 0  # tokens whose KV is in the blocks of block_table
     num_cached_tokens: int | None = None  # tokens served from cache at first admission
-    # Blocks are being loaded from a persistent tier (engine_tiers.py): not admitted meanwhile.
-    restoring: bool = False
-    tier_tokens: dict[str, int] | None = None  # tokens restored per tier ("disk", "redis")
+    # A connector (cache/connector.py) is loading KV for it (a restore from a persistent tier):
+    # not admitted meanwhile. Written by ConnectorSet alone.
+    loading: bool = False
     num_preemptions: int = 0
-    # cache_mode="segments" (segments/assembler.py): the document spans and their keys. Blocks
-    # from the first span on may hold reused segment KV, which a cold run would not compute:
-    # only the first max_registered_blocks blocks may enter the prefix index (None: all).
-    segments: SegmentPlan | None = None
+    # Only the first max_registered_blocks full blocks may enter the prefix index (None: all):
+    # set at arrival by the segments connector (blocks from the first document on may hold
+    # reused segment KV, which a cold run would not compute) and lowered by the KV cache
+    # manager at a key collision (the rest of the chain stays private).
     max_registered_blocks: int | None = None
-    num_segment_cached_tokens: int | None = None  # segment tokens reused, not recomputed
-    # Its assembly in progress, done in pieces over several steps (the assembler's ``_Job``).
-    segment_job: object | None = None
+    # What the request is told it got, each written by one connector: tokens restored per
+    # tier ("disk", "redis"; the tiers), segment tokens reused and not recomputed (segments).
+    tier_tokens: dict[str, int] | None = None
+    num_segment_cached_tokens: int | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cache_info: CacheExplanation | None = None

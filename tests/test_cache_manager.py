@@ -15,7 +15,7 @@ import random
 import pytest
 
 from prefixcache.cache.block_pool import BlockPool
-from prefixcache.cache.manager import KVCacheManager, blocks_needed
+from prefixcache.cache.manager import blocks_needed, kv_cache_manager
 from prefixcache.request import SamplingParams
 from prefixcache.sequence import Sequence
 
@@ -47,7 +47,7 @@ class Sim:
 
     def __init__(self, num_blocks: int, enable_caching: bool = True, max_pinned: int | None = None):
         self.pool = BlockPool(num_blocks, B, max_pinned_blocks=max_pinned)
-        self.mgr = KVCacheManager(self.pool, FP, enable_caching=enable_caching)
+        self.mgr = kv_cache_manager(self.pool, FP, enable_caching=enable_caching)
         self.shadow: dict[int, list[int | None]] = {}
         self.live: list[Sequence] = []
         self.n = 0

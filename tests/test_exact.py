@@ -298,9 +298,9 @@ def test_the_same_bits_under_preemption_eviction_and_disk_restore(llm, small_llm
     for ref in alone:
         assert_same(ref, crowded, min_kv=60, min_logits=12)
     # the first prompt's blocks are evicted by another prompt: its prefix comes back from disk
-    assert small_llm.engine.tiers.flush()
+    assert small_llm.engine.connectors.flush()
     run(small_llm, [prose_ids[500:700]], max_tokens=1, salt="crowd")
-    assert small_llm.engine.tiers.flush()
+    assert small_llm.engine.connectors.flush()
     hits = small_llm.cache_stats()["tiers"]["disk"]["hit_tokens"]
     prompt = prompts[0] + prose_ids[700:710]
     restored = run(small_llm, [prompt], max_tokens=4, salt="crowd")

@@ -24,7 +24,7 @@ from prefixcache.events import (
     BlockStored,
     EventBatch,
     KVEventPublisher,
-    attach_kv_events,
+    build_kv_events,
     decode_batch,
     encode_batch,
     offset_endpoint,
@@ -88,7 +88,7 @@ def _index_keys(llm) -> set[bytes]:
 
 
 def _settle(llm, sub) -> None:
-    llm.engine.kv_events.flush()
+    llm.engine.connectors.flush()
     sub.poll(0.3)
 
 
@@ -108,7 +108,7 @@ def test_subscriber_block_set_equals_the_index():
     # The first batches are published before anyone listens: the subscriber joins late and
     # must get them from the replay socket.
     llm.generate(prompts[:2], GREEDY)
-    llm.engine.kv_events.flush()
+    llm.engine.connectors.flush()
     sub = BlockSetSubscriber(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
     try:
         import time
@@ -130,10 +130,10 @@ def test_subscriber_block_set_equals_the_index():
         llm.engine.invalidate(None, all_namespaces=True)
         _settle(llm, sub)
         assert sub.blocks == set() == _index_keys(llm)
-        assert sub.last_seq == llm.engine.kv_events.next_seq - 1
+        assert sub.last_seq == llm.engine.connectors.get("kv_events").publisher.next_seq - 1
     finally:
         sub.close()
-        llm.engine.kv_events.close()
+        llm.engine.connectors.get("kv_events").close()
 
 
 # -- who may read the stream ----------------------------------------------------------------------
@@ -202,14 +202,22 @@ def test_a_remote_bind_needs_curve_or_the_allow_remote_flag(tmp_path, capsys):
     assert cfg.kv_events_curve_secret_file == str(key)
 
 
-def _store_prompt(kv: KVCacheManager, tokens: list[int], namespace: str) -> None:
-    """The engine's path into the index, without the model: admit, compute, commit, free."""
+def _store_prompt(kv: KVCacheManager, tokens: list[int], namespace: str, events) -> None:
+    """The engine's path into the index, without the model: admit, compute, commit, free; then,
+    as the step does, the events the index recorded go to the connector."""
     seq = Sequence("r", list(tokens), SamplingParams(max_tokens=1), root=kv.root(namespace),
                    namespace=namespace)  # fmt: skip
     assert kv.admit(seq, kv.match(seq), len(tokens))
     seq.num_computed_tokens = len(tokens)
     kv.commit(seq)
     kv.free(seq)
+    events.on_events(kv.pool.index.take_events())
+
+
+def _kv_events(config, kv):
+    """The KV events connector of an engine with ``config``, on ``kv``'s index."""
+    kv.pool.index.record_events()
+    return build_kv_events(config, kv)
 
 
 @pytest.mark.parametrize("token_ids", [False, True])
@@ -217,12 +225,13 @@ def test_token_ids_are_sent_only_when_asked_for(token_ids):
     endpoint = _tcp()
     config = EngineConfig(block_size=4, kv_events_endpoint=endpoint, kv_events_token_ids=token_ids)
     kv = KVCacheManager(BlockPool(8, 4), "fp")
-    publisher = attach_kv_events(config, kv)
+    events = _kv_events(config, kv)
+    publisher = events.publisher
     sub = _sub(endpoint)
     try:
         assert _until_received(sub, publisher)
         prompt = list(range(100, 113))  # three full blocks and one token
-        _store_prompt(kv, prompt, "tenant-a")
+        _store_prompt(kv, prompt, "tenant-a", events)
         publisher.flush()
         stored = [e for m in _drain(sub) for e in decode_batch(m[2]).events
                   if isinstance(e, BlockStored)]  # fmt: skip
@@ -246,13 +255,14 @@ def test_curve_keeps_out_subscribers_without_the_server_key(tmp_path):
     config = EngineConfig(block_size=4, kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay,
                           kv_events_curve_secret_file=key)  # fmt: skip
     kv = KVCacheManager(BlockPool(8, 4), "fp")
-    publisher = attach_kv_events(config, kv)
+    events = _kv_events(config, kv)
+    publisher = events.publisher
     plain, wrong = _sub(endpoint), _sub(endpoint, zmq.curve_keypair()[0])
     plain_replay = zmq.Context.instance().socket(zmq.DEALER)
     plain_replay.connect(replay)
     good = None
     try:
-        _store_prompt(kv, list(range(8)), "tenant-a")  # before the good one joins: replayed
+        _store_prompt(kv, list(range(8)), "tenant-a", events)  # before the good one joins: replayed
         publisher.flush()
         good = BlockSetSubscriber(endpoint, replay, server_public_key=server_public)
         deadline = time.monotonic() + 10.0
@@ -262,7 +272,7 @@ def test_curve_keeps_out_subscribers_without_the_server_key(tmp_path):
         # The others were connected all along, while those batches went out.
         assert _drain(plain) == [] and _drain(wrong) == []
         assert good.batches and good.replayed  # the PUB and the replay ROUTER both answered it
-        _store_prompt(kv, list(range(50, 58)), "tenant-a")
+        _store_prompt(kv, list(range(50, 58)), "tenant-a", events)
         publisher.flush()
         good.poll(0.3)
         assert good.blocks == set(kv.keys_for(list(range(50, 58)), "tenant-a"))

@@ -58,7 +58,7 @@ def test_rerotation_is_exact(llm):
     # Through the model: every layer's K, computed alone at 0 then moved, vs computed at s.
     eng = llm.engine
     ids = eng.tokenizer.encode("## Alice\n" + DOCS["Alice"])
-    entry = eng.segments.compute_alone(ids, None)
+    entry = eng.connectors.get("segments").assembler.compute_alone(ids, None)
     n, s, bs = len(ids), 57, eng.config.block_size
     nb = -(-n // bs)
     lay = eng.runner.kv.layout
@@ -140,7 +140,7 @@ def test_tenants_and_invalidation(llm):
     b = llm.chat(msgs, GREEDY, cache_salt="seg-tenant-b", **opts)[0]
     assert a.num_segment_cached_tokens > 0
     assert b.num_segment_cached_tokens == 0  # the namespace is in the segment key
-    store = llm.engine.segments.store
+    store = llm.engine.connectors.get("segments").store
     before = len(store)
     llm.engine.invalidate("seg-tenant-a")
     assert len(store) == before - 2  # tenant b's two segments stay
@@ -184,7 +184,7 @@ def test_pieces_in_one_forward_equal_pieces_one_by_one(llm, monkeypatch):
     lp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
     one = llm.chat(msgs, lp, cache_salt="seg-one-forward", cache_mode="segments",
                    segment_recompute_tokens=3)[0].outputs[0]  # fmt: skip
-    monkeypatch.setattr(llm.engine.segments, "max_chunk", 1)
+    monkeypatch.setattr(llm.engine.connectors.get("segments").assembler, "max_chunk", 1)
     split = llm.chat(msgs, lp, cache_salt="seg-split", cache_mode="segments",
                      segment_recompute_tokens=3)[0].outputs[0]  # fmt: skip
     assert one.token_ids == split.token_ids

@@ -131,7 +131,7 @@ def test_a_short_request_sent_while_a_large_warm_runs_finishes_first(engine, llm
     tok = engine.tokenizer
     victim_ids = tok.encode(PROSE)[:24]
     victim_sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-    store = engine.engine.segments.store
+    store = engine.engine.connectors.get("segments").store
     chat = tok.encode_chat_segments([SYSTEM, *docs, QUESTION])
     done: list[str] = []
 

@@ -109,7 +109,7 @@ def test_deviation_selects_the_true_top_deviation_tokens(llm, monkeypatch):
         return out
 
     monkeypatch.setattr(blend, "select", spy_select)
-    asm = llm.engine.segments
+    asm = llm.engine.connectors.get("segments").assembler
     compute = asm._compute
 
     pool_v1 = []
@@ -187,7 +187,7 @@ def test_scattered_pieces_in_one_forward_equal_one_by_one(llm, monkeypatch):
     lp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=5)
     opts = {"cache_mode": "segments", "segment_recompute_tokens": 7, "segment_selection": "both"}
     one = llm.chat(msgs, lp, cache_salt="blend-one-forward", **opts)[0].outputs[0]
-    monkeypatch.setattr(llm.engine.segments, "max_chunk", 1)
+    monkeypatch.setattr(llm.engine.connectors.get("segments").assembler, "max_chunk", 1)
     split = llm.chat(msgs, lp, cache_salt="blend-split", **opts)[0].outputs[0]
     assert one.token_ids == split.token_ids
     for a, b in zip(one.logprobs, split.logprobs):

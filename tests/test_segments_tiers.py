@@ -51,8 +51,8 @@ def _segment_file(llm, root, names, i, salt=None):
     ids, spans = _spans(llm, names)
     eng = llm.engine
     a, b = spans[i]
-    key = eng.segments.key(ids[a:b], salt, eng.segments.sink_of(ids, spans))
-    m = eng.tiers.manager
+    key = eng.connectors.get("segments").assembler.key(ids[a:b], salt, eng.connectors.get("segments").assembler.sink_of(ids, spans))
+    m = eng.connectors.get("tiers").manager
     return root / SUBDIR / m.namespace_id(salt) / (m.record_name(key, "segments") + SUFFIX)
 
 
@@ -85,7 +85,7 @@ def test_restart_restores_segments_from_disk(tmp_path, llm_cold):
     first = LLM(kv_cache_memory=MEM, disk_cache_dir=tmp_path, seed=0)
     computed = _chat(first, ["Alice", "Bruno", "Chen"])
     assert computed.num_segment_cached_tokens == 0  # nothing anywhere yet: computed alone
-    assert first.engine.tiers.flush()
+    assert first.engine.connectors.flush()
     assert first.cache_stats()["tiers"]["disk"]["segment_written"] == 3
     del first
 
@@ -134,7 +134,7 @@ def test_restart_restores_segments_from_disk(tmp_path, llm_cold):
     assert st["tiers"]["disk"]["rejected_by_reason"] == {"mac": 1, "foreign": 1}
     assert st["segments"]["computed_alone_tokens"] == lengths[0] + lengths[2]
     assert again.outputs[0].token_ids == computed.outputs[0].token_ids
-    assert third.engine.tiers.flush()
+    assert third.engine.connectors.flush()
     third.check_integrity()
 
     # Tenants: another namespace restores nothing of these; invalidation drops its records.
@@ -143,8 +143,8 @@ def test_restart_restores_segments_from_disk(tmp_path, llm_cold):
     theirs = _chat(third, ["Alice", "Bruno", "Chen"], salt="tenant-b")
     assert theirs.num_segment_cached_tokens == 0
     assert third.cache_stats()["tiers"]["disk"]["segment_hit_tokens"] == hits
-    assert third.engine.tiers.flush()
-    ns_dir = tmp_path / SUBDIR / third.engine.tiers.manager.namespace_id("tenant-b")
+    assert third.engine.connectors.flush()
+    ns_dir = tmp_path / SUBDIR / third.engine.connectors.get("tiers").manager.namespace_id("tenant-b")
     assert len(list(ns_dir.glob("*" + SUFFIX))) == 3
     third.engine.invalidate("tenant-b")
     assert not ns_dir.exists() or not list(ns_dir.glob("*" + SUFFIX))
@@ -157,7 +157,7 @@ def test_replica_restores_segments_from_redis():
     try:
         a = LLM(kv_cache_memory=MEM, remote_cache=server.url, seed=0)
         computed = _chat(a, ["Bruno", "Chen"], salt="team")
-        assert a.engine.tiers.flush()
+        assert a.engine.connectors.flush()
         assert a.cache_stats()["tiers"]["redis"]["segment_written"] == 2
         b = LLM(kv_cache_memory=MEM, remote_cache=server.url, seed=0)
         lengths = _doc_tokens(b, ["Bruno", "Chen"])
@@ -168,7 +168,7 @@ def test_replica_restores_segments_from_redis():
         assert warm.outputs[0].token_ids == computed.outputs[0].token_ids
         b.engine.invalidate("team")
         client = redis.Redis.from_url(server.url)
-        ns = b.engine.tiers.manager.namespace_id("team")
+        ns = b.engine.connectors.get("tiers").manager.namespace_id("team")
         assert not list(client.scan_iter(match=f"{PREFIX}:{ns}:*"))
         client.close()
         dropped = _chat(b, ["Bruno", "Chen"], salt="team")

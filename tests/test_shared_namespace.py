@@ -223,7 +223,7 @@ def test_a_disk_tier_restores_both_parts_of_a_crossing_chain(tmp_path, llm_cold)
     shared = [SharedPrefix("public", len(system))]
     first = LLM(kv_cache_memory="24MiB", disk_cache_dir=tmp_path, seed=0)
     first.generate([prompt], sp, cache_salt="alice", shared_prefixes=shared)
-    assert first.engine.tiers.flush()
+    assert first.engine.connectors.flush()
     del first
     second = LLM(kv_cache_memory="24MiB", disk_cache_dir=tmp_path, seed=0)
     alice = second.generate([prompt], sp, cache_salt="alice", shared_prefixes=shared)[0]

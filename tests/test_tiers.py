@@ -443,7 +443,7 @@ def test_restart_restores_from_disk_cold_equals_warm_int8(tmp_path, cold):
     prefixes = [_prompts(tok, 1, n, salt=i)[0] for i, n in enumerate(lengths)]
     first = LLM(kv_cache_memory=MEM, kv_cache_dtype="int8", disk_cache_dir=tmp_path, seed=0)
     first.generate(_tails(prefixes, 0), GREEDY)
-    assert first.engine.tiers.flush()
+    assert first.engine.connectors.flush()
     assert _disk(first)["written_blocks"] == sum((n + 3) // BS for n in lengths)
     del first
     second = LLM(kv_cache_memory=MEM, kv_cache_dtype="int8", disk_cache_dir=tmp_path, seed=0)
@@ -469,7 +469,7 @@ def test_restart_restores_from_disk_cold_equals_warm_int8(tmp_path, cold):
 
 def _block_file(llm, root: Path, ids, i, namespace=None) -> Path:
     key = llm.engine.block_hashes(ids, namespace)[i]
-    m = llm.engine.tiers.manager
+    m = llm.engine.connectors.get("tiers").manager
     return root / SUBDIR / m.namespace_id(namespace) / (m.record_name(key) + SUFFIX)
 
 
@@ -482,7 +482,7 @@ def test_corrupt_truncated_foreign_files_tenants_invalidation_and_disk_full(tmp_
     writer = LLM(kv_cache_memory=MEM, disk_cache_dir=tmp_path, seed=0)
     writer.generate(prompts, GREEDY)
     writer.generate([secret], GREEDY, cache_salt="tenant-a")
-    assert writer.engine.tiers.flush()
+    assert writer.engine.connectors.flush()
     files = [_block_file(writer, tmp_path, p, 2) for p in prompts]
     assert all(f.exists() for f in files)
     data = files[0].read_bytes()
@@ -500,7 +500,7 @@ def test_corrupt_truncated_foreign_files_tenants_invalidation_and_disk_full(tmp_
     assert [o.num_cached_tokens for o in out] == [2 * BS] * 3  # up to the bad block, not past it
     st = _disk(reader)
     assert st["rejected_by_reason"] == {"mac": 1, "truncated": 1, "foreign": 1}
-    assert reader.engine.tiers.flush()
+    assert reader.engine.connectors.flush()
     again = DiskTier(tmp_path, 1 << 30)  # removed, then written again whole by the recompute
     for f in files:
         ns, name = f.parent.name, f.name[: -len(SUFFIX)]
@@ -516,7 +516,7 @@ def test_corrupt_truncated_foreign_files_tenants_invalidation_and_disk_full(tmp_
     own = reader.generate([secret], GREEDY, cache_salt="tenant-a")[0]
     assert own.num_cached_tokens == 4 * BS and _disk(reader)["hit_blocks"] == hits + 4
     # Invalidation drops the namespace from RAM and disk: nothing of it comes back.
-    ns_dir = tmp_path / SUBDIR / reader.engine.tiers.manager.namespace_id("tenant-a")
+    ns_dir = tmp_path / SUBDIR / reader.engine.connectors.get("tiers").manager.namespace_id("tenant-a")
     assert ns_dir.exists()
     reader.engine.invalidate("tenant-a")
     assert not ns_dir.exists()
@@ -531,7 +531,7 @@ def test_corrupt_truncated_foreign_files_tenants_invalidation_and_disk_full(tmp_
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
     try:
         out = reader.generate(fresh, GREEDY)
-        assert reader.engine.tiers.flush()
+        assert reader.engine.connectors.flush()
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     st = _disk(reader)
@@ -551,13 +551,13 @@ def test_a_restore_over_the_tenants_bound_is_computed_cold_equals_warm(tmp_path,
     prompt = _prompts(ref.get_tokenizer(), 1, 3 * BS + 2, salt=10)[0]
     writer = LLM(kv_cache_memory=MEM, disk_cache_dir=tmp_path, seed=0)
     writer.generate([prompt], GREEDY, cache_salt="t")
-    assert writer.engine.tiers.flush()
+    assert writer.engine.connectors.flush()
     del writer
     reader = LLM(kv_cache_memory=MEM, disk_cache_dir=tmp_path, seed=0)
-    reader.engine.tiers.manager.max_queued_restores = 0  # every restore is over the bound
+    reader.engine.connectors.get("tiers").manager.max_queued_restores = 0  # every restore is over the bound
     out = reader.generate([prompt], GREEDY, cache_salt="t")[0]
     assert out.num_cached_tokens == 0
     assert out.outputs[0].token_ids == ref.generate([prompt], GREEDY)[0].outputs[0].token_ids
-    assert reader.engine.tiers.tenant_usage("t")["queue"]["dropped_restores"] == 1
+    assert reader.engine.connectors.get("tiers").tenant_stats("t")["usage"]["queue"]["dropped_restores"] == 1
     assert _disk(reader)["restores"] == 0
     reader.check_integrity()

@@ -240,7 +240,7 @@ def test_replica_restores_from_redis_cold_equals_warm(a, b, cold):
     lengths = [4 * BS - 1, 4 * BS, 4 * BS + 1]
     prompts = [_prompt(i, n) + [9, 8, 7] for i, n in enumerate(lengths)]
     a.generate(prompts, GREEDY)
-    assert a.engine.tiers.flush()
+    assert a.engine.connectors.flush()
     assert _tier(a)["written_blocks"] == sum((n + 3) // BS for n in lengths)
     # B: another replica with its own disk; the blocks come from Redis and land on its disk.
     asked = [p[:n] + [1, 2] for p, n in zip(prompts, lengths)]
@@ -251,7 +251,7 @@ def test_replica_restores_from_redis_cold_equals_warm(a, b, cold):
     st = _tier(b)
     assert st["hit_tokens"] == sum(n // BS * BS for n in lengths) and st["rejected_blocks"] == 0
     assert st["available"] is True
-    assert b.engine.tiers.flush()
+    assert b.engine.connectors.flush()
     assert _tier(b, "disk")["stored_blocks"] >= sum(n // BS for n in lengths)  # promoted
     b.check_integrity()
 
@@ -260,7 +260,7 @@ def test_replica_restores_from_redis_cold_equals_warm(a, b, cold):
 def test_tenants_invalidation_and_redis_killed_mid_run(server, a, b, cold):
     secret = _prompt(50, 3 * BS + 2)
     a.generate([secret], GREEDY, cache_salt="tenant-a")
-    assert a.engine.tiers.flush() and _keys(server.url, "tenant-a") == 3
+    assert a.engine.connectors.flush() and _keys(server.url, "tenant-a") == 3
     hits = _tier(b)["hit_blocks"]
     assert b.generate([secret], GREEDY, cache_salt="tenant-b")[0].num_cached_tokens == 0
     assert _tier(b)["hit_blocks"] == hits
@@ -277,7 +277,7 @@ def test_tenants_invalidation_and_redis_killed_mid_run(server, a, b, cold):
     p = _prompt(60, 3 * BS + 1)
     out = a.generate([p], GREEDY)
     assert out[0].outputs[0].token_ids == cold.generate([p], GREEDY)[0].outputs[0].token_ids
-    a.engine.tiers.flush()
+    a.engine.connectors.flush()
     st = _tier(a)  # (whether it counts as available now depends on the back-off's clock)
     assert st["errors"] >= 1 and st["dropped_writes"] > dropped
     errors = st["errors"]
@@ -292,12 +292,12 @@ def test_tenants_invalidation_and_redis_killed_mid_run(server, a, b, cold):
         i += 1  # new prompts: new blocks to write
         q = _prompt(100 + i, 3 * BS + 1)
         a.generate([q], SamplingParams(max_tokens=1))
-        a.engine.tiers.flush()
+        a.engine.connectors.flush()
         time.sleep(0.2)
     assert _tier(a)["reconnects"] >= 1
     q = _prompt(99, 3 * BS + 1)  # written now that the tier is back
     a.generate([q], GREEDY)
-    assert a.engine.tiers.flush() and _keys(server.url, None) >= 3
+    assert a.engine.connectors.flush() and _keys(server.url, None) >= 3
     warm = b.generate([q + [5]], GREEDY)[0]  # b never saw q: Redis has it again
     assert warm.num_cached_tokens == 3 * BS
     assert warm.outputs[0].token_ids == cold.generate([q + [5]], GREEDY)[0].outputs[0].token_ids

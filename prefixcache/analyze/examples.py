@@ -6,16 +6,14 @@ report shows, their prompts are read back from the log (``Source``) and re-token
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from prefixcache.analyze.killers import divergence
+from prefixcache.analyze.logpass import AnalyzeOptions, LogPass, Source
 from prefixcache.analyze.reader import MalformedLine
 from prefixcache.analyze.scan import PromptHasher
-
-if TYPE_CHECKING:  # analyzer.py imports this module
-    from prefixcache.analyze.analyzer import AnalyzeOptions, LogPass, Source
 
 
 def _tokens_of(source: Source, hasher: PromptHasher, lp: LogPass, r: int) -> list[int] | None:

@@ -11,7 +11,7 @@ import base64
 from html import escape
 from pathlib import Path
 
-from prefixcache.analyze.report import human_bytes, pct
+from prefixcache.analyze.units import human_bytes, pct
 
 _STYLE = """
 body { font: 15px/1.5 system-ui, sans-serif; max-width: 64em; margin: 2em auto; padding: 0 1em;

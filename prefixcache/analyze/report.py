@@ -5,19 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
-def pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+from prefixcache.analyze.html_report import write_html
+from prefixcache.analyze.units import human_bytes, pct
 
 
 def _malformed_line(s: dict) -> str:
@@ -252,8 +241,6 @@ def plot(s: dict, out: Path) -> list[str]:
 def write_report(s: dict, directory: str | Path) -> list[Path]:
     """``summary.json``, ``report.md``, ``report.html`` (one self-contained file) and the plots
     in ``directory`` (created if needed)."""
-    from prefixcache.analyze.html_report import write_html  # it imports this module
-
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     plots = plot(s, out)

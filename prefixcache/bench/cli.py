@@ -11,13 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-import httpx
-
-from prefixcache.bench.client import BACKENDS, DEFAULT_ENDPOINTS, list_models
+from prefixcache.bench.client import BACKENDS
 from prefixcache.bench.datasets import DATASET_NAMES, DATASET_OPTIONS
-
-# Datasets whose text is random: generation runs to the requested length (vLLM does it for random).
-IGNORE_EOS_DATASETS = ("random",)
 
 _OPTION_HELP = {
     "random_input_len": "tokens per prompt",
@@ -186,16 +181,3 @@ def cmd_plot(args: argparse.Namespace) -> int:
     for path in plot_runs(runs, Path(args.out), title=args.title):
         print(path)
     return 0
-
-
-def resolve_endpoint(args: argparse.Namespace) -> tuple[str, str]:
-    """(base_url, api_url) from --base-url or --host/--port, and --endpoint."""
-    base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    endpoint = args.endpoint or DEFAULT_ENDPOINTS[args.backend]
-    return base, base + endpoint
-
-
-async def probe(base_url: str, headers: dict) -> list[str]:
-    """The server's models; raises httpx errors when it cannot be reached."""
-    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0)) as client:
-        return await list_models(client, base_url, headers)

@@ -140,3 +140,16 @@ async def list_models(client: httpx.AsyncClient, base_url: str, headers: dict) -
     resp = await client.get(f"{base_url}/v1/models", headers=headers)
     resp.raise_for_status()
     return [m["id"] for m in resp.json().get("data", []) if "id" in m]
+
+
+def resolve_endpoint(args) -> tuple[str, str]:
+    """(base_url, api_url) from --base-url or --host/--port, and --endpoint."""
+    base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    endpoint = args.endpoint or DEFAULT_ENDPOINTS[args.backend]
+    return base, base + endpoint
+
+
+async def probe(base_url: str, headers: dict) -> list[str]:
+    """The server's models; raises httpx errors when it cannot be reached."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=5.0)) as client:
+        return await list_models(client, base_url, headers)

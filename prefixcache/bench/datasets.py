@@ -117,6 +117,8 @@ DATASET_OPTIONS: dict[str, dict[str, object]] = {
 }
 
 DATASET_NAMES = tuple(DATASET_OPTIONS)
+# Datasets whose text is random: generation runs to the requested length (vLLM does it for random).
+IGNORE_EOS_DATASETS = ("random",)
 
 _synthetic_cache: dict[int, SyntheticText] = {}
 

@@ -10,8 +10,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from prefixcache.bench.cli import IGNORE_EOS_DATASETS, probe, resolve_endpoint
-from prefixcache.bench.datasets import DATASET_OPTIONS, sample_requests, trace_ideal_hit_rate
+from prefixcache.bench.client import probe, resolve_endpoint
+from prefixcache.bench.datasets import (
+    DATASET_OPTIONS,
+    IGNORE_EOS_DATASETS,
+    sample_requests,
+    trace_ideal_hit_rate,
+)
 from prefixcache.bench.report import (
     DETAILED_FIELDS,
     cache_fields,

@@ -16,8 +16,9 @@ explanation scans siblings only where the caller's own chain is (the shared run 
 declaration, the owner's run holds its blocks alone), so nothing it says reaches past the
 shared part into another owner's blocks.
 
-With caching disabled the strategy object ``_NoCaching`` answers every match with nothing and
-registers nothing; the rest of the code runs unchanged.
+With caching disabled the manager is ``NoCaching`` (``kv_cache_manager`` picks it): every
+match is empty, nothing is registered, an explanation says caching is off; allocation and
+freeing are the same, so the rest of the engine runs unchanged.
 """
 
 from __future__ import annotations
@@ -70,12 +71,18 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def kv_cache_manager(pool: BlockPool, model_fingerprint: str, enable_caching: bool = True):
+    """The manager for the config: ``KVCacheManager``, or ``NoCaching`` with caching off."""
+    return (KVCacheManager if enable_caching else NoCaching)(pool, model_fingerprint)
+
+
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, model_fingerprint: str, enable_caching: bool = True):
+    enable_caching = True
+
+    def __init__(self, pool: BlockPool, model_fingerprint: str):
         self.pool = pool
         self.block_size = pool.block_size
         self.model_fingerprint = model_fingerprint
-        self.enable_caching = enable_caching
         self._roots: OrderedDict[str | None, BlockHash] = OrderedDict()
         self._joins: OrderedDict[BlockHash, BlockHash] = OrderedDict()
         self.query_tokens = 0
@@ -184,8 +191,6 @@ class KVCacheManager:
 
     def match(self, seq: Sequence) -> PrefixMatch:
         """Cached leading blocks usable by ``seq`` now (capped at len - 1 tokens). No side effects."""
-        if not self.enable_caching:
-            return PrefixMatch([], 0)
         usable = seq.num_tokens - 1
         self.extend_keys(seq, usable)
         n_full = usable // self.block_size
@@ -199,7 +204,7 @@ class KVCacheManager:
         self, token_ids: list[int], namespace: str | None, shared: SharedPrefix | None = None
     ) -> int:
         """Tokens of this prompt a request would get from the cache now. No side effects."""
-        if not self.enable_caching or len(token_ids) < 2:
+        if len(token_ids) < 2:
             return 0
         usable = len(token_ids) - 1
         scope = self.scope(namespace, shared, len(token_ids))
@@ -250,8 +255,6 @@ class KVCacheManager:
 
     def commit(self, seq: Sequence) -> None:
         """Register the full blocks computed so far (called after each step that ran ``seq``)."""
-        if not self.enable_caching:
-            return
         n_full = seq.num_computed_tokens // self.block_size
         if seq.max_registered_blocks is not None:  # segment KV: never in the index
             n_full = min(n_full, seq.max_registered_blocks)
@@ -281,7 +284,6 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_registered_blocks = 0
         seq.num_computed_tokens = 0
-        seq.segment_job = None  # a segments assembly in progress lived in those blocks: void
 
     # ---- explanation -----------------------------------------------------------------------------
     def explain(
@@ -307,8 +309,6 @@ class KVCacheManager:
         n = len(token_ids)
         b = self.block_size
         namespace = scope.namespace
-        if not self.enable_caching:
-            return CacheExplanation(0, 0, "caching_disabled")
         usable = max(n - 1, 0)
         keys = self.keys_in(token_ids[:usable], scope)
         m = self._match(keys, token_ids, scope)
@@ -345,3 +345,22 @@ class KVCacheManager:
             if other.num_tokens > cached:
                 return CacheExplanation(cached, cached, "other_namespace")
         return CacheExplanation(cached, cached, "no_prior_request")
+
+
+class NoCaching(KVCacheManager):
+    """Prefix caching off (``enable_prefix_caching=False``): nothing matches, nothing enters the
+    index, and an explanation says why; blocks are allocated and freed as with caching."""
+
+    enable_caching = False
+
+    def match(self, seq: Sequence) -> PrefixMatch:
+        return PrefixMatch([], 0)
+
+    def lookup(self, token_ids: list[int], namespace: str | None, shared: SharedPrefix | None = None) -> int:
+        return 0
+
+    def commit(self, seq: Sequence) -> None:
+        return
+
+    def explain_in(self, token_ids: list[int], scope: KeyScope, other_namespaces) -> CacheExplanation:
+        return CacheExplanation(0, 0, "caching_disabled")

@@ -23,6 +23,7 @@ from prefixcache.cache.hashing import (
     encode_tokens,
     key_hash,
 )
+from prefixcache.cache.kv_events import BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +65,21 @@ class PrefixIndex:
         # that hold a block now, so it is bounded by the pool (a namespace is forgotten with its
         # last block; one per cache_salt ever seen would grow without end).
         self._by_namespace: dict[str | None, set[int]] = {}
-        # Told of every key learned and forgotten (the KV events publisher); None: nobody.
-        # Called with the index's caller's lock held, so it must only record, never block.
-        self.listener = None
+        # Every key learned and forgotten, as typed records (kv_events.py) in order, for the
+        # caller to take (``take_events``); None: not recorded (no connector wants them).
+        self.events: list[KVEvent] | None = None
+
+    def record_events(self) -> None:
+        """From now on, keep every change as a KVEvent until taken."""
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first."""
+        if not self.events:
+            return []
+        out, self.events = self.events, []
+        return out
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -149,8 +162,8 @@ class PrefixIndex:
         self._children.setdefault(parent, set()).add(key)
         self._by_namespace.setdefault(namespace, set()).add(block_id)
         self._evicted.pop(key, None)
-        if self.listener is not None:
-            self.listener.stored(key, parent, token_ids, namespace)
+        if self.events is not None:
+            self.events.append(BlockStored(key, parent, tuple(token_ids), namespace))
         return block_id
 
     def remove_block(self, block_id: int, evicted: bool) -> BlockHash | None:
@@ -168,8 +181,8 @@ class PrefixIndex:
             kids.discard(key)
             if not kids:
                 del self._children[e.parent]
-        if self.listener is not None:
-            self.listener.removed(key)
+        if self.events is not None:
+            self.events.append(BlockRemoved(key))
         if evicted:
             self._evicted[key] = None
             if len(self._evicted) > self._evicted_memory:

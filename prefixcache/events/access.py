@@ -124,3 +124,17 @@ def write_keypair(path: str | os.PathLike) -> bytes:
     with os.fdopen(fd, "wb") as f:
         f.write(public + b"\n")
     return public
+
+
+def check_endpoint(endpoint: str) -> None:
+    """A ZMQ endpoint we can bind: tcp://HOST:PORT, ipc://PATH or inproc://NAME."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
+        raise ValueError(f"a KV events endpoint is tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {endpoint!r}")
+    if scheme == "tcp":
+        try:
+            port = urlsplit(endpoint).port
+        except ValueError:
+            port = None
+        if port is None:
+            raise ValueError(f"a tcp KV events endpoint needs a port, got {endpoint!r}")

@@ -1,8 +1,8 @@
 """Publish the prefix index's changes as KV event batches (wire.py) on a ZMQ PUB socket.
 
-The index calls ``stored`` / ``removed`` / ``cleared`` from the engine thread while it changes
-(``PrefixIndex.listener``); those calls only append to a pending list under a small lock, so the
-engine never waits on the network. A publisher thread takes the pending events every
+The KV events connector (connector.py) calls ``stored`` / ``removed`` from the engine thread
+with the index's recorded changes after each step; those calls only append to a pending list
+under a small lock, so the engine never waits on the network. A publisher thread takes the pending events every
 ``interval`` seconds, coalesces consecutive blocks of one chain into one ``BlockStored`` (as
 vLLM does per step), numbers the batch and sends it. The last ``buffer_batches`` batches are kept
 for the replay socket (a ZMQ ROUTER): a client that saw a gap in the sequence numbers sends the
@@ -28,7 +28,6 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from itertools import islice
 from urllib.parse import urlsplit, urlunsplit
 
@@ -36,9 +35,9 @@ import zmq
 
 from prefixcache.events.access import (
     check_bind,
+    check_endpoint,
     curve_server,
     is_local_endpoint,
-    load_server_secret,
 )
 from prefixcache.events.wire import (
     AllBlocksCleared,
@@ -65,20 +64,6 @@ def offset_endpoint(endpoint: str, offset: int) -> str:
         host = parts.netloc.rsplit(":", 1)[0]
         return urlunsplit((parts.scheme, f"{host}:{parts.port + offset}", "", "", ""))
     return f"{endpoint}-{offset}"
-
-
-def check_endpoint(endpoint: str) -> None:
-    """A ZMQ endpoint we can bind: tcp://HOST:PORT, ipc://PATH or inproc://NAME."""
-    scheme, sep, rest = endpoint.partition("://")
-    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
-        raise ValueError(f"a KV events endpoint is tcp://HOST:PORT, ipc://PATH or inproc://NAME, got {endpoint!r}")
-    if scheme == "tcp":
-        try:
-            port = urlsplit(endpoint).port
-        except ValueError:
-            port = None
-        if port is None:
-            raise ValueError(f"a tcp KV events endpoint needs a port, got {endpoint!r}")
 
 
 class KVEventPublisher:
@@ -137,7 +122,7 @@ class KVEventPublisher:
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
-    # -- the index's listener interface (engine thread) ----------------------------------------
+    # -- the connector's calls (engine thread) ----------------------------------------------------
     def stored(self, key: bytes, parent: bytes | None, token_ids) -> None:
         tokens = token_ids if self.token_ids else ()  # not even kept unless they are sent
         with self._lock:
@@ -236,43 +221,3 @@ class KVEventPublisher:
                 s.close(linger=0)
         if self._own_ctx:
             self._ctx.term()
-
-
-def attach_publisher(
-    index, event_parent: Callable[[bytes, str | None], bytes | None], publisher
-) -> None:
-    """Make ``publisher`` the listener of ``index`` (a PrefixIndex): every block the index
-    learns or forgets becomes an event. ``event_parent(parent, namespace)`` names the parent
-    as events show it: None (nil) for a namespace's root, the previous block of the chain for
-    the first block after a shared prefix (whose key input holds the join, cache/manager.py)."""
-
-    class _Listener:
-        def stored(self, key, parent, token_ids, namespace) -> None:
-            publisher.stored(key, event_parent(parent, namespace), token_ids)
-
-        def removed(self, key) -> None:
-            publisher.removed(key)
-
-    index.listener = _Listener()
-
-
-def attach_kv_events(config, kv) -> KVEventPublisher | None:
-    """The engine's publisher when ``config.kv_events_endpoint`` is set (else None), listening
-    to ``kv`` (a KVCacheManager)'s prefix index. Raises ValueError when the socket cannot bind."""
-    if config.kv_events_endpoint is None:
-        return None
-    secret = None
-    if config.kv_events_curve_secret_file is not None:
-        secret = load_server_secret(config.kv_events_curve_secret_file)[1]
-    publisher = KVEventPublisher(
-        config.kv_events_endpoint,
-        replay_endpoint=config.kv_events_replay_endpoint,
-        topic=config.kv_events_topic,
-        block_size=config.block_size,
-        rank=config.kv_events_rank,
-        token_ids=config.kv_events_token_ids,
-        curve_secret=secret,
-        allow_remote=config.kv_events_allow_remote,
-    )
-    attach_publisher(kv.pool.index, kv.event_parent, publisher)
-    return publisher

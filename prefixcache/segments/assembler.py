@@ -34,8 +34,8 @@ recomputed or computed exactly, and the probe as 1/layers of its tokens; placing
 are copies and count nothing. Pieces of a job never change its result: a document computed alone
 in several forwards, or pieces spread over several forwards, give the same bits on the exact
 path (chunked == whole, docs/design.md section 2) and agree elsewhere, as any chunked prefill.
-A preemption voids the job (its blocks are freed: ``KVCacheManager.free`` drops it); readmitted,
-the sequence starts a new one, finding the documents already kept in the store.
+A preemption voids the job (its blocks are freed; the job remembers the preemption count it
+began at); readmitted, the sequence starts a new one, finding the documents already kept in the store.
 
 ``store_only`` plans (/v1/cache/warm in segments mode) compute and keep each document the store
 lacks and end the request: nothing placed, nothing sampled.
@@ -79,10 +79,10 @@ class SegmentCounters:
 
 
 class _Job:
-    """A segments sequence's work in progress (``Sequence.segment_job``). ``steps`` (a
+    """A segments sequence's work in progress (``SegmentAssembler.jobs``). ``steps`` (a
     generator) does at most ``left`` tokens of work, then yields until the next step grants
-    more; it returns when done. Freeing the sequence's blocks (a preemption, its end) drops it
-    (``KVCacheManager.free``)."""
+    more; it returns when done. A preemption (which frees the blocks it writes) voids it; the
+    sequence's end drops it."""
 
     __slots__ = ("left", "steps")
 
@@ -157,8 +157,10 @@ class SegmentAssembler:
         self.max_segments = max_segments
         self.max_record_bytes = max_record_bytes
         self.counters = SegmentCounters()
+        # request id -> (its assembly in progress, the preemption count it began at)
+        self.jobs: dict[str, tuple[_Job, int]] = {}
         # Called with (key, entry) for every segment computed alone: the persistent tiers'
-        # write-through (engine_tiers.py); None without tiers.
+        # write-through (connector.py); None without tiers.
         self.on_computed = on_computed
 
     # ---- planning (at add_request) --------------------------------------------------------------
@@ -223,20 +225,23 @@ class SegmentAssembler:
 
     # ---- the step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def prepare(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[Sequence]]:
+    def prepare(
+        self, scheduled: list[ScheduledSeq], plans: dict[str, SegmentPlan]
+    ) -> tuple[list[ScheduledSeq], list[Sequence]]:
         """Spend the tokens granted to segments sequences that are at their spans on their jobs;
         those drop out of this step's batch (the step after a job ends computes what follows
-        the last span). Returns (the batch left, the store-only sequences now done)."""
+        the last span). ``plans``: request id -> plan. Returns (the batch left, the store-only
+        sequences now done)."""
         out, stored = [], []
         for s in scheduled:
             seq = s.seq
-            plan = seq.segments
+            plan = plans.get(seq.request_id)
             if plan is None or not plan.spans or (
                 not plan.store_only and seq.num_computed_tokens >= plan.end
             ):
                 out.append(s)
                 continue
-            job = seq.segment_job
+            job = self._job_of(seq)
             if job is None:
                 if not plan.store_only and not self.kv.allocate_slots(
                     seq, plan.end - seq.num_computed_tokens
@@ -245,12 +250,28 @@ class SegmentAssembler:
                     out.append(s)
                     continue
                 work = self._store_only if plan.store_only else self._assemble
-                job = seq.segment_job = _Job().start(work, seq, plan)
+                job = _Job().start(work, seq, plan)
+                self.jobs[seq.request_id] = (job, seq.num_preemptions)
             if job.run(s.num_new_tokens):
-                seq.segment_job = None
+                del self.jobs[seq.request_id]
                 if plan.store_only:
                     stored.append(seq)
         return out, stored
+
+    def _job_of(self, seq: Sequence) -> _Job | None:
+        """The sequence's assembly in progress; one begun before a preemption is void (it
+        lived in the blocks the preemption freed)."""
+        entry = self.jobs.get(seq.request_id)
+        if entry is None:
+            return None
+        if entry[1] != seq.num_preemptions:
+            del self.jobs[seq.request_id]
+            return None
+        return entry[0]
+
+    def drop(self, seq: Sequence) -> None:
+        """The sequence left (finished, aborted): its assembly in progress goes with it."""
+        self.jobs.pop(seq.request_id, None)
 
     def _take(self, job: _Job, want: int):
         """Up to ``want`` tokens for one forward (at most ``max_chunk``), from this step's grant;

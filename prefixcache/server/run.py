@@ -16,14 +16,26 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from prefixcache.request import CacheExplanation, StreamDelta
+from prefixcache.engine_api import EngineAPI
+from prefixcache.request import CacheExplanation, SharedPrefix, StreamDelta
+from prefixcache.server.activity import Activity
 from prefixcache.server.auth import Tenant
+from prefixcache.server.metrics import ServerMetrics
 from prefixcache.server.request_log import LogRecord
 
-if TYPE_CHECKING:
-    from prefixcache.server.serving import Serving
+
+class RunHost(Protocol):
+    """What a run needs of the server's state (``serving.Serving`` is one): the engine, where
+    outcomes are counted and logged, and how much of a shared prefix is shared."""
+
+    engine: EngineAPI
+    metrics: ServerMetrics
+    activity: Activity
+    request_log: object | None  # analyze.request_log.RequestLogWriter: its ``submit``
+
+    def shared_tokens(self, shared: SharedPrefix | None) -> int: ...
 
 _MERGE_QUEUE = 64
 
@@ -73,7 +85,7 @@ class Run:
     """The choices of one API request and their merged stream."""
 
     def __init__(
-        self, serving: Serving, run_id: str, tenant: Tenant, namespace: str, n: int = 1
+        self, serving: RunHost, run_id: str, tenant: Tenant, namespace: str, n: int = 1
     ) -> None:
         self.serving = serving
         self.n = n

@@ -186,10 +186,16 @@ class TierManager:
         ns_id, name = self.namespace_id(namespace), self.record_name(key, kind)
         return any(not t.knows_contents or t.contains(ns_id, name) for t in self.tiers)
 
-    def take_completed(self) -> list[RestoreJob]:
+    def take_completed(self, kind: str | None = None) -> list[RestoreJob]:
+        """The finished restores (of ``kind`` only, when given: each connector takes its own)."""
         with self._cv:
-            out, self._completed = self._completed, []
-            self._done_event.clear()
+            if kind is None:
+                out, self._completed = self._completed, []
+            else:
+                out = [j for j in self._completed if j.kind == kind]
+                self._completed = [j for j in self._completed if j.kind != kind]
+            if not self._completed:
+                self._done_event.clear()
         return out
 
     def wait_completed(self, timeout: float) -> None:

@@ -1,0 +1,194 @@
+"""The KV connector protocol: the only way a feature touches the KV lifecycle.
+
+The engine's step is schedule, run, sample, commit; everything else that reads or fills the KV
+cache (the persistent tiers, segment caching, KV events) is a ``KVConnector`` and is reached
+only through these hooks, in this order within a request's life and a step:
+
+- ``check(token_ids, request)``: refuse what the connector can never run (pure, no lock);
+- ``on_arrival(seq, request)``: the request entered the engine; a connector may start work for
+  it (a restore) and answer ``pending(seq)`` True until it is done: the scheduler does not admit
+  a sequence while any connector has work pending for it (``Sequence.loading``, whose only
+  writer is ``ConnectorSet``);
+- per step, ``before_step()`` (install finished work; returns the sequences whose pending work
+  changed), then the scheduler, then ``take_scheduled(scheduled)`` (a connector may spend the
+  tokens granted to some sequences on its own work, inside the step's token budget; those leave
+  the forward), then the forward and ``after_forward(prefill_tokens, seconds)``, then per
+  sequence ``after_commit(seq, first_block)`` (the blocks registered from ``first_block`` on),
+  then ``on_events(events)`` with what the prefix index recorded during the step
+  (kv_events.py; only connectors with ``wants_events``);
+- ``idle_wait(timeout)`` when nothing was scheduled (pending work may finish meanwhile);
+- ``on_finish(seq)``: finished, aborted or failed: its pending work installs nothing;
+- ``start_invalidate`` / ``wait``: a namespace dropped (the RAM part under the engine lock, the
+  slow part, e.g. tier deletion, waited for outside it);
+- ``stats()`` / ``tenant_stats(tenant)``: the connector's figures, under its ``name``;
+- ``flush``, ``check_integrity``, ``close``.
+
+Every hook is a no-op by default, so a connector implements only what it does. Torch-free: a
+connector's own module may use torch; the protocol and the set do not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prefixcache.cache.kv_events import KVEvent
+from prefixcache.sequence import ScheduledSeq, Sequence
+
+IDLE_WAIT = 0.005  # seconds a step with nothing scheduled waits for a connector's pending work
+
+
+class KVConnector:
+    name = "connector"
+    wants_events = False  # on_events is called (the index records events only if one wants them)
+
+    def check(self, token_ids: list[int], request) -> None: ...
+    def on_arrival(self, seq: Sequence, request) -> None: ...
+    def pending(self, seq: Sequence) -> bool:
+        return False
+
+    def before_step(self) -> Iterable[Sequence]:
+        return ()
+
+    def take_scheduled(
+        self, scheduled: list[ScheduledSeq]
+    ) -> tuple[list[ScheduledSeq], list[Sequence]]:
+        """(the batch left for the forward, the sequences this connector finished)."""
+        return scheduled, []
+
+    def after_forward(self, prefill_tokens: int, seconds: float) -> None: ...
+    def after_commit(self, seq: Sequence, first_block: int) -> None: ...
+    def on_events(self, events: list[KVEvent]) -> None: ...
+    def has_pending(self) -> bool:
+        return False
+
+    def idle_wait(self, timeout: float) -> None: ...
+    def on_finish(self, seq: Sequence) -> None: ...
+    def start_invalidate(self, namespace: str | None, all_namespaces: bool) -> object | None:
+        return None
+
+    def wait(self, ticket: object) -> None: ...
+    def stats(self) -> object | None:
+        return None
+
+    def tenant_stats(self, tenant: str | None) -> object | None:
+        return None
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        return True
+
+    def check_integrity(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class ConnectorSet:
+    """The engine's connectors, called in order (a later one may rely on what an earlier one
+    did at arrival: segments plan a request before the tiers look up its blocks)."""
+
+    def __init__(self, connectors: Iterable[KVConnector] = ()):
+        self.connectors = tuple(connectors)
+        names = [c.name for c in self.connectors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two connectors share a name: {names}")
+        self.wants_events = any(c.wants_events for c in self.connectors)
+        self._by_name = {c.name: c for c in self.connectors}
+
+    def get(self, name: str) -> KVConnector | None:
+        return self._by_name.get(name)
+
+    def __iter__(self):
+        return iter(self.connectors)
+
+    # ---- a request ---------------------------------------------------------------------------
+    def check(self, token_ids: list[int], request) -> None:
+        for c in self.connectors:
+            c.check(token_ids, request)
+
+    def on_arrival(self, seq: Sequence, request) -> None:
+        for c in self.connectors:
+            c.on_arrival(seq, request)
+        self._update(seq)
+
+    def on_finish(self, seq: Sequence) -> None:
+        for c in self.connectors:
+            c.on_finish(seq)
+        seq.loading = False
+
+    def _update(self, seq: Sequence) -> None:
+        seq.loading = any(c.pending(seq) for c in self.connectors)
+
+    # ---- a step ------------------------------------------------------------------------------
+    def before_step(self) -> None:
+        for c in self.connectors:
+            for seq in c.before_step():
+                self._update(seq)
+
+    def take_scheduled(
+        self, scheduled: list[ScheduledSeq]
+    ) -> tuple[list[ScheduledSeq], list[Sequence]]:
+        done: list[Sequence] = []
+        for c in self.connectors:
+            if not scheduled:
+                break
+            scheduled, finished = c.take_scheduled(scheduled)
+            done.extend(finished)
+        return scheduled, done
+
+    def after_forward(self, prefill_tokens: int, seconds: float) -> None:
+        for c in self.connectors:
+            c.after_forward(prefill_tokens, seconds)
+
+    def after_commit(self, seq: Sequence, first_block: int) -> None:
+        for c in self.connectors:
+            c.after_commit(seq, first_block)
+
+    def on_events(self, events: list[KVEvent]) -> None:
+        if events:
+            for c in self.connectors:
+                if c.wants_events:
+                    c.on_events(events)
+
+    def idle_wait(self, timeout: float) -> None:
+        for c in self.connectors:
+            if c.has_pending():
+                c.idle_wait(timeout)
+                return
+
+    # ---- control and facts -------------------------------------------------------------------
+    def start_invalidate(self, namespace: str | None, all_namespaces: bool) -> list:
+        """Each connector's RAM part now; the tickets to ``wait`` for the rest."""
+        tickets = []
+        for c in self.connectors:
+            t = c.start_invalidate(namespace, all_namespaces)
+            if t is not None:
+                tickets.append((c, t))
+        return tickets
+
+    @staticmethod
+    def wait(tickets: list) -> None:
+        """Any thread: the slow part of an invalidation; the first error after all are done."""
+        error = None
+        for c, t in tickets:
+            try:
+                c.wait(t)
+            except Exception as e:  # noqa: BLE001 - raised after the others finished
+                error = error or e
+        if error is not None:
+            raise error
+
+    def stats(self) -> dict:
+        return {c.name: s for c in self.connectors if (s := c.stats()) is not None}
+
+    def tenant_stats(self, tenant: str | None) -> dict:
+        return {c.name: s for c in self.connectors if (s := c.tenant_stats(tenant)) is not None}
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        flushed = [c.flush(timeout) for c in self.connectors]  # every one, even after a False
+        return all(flushed)
+
+    def check_integrity(self) -> None:
+        for c in self.connectors:
+            c.check_integrity()
+
+    def close(self) -> None:
+        for c in self.connectors:
+            c.close()
