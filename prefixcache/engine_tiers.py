@@ -36,8 +36,10 @@ from prefixcache.errors import TierUnavailableError
 from prefixcache.kv.pool import KVCache
 from prefixcache.model.loader import ModelConfig
 from prefixcache.sequence import Sequence
+from prefixcache.tiers.jobs import RestoreJob
 from prefixcache.tiers.keys import StoreLayout
-from prefixcache.tiers.manager import BlockRef, RestoreJob, TierManager
+from prefixcache.tiers.manager import TierManager
+from prefixcache.tiers.records import BLOCKS, BlockRef
 from prefixcache.tiers.secret import load_keys
 from prefixcache.tiers.shares import owner_of
 
@@ -127,7 +129,7 @@ class TierConnector(KVConnector):
         if not self._jobs:
             return []
         changed = []
-        for job in self.manager.take_completed("blocks"):
+        for job in self.manager.take_completed(BLOCKS):
             entry = self._jobs.get(job.request_id)
             if entry is None or entry[1] is not job:
                 continue  # aborted meanwhile
@@ -137,8 +139,8 @@ class TierConnector(KVConnector):
             if not job.found or not self.manager.is_current(job):
                 continue
             self._install(seq, job, entry[2])
-            shared_run = entry[2] + len(job.blocks) == seq.num_shared_blocks
-            if shared_run and len(job.found) == len(job.blocks):
+            shared_run = entry[2] + len(job.refs) == seq.num_shared_blocks
+            if shared_run and len(job.found) == len(job.refs):
                 self._restore_blocks(seq, after_shared=True)
         return changed
 

@@ -15,6 +15,7 @@ from prefixcache import LLM, SamplingParams
 from prefixcache.segments.record import entry_of, key_input, payload_bytes, payload_of
 from prefixcache.tiers.disk import SUBDIR, SUFFIX
 from prefixcache.tiers.keys import StoreLayout
+from prefixcache.tiers.records import SEGMENTS
 from prefixcache.tiers.redis_tier import PREFIX
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -51,9 +52,10 @@ def _segment_file(llm, root, names, i, salt=None):
     ids, spans = _spans(llm, names)
     eng = llm.engine
     a, b = spans[i]
-    key = eng.connectors.get("segments").assembler.key(ids[a:b], salt, eng.connectors.get("segments").assembler.sink_of(ids, spans))
+    asm = eng.connectors.get("segments").assembler
+    key = asm.key(ids[a:b], salt, asm.sink_of(ids, spans))
     m = eng.connectors.get("tiers").manager
-    return root / SUBDIR / m.namespace_id(salt) / (m.record_name(key, "segments") + SUFFIX)
+    return root / SUBDIR / m.namespace_id(salt) / (m.record_name(key, SEGMENTS) + SUFFIX)
 
 
 def _doc_tokens(llm, names):

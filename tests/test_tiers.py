@@ -36,7 +36,8 @@ from prefixcache import LLM, SamplingParams
 from prefixcache.tiers import codec
 from prefixcache.tiers.disk import OWNER_FILE, SUBDIR, SUFFIX, DiskTier
 from prefixcache.tiers.keys import StoreLayout, block_name, namespace_id
-from prefixcache.tiers.manager import PROBE_EVERY, BlockRef, TierManager
+from prefixcache.tiers.manager import PROBE_EVERY, TierManager
+from prefixcache.tiers.records import BlockRef
 from prefixcache.tiers.secret import SECRET_NAME, TierKeys, generated_secret
 from prefixcache.tiers.shares import owner_id
 

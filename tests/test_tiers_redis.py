@@ -19,7 +19,8 @@ from _redis import RedisServer
 from prefixcache import LLM, SamplingParams
 from prefixcache.errors import TierUnavailableError
 from prefixcache.tiers.keys import StoreLayout, namespace_id
-from prefixcache.tiers.manager import BlockRef, TierManager
+from prefixcache.tiers.manager import TierManager
+from prefixcache.tiers.records import BlockRef
 from prefixcache.tiers.redis_tier import PREFIX, RedisTier
 from prefixcache.tiers.secret import TierKeys
 from prefixcache.tiers.shares import owner_id

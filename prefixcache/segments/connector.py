@@ -20,7 +20,8 @@ from prefixcache.segments.assembler import SegmentAssembler
 from prefixcache.segments.plan import SegmentPlan
 from prefixcache.segments.store import SegmentEntry
 from prefixcache.sequence import ScheduledSeq, Sequence
-from prefixcache.tiers.jobs import RestoreJob, SegmentRef
+from prefixcache.tiers.jobs import RestoreJob
+from prefixcache.tiers.records import SEGMENTS, SegmentRef
 from prefixcache.tiers.shares import owner_of
 
 
@@ -78,7 +79,7 @@ class SegmentConnector(KVConnector):
         if self.storage is None or not self._restores:
             return []
         changed = []
-        for job in self.storage.take_completed("segments"):
+        for job in self.storage.take_completed(SEGMENTS):
             entry = self._restores.get(job.request_id)
             if entry is None or entry[1] is not job:
                 continue  # aborted meanwhile
@@ -108,14 +109,12 @@ class SegmentConnector(KVConnector):
             seen.add(sp.key)
             if self.store.contains(sp.key):
                 continue
-            if not self.storage.may_have(seq.namespace, sp.key, "segments"):
+            if not self.storage.may_have(seq.namespace, sp.key, SEGMENTS):
                 continue
             refs.append(self._ref(sp.key, plan.sink, seq.prompt_token_ids[sp.start : sp.end]))
         if refs:
             # whose turn at the reader: the owner of the request's own namespace (its tenant)
-            job = self.storage.submit_segment_restore(
-                seq.request_id, seq.namespace, refs, owner_of(seq.namespace)
-            )
+            job = self.storage.submit_restore(seq.request_id, seq.namespace, refs, owner_of(seq.namespace))
             if job is not None:  # else the tenant's restore queue is full: they are computed
                 self._restores[seq.request_id] = (seq, job)
 
@@ -137,7 +136,7 @@ class SegmentConnector(KVConnector):
     def _offload(self, key: bytes, entry: SegmentEntry) -> None:
         """Queue a segment just computed alone for every tier."""
         ref = self._ref(key, entry.sink, entry.token_ids)
-        self.storage.offload_segment(entry.namespace, ref, record.payload_of(entry))
+        self.storage.offload(entry.namespace, [(ref, record.payload_of(entry))])
 
     def _ref(self, key: bytes, sink, token_ids) -> SegmentRef:
         """The name, key input and exact payload length of a segment's tier record."""

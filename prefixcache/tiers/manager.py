@@ -29,18 +29,19 @@ Decisions:
   the owner of the namespace read: a chain's shared part (a shared namespace) is read for
   whoever asked, so one tenant's restores of a public prefix never queue ahead of, or count
   against, another's. Each tenant may have ``max_queued_restores`` jobs waiting; past that its
-  newest restore is not queued (``submit_*`` returns None, counted as that tenant's
+  newest restore is not queued (``submit_restore`` returns None, counted as that tenant's
   ``dropped_restores``) and its request computes those blocks, which gives the same outputs
   (cold == warm). A count, not bytes: a job is at most one prompt's blocks (``max_model_len``),
   so the count bounds a tenant's backlog in bytes too, with nothing to size per deployment.
 - **Order of the tiers.** Disk first (local, cheaper), then Redis for the blocks disk lacks;
   blocks found only in Redis are also written to disk. A chain stops at its first missing
   block: later blocks are useless without it.
-- **Segments** (cache_mode "segments") are records of their own: a document's K/V computed
-  alone, any length, named by its segment key under the *segment* store id (keys.py), in the
-  same namespace directory / key prefix as the blocks, so dropping a namespace drops them too.
-  Each is looked up on its own (no chain), written through when first computed, restored
-  into the segment store before its request is scheduled, with the same checks (codec.py).
+- **Records are typed by kind** (records.py): blocks (a chain) and segments (cache_mode
+  "segments": a document's K/V computed alone, any length, named under the *segment* store id,
+  in the same namespace directory / key prefix as the blocks, so dropping a namespace drops
+  them too). A ref carries its kind; one restore loop reads both (a chain in one call, stopping
+  at its first miss; segments one by one), one write path writes both, with the same checks
+  (codec.py), and one job table holds both (each connector takes its own kind's results).
 - **Every name and record is the deployment's** (secret.py): namespace ids and record names
   are keyed digests and every record is MAC'd under ``keys``, so what another deployment, or
   anyone without the secret, put in a shared store is never found or never served.
@@ -58,18 +59,19 @@ import time
 from collections import Counter, OrderedDict, deque
 
 from prefixcache.tiers import codec
-from prefixcache.tiers.jobs import BlockRef, Invalidate, Rates, RestoreJob, SegmentRef, Write
+from prefixcache.tiers.jobs import Invalidate, RestoreJob, Write
 from prefixcache.tiers.keys import StoreLayout, block_name, namespace_id
+from prefixcache.tiers.records import BLOCKS, SEGMENTS, RecordKind, Ref
 from prefixcache.tiers.secret import TierKeys
 from prefixcache.tiers.shares import owner_id, owner_of, share
-from prefixcache.tiers.stats import TierStats
+from prefixcache.tiers.stats import Rates, TierStats
 
 log = logging.getLogger(__name__)
 
 MAX_GENERATIONS = 65536  # namespaces remembered as invalidated (then a global epoch moves on)
 PROBE_EVERY = 16  # a tier measured slower than prefill is still read on every 16th restore
 MAX_QUEUED_RESTORES = 32  # restore jobs one tenant may have waiting for the reader
-_OF_NAMESPACE = object()  # submit_*'s default requester: the owner of the namespace read
+_OF_NAMESPACE = object()  # submit_restore's default requester: the owner of the namespace read
 
 
 def _pop_in_turn(queues: OrderedDict) -> object:
@@ -95,6 +97,7 @@ class TierManager:
         self.keys = keys  # the deployment's (secret.py): in every name and MAC
         self.store_id = layout.store_id()
         self.segment_store_id = layout.segment_store_id()
+        self._store_ids = {BLOCKS: self.store_id, SEGMENTS: self.segment_store_id}
         self.compression = compression
         self.max_queued_bytes = max_queued_bytes
         if max_queued_restores < 0:
@@ -134,16 +137,20 @@ class TierManager:
     def is_current(self, job: RestoreJob) -> bool:
         return not job.cancelled and self.generation(job.namespace) == job.generation
 
-    def _store_id(self, kind: str) -> bytes:
-        return self.segment_store_id if kind == "segments" else self.store_id
-
-    def _expected(self, ns_id: str, ref, kind: str = "blocks") -> codec.BlockName:
-        name = bytes.fromhex(self.record_name(ref.key, kind))
+    def _expected(self, ns_id: str, ref: Ref) -> codec.BlockName:
+        name = bytes.fromhex(self.record_name(ref.key, ref.kind))
         return codec.BlockName(name, bytes.fromhex(ns_id), ref.key_input)
 
-    def record_name(self, key: bytes, kind: str = "blocks") -> str:
-        """The name a block (or segment) of chain key ``key`` has in every tier."""
-        return block_name(self._store_id(kind), key, self.keys)
+    def record_name(self, key: bytes, kind: RecordKind = BLOCKS) -> str:
+        """The name a record of ``kind`` (a block of chain key ``key``, or a segment of segment
+        key ``key``) has in every tier."""
+        return block_name(self._store_ids[kind], key, self.keys)
+
+    def _payload_bytes(self, ref: Ref) -> int:
+        return self.layout.block_bytes if ref.kind is BLOCKS else ref.payload_bytes
+
+    def _tokens(self, ref: Ref) -> int:
+        return self.layout.block_size if ref.kind is BLOCKS else ref.tokens
 
     def namespace_id(self, namespace: str | None) -> str:
         """The namespace's directory / key prefix in every tier (this deployment's)."""
@@ -154,20 +161,13 @@ class TierManager:
         return owner_id(owner_of(namespace), self.keys)
 
     # ---- restores (engine thread submits, reader thread runs) -----------------------------------
-    def submit_restore(self, request_id: str, namespace: str | None, blocks: list[BlockRef],
+    def submit_restore(self, request_id: str, namespace: str | None, refs: list[Ref],
                        requester=_OF_NAMESPACE) -> RestoreJob | None:  # fmt: skip
-        """Queue a chain's restore for ``requester`` (the owner whose turn and bound it uses;
-        by default the owner of ``namespace``). None: the requester has ``max_queued_restores``
+        """Queue a restore of ``refs`` (all of one kind: a chain of blocks, or segments each
+        looked up on its own) for ``requester`` (the owner whose turn and bound it uses; by
+        default the owner of ``namespace``). None: the requester has ``max_queued_restores``
         restores waiting already, so this one is not queued and its request computes."""
-        job = RestoreJob(request_id, namespace, blocks, self.generation(namespace))
-        return self._submit(job, requester)
-
-    def submit_segment_restore(self, request_id: str, namespace: str | None,
-                               refs: list[SegmentRef],
-                               requester=_OF_NAMESPACE) -> RestoreJob | None:  # fmt: skip
-        """Look each segment up on its own; ``found`` gets those present and verified. None as
-        for ``submit_restore``."""
-        job = RestoreJob(request_id, namespace, refs, self.generation(namespace), "segments")
+        job = RestoreJob(request_id, namespace, list(refs), self.generation(namespace), refs[0].kind)
         return self._submit(job, requester)
 
     def _submit(self, job: RestoreJob, requester) -> RestoreJob | None:
@@ -180,20 +180,20 @@ class TierManager:
             self._cv.notify_all()
         return job
 
-    def may_have(self, namespace: str | None, key: bytes, kind: str = "blocks") -> bool:
+    def may_have(self, namespace: str | None, key: bytes, kind: RecordKind = BLOCKS) -> bool:
         """False only when every tier knows, without I/O, that it lacks this block or segment
         (the disk tier's index): then a restore is not worth a trip through the reader thread."""
         ns_id, name = self.namespace_id(namespace), self.record_name(key, kind)
         return any(not t.knows_contents or t.contains(ns_id, name) for t in self.tiers)
 
-    def take_completed(self, kind: str | None = None) -> list[RestoreJob]:
+    def take_completed(self, kind: RecordKind | None = None) -> list[RestoreJob]:
         """The finished restores (of ``kind`` only, when given: each connector takes its own)."""
         with self._cv:
             if kind is None:
                 out, self._completed = self._completed, []
             else:
-                out = [j for j in self._completed if j.kind == kind]
-                self._completed = [j for j in self._completed if j.kind != kind]
+                out = [j for j in self._completed if j.kind is kind]
+                self._completed = [j for j in self._completed if j.kind is not kind]
             if not self._completed:
                 self._done_event.clear()
         return out
@@ -211,10 +211,7 @@ class TierManager:
                 job = _pop_in_turn(self._restores)  # one job of each requester in turn
             if not job.cancelled:
                 try:
-                    if job.kind == "segments":
-                        self._restore_segments(job)
-                    else:
-                        self._restore(job)
+                    self._restore(job)
                 except Exception:  # a bug here must cost a miss, not the thread
                     log.exception("restore for %s failed; the request recomputes", job.request_id)
                     job.found = []
@@ -224,98 +221,62 @@ class TierManager:
                 self._done_event.set()
 
     def _restore(self, job: RestoreJob) -> None:
+        """Each record from the first tier that has it, disk then Redis; a rejected record is
+        removed there and looked for in the next tier. A chain (blocks) is read in one call
+        per tier and stops at its first miss or rejection, the rest going to the next tier;
+        segments are looked up one by one. Found only in a lower tier: also written to disk."""
+        kind = job.kind
         ns_id, oid = self.namespace_id(job.namespace), self.owner_id(job.namespace)
-        bs = self.layout.block_size
-        missing_from: list = []  # tiers that lacked blocks found later (promotion targets)
-        for tier in self.tiers:
-            rest = job.blocks[len(job.found) :]
-            if not rest:
-                break
-            if self._too_slow(tier):
-                tier.counters.add(skipped_slow=1)
-                continue
-            t0 = time.perf_counter()
-            names = [self.record_name(r.key, "blocks") for r in rest]
-            datas = tier.get_many(ns_id, names, owner=oid)
-            hits = 0
-            for ref, data in zip(rest, datas):
-                try:
-                    expected = self._expected(ns_id, ref)
-                    payload = codec.decode(data, expected, self.layout.block_bytes, self.keys)
-                except codec.BlockRejected as e:
-                    tier.counters.reject(e.reason)
-                    log.warning("%s tier: block %s rejected (%s); removed, recomputed",
-                                tier.name, ref.key.hex(), e)  # fmt: skip
-                    tier.remove(ns_id, self.record_name(ref.key, "blocks"), owner=oid)
-                    break
-                job.found.append((ref, payload, tier.name))
-                hits += 1
-            dt = time.perf_counter() - t0
-            tier.counters.add(
-                read_blocks=hits, read_tokens=hits * bs, miss_blocks=len(rest) - hits,
-                read_bytes=sum(len(d) for d in datas[:hits]), restores=1,
-                restore_seconds_total=dt,
-            )  # fmt: skip
-            if hits and dt > 0:
-                self._rates.observe(tier.name, hits * bs / dt)
-            if hits < len(rest):
-                missing_from.append(tier)
-        self._promote(job, missing_from)
-
-    def _promote(self, job: RestoreJob, missing_from: list, kind: str = "blocks") -> None:
-        """What only a lower tier (Redis) held is written to disk, when disk lacked it."""
-        disk = tuple(t for t in missing_from if t.name == "disk")
-        lower = [(ref, p) for ref, p, where in job.found if where != "disk"]
-        if disk and lower:
-            self._queue_write(job.namespace, lower, disk, job.generation, kind)
-
-    def _restore_segments(self, job: RestoreJob) -> None:
-        """Each segment from the first tier that has it (disk, then Redis); a rejected record
-        is removed and looked for in the next tier. Found only in Redis: also written to disk."""
-        ns_id, oid = self.namespace_id(job.namespace), self.owner_id(job.namespace)
-        pending: list[SegmentRef] = list(job.blocks)
-        missing_from: list = []  # tiers skipped or lacking some segment (promotion targets)
+        pending: list[Ref] = list(job.refs)
+        missing_from: list = []  # tiers that lacked records found later (promotion targets)
         for tier in self.tiers:
             if not pending:
                 break
             if self._too_slow(tier):
                 tier.counters.add(skipped_slow=1)
-                missing_from.append(tier)
                 continue
             t0, left, nbytes, tokens = time.perf_counter(), [], 0, 0
-            for ref in pending:
-                name = self.record_name(ref.key, "segments")
-                datas = tier.get_many(ns_id, [name], owner=oid)
-                if not datas:
-                    left.append(ref)
-                    continue
-                try:
-                    payload = codec.decode(
-                        datas[0], self._expected(ns_id, ref, "segments"), ref.payload_bytes,
-                        self.keys,
-                    )
-                except codec.BlockRejected as e:
-                    tier.counters.reject(e.reason)
-                    log.warning("%s tier: segment %s rejected (%s); removed, recomputed",
-                                tier.name, ref.key.hex(), e)  # fmt: skip
-                    tier.remove(ns_id, name, owner=oid)
-                    left.append(ref)
-                    continue
-                job.found.append((ref, payload, tier.name))
-                nbytes += len(datas[0])
-                tokens += ref.tokens
+            for batch in [pending] if kind.chain else [[r] for r in pending]:
+                datas = tier.get_many(ns_id, [self.record_name(r.key, kind) for r in batch], owner=oid)
+                for i, ref in enumerate(batch):
+                    payload = self._verified(tier, ns_id, oid, ref, datas[i]) if i < len(datas) else None
+                    if payload is None:
+                        left.extend(batch[i:])  # a chain stops here; a segment: this one
+                        break
+                    job.found.append((ref, payload, tier.name))
+                    nbytes += len(datas[i])
+                    tokens += self._tokens(ref)
             dt = time.perf_counter() - t0
             hits = len(pending) - len(left)
             tier.counters.add(
-                segment_read=hits, segment_missed=len(left), read_bytes=nbytes,
-                read_tokens=tokens, restores=1, restore_seconds_total=dt,
+                **{kind.hit_counter: hits, kind.miss_counter: len(left)}, read_tokens=tokens,
+                read_bytes=nbytes, restores=1, restore_seconds_total=dt,
             )  # fmt: skip
             if hits and dt > 0:
                 self._rates.observe(tier.name, tokens / dt)
             if left:
                 missing_from.append(tier)
             pending = left
-        self._promote(job, missing_from, "segments")
+        self._promote(job, missing_from)
+
+    def _verified(self, tier, ns_id: str, oid: str, ref: Ref, data: bytes) -> bytes | None:
+        """The payload of a record read from ``tier``, or None when it is rejected (removed
+        there, counted, logged: it is recomputed, or read from the next tier)."""
+        try:
+            return codec.decode(data, self._expected(ns_id, ref), self._payload_bytes(ref), self.keys)
+        except codec.BlockRejected as e:
+            tier.counters.reject(e.reason)
+            log.warning("%s tier: %s %s rejected (%s); removed, recomputed",
+                        tier.name, ref.kind.label, ref.key.hex(), e)  # fmt: skip
+            tier.remove(ns_id, self.record_name(ref.key, ref.kind), owner=oid)
+            return None
+
+    def _promote(self, job: RestoreJob, missing_from: list) -> None:
+        """What only a lower tier (Redis) held is written to disk, when disk lacked it."""
+        disk = tuple(t for t in missing_from if t.name == "disk")
+        lower = [(ref, p) for ref, p, where in job.found if where != "disk"]
+        if disk and lower:
+            self._queue_write(job.namespace, lower, disk, job.generation)
 
     # ---- restore vs recompute ------------------------------------------------------------------
     def observe_prefill(self, tokens: int, seconds: float) -> None:
@@ -364,21 +325,17 @@ class TierManager:
             return sum(len(q) for q in self._restores.values())
 
     # ---- writes ---------------------------------------------------------------------------------
-    def offload(self, namespace: str | None, blocks: list[tuple[BlockRef, bytes]]) -> None:
-        """Queue newly computed blocks for every tier (never blocks; drops when the queue is full)."""
-        if blocks:
-            self._queue_write(namespace, blocks, tuple(self.tiers), self.generation(namespace))
+    def offload(self, namespace: str | None, records: list[tuple[Ref, bytes]]) -> None:
+        """Queue newly computed records (all of one kind) for every tier (never blocks; drops
+        when the queue is full)."""
+        if records:
+            self._queue_write(namespace, records, tuple(self.tiers), self.generation(namespace))
 
-    def offload_segment(self, namespace: str | None, ref: SegmentRef, payload: bytes) -> None:
-        """Queue one newly computed segment for every tier (never blocks; dropped when full)."""
-        self._queue_write(namespace, [(ref, payload)], tuple(self.tiers),
-                          self.generation(namespace), "segments")  # fmt: skip
-
-    def _queue_write(self, namespace, blocks, tiers, generation, kind: str = "blocks") -> None:
-        nbytes = sum(len(p) for _, p in blocks)
+    def _queue_write(self, namespace, records, tiers, generation) -> None:
+        nbytes = sum(len(p) for _, p in records)
         owner = owner_of(namespace)
         w = Write(namespace, self.namespace_id(namespace), owner, owner_id(owner, self.keys),
-                  generation, blocks, tiers, nbytes, kind)  # fmt: skip
+                  generation, records, tiers, nbytes, records[0][0].kind)  # fmt: skip
         with self._cv:
             gone = self._make_room(owner, nbytes)
             if gone is None:
@@ -389,10 +346,10 @@ class TierManager:
                 self._writes.setdefault(owner, deque()).append(w)
                 self._cv.notify_all()
             for g in gone:
-                self._owner_dropped[g.owner] += len(g.blocks)
+                self._owner_dropped[g.owner] += len(g.records)
         for g in gone:
             for t in g.tiers:
-                t.counters.add(dropped_writes=len(g.blocks))
+                t.counters.add(dropped_writes=len(g.records))
 
     def _make_room(self, owner: str | None, nbytes: int) -> list[Write] | None:
         """Under ``_cv``: room for ``nbytes`` more of ``owner``'s (shares.py's rule). Returns the
@@ -467,17 +424,15 @@ class TierManager:
     def _run_write(self, w: Write) -> None:
         if self.generation(w.namespace) != w.generation:
             return  # invalidated after it was queued
-        record = "segment" if w.kind == "segments" else "block"
-        for ref, payload in w.blocks:
+        for ref, payload in w.records:
             name = self.record_name(ref.key, w.kind)
             data = None
             for tier in w.tiers:
                 if tier.contains(w.ns_id, name):
                     continue
                 if data is None:
-                    expected = self._expected(w.ns_id, ref, w.kind)
-                    data = codec.encode(expected, payload, self.keys, self.compression)
-                tier.put(w.ns_id, name, data, record, owner=w.owner_id)
+                    data = codec.encode(self._expected(w.ns_id, ref), payload, self.keys, self.compression)
+                tier.put(w.ns_id, name, data, w.kind.label, owner=w.owner_id)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write has run (tests, shutdown). False on timeout."""

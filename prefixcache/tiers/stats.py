@@ -1,4 +1,5 @@
-"""Counters of one tier, kept by the tier and read at one moment as a ``TierStats``."""
+"""What the tiers measure: the counters of one tier, kept by the tier and read at one moment as
+a ``TierStats``, and the speeds (``Rates``) that decide restore vs recompute."""
 
 from __future__ import annotations
 
@@ -97,3 +98,21 @@ class TierCounters:
                 evicted=self.evicted, owners=owners,
                 rejected_by_reason=dict(self.rejected_by_reason),
             )  # fmt: skip
+
+
+class Rates:
+    """Exponential moving averages of tokens per second, by name (a tier, "prefill")."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight
+        self._lock = threading.Lock()
+        self._ema: dict[str, float] = {}
+
+    def observe(self, name: str, value: float) -> None:
+        with self._lock:
+            old = self._ema.get(name)
+            self._ema[name] = value if old is None else old + self.weight * (value - old)
+
+    def get(self, name: str) -> float | None:
+        with self._lock:
+            return self._ema.get(name)
