@@ -28,7 +28,7 @@ def build_connectors(
         config.max_num_batched_tokens, max_segments=config.max_segments_per_request,
         max_record_bytes=parse_bytes(config.max_segment_record),
     )  # fmt: skip
-    connectors = [SegmentConnector(assembler, storage, runner.kv)]
+    connectors = [SegmentConnector(assembler, storage)]
     if storage is not None:
         connectors.append(TierConnector(storage, kv, runner.kv))
     events = build_kv_events(config, kv)  # None unless configured

@@ -112,7 +112,9 @@ RULES = [
     ("prefixcache.kv", [*FEATURES, *UPPER, "prefixcache.scheduler"]),
     ("prefixcache.tiers", [*UPPER, "prefixcache.model", "prefixcache.kv", "prefixcache.segments"]),
     ("prefixcache.events", [*UPPER, "prefixcache.model", "prefixcache.tiers", "prefixcache.segments"]),
-    ("prefixcache.segments", [*UPPER, "prefixcache.scheduler", "prefixcache.engine_tiers"]),
+    # Segments reach the model through the runner's public API only.
+    ("prefixcache.segments", [*UPPER, "prefixcache.scheduler", "prefixcache.engine_tiers", "prefixcache.kv",
+                              "prefixcache.model"], ["prefixcache.model.runner"]),
     ("prefixcache.engine_api", ["prefixcache.engine", "prefixcache.async_engine", "prefixcache.server"]),
     # The engine knows the connector protocol, never a concrete connector (connectors.py does).
     # (segments.plan is the request's data, SegmentRequest, as engine_api has it)

@@ -12,9 +12,8 @@ from prefixcache import LLM, SamplingParams
 from prefixcache.errors import InvalidRequestError
 from prefixcache.kv.pool import KVCache, KVLayout
 from prefixcache.model.attention import build_metadata
-from prefixcache.model.llama import rotate
+from prefixcache.model.llama import rerotate, rotate
 from prefixcache.segments.plan import SegmentOptions
-from prefixcache.segments.rotation import rerotate
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 ALL = 10**6  # segment_recompute_tokens above any span: recompute everything

@@ -278,6 +278,12 @@ class KVCacheManager:
                 self.pool.release([mine])
         seq.num_registered_blocks = n_full
 
+    def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """The KV of ``seq``'s first ``num_tokens`` tokens is in its blocks now (a connector
+        computed or placed them: a segments assembly). Blocks must already hold them."""
+        assert num_tokens <= len(seq.block_table) * self.block_size, "computed past the blocks"
+        seq.num_computed_tokens = num_tokens
+
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq`` (finish, abort, preemption); computed ones stay cached."""
         self.pool.release(seq.block_table)

@@ -85,6 +85,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin)
 
 
+def rerotate(k: torch.Tensor, shift: int, rotary: Rotary) -> torch.Tensor:
+    """Cached K moved to new positions (segment caching places a document's K computed alone):
+    ``k`` [..., n, head_dim] float32 rotated for positions p..p+n-1 -> rotated for
+    p+shift..p+shift+n-1. A rotation by a then by b is a rotation by a + b, so the positional
+    part is exact (to float32 rounding); what it cannot fix is that k was computed without the
+    context that now precedes it (what recomputation is for). A negative shift rotates back:
+    R(-d) has cos(d) and -sin(d). V carries no position and is copied unchanged."""
+    if shift == 0:
+        return k
+    cos = rotary.cos[abs(shift)].to(k.dtype)  # [head_dim], the rotate-half convention
+    sin = rotary.sin_signed[abs(shift)].to(k.dtype)
+    return rotate(k, cos, sin if shift > 0 else -sin)
+
+
 class DecoderLayer:
     """Attention block then MLP block, each pre-normed with a residual around it."""
 

@@ -1,19 +1,24 @@
-"""Model runner: turns a scheduled batch into tensors, runs the model, returns logits.
+"""Model runner: the sole caller of the model. Turns a scheduled batch into tensors, runs the
+model, returns logits; and, for the KV connectors (segment caching), computes K/V without
+sampling, into the pool or a private cache, reads and writes K/V, and probes layer 1.
 
-It sees sequences only through what the scheduler hands it (token ids, computed counts, block
-tables); it never sees queues or decides what runs.
+It sees sequences only through what it is handed (token ids, positions, block tables); it never
+sees queues or decides what runs.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
 from prefixcache import kernels
 from prefixcache.kv.pool import KVCache, KVLayout
 from prefixcache.model.attention import build_metadata
-from prefixcache.model.llama import LlamaModel
+from prefixcache.model.decode_attention import slots_of
+from prefixcache.model.llama import LlamaModel, rerotate
 from prefixcache.model.loader import LoadedWeights
 from prefixcache.sequence import ScheduledSeq
 
@@ -48,6 +53,27 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Tokens ``token_ids[start:start + n]`` at positions start.., computed into the blocks of
+    ``block_table`` with attention over every slot before ``start``; nothing sampled."""
+
+    token_ids: Seq[int]
+    block_table: list[int]
+    start: int
+    n: int
+
+
+@dataclass(frozen=True)
+class PrivateKV:
+    """A KV cache of the pool's format for one sequence of up to ``capacity`` tokens, outside
+    the pool (``ModelRunner.private_kv``): K/V computed there touch no other request's."""
+
+    cache: KVCache
+    block_table: list[int]
+    capacity: int
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -66,6 +92,18 @@ class ModelRunner:
         self.model = LlamaModel(weights, max_model_len, dtype, device, weight_format, activations)
         self.kv = KVCache(weights.config, layout, device)
 
+    def _forward(self, tables, starts, counts, ids, pos, cache: KVCache, rows: list[int]) -> torch.Tensor:
+        meta = build_metadata(tables, starts, counts, self.block_size, self.device,
+                              native=self.model.native, exact=self.model.exact)  # fmt: skip
+        dev = self.device
+        return self.model(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            cache,
+            meta,
+            torch.tensor(rows, dtype=torch.long, device=dev),
+        )
+
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Run one step; returns float32 logits [N, vocab] for the sequences that sample, in
@@ -79,34 +117,89 @@ class ModelRunner:
             pos.extend(range(start, start + n))
             if s.samples:
                 logits_rows.append(len(ids) - 1)
-        meta = build_metadata(
-            [s.seq.block_table for s in batch],
-            [s.seq.num_computed_tokens for s in batch],
-            [s.num_new_tokens for s in batch],
-            self.block_size,
-            self.device,
-            native=self.model.native,
-            exact=self.model.exact,
-        )
-        dev = self.device
-        return self.model(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(pos, dtype=torch.long, device=dev),
-            self.kv,
-            meta,
-            torch.tensor(logits_rows, dtype=torch.long, device=dev),
-        )
+        return self._forward(
+            [s.seq.block_table for s in batch], [s.seq.num_computed_tokens for s in batch],
+            [s.num_new_tokens for s in batch], ids, pos, self.kv, logits_rows,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def run(self, pieces: list[Piece], private: PrivateKV | None = None) -> None:
+        """Compute the K/V of ``pieces`` in one forward, into the pool (or ``private``); nothing
+        is sampled. Pieces may share a block table: every layer stores all the forward's new
+        K/V before any of them attends (attention.py), so a piece attends over an earlier piece
+        of the same forward exactly as if that piece had been computed in a forward before it."""
+        ids: list[int] = []
+        pos: list[int] = []
+        for p in pieces:
+            ids.extend(p.token_ids[p.start : p.start + p.n])
+            pos.extend(range(p.start, p.start + p.n))
+        cache = self.kv if private is None else private.cache
+        self._forward([p.block_table for p in pieces], [p.start for p in pieces],
+                      [p.n for p in pieces], ids, pos, cache, [])  # fmt: skip
+
+    def private_kv(self, num_tokens: int) -> PrivateKV:
+        """A private cache for one sequence of ``num_tokens`` tokens, in the pool's format."""
+        bs, lay = self.block_size, self.kv.layout
+        nblocks = -(-num_tokens // bs)
+        cache = KVCache(self.config, KVLayout(nblocks, bs, lay.bytes_per_token, lay.kv_format), self.device)
+        return PrivateKV(cache, list(range(nblocks)), num_tokens)
+
+    @torch.inference_mode()
+    def read_kv(self, private: PrivateKV, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of positions ``[start, end)`` of a private cache, as the float32 values attention
+        reads (dequantized): ``[layers, kv_heads, end - start, head_dim]`` each."""
+        slots = torch.arange(start, end, device=self.device)  # its block table is 0, 1, ...
+        ks, vs = [], []
+        for i in range(self.config.num_layers):
+            k, v = private.cache.layer(i).gather(slots, torch.float32)
+            ks.append(k.clone())
+            vs.append(v.clone())
+        return torch.stack(ks), torch.stack(vs)
+
+    @torch.inference_mode()
+    def write_kv(self, block_table: list[int], start: int, k: torch.Tensor, v: torch.Tensor,
+                 shift: int = 0) -> None:  # fmt: skip
+        """Write K, V ``[layers, kv_heads, n, head_dim]`` (float32) at positions start.. of
+        ``block_table`` in the pool, K re-rotated by ``shift`` positions first (model/llama.py
+        ``rerotate``), both quantized into the pool's KV format by the pool's own store."""
+        n = k.shape[2]
+        slots = slots_of(block_table, start, start + n, self.block_size).to(self.device)
+        k = rerotate(k, shift, self.model.rotary)
+        native = self.model.native
+        for i in range(k.shape[0]):
+            # [kv_heads, n, D] -> [n, kv_heads, D], in the compute dtype the pool's store takes
+            kt = k[i].transpose(0, 1).to(self.dtype).contiguous()
+            vt = v[i].transpose(0, 1).to(self.dtype).contiguous()
+            self.kv.layer(i, native).store(slots, kt, vt)
+
+    @torch.inference_mode()
+    def probe(self, token_ids: Seq[int], block_table: list[int], start: int, end: int,
+              max_chunk: int) -> torch.Tensor:  # fmt: skip
+        """The layer-1 V deviation of each token in ``[start, end)`` (float32 on the CPU,
+        ``[end - start]``): layer 0 runs over the tokens (storing their exact layer-0 K/V), then
+        layer 1's K/V of its output replace what was placed in the pool, and the squared
+        distance between the two is the token's deviation (segments/blend.py). Tokens before
+        ``start`` must be in the pool; the deviation of a token nothing was placed for is
+        meaningless (its layer-1 slot held nothing)."""
+        model, dev, bs = self.model, self.device, self.block_size
+        layer1 = self.kv.layer(1, model.native)
+        out = []
+        for a in range(start, end, max_chunk):
+            n = min(max_chunk, end - a)
+            meta = build_metadata([block_table], [a], [n], bs, dev, native=model.native,
+                                  exact=model.exact)  # fmt: skip
+            ids = torch.tensor(token_ids[a : a + n], dtype=torch.long, device=dev)
+            k, v = model.layer1_kv(ids, torch.arange(a, a + n, device=dev), self.kv, meta)
+            _, placed = layer1.gather(meta.slot_mapping, torch.float32)  # [KVH, n, D]
+            _, exact = layer1.store(meta.slot_mapping, k, v)  # [n, KVH, D] as attention reads it
+            out.append((exact.float() - placed.transpose(0, 1)).square().sum((1, 2)).cpu())
+        return torch.cat(out) if out else torch.empty(0)
 
     @torch.inference_mode()
     def all_logits(self, ids: list[int]) -> torch.Tensor:
         """Next-token logits at every position of one prompt, [len(ids), vocab] float32, from a
         single prefill on a private KV cache (the engine's pool is not touched): for quality
         measurements (perplexity, KL between weight formats) and parity tests."""
-        bs, n = self.block_size, len(ids)
-        nblocks = -(-n // bs)
-        lay = self.kv.layout
-        private = KVCache(self.config, KVLayout(nblocks, bs, lay.bytes_per_token, lay.kv_format), self.device)
-        meta = build_metadata([list(range(nblocks))], [0], [n], bs, self.device,
-                              native=self.model.native, exact=self.model.exact)  # fmt: skip
-        rows = torch.arange(n, device=self.device)
-        return self.model(torch.tensor(ids, device=self.device), rows, private, meta, rows)
+        n = len(ids)
+        private = self.private_kv(n)
+        return self._forward([private.block_table], [0], [n], ids, range(n), private.cache, list(range(n)))

@@ -51,10 +51,7 @@ import torch
 
 from prefixcache.cache.manager import KVCacheManager
 from prefixcache.errors import SegmentLimitError
-from prefixcache.kv.pool import KVCache, KVLayout
-from prefixcache.model.attention import build_metadata
-from prefixcache.model.decode_attention import slots_of
-from prefixcache.model.runner import ModelRunner
+from prefixcache.model.runner import ModelRunner, Piece
 from prefixcache.segments import record
 from prefixcache.segments.blend import blend_pieces
 from prefixcache.segments.plan import (
@@ -65,7 +62,6 @@ from prefixcache.segments.plan import (
     check_spans,
     segment_key,
 )
-from prefixcache.segments.rotation import rerotate
 from prefixcache.segments.store import SegmentEntry, SegmentStore
 from prefixcache.sequence import ScheduledSeq, Sequence
 
@@ -115,26 +111,6 @@ def _finish(job: _Job):
         return stop.value
 
 
-class _At:
-    """``seq`` seen as if ``start`` tokens were computed: what the runner reads of a sequence
-    (token ids, block table, computed count), for one piece of an assembly forward."""
-
-    __slots__ = ("block_table", "num_computed_tokens", "seq")
-
-    def __init__(self, seq: Sequence, start: int):
-        self.seq = seq
-        self.block_table = seq.block_table
-        self.num_computed_tokens = start
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.seq.all_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return self.seq.num_tokens
-
-
 class SegmentAssembler:
     def __init__(
         self,
@@ -151,7 +127,7 @@ class SegmentAssembler:
         self.kv = kv
         self.store = store
         self.fingerprint = fingerprint
-        self.kv_dtype = runner.kv.fmt.name
+        self.kv_dtype = runner.kv.layout.kv_format.name
         self.block_size = kv.block_size
         self.max_chunk = max_chunk  # the most tokens of one forward
         self.max_segments = max_segments
@@ -331,7 +307,7 @@ class SegmentAssembler:
         pieces = blend_pieces(self.runner, seq, plan.options, pieces, probed, self.max_chunk)
         # after every placement: recomputed tokens attend to them
         yield from self._compute_in_steps(seq, pieces, job)
-        seq.num_computed_tokens = c
+        self.kv.mark_computed(seq, c)
         if seq.num_segment_cached_tokens is None:  # first assembly: what the user sees
             seq.num_segment_cached_tokens = reused
             self.counters.requests += 1
@@ -358,45 +334,32 @@ class SegmentAssembler:
     def _compute(self, seq: Sequence, pieces: list[tuple[int, int]]) -> None:
         """Compute the prompt tokens of ``pieces`` (ordered, disjoint ranges) into ``seq``'s
         blocks, each token attending over every slot before it, in as few forwards as
-        ``max_chunk`` allows: one forward per batch of pieces, each piece a row group of its
-        own (``_At``) over the same block table.
-
-        Why several pieces of one sequence may share a forward: every layer stores the new
-        tokens' K/V before any of them attends (model/attention.py), so a piece attending over
-        an earlier piece of the same forward sees that piece's K/V of the same layer, exactly
-        as if the earlier piece had been computed in a forward before it. One forward instead
-        of one per document: at small k a forward costs a pass over the weights, whatever its
-        size. Nothing is sampled (every piece ends before the last prompt token)."""
+        ``max_chunk`` allows: one ``runner.run`` per batch of pieces over the same block table
+        (a piece attends over an earlier piece of the same forward as if it had been computed
+        before: runner.py). One forward instead of one per document: at small k a forward
+        costs a pass over the weights, whatever its size. Nothing is sampled (every piece ends
+        before the last prompt token)."""
         assert all(b < seq.num_tokens for _, b in pieces), "a piece would need logits"
+        tokens, table = seq.all_token_ids, seq.block_table
         batch, size = [], 0
         for a, b in pieces:
             while a < b:
                 n = min(b - a, self.max_chunk - size)
-                batch.append(ScheduledSeq(_At(seq, a), n))
+                batch.append(Piece(tokens, table, a, n))
                 size += n
                 a += n
                 if size == self.max_chunk:
-                    self.runner.execute(batch)
+                    self.runner.run(batch)
                     batch, size = [], 0
         if batch:
-            self.runner.execute(batch)
+            self.runner.run(batch)
 
-    @torch.inference_mode()
     def _place(self, seq: Sequence, start: int, skip: int, entry: SegmentEntry) -> None:
         """Write ``entry``'s tokens [skip, n) at positions start+skip.. of ``seq``: K re-rotated
-        by ``start``, both quantized into the pool's KV format by the pool's own store."""
+        by ``start``, both quantized into the pool's KV format (``runner.write_kv``)."""
         n = len(entry.token_ids)
-        dev = self.runner.device
-        slots = slots_of(seq.block_table, start + skip, start + n, self.block_size).to(dev)
-        k = rerotate(entry.k[:, :, skip:n], start - entry.position, self.runner.model.rotary)
-        v = entry.v[:, :, skip:n]
-        native = self.runner.model.native
-        for i in range(k.shape[0]):
-            layer = self.runner.kv.layer(i, native)
-            # [kv_heads, n, D] -> [n, kv_heads, D], in the compute dtype the pool's store takes
-            kt = k[i].transpose(0, 1).to(self.runner.dtype).contiguous()
-            vt = v[i].transpose(0, 1).to(self.runner.dtype).contiguous()
-            layer.store(slots, kt, vt)
+        self.runner.write_kv(seq.block_table, start + skip, entry.k[:, :, skip:n],
+                             entry.v[:, :, skip:n], shift=start - entry.position)  # fmt: skip
 
     @torch.inference_mode()
     def compute_alone(
@@ -410,32 +373,15 @@ class SegmentAssembler:
     def _alone(self, token_ids, namespace: str | None, sink, job: _Job):
         """``compute_alone`` as a job: forwards as large as the grant allows."""
         seg, token_ids = list(token_ids), list(sink) + list(token_ids)
-        m = len(sink)
-        n, bs, dev = len(token_ids), self.block_size, self.runner.device
-        nblocks = -(-n // bs)
-        lay = self.runner.kv.layout
-        private = KVCache(
-            self.runner.config, KVLayout(nblocks, bs, lay.bytes_per_token, lay.kv_format), dev
-        )
-        table = list(range(nblocks))
-        model = self.runner.model
+        m, n = len(sink), len(token_ids)
+        private = self.runner.private_kv(n)
         a = 0
         while a < n:
             c = yield from self._take(job, n - a)
-            meta = build_metadata([table], [a], [c], bs, dev, native=model.native, exact=model.exact)
-            ids = torch.tensor(token_ids[a : a + c], dtype=torch.long, device=dev)
-            pos = torch.arange(a, a + c, device=dev)
-            model(ids, pos, private, meta, torch.tensor([c - 1], device=dev))
+            self.runner.run([Piece(token_ids, private.block_table, a, c)], private)
             a += c
-        slots = torch.arange(m, n, device=dev)  # the segment's own tokens
-        ks, vs = [], []
-        for i in range(self.runner.config.num_layers):
-            k, v = private.layer(i).gather(slots, torch.float32)  # [kv_heads, n - m, D]
-            ks.append(k.clone())
-            vs.append(v.clone())
-        return SegmentEntry(
-            namespace, tuple(seg), torch.stack(ks), torch.stack(vs), tuple(sink), m
-        )
+        k, v = self.runner.read_kv(private, m, n)  # the segment's own tokens
+        return SegmentEntry(namespace, tuple(seg), k, v, tuple(sink), m)
 
     def stats(self) -> dict:
         """``cache_stats()["segments"]``."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import torch
 
-from prefixcache.model.attention import build_metadata
 from prefixcache.model.runner import ModelRunner
 from prefixcache.segments.plan import SegmentOptions, SegmentSpan
 from prefixcache.sequence import Sequence
@@ -56,25 +55,12 @@ def runs(offsets: list[int], start: int) -> list[tuple[int, int]]:
     return out
 
 
-@torch.inference_mode()
 def probe(runner: ModelRunner, seq: Sequence, start: int, end: int, max_chunk: int) -> torch.Tensor:
     """The layer-1 V deviation of each prompt token in ``[start, end)`` of ``seq`` (float32 on
-    the CPU, ``[end - start]``), writing the exact layer-0/1 K/V of those tokens (module doc).
-    Tokens ``< start`` must be in the pool; deviations of tokens nothing was placed for are
-    meaningless (their layer-1 slot held nothing) and must not be read."""
-    model, dev, bs = runner.model, runner.device, runner.block_size
-    layer1 = runner.kv.layer(1, model.native)
-    ids_all, out = seq.all_token_ids, []
-    for a in range(start, end, max_chunk):
-        n = min(max_chunk, end - a)
-        meta = build_metadata([seq.block_table], [a], [n], bs, dev, native=model.native,
-                              exact=model.exact)  # fmt: skip
-        ids = torch.tensor(ids_all[a : a + n], dtype=torch.long, device=dev)
-        k, v = model.layer1_kv(ids, torch.arange(a, a + n, device=dev), runner.kv, meta)
-        _, placed = layer1.gather(meta.slot_mapping, torch.float32)  # [KVH, n, D]
-        _, exact = layer1.store(meta.slot_mapping, k, v)  # [n, KVH, D] as attention reads it
-        out.append((exact.float() - placed.transpose(0, 1)).square().sum((1, 2)).cpu())
-    return torch.cat(out) if out else torch.empty(0)
+    the CPU, ``[end - start]``), writing the exact layer-0/1 K/V of those tokens (module doc;
+    ``ModelRunner.probe``). Tokens ``< start`` must be in the pool; deviations of tokens
+    nothing was placed for are meaningless and must not be read."""
+    return runner.probe(seq.all_token_ids, seq.block_table, start, end, max_chunk)
 
 
 def blend_pieces(

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections import Counter
 
 from prefixcache.cache.connector import KVConnector
-from prefixcache.kv.pool import KVCache
 from prefixcache.segments import record
 from prefixcache.segments.assembler import SegmentAssembler
 from prefixcache.segments.plan import SegmentPlan
@@ -28,13 +27,12 @@ from prefixcache.tiers.shares import owner_of
 class SegmentConnector(KVConnector):
     name = "segments"
 
-    def __init__(self, assembler: SegmentAssembler, storage=None, cache: KVCache | None = None):
-        """``storage``: the TierManager of the persistent tiers (None: none); ``cache``: the
-        pool's KV cache (the device restored segments go to)."""
+    def __init__(self, assembler: SegmentAssembler, storage=None):
+        """``storage``: the TierManager of the persistent tiers (None: none)."""
         self.assembler = assembler
         self.store = assembler.store
         self.storage = storage
-        self.cache = cache
+        self.device = assembler.runner.device  # where restored segments go
         self._plans: dict[str, SegmentPlan] = {}
         self._restores: dict[str, tuple[Sequence, RestoreJob]] = {}
         if storage is not None:
@@ -127,7 +125,7 @@ class SegmentConnector(KVConnector):
             sp = spans[ref.key]
             entry = record.entry_of(
                 payload, seq.namespace, seq.prompt_token_ids[sp.start : sp.end], plan.sink,
-                lay.num_layers, lay.num_kv_heads, lay.head_dim, self.cache.k.device,
+                lay.num_layers, lay.num_kv_heads, lay.head_dim, self.device,
             )  # fmt: skip
             if self.store.put(ref.key, entry):
                 got[where] += ref.tokens

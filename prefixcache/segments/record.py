@@ -7,7 +7,7 @@
 serves a record only when its store id, segment key, namespace, this key input and the payload
 length are all what the reader expects, so ``entry_of`` only ever sees a verified payload of
 exactly the tokens asked for. K is stored as the entry holds it: rotated for the positions it
-was computed at (``SegmentEntry.position``, = m), re-rotated when placed (rotation.py).
+was computed at (``SegmentEntry.position``, = m), re-rotated when placed (``model.llama.rerotate``).
 
 Why float32 and not the pool's KV format: an entry holds the values attention reads back (for
 int8/fp8, dequantized with per-token scales), and placing it quantizes them again onto the

@@ -5,7 +5,7 @@ An entry holds, for every layer, K and V of the segment's tokens at positions 0.
 ``[layers, kv_heads, n, head_dim]``: the values attention would read back from the pool (for
 int8/fp8/bf16 KV, the dequantized stored values), so placing an entry into the pool quantizes
 numbers that are already on the format's grid. K is stored rotated for positions 0..n-1;
-``rotation.py`` moves it to where the segment lands.
+``model.llama.rerotate`` moves it to where the segment lands.
 
 Kept apart from the block pool on purpose: the pool's index serves only KV that a cold run would
 compute at that exact position after that exact prefix (the cold == warm contract), and segment
