@@ -93,7 +93,7 @@ class EngineConfig:
     # While two or more tenants are active (running, waiting, or a request within the last
     # shared_window_s seconds), a step carries only the tokens that fit in about
     # shared_step_ms at the pace of recent steps, so another tenant's short request waits one or
-    # two short steps rather than a full chunk (fairness.py 4.); 0 turns the bound off.
+    # two short steps rather than a full chunk (engine/fairness.py 4.); 0 turns the bound off.
     shared_step_ms: float = 250.0
     shared_window_s: float = 60.0
     scheduling_policy: str = "fcfs"

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prefixcache.api.request import CacheExplanation, RequestMetrics, RequestStatus, SamplingParams
 from prefixcache.cache.hashing import BlockHash
-from prefixcache.request import CacheExplanation, RequestMetrics, RequestStatus, SamplingParams
 
 
 @dataclass(eq=False)

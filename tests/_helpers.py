@@ -21,7 +21,7 @@ def _default_weights():
 def shared_default_weights():
     """A context in which engines read the default model's weights once per test process, not
     once per engine (dequantizing the GGUF takes seconds)."""
-    return mock.patch("prefixcache.engine.load_weights", lambda model: _default_weights())
+    return mock.patch("prefixcache.engine.llm_engine.load_weights", lambda model: _default_weights())
 
 
 def prefill_logits(llm, ids: list[int]) -> torch.Tensor:

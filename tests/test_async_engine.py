@@ -12,10 +12,10 @@ import time
 import pytest
 from _helpers import shared_default_weights
 
-from prefixcache.async_engine import AsyncEngine, EngineShutDownError, QueueFullError
+from prefixcache.api.errors import SlowConsumerError, TenantQuotaError
+from prefixcache.api.request import SamplingParams
 from prefixcache.config import EngineConfig
-from prefixcache.errors import SlowConsumerError, TenantQuotaError
-from prefixcache.request import SamplingParams
+from prefixcache.engine.async_engine import AsyncEngine, EngineShutDownError, QueueFullError
 
 B = 16
 BYTES_PER_TOKEN = 46080  # default model, float32

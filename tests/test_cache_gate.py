@@ -11,8 +11,8 @@ import httpx
 import pytest
 from _helpers import shared_default_weights
 
-from prefixcache.async_engine import AsyncEngine
 from prefixcache.config import EngineConfig
+from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.server.app import create_app
 from prefixcache.server.auth import Tenant, TenantDirectory
 from prefixcache.server.limits import ServerLimits

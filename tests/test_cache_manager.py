@@ -14,9 +14,9 @@ import random
 
 import pytest
 
+from prefixcache.api.request import SamplingParams
 from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.manager import blocks_needed, kv_cache_manager
-from prefixcache.request import SamplingParams
 from prefixcache.sequence import Sequence
 
 B = 16

@@ -8,8 +8,8 @@ import json
 
 from _helpers import GRAFANA, grafana_metric_names, served_series
 
-from prefixcache.engine_api import EngineStats, TenantStats
-from prefixcache.request import RequestMetrics, StreamDelta
+from prefixcache.api.engine import EngineStats, TenantStats
+from prefixcache.api.request import RequestMetrics, StreamDelta
 from prefixcache.server import activity as activity_mod
 from prefixcache.server.activity import Activity
 from prefixcache.server.auth import Tenant

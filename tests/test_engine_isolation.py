@@ -15,11 +15,11 @@ import pytest
 from _helpers import PROSE, shared_default_weights
 
 from prefixcache import SamplingParams
+from prefixcache.api.errors import InvalidRequestError, SequenceFailedError
+from prefixcache.api.request import GREEDY_TEMPERATURE_EPS
 from prefixcache.cache.manager import MAX_CACHED_ROOTS
 from prefixcache.config import EngineConfig
-from prefixcache.engine import LLMEngine
-from prefixcache.errors import InvalidRequestError, SequenceFailedError
-from prefixcache.fairness import (
+from prefixcache.engine.fairness import (
     RecentTenants,
     StepPace,
     fair_order,
@@ -29,7 +29,7 @@ from prefixcache.fairness import (
     shared_budget,
     token_caps,
 )
-from prefixcache.request import GREEDY_TEMPERATURE_EPS
+from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -17,6 +17,7 @@ from prefixcache import LLM, SamplingParams
 from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.manager import KVCacheManager
 from prefixcache.config import EngineConfig
+from prefixcache.connectors.kv_events import build_kv_events
 from prefixcache.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -24,7 +25,6 @@ from prefixcache.events import (
     BlockStored,
     EventBatch,
     KVEventPublisher,
-    build_kv_events,
     decode_batch,
     encode_batch,
     offset_endpoint,

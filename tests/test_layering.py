@@ -89,41 +89,49 @@ def test_there_is_no_import_cycle():
 
 # (who, what it must never import: modules/packages of ours or top-level names like torch,
 #  [the exceptions])
-TORCH_FREE = ["prefixcache.config", "prefixcache.errors", "prefixcache.request",
-              "prefixcache.sequence", "prefixcache.scheduler", "prefixcache.fairness",
-              "prefixcache.cache", "prefixcache.tiers", "prefixcache.events",
-              "prefixcache.engine_api", "prefixcache.segments.plan"]  # fmt: skip
-FEATURES = ["prefixcache.segments", "prefixcache.tiers", "prefixcache.events",
-            "prefixcache.engine_tiers", "prefixcache.connectors"]  # fmt: skip
-UPPER = ["prefixcache.engine", "prefixcache.async_engine", "prefixcache.llm", "prefixcache.server",
-         "prefixcache.cluster", "prefixcache.bench", "prefixcache.analyze", "prefixcache.cli"]  # fmt: skip
+API = ["prefixcache.api", "prefixcache.config"]
+CORE = ["prefixcache.cache", "prefixcache.sequence"]
+FEATURES = ["prefixcache.segments", "prefixcache.tiers", "prefixcache.events"]
+CONNECTORS = ["prefixcache.connectors"]
+ENGINE = ["prefixcache.engine"]
+UPPER = ["prefixcache.server", "prefixcache.cluster", "prefixcache.bench", "prefixcache.analyze",
+         "prefixcache.cli", "prefixcache.generate_cli"]  # fmt: skip
+TORCH_FREE = [*API, *CORE, "prefixcache.tiers", "prefixcache.events", "prefixcache.segments.plan",
+              "prefixcache.engine.scheduler", "prefixcache.engine.fairness"]  # fmt: skip
 RULES = [
     *((m, ["torch"]) for m in TORCH_FREE),
     # config validates the KV events endpoints with events/access.py, which imports nothing of ours
     ("prefixcache.config", ["prefixcache"], ["prefixcache.events.access"]),
     ("prefixcache.events.access", ["prefixcache"]),
-    ("prefixcache.errors", ["prefixcache"]),
+    ("prefixcache.api.errors", ["prefixcache"]),
     ("prefixcache.kernels", ["prefixcache"]),
+    # api/ is the boundary: plain data and protocols (segments.plan: the request's SegmentRequest)
+    ("prefixcache.api", [*CORE, *FEATURES, *CONNECTORS, *ENGINE, *UPPER, "prefixcache.model", "prefixcache.kv"],
+     ["prefixcache.segments.plan"]),
     # The cache core knows no feature: connectors plug in through cache/connector.py.
-    ("prefixcache.cache", [*FEATURES, *UPPER, "prefixcache.model", "prefixcache.kv"]),
-    ("prefixcache.sequence", [*FEATURES, *UPPER, "prefixcache.model"]),
-    ("prefixcache.scheduler", [*FEATURES, *UPPER, "prefixcache.model"]),
-    ("prefixcache.model", [*FEATURES, *UPPER, "prefixcache.scheduler"]),
-    ("prefixcache.kv", [*FEATURES, *UPPER, "prefixcache.scheduler"]),
-    ("prefixcache.tiers", [*UPPER, "prefixcache.model", "prefixcache.kv", "prefixcache.segments"]),
-    ("prefixcache.events", [*UPPER, "prefixcache.model", "prefixcache.tiers", "prefixcache.segments"]),
+    ("prefixcache.cache", [*FEATURES, *CONNECTORS, *ENGINE, *UPPER, "prefixcache.model", "prefixcache.kv"]),
+    ("prefixcache.sequence", [*FEATURES, *CONNECTORS, *ENGINE, *UPPER, "prefixcache.model"]),
+    ("prefixcache.kv", [*FEATURES, *CONNECTORS, *ENGINE, *UPPER]),
+    ("prefixcache.model", [*FEATURES, *CONNECTORS, *ENGINE, *UPPER]),
+    # Features are libraries: they know no connector, no engine, no server.
+    ("prefixcache.tiers", [*CONNECTORS, *ENGINE, *UPPER, "prefixcache.model", "prefixcache.kv",
+                           "prefixcache.segments", "prefixcache.events"]),
+    ("prefixcache.events", [*CONNECTORS, *ENGINE, *UPPER, "prefixcache.model", "prefixcache.tiers",
+                            "prefixcache.segments", "prefixcache.cache.connector"]),
     # Segments reach the model through the runner's public API only.
-    ("prefixcache.segments", [*UPPER, "prefixcache.scheduler", "prefixcache.engine_tiers", "prefixcache.kv",
-                              "prefixcache.model"], ["prefixcache.model.runner"]),
-    ("prefixcache.engine_api", ["prefixcache.engine", "prefixcache.async_engine", "prefixcache.server"]),
-    # The engine knows the connector protocol, never a concrete connector (connectors.py does).
-    # (segments.plan is the request's data, SegmentRequest, as engine_api has it)
-    ("prefixcache.engine", [*FEATURES[:-1], *UPPER[1:]], ["prefixcache.segments.plan"]),
-    ("prefixcache.server", ["prefixcache.engine", "prefixcache.scheduler", "prefixcache.model.runner",
-                            "prefixcache.cache.manager", "prefixcache.cache.block_pool",
-                            "prefixcache.connectors", "prefixcache.cluster"]),
-    ("prefixcache.bench", ["prefixcache.engine", "prefixcache.async_engine", "prefixcache.server",
-                           "prefixcache.cache", "prefixcache.model.runner"]),
+    ("prefixcache.segments", [*CONNECTORS, *ENGINE, *UPPER, "prefixcache.tiers", "prefixcache.events",
+                              "prefixcache.kv", "prefixcache.model"], ["prefixcache.model.runner"]),
+    ("prefixcache.connectors", [*ENGINE, *UPPER]),
+    # The engine knows the connector protocol, never a concrete connector (connectors/build.py
+    # does); segments.plan is the request's data (SegmentRequest), as api/engine.py has it.
+    ("prefixcache.engine", [*FEATURES, *CONNECTORS, *UPPER],
+     ["prefixcache.connectors.build", "prefixcache.segments.plan"]),
+    ("prefixcache.engine.scheduler", ["prefixcache.model", "prefixcache.kv"]),
+    ("prefixcache.server", ["prefixcache.engine.llm_engine", "prefixcache.engine.scheduler",
+                            "prefixcache.model.runner", "prefixcache.cache.manager",
+                            "prefixcache.cache.block_pool", *CONNECTORS, "prefixcache.cluster"]),
+    ("prefixcache.bench", [*ENGINE, *CONNECTORS, "prefixcache.server", "prefixcache.cache",
+                           "prefixcache.model.runner"]),
 ]
 
 
@@ -147,13 +155,14 @@ def test_no_forbidden_import(rule):
 
 def test_the_server_builds_an_async_engine_in_cli_only():
     users = sorted(m for m, deps in GRAPH.items() if _under(m, ["prefixcache.server"])
-                   and "prefixcache.async_engine" in deps)  # fmt: skip
+                   and "prefixcache.engine.async_engine" in deps)  # fmt: skip
     assert users == ["prefixcache.server.cli"]
 
 
 def test_the_rules_see_the_imports():
     """The checks above would pass on an empty graph: they must not."""
-    assert "prefixcache.cache.connector" in GRAPH["prefixcache.engine"]
+    assert "prefixcache.cache.connector" in GRAPH["prefixcache.engine.llm_engine"]
+    assert "prefixcache.connectors.build" in GRAPH["prefixcache.engine.llm_engine"]
     assert "torch" in GRAPH["prefixcache.model.llama"]
-    assert "prefixcache.engine" in GRAPH["prefixcache.async_engine"]
-    assert "prefixcache.async_engine" in GRAPH["prefixcache.server.cli"]  # inside a function
+    assert "prefixcache.engine.llm_engine" in GRAPH["prefixcache.engine.async_engine"]
+    assert "prefixcache.engine.async_engine" in GRAPH["prefixcache.server.cli"]  # inside a function

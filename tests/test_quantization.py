@@ -89,7 +89,7 @@ def test_int4_requantizes_float_weights_close_to_the_files(engines, llm):
     from _helpers import _default_weights
 
     floats = dataclasses.replace(_default_weights(), int4={}, int8={})
-    with mock.patch("prefixcache.engine.load_weights", lambda model: floats):
+    with mock.patch("prefixcache.engine.llm_engine.load_weights", lambda model: floats):
         int4 = LLM(quantization="int4", kv_cache_memory="64MiB", seed=0)
     assert int4.engine.runner.model.requantized
     assert int4.engine.weights_format.startswith("w4a16 layers") and "q8 head" in int4.engine.weights_format

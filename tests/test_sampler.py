@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from prefixcache import SamplingParams
-from prefixcache.sampler import _draw, make_generator, sample
+from prefixcache.engine.sampler import _draw, make_generator, sample
 
 
 def test_draws_follow_the_distribution_and_never_a_zero_probability_token():

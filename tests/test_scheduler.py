@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 from _helpers import PROSE, shared_default_weights
 
+from prefixcache.api.request import RequestStatus, SamplingParams
 from prefixcache.cache.manager import blocks_needed
 from prefixcache.config import EngineConfig
-from prefixcache.engine import LLMEngine
+from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.model.paths import resolve_model_path
 from prefixcache.model.tokenizer import load_tokenizer
-from prefixcache.request import RequestStatus, SamplingParams
 
 B = 16
 BYTES_PER_TOKEN = 46080  # default model, float32

@@ -15,10 +15,10 @@ from unittest import mock
 
 import pytest
 
+from prefixcache.api.request import SamplingParams
 from prefixcache.config import EngineConfig
-from prefixcache.engine import LLMEngine
+from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.model.loader import load_weights
-from prefixcache.request import SamplingParams
 
 B = 16
 BYTES_PER_TOKEN = 46080  # default model, float32
@@ -45,7 +45,7 @@ def _default_weights():
 
 def make_engine(**kw) -> LLMEngine:
     """An engine on the default model; the weights are read from the GGUF file once per module."""
-    with mock.patch("prefixcache.engine.load_weights", lambda model: _default_weights()):
+    with mock.patch("prefixcache.engine.llm_engine.load_weights", lambda model: _default_weights()):
         return LLMEngine(EngineConfig(**kw))
 
 

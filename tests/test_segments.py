@@ -9,7 +9,7 @@ import torch
 from _helpers import shared_default_weights
 
 from prefixcache import LLM, SamplingParams
-from prefixcache.errors import InvalidRequestError
+from prefixcache.api.errors import InvalidRequestError
 from prefixcache.kv.pool import KVCache, KVLayout
 from prefixcache.model.attention import build_metadata
 from prefixcache.model.llama import rerotate, rotate

@@ -15,9 +15,9 @@ import httpx
 import pytest
 from _helpers import PROSE, shared_default_weights
 
-from prefixcache.async_engine import AsyncEngine
+from prefixcache.api.request import SamplingParams
 from prefixcache.config import EngineConfig
-from prefixcache.request import SamplingParams
+from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.segments.plan import SegmentOptions, SegmentRequest
 from prefixcache.server.app import create_app
 

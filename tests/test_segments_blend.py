@@ -12,7 +12,7 @@ from _helpers import shared_default_weights
 from test_segments import ALL, GREEDY, _messages, _tokens
 
 from prefixcache import LLM, SamplingParams
-from prefixcache.errors import InvalidRequestError
+from prefixcache.api.errors import InvalidRequestError
 from prefixcache.kv.pool import KVCache, KVLayout
 from prefixcache.model.attention import build_metadata
 from prefixcache.model.decode_attention import slots_of

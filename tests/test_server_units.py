@@ -8,8 +8,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from prefixcache.api.request import SharedPrefix
 from prefixcache.cli import build_parser
-from prefixcache.request import SharedPrefix
 from prefixcache.server.auth import CacheScope, Tenant, TenantDirectory, load_keys_file
 from prefixcache.server.body import parse_json
 from prefixcache.server.cli import _engine_config, _limits, origin_policy
@@ -249,7 +249,7 @@ def test_validation_errors_name_the_field():
 
 
 def test_engine_errors_map_to_openai_statuses_by_type():
-    from prefixcache.errors import (
+    from prefixcache.api.errors import (
         ContextLengthError,
         EngineShutDownError,
         InvalidRequestError,

@@ -22,8 +22,8 @@ import pytest
 from _helpers import shared_default_weights
 from fastapi.responses import JSONResponse
 
-from prefixcache.async_engine import AsyncEngine
 from prefixcache.config import EngineConfig
+from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.server import completions
 from prefixcache.server.app import create_app
 

@@ -21,10 +21,10 @@ import xxhash
 from _helpers import PROSE, shared_default_weights
 
 from prefixcache import LLM, SamplingParams
-from prefixcache.async_engine import AsyncEngine
+from prefixcache.api.request import SharedPrefix
 from prefixcache.cache.hashing import hash_blocks, hash_blocks_after_shared, join_hash, root_hash
 from prefixcache.config import EngineConfig
-from prefixcache.request import SharedPrefix
+from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.server.app import create_app
 from prefixcache.server.auth import Tenant, TenantDirectory
 

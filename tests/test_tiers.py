@@ -1,4 +1,4 @@
-"""Persistent KV tiers (prefixcache/tiers, engine_tiers.py): the disk tier end to end.
+"""Persistent KV tiers (prefixcache/tiers, connectors/tiers.py): the disk tier end to end.
 
 Unit (no model): the block codec rejects corrupt, truncated, foreign and forged blocks (a
 record made without the deployment's secret); store ids differ for every layout input and names

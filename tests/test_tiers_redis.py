@@ -17,7 +17,7 @@ import redis
 from _redis import RedisServer
 
 from prefixcache import LLM, SamplingParams
-from prefixcache.errors import TierUnavailableError
+from prefixcache.api.errors import TierUnavailableError
 from prefixcache.tiers.keys import StoreLayout, namespace_id
 from prefixcache.tiers.manager import TierManager
 from prefixcache.tiers.records import BlockRef

@@ -393,7 +393,7 @@ def test_test_suite_does_not_write_to_the_home_cache():
 
 
 def test_a_stand_in_loader_bypasses_the_cache(tmp_path):
-    """What tests/_helpers.py does by patching prefixcache.engine.load_weights."""
+    """What tests/_helpers.py does by patching prefixcache.engine.llm_engine.load_weights."""
     sentinel = object()
     (weights, tok), stats = _stats_of(
         lambda: wc.load_model(None, tmp_path, load_weights=lambda path: sentinel)
@@ -428,7 +428,7 @@ def test_hf_directory_is_not_cached(entry, tmp_path):
 
 def test_engine_loads_through_the_cache(entry):
     from prefixcache.config import EngineConfig
-    from prefixcache.engine import LLMEngine
+    from prefixcache.engine.llm_engine import LLMEngine
 
     engine, stats = _stats_of(
         lambda: LLMEngine(EngineConfig(kv_cache_memory="16MiB", weights_cache_dir=entry.root))

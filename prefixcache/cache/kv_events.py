@@ -5,7 +5,7 @@ from inside the index).
 
 ``parent`` is the key input's parent (cache/hashing.py): a namespace's root for its first
 block, the join of a shared prefix for the first block after it. How events show it on the wire
-is the KV events connector's business (events/connector.py).
+is the KV events connector's business (connectors/kv_events.py).
 """
 
 from __future__ import annotations

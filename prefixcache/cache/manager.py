@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from prefixcache.api.request import CacheExplanation, SharedPrefix
 from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.hashing import (
     BlockHash,
@@ -37,7 +38,6 @@ from prefixcache.cache.hashing import (
     root_hash,
 )
 from prefixcache.cache.prefix_index import PrefixMatch
-from prefixcache.request import CacheExplanation, SharedPrefix
 from prefixcache.sequence import Sequence
 
 

@@ -59,8 +59,8 @@ class EngineReplica:
     def __init__(self, spec: ReplicaSpec) -> None:
         import torch
 
-        from prefixcache.async_engine import AsyncEngine
         from prefixcache.cluster.secrets import read_secrets, tenant_options
+        from prefixcache.engine.async_engine import AsyncEngine
         from prefixcache.events.publisher import offset_endpoint
         from prefixcache.server.app import create_app
         from prefixcache.server.auth import TenantDirectory

@@ -2,11 +2,10 @@
 (ZMQ PUB + msgpack, with a replay socket) so external KV-aware routers (llm-d's precise prefix
 scorer, NVIDIA Dynamo's KV router) can track which replica holds which block.
 
-Torch-free: imports only ``prefixcache.cache`` (the hashing of roots, the connector protocol and
-its event records), ``prefixcache.sequence`` and the standard library, ``zmq`` and ``msgpack``.
+Torch-free: imports only ``prefixcache.cache.hashing`` (the hashing of roots) and the standard
+library, ``zmq`` and ``msgpack``. Its KV connector is ``prefixcache.connectors.kv_events``.
 """
 
-from prefixcache.events.connector import KVEventsConnector, build_kv_events
 from prefixcache.events.publisher import KVEventPublisher, offset_endpoint
 from prefixcache.events.subscriber import BlockSetSubscriber
 from prefixcache.events.wire import (
@@ -25,8 +24,6 @@ __all__ = [
     "BlockStored",
     "EventBatch",
     "KVEventPublisher",
-    "KVEventsConnector",
-    "build_kv_events",
     "decode_batch",
     "encode_batch",
     "offset_endpoint",

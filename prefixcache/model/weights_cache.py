@@ -170,7 +170,7 @@ def load_model(
     through the cache in ``cache_dir`` for a GGUF file (see the module doc).
 
     ``load_weights``: the engine passes its module-level name. Anything other than
-    ``loader.load_weights`` (tests patch ``prefixcache.engine.load_weights`` to share one load
+    ``loader.load_weights`` (tests patch ``prefixcache.engine.llm_engine.load_weights`` to share one load
     per process) supplies the weights itself: the cache is not consulted.
     """
     path = resolve_model_path(model)

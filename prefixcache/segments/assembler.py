@@ -49,8 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixcache.api.errors import SegmentLimitError
 from prefixcache.cache.manager import KVCacheManager
-from prefixcache.errors import SegmentLimitError
 from prefixcache.model.runner import ModelRunner, Piece
 from prefixcache.segments import record
 from prefixcache.segments.blend import blend_pieces

@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from prefixcache.api.errors import InvalidRequestError
 from prefixcache.cache.hashing import _str, _u32, _u32_array, key_hash
-from prefixcache.errors import InvalidRequestError
 
 SEGMENT_KEY_VERSION = 2
 _TAG = b"prefixcache/segment-key"

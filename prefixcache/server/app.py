@@ -1,6 +1,6 @@
 """The FastAPI app: service routes here, the API in completions.py and cache_routes.py.
 
-``create_app(engine, ...)`` takes an engine implementing :class:`~prefixcache.engine_api.EngineAPI`
+``create_app(engine, ...)`` takes an engine implementing :class:`~prefixcache.api.engine.EngineAPI`
 (an ``AsyncEngine``) that is built but not started; the app's lifespan starts its step loop and,
 at shutdown, drains it (uvicorn first stops accepting connections and lets running requests
 finish, so SIGTERM drains). With a keys file, SIGHUP reloads it (lifespan installs the handler).
@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import prefixcache
-from prefixcache.engine_api import EngineAPI
+from prefixcache.api.engine import EngineAPI
 from prefixcache.server import cache_routes, completions, dashboard
 from prefixcache.server.auth import TenantDirectory
 from prefixcache.server.errors import APIError, RequestIdMiddleware, install_error_handlers

@@ -54,7 +54,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from prefixcache.request import SharedPrefix
+from prefixcache.api.request import SharedPrefix
 from prefixcache.server.errors import APIError
 
 DEFAULT_TENANT = "default"

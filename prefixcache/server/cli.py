@@ -373,7 +373,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"prefixcache serve: {e}", file=sys.stderr)
         return 2
 
-    from prefixcache.async_engine import AsyncEngine
+    from prefixcache.engine.async_engine import AsyncEngine
     from prefixcache.server.app import create_app
     from prefixcache.server.http import protocol_class
 

@@ -22,7 +22,7 @@ import math
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from prefixcache.request import StreamDelta
+from prefixcache.api.request import StreamDelta
 from prefixcache.server.errors import APIError, from_engine_error, internal_error, request_id_of
 from prefixcache.server.http import TimedStreamingResponse
 from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest

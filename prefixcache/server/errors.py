@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prefixcache.errors import (
+from prefixcache.api.errors import (
     EngineShutDownError,
     InvalidRequestError,
     QueueFullError,

@@ -23,7 +23,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from prefixcache.request import StreamDelta
+from prefixcache.api.request import StreamDelta
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API (plus vLLM's extra fields and the cache endpoints).
 
 Pydantic checks types and shapes (a failure is a 422 naming the field; floats must be finite);
-value ranges are checked by :class:`prefixcache.request.SamplingParams` (a failure is a 400), so
+value ranges are checked by :class:`prefixcache.api.request.SamplingParams` (a failure is a 400), so
 both the server and the offline API enforce the same rules, and the server's size limits
 (``limits.py``) by the serving layer (400). Fields OpenAI clients send that the engine does not
 use are ignored, as vLLM does; a non-default value of a feature the engine lacks is refused

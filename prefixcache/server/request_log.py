@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from prefixcache.request import SharedPrefix
+from prefixcache.api.request import SharedPrefix
 
 log = logging.getLogger("prefixcache.server")
 

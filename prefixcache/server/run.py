@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prefixcache.engine_api import EngineAPI
-from prefixcache.request import CacheExplanation, SharedPrefix, StreamDelta
+from prefixcache.api.engine import EngineAPI
+from prefixcache.api.request import CacheExplanation, SharedPrefix, StreamDelta
 from prefixcache.server.activity import Activity
 from prefixcache.server.auth import Tenant
 from prefixcache.server.metrics import ServerMetrics

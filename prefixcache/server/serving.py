@@ -17,9 +17,9 @@ from dataclasses import dataclass, replace
 
 import jinja2
 
-from prefixcache.engine_api import EngineAPI
-from prefixcache.errors import InvalidRequestError
-from prefixcache.request import SamplingParams, SharedPrefix
+from prefixcache.api.engine import EngineAPI
+from prefixcache.api.errors import InvalidRequestError
+from prefixcache.api.request import SamplingParams, SharedPrefix
 from prefixcache.segments.plan import DEFAULT_RECOMPUTE_TOKENS, SegmentOptions, SegmentRequest
 from prefixcache.server.activity import Activity
 from prefixcache.server.auth import CacheScope, Tenant, TenantDirectory

@@ -17,7 +17,7 @@ never loses a record to anyone else's writes: tenant A writing unique prompts pu
 own blocks, and B's only while B holds more than A. Several tenants each end near an equal
 share, or at what they asked for if that is less. We chose equal shares over configured
 fractions: nothing to configure, no tenant named in the config, and the pool's memory
-preemption (fairness.py) already takes from the tenant holding the most. The write queue
+preemption (engine/fairness.py) already takes from the tenant holding the most. The write queue
 applies the rule at admission (manager.py): a write that does not fit is dropped when its owner
 is over its share, otherwise the newest queued writes of the owner holding the most make room.
 

@@ -16,7 +16,7 @@ Flow of a restore:
    can run, the step waits at most ``connector.IDLE_WAIT`` seconds for a restore to finish.
 
 Segments (cache_mode "segments") ride the same TierManager as records of their own kind
-(segments/record.py); the segments connector (segments/connector.py) restores and writes them.
+(segments/record.py); the segments connector (connectors/segments.py) restores and writes them.
 Without tiers there is no tier connector (and ``build_storage`` returns None).
 """
 
@@ -28,11 +28,11 @@ import weakref
 from collections import Counter, OrderedDict
 from pathlib import Path
 
+from prefixcache.api.errors import TierUnavailableError
 from prefixcache.cache.connector import KVConnector
 from prefixcache.cache.hashing import KEY_BYTES, block_chunks
 from prefixcache.cache.manager import KVCacheManager
 from prefixcache.config import EngineConfig, parse_bytes
-from prefixcache.errors import TierUnavailableError
 from prefixcache.kv.pool import KVCache
 from prefixcache.model.loader import ModelConfig
 from prefixcache.sequence import Sequence

@@ -2,7 +2,7 @@
 
 Threading model: one engine thread owns the LLMEngine and runs steps while holding ``_lock``.
 Event-loop code never waits on a step to submit work: ``add_request`` and ``abort`` put typed
-messages (:class:`~prefixcache.engine_api.EngineRequest`, :class:`AbortRequest`) in an inbox that the engine thread drains
+messages (:class:`~prefixcache.api.engine.EngineRequest`, :class:`AbortRequest`) in an inbox that the engine thread drains
 between steps. Read-only cache queries (lookup, stats) take the lock briefly; call them through
 ``asyncio.to_thread`` when a step may be long. Deltas are handed back to each request's event
 loop with ``call_soon_threadsafe``.
@@ -27,9 +27,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
-from prefixcache.config import EngineConfig
-from prefixcache.engine import LLMEngine
-from prefixcache.engine_api import (
+from prefixcache.api.engine import (
     EngineHealth,
     EngineRequest,
     EngineStats,
@@ -37,7 +35,7 @@ from prefixcache.engine_api import (
     TenantStats,
     WarmResult,
 )
-from prefixcache.errors import (
+from prefixcache.api.errors import (
     EngineShutDownError,
     InvalidRequestError,
     QueueFullError,
@@ -45,7 +43,9 @@ from prefixcache.errors import (
     SlowConsumerError,
     TenantQuotaError,
 )
-from prefixcache.request import CacheExplanation, SamplingParams, SharedPrefix, StreamDelta
+from prefixcache.api.request import CacheExplanation, SamplingParams, SharedPrefix, StreamDelta
+from prefixcache.config import EngineConfig
+from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.segments.plan import SegmentRequest
 
 log = logging.getLogger(__name__)

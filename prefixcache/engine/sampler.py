@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixcache.request import SamplingParams
+from prefixcache.api.request import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 
+from prefixcache.api.request import CompletionOutput, RequestOutput, RequestStatus, StreamDelta
+from prefixcache.engine.sampler import Sampled
 from prefixcache.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from prefixcache.request import CompletionOutput, RequestOutput, RequestStatus, StreamDelta
-from prefixcache.sampler import Sampled
 from prefixcache.sequence import Sequence
 
 

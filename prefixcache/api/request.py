@@ -1,6 +1,6 @@
 """Request, SamplingParams, RequestOutput: plain data, shaped like vLLM's so users know them.
 
-Imports nothing of ours but the typed errors (prefixcache/errors.py)."""
+Imports nothing of ours but the typed errors (prefixcache/api/errors.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from prefixcache.errors import InvalidRequestError
+from prefixcache.api.errors import InvalidRequestError
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by 1e-40 gives
 # inf, and softmax of inf is NaN. The greedy token is the limit of sampling as T -> 0 anyway.

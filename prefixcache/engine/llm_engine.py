@@ -2,7 +2,7 @@
 lifecycle around it.
 
 Every feature that reads or fills the KV cache beyond the prefix index (persistent tiers,
-segment caching, KV events) is a KV connector (cache/connector.py), built by connectors.py; the
+segment caching, KV events) is a KV connector (cache/connector.py), built by connectors/build.py; the
 engine calls the protocol and never a concrete connector.
 
 Not thread-safe by itself; ``AsyncEngine`` (async_engine.py) serialises access with a lock.
@@ -17,35 +17,36 @@ from collections.abc import Callable
 
 import torch
 
-from prefixcache import engine_stats, kernels
-from prefixcache.cache.block_pool import BlockPool
-from prefixcache.cache.connector import IDLE_WAIT
-from prefixcache.cache.manager import blocks_needed, kv_cache_manager
-from prefixcache.config import EngineConfig
-from prefixcache.connectors import build_connectors
-from prefixcache.engine_api import EngineRequest, EngineStats, LookupResult, TenantStats
-from prefixcache.errors import (
+from prefixcache import kernels
+from prefixcache.api.engine import EngineRequest, EngineStats, LookupResult, TenantStats
+from prefixcache.api.errors import (
     ContextLengthError,
     InvalidRequestError,
     PinQuotaError,
     SequenceFailedError,
 )
-from prefixcache.kv.formats import kv_format
-from prefixcache.kv.pool import plan_kv_layout
-from prefixcache.model.loader import load_weights
-from prefixcache.model.paths import DEFAULT_MODEL_NAME, resolve_model_path
-from prefixcache.model.runner import ModelRunner, resolve_dtype, weight_format
-from prefixcache.model.weights_cache import load_model
-from prefixcache.output import OutputProcessor
-from prefixcache.request import (
+from prefixcache.api.request import (
     CacheExplanation,
     RequestMetrics,
     RequestStatus,
     SamplingParams,
     SharedPrefix,
 )
-from prefixcache.sampler import SampleFailure, make_generator, sample
-from prefixcache.scheduler import Scheduler, SchedulerOutput
+from prefixcache.cache.block_pool import BlockPool
+from prefixcache.cache.connector import IDLE_WAIT
+from prefixcache.cache.manager import blocks_needed, kv_cache_manager
+from prefixcache.config import EngineConfig
+from prefixcache.connectors.build import build_connectors
+from prefixcache.engine import stats as engine_stats
+from prefixcache.engine.output import OutputProcessor
+from prefixcache.engine.sampler import SampleFailure, make_generator, sample
+from prefixcache.engine.scheduler import Scheduler, SchedulerOutput
+from prefixcache.kv.formats import kv_format
+from prefixcache.kv.pool import plan_kv_layout
+from prefixcache.model.loader import load_weights
+from prefixcache.model.paths import DEFAULT_MODEL_NAME, resolve_model_path
+from prefixcache.model.runner import ModelRunner, resolve_dtype, weight_format
+from prefixcache.model.weights_cache import load_model
 from prefixcache.segments.plan import SegmentRequest
 from prefixcache.sequence import Sequence
 
@@ -102,7 +103,7 @@ class LLMEngine:
         )
         self.kv = kv_cache_manager(pool, self.fingerprint, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
-        # Segments, the persistent tiers, KV events: what the config asks for (connectors.py).
+        # Segments, the persistent tiers, KV events: what the config asks for (connectors/build.py).
         self.connectors = build_connectors(config, self.fingerprint, self.kv, self.runner)
         if self.connectors.wants_events:
             self.pool.index.record_events()
@@ -183,7 +184,7 @@ class LLMEngine:
         segments: SegmentRequest | None = None,
         shared_prefix: SharedPrefix | None = None,
     ) -> Sequence:
-        """``add`` of an EngineRequest of these fields (engine_api.py says what each means)."""
+        """``add`` of an EngineRequest of these fields (api/engine.py says what each means)."""
         return self.add(EngineRequest(
             request_id, prompt, params, namespace=namespace, tenant=tenant, priority=priority,
             explain=explain, explain_across_namespaces=explain_across_namespaces,
@@ -436,7 +437,7 @@ class LLMEngine:
         self.connectors.on_events(self.pool.index.take_events())
         return n, tickets
 
-    # ---- facts (engine_stats.py) ------------------------------------------------------------------
+    # ---- facts (stats.py) -----------------------------------------------------------------------
     def cache_stats(self) -> dict:
         """The offline API's view of ``stats()`` (the keys documented in docs/engine.md)."""
         return engine_stats.cache_stats(self.stats(), self.layout, self.connectors)

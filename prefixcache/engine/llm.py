@@ -6,9 +6,9 @@ import itertools
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
+from prefixcache.api.request import RequestOutput, SamplingParams, SharedPrefix
 from prefixcache.config import EngineConfig
-from prefixcache.engine import LLMEngine
-from prefixcache.request import RequestOutput, SamplingParams, SharedPrefix
+from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.segments.plan import (
     CACHE_MODES,
     DEFAULT_RECOMPUTE_TOKENS,

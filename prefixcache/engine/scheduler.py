@@ -23,10 +23,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from prefixcache.api.request import RequestStatus
 from prefixcache.cache.hashing import BlockHash
 from prefixcache.cache.manager import KVCacheManager
 from prefixcache.config import EngineConfig
-from prefixcache.fairness import (
+from prefixcache.engine.fairness import (
     RecentTenants,
     StepPace,
     fair_order,
@@ -36,7 +37,6 @@ from prefixcache.fairness import (
     shared_budget,
     token_caps,
 )
-from prefixcache.request import RequestStatus
 from prefixcache.sequence import ScheduledSeq, Sequence
 
 

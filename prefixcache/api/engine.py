@@ -2,7 +2,7 @@
 
 ``AsyncEngine`` implements :class:`EngineAPI`; the server (``prefixcache/server``) uses nothing
 else of the engine, so it never probes for methods with ``getattr`` and never matches error
-messages (the errors are the classes of ``prefixcache/errors.py``). Tests can hand the app any
+messages (the errors are the classes of ``prefixcache/api/errors.py``). Tests can hand the app any
 object with these methods.
 
 No torch here, and no engine import: plain data and a ``typing.Protocol``.
@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from prefixcache.api.request import CacheExplanation, SamplingParams, SharedPrefix, StreamDelta
 from prefixcache.config import EngineConfig
-from prefixcache.request import CacheExplanation, SamplingParams, SharedPrefix, StreamDelta
 from prefixcache.segments.plan import SegmentRequest
 
 

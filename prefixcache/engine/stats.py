@@ -10,11 +10,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from prefixcache.api.engine import EngineStats, TenantStats
 from prefixcache.cache.connector import ConnectorSet
 from prefixcache.cache.manager import KVCacheManager
-from prefixcache.engine_api import EngineStats, TenantStats
+from prefixcache.engine.scheduler import Scheduler
 from prefixcache.kv.pool import KVLayout
-from prefixcache.scheduler import Scheduler
 
 
 @dataclass

@@ -10,11 +10,11 @@ from __future__ import annotations
 from prefixcache.cache.connector import ConnectorSet
 from prefixcache.cache.manager import KVCacheManager
 from prefixcache.config import EngineConfig, parse_bytes
-from prefixcache.engine_tiers import TierConnector, build_storage
-from prefixcache.events.connector import build_kv_events
+from prefixcache.connectors.kv_events import build_kv_events
+from prefixcache.connectors.segments import SegmentConnector
+from prefixcache.connectors.tiers import TierConnector, build_storage
 from prefixcache.model.runner import ModelRunner
 from prefixcache.segments.assembler import SegmentAssembler
-from prefixcache.segments.connector import SegmentConnector
 from prefixcache.segments.store import SegmentStore
 
 
