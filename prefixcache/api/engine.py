@@ -35,13 +35,13 @@ class EngineRequest:
     prompt: str | list[int]
     params: SamplingParams
     namespace: str | None = None
-    tenant: str | None = None
     priority: int = 0
     explain: bool = False
+    arrival_time: float | None = None  # time.time() at arrival; None: when added
+    tenant: str | None = None
     explain_across_namespaces: bool = False
     segments: SegmentRequest | None = None
     shared_prefix: SharedPrefix | None = None
-    arrival_time: float | None = None  # time.time() at arrival; None: when added
 
 
 @dataclass(frozen=True)
@@ -153,22 +153,8 @@ class EngineAPI(Protocol):
     def check_admission(self, tenant: str | None, num_sequences: int) -> None:
         """Raise QueueFullError / TenantQuotaError if ``num_sequences`` more do not fit now."""
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        namespace: str | None = None,
-        priority: int = 0,
-        explain: bool = False,
-        *,
-        tenant: str | None = None,
-        explain_across_namespaces: bool = False,
-        segments: SegmentRequest | None = None,
-        shared_prefix: SharedPrefix | None = None,
-    ) -> AsyncIterator[StreamDelta]:
-        """``shared_prefix``: the leading tokens cached in a shared namespace (whole blocks);
-        the rest, output included, is keyed in ``namespace`` only."""
+    def add(self, request: EngineRequest) -> AsyncIterator[StreamDelta]:
+        """Run ``request`` (its prompt as token ids); its deltas, as they come."""
 
     def abort(self, request_id: str) -> None: ...
     def validate_prompt(self, prompt_token_ids: list[int]) -> None: ...

@@ -166,7 +166,7 @@ class RequestOutput:
 
 @dataclass
 class StreamDelta:
-    """One increment of a streamed request (AsyncEngine.add_request yields these)."""
+    """One increment of a streamed request (AsyncEngine.add yields these)."""
 
     request_id: str
     new_token_ids: list[int]

@@ -1,7 +1,7 @@
 """AsyncEngine: the step loop in a background thread, requests as async iterators of deltas.
 
 Threading model: one engine thread owns the LLMEngine and runs steps while holding ``_lock``.
-Event-loop code never waits on a step to submit work: ``add_request`` and ``abort`` put typed
+Event-loop code never waits on a step to submit work: ``add`` and ``abort`` put typed
 messages (:class:`~prefixcache.api.engine.EngineRequest`, :class:`AbortRequest`) in an inbox that the engine thread drains
 between steps. Read-only cache queries (lookup, stats) take the lock briefly; call them through
 ``asyncio.to_thread`` when a step may be long. Deltas are handed back to each request's event
@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -210,40 +211,29 @@ class AsyncEngine:
                 f"{num_sequences} more (its share is {self.config.tenant_waiting_limit})"
             )
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        namespace: str | None = None,
-        priority: int = 0,
-        explain: bool = False,
-        *,
-        tenant: str | None = None,
-        explain_across_namespaces: bool = False,
-        segments: SegmentRequest | None = None,
-        shared_prefix: SharedPrefix | None = None,
-    ) -> AsyncIterator[StreamDelta]:
+    def add_request(self, *args, **fields) -> AsyncIterator[StreamDelta]:
+        """``add`` of ``EngineRequest(*args, **fields)`` (request_id, prompt token ids, params,
+        then its optional fields, api/engine.py)."""
+        return self.add(EngineRequest(*args, **fields))
+
+    def add(self, request: EngineRequest) -> AsyncIterator[StreamDelta]:
         """Validate now (InvalidRequestError, QueueFullError, TenantQuotaError,
         EngineShutDownError), run in the engine thread, stream deltas. Requests added before
         the first ``start()`` wait for it; after ``shutdown()`` they are refused until
-        ``start()`` is called again. ``shared_prefix``: LLMEngine.add_request."""
-        request = EngineRequest(
-            request_id, list(prompt_token_ids), params, namespace=namespace, tenant=tenant,
-            priority=priority, explain=explain, explain_across_namespaces=explain_across_namespaces,
-            segments=segments, shared_prefix=shared_prefix,
-        )  # fmt: skip
+        ``start()`` is called again. The prompt is token ids (the server tokenizes)."""
+        request = dataclasses.replace(request, prompt=list(request.prompt))
         self._check_request(request)
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        stream = _Stream(asyncio.get_running_loop(), tenant)
-        self._streams[request_id] = stream
+        rid = request.request_id
+        if rid in self._streams:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        stream = _Stream(asyncio.get_running_loop(), request.tenant)
+        self._streams[rid] = stream
         self._inbox.append(request)
         self._wake.set()
-        return self._iterate(request_id, stream)
+        return self._iterate(rid, stream)
 
     def _check_request(self, request: EngineRequest) -> None:
-        """What ``add_request`` refuses at once, in this order: a closed engine, a request that
+        """What ``add`` refuses at once, in this order: a closed engine, a request that
         can never run (``LLMEngine.check_request``: a segments request over its limits, a shared
         prefix past its prompt included), a tenant over its share."""
         if self._closed or self._crash is not None:

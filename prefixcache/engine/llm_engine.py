@@ -47,7 +47,6 @@ from prefixcache.model.loader import load_weights
 from prefixcache.model.paths import DEFAULT_MODEL_NAME, resolve_model_path
 from prefixcache.model.runner import ModelRunner, resolve_dtype, weight_format
 from prefixcache.model.weights_cache import load_model
-from prefixcache.segments.plan import SegmentRequest
 from prefixcache.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -170,26 +169,10 @@ class LLMEngine:
                 f"token id {bad!r} is outside the vocabulary [0, {vocab})", param="prompt"
             )
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        namespace: str | None = None,
-        priority: int = 0,
-        explain: bool = False,
-        arrival_time: float | None = None,
-        tenant: str | None = None,
-        explain_across_namespaces: bool = False,
-        segments: SegmentRequest | None = None,
-        shared_prefix: SharedPrefix | None = None,
-    ) -> Sequence:
-        """``add`` of an EngineRequest of these fields (api/engine.py says what each means)."""
-        return self.add(EngineRequest(
-            request_id, prompt, params, namespace=namespace, tenant=tenant, priority=priority,
-            explain=explain, explain_across_namespaces=explain_across_namespaces,
-            segments=segments, shared_prefix=shared_prefix, arrival_time=arrival_time,
-        ))  # fmt: skip
+    def add_request(self, *args, **fields) -> Sequence:
+        """``add`` of ``EngineRequest(*args, **fields)`` (request_id, prompt, params, then its
+        optional fields, api/engine.py)."""
+        return self.add(EngineRequest(*args, **fields))
 
     def check_request(self, ids: list[int], request: EngineRequest) -> None:
         """Refuse what can never run (typed errors): the prompt and lengths, a shared prefix
@@ -385,7 +368,7 @@ class LLMEngine:
 
     def num_stored_segments(self, token_ids: list[int], spans, namespace: str | None) -> int:
         """How many of these spans of ``token_ids`` the segment store holds now. A warm in
-        segments mode is a request (``add_request`` with ``SegmentRequest.store_only``)."""
+        segments mode is a request (``add`` with ``SegmentRequest.store_only``)."""
         segments = self.connectors.get("segments")
         return 0 if segments is None else segments.num_stored(token_ids, spans, namespace)
 

@@ -139,7 +139,7 @@ class SegmentAssembler:
         # write-through (connector.py); None without tiers.
         self.on_computed = on_computed
 
-    # ---- planning (at add_request) --------------------------------------------------------------
+    # ---- planning (at arrival) -----------------------------------------------------------------
     def check(self, token_ids: list[int], request: SegmentRequest) -> None:
         """Refuse what a segments request may never run: bad spans (InvalidRequestError), more
         documents than ``max_segments`` or a document whose KV computed alone would make a

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import jinja2
 
-from prefixcache.api.engine import EngineAPI
+from prefixcache.api.engine import EngineAPI, EngineRequest
 from prefixcache.api.errors import InvalidRequestError
 from prefixcache.api.request import SamplingParams, SharedPrefix
 from prefixcache.segments.plan import DEFAULT_RECOMPUTE_TOKENS, SegmentOptions, SegmentRequest
@@ -366,11 +366,11 @@ class Serving:
                     choice_sp = sp
                     if sp.seed is not None and j:
                         choice_sp = replace(sp, seed=_wrap_seed(sp.seed + j))
-                    choice.stream = self.engine.add_request(
+                    choice.stream = self.engine.add(EngineRequest(
                         choice.request_id, ids, choice_sp, namespace, priority, explain,
                         tenant=tenant.name, explain_across_namespaces=tenant.admin,
                         segments=segments, shared_prefix=shared_prefix,
-                    )  # fmt: skip
+                    ))  # fmt: skip
                     run.choices.append(choice)
         except BaseException as e:
             run.close()
