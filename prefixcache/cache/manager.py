@@ -279,8 +279,9 @@ class KVCacheManager:
         seq.num_registered_blocks = n_full
 
     def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
-        """The KV of ``seq``'s first ``num_tokens`` tokens is in its blocks now (a connector
-        computed or placed them: a segments assembly). Blocks must already hold them."""
+        """The KV of ``seq``'s first ``num_tokens`` tokens is in its blocks now (after a step's
+        forward, or a connector's work: a segments assembly). With ``admit`` and ``free``, the
+        only writer of ``num_computed_tokens``."""
         assert num_tokens <= len(seq.block_table) * self.block_size, "computed past the blocks"
         seq.num_computed_tokens = num_tokens
 

@@ -226,11 +226,10 @@ class LLMEngine:
         seq = self.seqs.get(request_id)
         if seq is None:
             return None
-        self._retire(seq)
-        if not seq.finished:
-            seq.finish_reason = "abort"
-            seq.status = RequestStatus.FINISHED
-            seq.metrics.finished_time = time.time()
+        if seq.finished:
+            self._retire(seq)
+        else:
+            self._finish(seq, "abort")
         return seq
 
     def has_unfinished(self) -> bool:
@@ -281,7 +280,7 @@ class LLMEngine:
         sampled = sample(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
         failed: dict[int, BaseException] = {}
         for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            self.kv.mark_computed(s.seq, s.seq.num_computed_tokens + s.num_new_tokens)
             registered = s.seq.num_registered_blocks
             try:
                 self.kv.commit(s.seq)
@@ -298,12 +297,12 @@ class LLMEngine:
                 if isinstance(res, SampleFailure):
                     raise res.error
                 self.generated.add(seq.tenant)
-                done = self.output.append(seq, res, now)
+                stop = self.output.append(seq, res, now)
             except Exception as e:  # noqa: BLE001 - isolated to this sequence
                 self._fail_sequence(seq, e)
-                done = False
-            if done:
-                self._retire(seq)
+                stop = None
+            if stop is not None:
+                self._finish(seq, stop.reason, stop.stop_reason, now)
             updated.append(seq)
         for s in out.scheduled:  # a commit failed on a chunk that samples nothing
             if id(s.seq) in failed:
@@ -318,12 +317,14 @@ class LLMEngine:
         self.seqs.pop(seq.request_id, None)
         self.connectors.on_finish(seq)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        """Finish a sequence now, with no further output (a warm that kept its documents)."""
+    def _finish(self, seq: Sequence, reason: str, stop_reason=None, now: float | None = None) -> None:
+        """The one place a sequence becomes FINISHED: a stop condition, its length, an abort,
+        an error, or a warm that kept its documents (no output)."""
         self._retire(seq)
         seq.finish_reason = reason
+        seq.stop_reason = stop_reason
         seq.status = RequestStatus.FINISHED
-        seq.metrics.finished_time = time.time()
+        seq.metrics.finished_time = time.time() if now is None else now
 
     def _fail_sequence(self, seq: Sequence, err: BaseException) -> None:
         """Finish one sequence with an error and free its blocks; nobody else is touched."""

@@ -8,11 +8,21 @@ string that is then cut away.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
-from prefixcache.api.request import CompletionOutput, RequestOutput, RequestStatus, StreamDelta
+from prefixcache.api.request import CompletionOutput, RequestOutput, StreamDelta
 from prefixcache.engine.sampler import Sampled
 from prefixcache.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from prefixcache.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Why a sequence ends: ``reason`` ("stop", "length") and what stopped it (a stop token id
+    or string; None for EOS and length)."""
+
+    reason: str
+    stop_reason: int | str | None
 
 
 class OutputProcessor:
@@ -22,7 +32,9 @@ class OutputProcessor:
         self.eos_ids = frozenset(tokenizer.stop_token_ids)
 
     def append(self, seq: Sequence, s: Sampled, now: float | None = None) -> bool:
-        """Add one sampled token; returns True when the sequence has finished."""
+        """Add one sampled token; returns why the sequence ends now (a ``Stop``), or None. The
+        engine finishes it (its status has one writer per transition: the scheduler's queue
+        states, the engine's ``_finish``)."""
         now = time.time() if now is None else now
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
@@ -36,29 +48,21 @@ class OutputProcessor:
         p = seq.params
         tok = s.token_id
         if tok in p.stop_token_ids:
-            return self._finish(seq, "stop", tok, now)
+            return Stop("stop", tok)
         if not p.ignore_eos and tok in self.eos_ids:
-            return self._finish(seq, "stop", None, now)
+            return Stop("stop", None)
         for stop in p.stop:
             # Only the tail can hold a new match: the added text plus len(stop) - 1 before it.
             idx = seq.text.find(stop, max(0, before - len(stop) + 1))
             if idx >= 0:
                 cut = idx + len(stop) if p.include_stop_str_in_output else idx
                 seq.text = seq.text[:cut]
-                return self._finish(seq, "stop", stop, now)
+                return Stop("stop", stop)
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             # A stream cut mid-character still hands over the bytes it has.
             seq.text += seq.detok.flush()
-            return self._finish(seq, "length", None, now)
-        return False
-
-    @staticmethod
-    def _finish(seq: Sequence, reason: str, stop_reason, now: float) -> bool:
-        seq.finish_reason = reason
-        seq.stop_reason = stop_reason
-        seq.status = RequestStatus.FINISHED
-        seq.metrics.finished_time = now
-        return True
+            return Stop("length", None)
+        return None
 
     # ---- views ------------------------------------------------------------------------------
     def stream_delta(self, seq: Sequence) -> StreamDelta:
