@@ -47,7 +47,7 @@ from prefixcache.model.loader import load_weights
 from prefixcache.model.paths import DEFAULT_MODEL_NAME, resolve_model_path
 from prefixcache.model.runner import ModelRunner, resolve_dtype, weight_format
 from prefixcache.model.weights_cache import load_model
-from prefixcache.sequence import Sequence
+from prefixcache.sequence import ScheduledSeq, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,11 @@ class LLMEngine:
             self.connectors.on_events(self.pool.index.take_events())
 
     def _run(self, out: SchedulerOutput) -> list[Sequence]:
-        """The scheduled batch: connectors' share of it, the forward, sampling, commit."""
+        """The scheduled batch: connectors' share of it, then run, sample, commit, postprocess.
+
+        A failure after the forward belongs to one sequence: it is finished alone
+        (finish_reason "error", seq.error set) and every other sequence of the step goes on
+        unchanged. The forward itself is shared; if it raises, the caller fails the batch."""
         # A connector may spend the tokens granted to some sequences on its own work (segments
         # assembling their documents, in pieces over as many steps as it takes); those leave
         # this forward, and those it finished (warms that kept their documents) end.
@@ -266,28 +270,39 @@ class LLMEngine:
             self._finish(seq, "stop")
         if not out.scheduled:
             return finished
-        now = time.time()
-        for s in out.scheduled:
-            if s.seq.metrics.first_scheduled_time is None:
-                s.seq.metrics.first_scheduled_time = now
-        # A failure from here on belongs to one sequence: it is finished alone (finish_reason
-        # "error", seq.error set) and every other sequence of the step goes on unchanged. The
-        # forward pass itself is shared; if it raises, the caller fails the whole batch.
+        self._mark_scheduled(out.scheduled)
         t0 = time.perf_counter()
         logits = self.runner.execute(out.scheduled)
         self.connectors.after_forward(_prompt_tokens(out.scheduled), time.perf_counter() - t0)
         sampling = [s for s in out.scheduled if s.samples]
         sampled = sample(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
+        failed = self._commit(out.scheduled)
+        return finished + self._postprocess(out.scheduled, sampling, sampled, failed)
+
+    @staticmethod
+    def _mark_scheduled(scheduled: list[ScheduledSeq]) -> None:
+        now = time.time()
+        for s in scheduled:
+            if s.seq.metrics.first_scheduled_time is None:
+                s.seq.metrics.first_scheduled_time = now
+
+    def _commit(self, scheduled: list[ScheduledSeq]) -> dict[int, BaseException]:
+        """The step's tokens are computed: full blocks enter the index, connectors see them
+        (write-through). Returns the failures, by id of the sequence."""
         failed: dict[int, BaseException] = {}
-        for s in out.scheduled:
+        for s in scheduled:
             self.kv.mark_computed(s.seq, s.seq.num_computed_tokens + s.num_new_tokens)
             registered = s.seq.num_registered_blocks
             try:
                 self.kv.commit(s.seq)
-                self.connectors.after_commit(s.seq, registered)  # e.g. write-through to the tiers
+                self.connectors.after_commit(s.seq, registered)
             except Exception as e:  # noqa: BLE001 - isolated to this sequence
                 failed[id(s.seq)] = e
-        updated: list[Sequence] = list(finished)
+        return failed
+
+    def _postprocess(self, scheduled, sampling, sampled, failed) -> list[Sequence]:
+        """Append each sampled token, finish what stopped, fail what failed alone."""
+        updated: list[Sequence] = []
         now = time.time()
         for s, res in zip(sampling, sampled):
             seq = s.seq
@@ -304,7 +319,7 @@ class LLMEngine:
             if stop is not None:
                 self._finish(seq, stop.reason, stop.stop_reason, now)
             updated.append(seq)
-        for s in out.scheduled:  # a commit failed on a chunk that samples nothing
+        for s in scheduled:  # a commit failed on a chunk that samples nothing
             if id(s.seq) in failed:
                 self._fail_sequence(s.seq, failed.pop(id(s.seq)))
                 updated.append(s.seq)
