@@ -19,7 +19,7 @@ from prefixcache.segments.assembler import SegmentAssembler
 from prefixcache.segments.plan import SegmentPlan
 from prefixcache.segments.store import SegmentEntry
 from prefixcache.sequence import ScheduledSeq, Sequence
-from prefixcache.tiers.jobs import RestoreJob
+from prefixcache.tiers.jobs import RestoreJob, take_mine
 from prefixcache.tiers.records import SEGMENTS, SegmentRef
 from prefixcache.tiers.shares import owner_of
 
@@ -77,11 +77,7 @@ class SegmentConnector(KVConnector):
         if self.storage is None or not self._restores:
             return []
         changed = []
-        for job in self.storage.take_completed(SEGMENTS):
-            entry = self._restores.get(job.request_id)
-            if entry is None or entry[1] is not job:
-                continue  # aborted meanwhile
-            del self._restores[job.request_id]
+        for entry, job in take_mine(self.storage.take_completed(SEGMENTS), self._restores):
             changed.append(entry[0])
             if job.found and self.storage.is_current(job):
                 self._install(entry[0], job)

@@ -36,7 +36,7 @@ from prefixcache.config import EngineConfig, parse_bytes
 from prefixcache.kv.pool import KVCache
 from prefixcache.model.loader import ModelConfig
 from prefixcache.sequence import Sequence
-from prefixcache.tiers.jobs import RestoreJob
+from prefixcache.tiers.jobs import RestoreJob, take_mine
 from prefixcache.tiers.keys import StoreLayout
 from prefixcache.tiers.manager import TierManager
 from prefixcache.tiers.records import BLOCKS, BlockRef
@@ -129,11 +129,7 @@ class TierConnector(KVConnector):
         if not self._jobs:
             return []
         changed = []
-        for job in self.manager.take_completed(BLOCKS):
-            entry = self._jobs.get(job.request_id)
-            if entry is None or entry[1] is not job:
-                continue  # aborted meanwhile
-            del self._jobs[job.request_id]
+        for entry, job in take_mine(self.manager.take_completed(BLOCKS), self._jobs):
             seq = entry[0]
             changed.append(seq)
             if not job.found or not self.manager.is_current(job):

@@ -25,6 +25,19 @@ class RestoreJob:
     cancelled: bool = False
 
 
+def take_mine(completed: list[RestoreJob], table: dict) -> list[tuple[tuple, RestoreJob]]:
+    """The finished ``completed`` jobs still current in ``table`` (request id -> an entry whose
+    second item is the job: a connector's restores), each removed from it, with its entry;
+    a job whose request left meanwhile (or was resubmitted) is skipped."""
+    out = []
+    for job in completed:
+        entry = table.get(job.request_id)
+        if entry is not None and entry[1] is job:
+            del table[job.request_id]
+            out.append((entry, job))
+    return out
+
+
 @dataclass
 class Write:
     namespace: str | None
