@@ -257,6 +257,8 @@ def test_segments_mode_warm_usage_isolation_invalidation_and_bad_input(alice, bo
 
     warmed = alice.post("/v1/cache/warm", {"messages": [system, *docs], "cache_mode": "segments"})
     assert warmed["already_cached_segments"] == 0
+    again = alice.post("/v1/cache/warm", {"messages": [system, *docs], "cache_mode": "segments"})
+    assert again["already_cached_segments"] == 3  # the connector's `held` answer
     n = warmed["segment_tokens"]
     assert seg_cached(alice, reordered) == (n[2] - 2) + (n[0] - 2)
     assert seg_cached(bob, reordered) == 0  # the namespace is in the segment key

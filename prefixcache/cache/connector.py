@@ -20,6 +20,9 @@ only through these hooks, in this order within a request's life and a step:
 - ``on_finish(seq)``: finished, aborted or failed: its pending work installs nothing;
 - ``start_invalidate`` / ``wait``: a namespace dropped (the RAM part under the engine lock, the
   slow part, e.g. tier deletion, waited for outside it);
+- ``held(token_ids, request)``: how much of a request the connector holds now, in its own unit
+  (segments: the request's documents in the RAM store), None where the question does not
+  apply; the caller reads it under the connector's ``name`` (a warm's "already cached");
 - ``stats()`` / ``tenant_stats(tenant)``: the connector's figures, under its ``name``;
 - ``flush``, ``check_integrity``, ``close``.
 
@@ -67,6 +70,9 @@ class KVConnector:
         return None
 
     def wait(self, ticket: object) -> None: ...
+    def held(self, token_ids: list[int], request) -> int | None:
+        return None
+
     def stats(self) -> object | None:
         return None
 
@@ -174,6 +180,11 @@ class ConnectorSet:
                 error = error or e
         if error is not None:
             raise error
+
+    def held(self, token_ids: list[int], request) -> dict[str, int]:
+        return {
+            c.name: n for c in self.connectors if (n := c.held(token_ids, request)) is not None
+        }
 
     def stats(self) -> dict:
         return {c.name: s for c in self.connectors if (s := c.stats()) is not None}

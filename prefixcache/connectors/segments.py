@@ -140,8 +140,11 @@ class SegmentConnector(KVConnector):
         return SegmentRef(key, record.key_input(sink, token_ids), size, n)
 
     # ---- control and facts -----------------------------------------------------------------------
-    def num_stored(self, token_ids: list[int], spans, namespace: str | None) -> int:
-        return self.assembler.num_stored(token_ids, spans, namespace)
+    def held(self, token_ids: list[int], request) -> int | None:
+        """How many of a segments request's documents the RAM store holds now."""
+        if request.segments is None:
+            return None
+        return self.assembler.num_stored(token_ids, request.segments.spans, request.namespace)
 
     def start_invalidate(self, namespace: str | None, all_namespaces: bool) -> None:
         self.store.invalidate(namespace, all_namespaces)

@@ -410,21 +410,20 @@ class AsyncEngine:
         computed alone in pieces within each step's token budget and the tenant's share."""
         if not spans:
             return 0
-        request = SegmentRequest(tuple(spans), store_only=True)
-        self._check_request(EngineRequest("warm", list(token_ids), _WARM_PARAMS, namespace,
-                                          tenant=tenant, segments=request))  # fmt: skip
-        before = await asyncio.to_thread(self._num_stored_segments, token_ids, spans, namespace)
+        request = EngineRequest("warm", list(token_ids), _WARM_PARAMS, namespace, tenant=tenant,
+                                segments=SegmentRequest(tuple(spans), store_only=True))  # fmt: skip
+        self._check_request(request)
+        before = (await asyncio.to_thread(self._held, request)).get("segments", 0)
         self._warm_ids += 1
         rid = f"warm-{self._warm_ids}-{time.monotonic_ns()}"
-        stream = self.add_request(rid, token_ids, _WARM_PARAMS, namespace, tenant=tenant,
-                                  segments=request)  # fmt: skip
+        stream = self.add(dataclasses.replace(request, request_id=rid))
         async for _ in stream:
             pass
         return before
 
-    def _num_stored_segments(self, token_ids, spans, namespace) -> int:
+    def _held(self, request: EngineRequest) -> dict[str, int]:
         with self._lock:
-            return self.engine.num_stored_segments(token_ids, spans, namespace)
+            return self.engine.held(request)
 
     def set_pin_tenants(self, tenants: Iterable[str]) -> None:
         """The tenants bound by a pin quota (the server's non-admin ones; called again when the

@@ -382,11 +382,11 @@ class LLMEngine:
     ) -> list[bytes]:
         return self.kv.keys_for(prompt_token_ids, namespace, shared_prefix)
 
-    def num_stored_segments(self, token_ids: list[int], spans, namespace: str | None) -> int:
-        """How many of these spans of ``token_ids`` the segment store holds now. A warm in
-        segments mode is a request (``add`` with ``SegmentRequest.store_only``)."""
-        segments = self.connectors.get("segments")
-        return 0 if segments is None else segments.num_stored(token_ids, spans, namespace)
+    def held(self, request: EngineRequest) -> dict[str, int]:
+        """What each connector holds of this request now, under its name (a warm in segments
+        mode reports ``held["segments"]``, the documents already stored, before it runs as a
+        request: ``add`` with ``SegmentRequest.store_only``). Under the engine lock."""
+        return self.connectors.held(list(request.prompt), request)
 
     def pin_prefix(
         self,
