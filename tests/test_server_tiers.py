@@ -109,6 +109,8 @@ def test_two_servers_share_redis_restart_from_disk_tenants_faults(tmp_path):
         assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 5 * BLOCK
         info = warm["choices"][0]["cache_info"]
         assert info["cached_tokens_by_tier"] == {"ram": 0, "redis": 5 * BLOCK}
+        # explained again once restored (at arrival RAM had none): what it got, not a miss
+        assert (info["cached_tokens"], info["reason"]) == (5 * BLOCK, "partial_block")
         other = _complete(b, "sk-bob", prompt)  # same prompt, another tenant: nothing shared
         assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert _stats(b, "sk-alice")["tier_hit_tokens"] == {"redis": 5 * BLOCK}

@@ -123,10 +123,17 @@ class ConnectorSet:
         seq.loading = any(c.pending(seq) for c in self.connectors)
 
     # ---- a step ------------------------------------------------------------------------------
-    def before_step(self) -> None:
+    def before_step(self) -> list[Sequence]:
+        """Each connector installs its finished work; returns the sequences no connector is
+        loading for any more (the engine re-explains those that asked: what they get now)."""
+        loaded = []
         for c in self.connectors:
             for seq in c.before_step():
+                was = seq.loading
                 self._update(seq)
+                if was and not seq.loading:
+                    loaded.append(seq)
+        return loaded
 
     def take_scheduled(
         self, scheduled: list[ScheduledSeq]

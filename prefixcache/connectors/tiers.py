@@ -169,8 +169,6 @@ class TierConnector(KVConnector):
             pool.release(ids)
         finally:
             pool.release(m.block_ids)
-        if seq.explain:  # explained at arrival, before the restore: say what it gets now
-            seq.cache_info = self.kv.explain_in(seq.prompt_token_ids, self.kv.scope_of(seq), ())
         for where, n in got.items():  # a chain crossing a shared prefix comes in two jobs
             seq.tier_tokens[where] = seq.tier_tokens.get(where, 0) + n
         self._by_tenant.setdefault(seq.tenant, Counter()).update(got)

@@ -243,7 +243,11 @@ class LLMEngine:
         self._explained = None
         self.pool.expire_pins()
         try:
-            self.connectors.before_step()  # finished restores are installed
+            for seq in self.connectors.before_step():  # finished restores are installed
+                if seq.explain:  # explained at arrival, before the restore: what it gets now
+                    seq.cache_info = self.kv.explain_in(
+                        seq.prompt_token_ids, self.kv.scope_of(seq), ()
+                    )
             out = self.scheduler.schedule()
             if not out.scheduled:
                 self.connectors.idle_wait(IDLE_WAIT)  # only connector work is left: briefly
