@@ -74,12 +74,17 @@ async def victim_ttft(client: httpx.AsyncClient, rng: random.Random) -> float:
                              headers={"Authorization": "Bearer sk-victim"}) as r:  # fmt: skip
         if r.status_code != 200:
             raise RuntimeError(f"victim got {r.status_code}: {await r.aread()!r}")
-        ttft = None
+        ttft, done = None, False
         async for line in r.aiter_lines():  # read to the end: the request finishes normally
-            if ttft is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                ttft = time.perf_counter() - t0
-    if ttft is None:
-        raise RuntimeError("the victim's stream ended without text")
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:  # e.g. cancelled at max_pending_deltas: a lost request
+                    raise RuntimeError(f"the victim's stream failed: {chunk['error']}")
+                if ttft is None and chunk["choices"][0]["text"]:
+                    ttft = time.perf_counter() - t0
+            done = done or line == "data: [DONE]"
+    if ttft is None or not done:
+        raise RuntimeError("the victim's stream ended without text or without [DONE]")
     return ttft
 
 
@@ -118,6 +123,15 @@ async def segments(client, rng, args, stop, codes, docs: int | None = None) -> N
         await attack_call(client, "POST", "/v1/cache/warm", body, codes)
 
 
+async def segments_chat(client, rng, args, stop, codes) -> None:
+    """The same documents through a chat in segments mode with nothing recomputed."""
+    while not stop.is_set():
+        docs_ = [{"role": "document", "content": document(rng)} for _ in range(args.segment_docs)]
+        body = {"cache_mode": "segments", "segment_recompute_tokens": 0, "max_tokens": 4,
+                "messages": [*docs_, {"role": "user", "content": "Summarize."}]}  # fmt: skip
+        await attack_call(client, "POST", "/v1/chat/completions", body, codes)
+
+
 async def refused(client, rng, args, stop, codes) -> None:
     """64 documents (the documents limit) of ~350 tokens: over the context, each a 400 after
     its ~128 KiB body is parsed and its text tokenized."""
@@ -139,8 +153,25 @@ async def logprobs(client, rng, args, stop, codes) -> None:
         await attack_call(client, "POST", "/v1/completions", body, codes)
 
 
-ATTACKS = {"flood": flood, "segments": segments, "refused": refused, "routes": routes,
-           "logprobs": logprobs}  # fmt: skip
+async def logprobs_stream(client, rng, args, stop, codes) -> None:
+    """The logprobs flood streamed, read as it comes (the issue's case: its deltas must not
+    get other tenants' streams cancelled at max_pending_deltas)."""
+    while not stop.is_set():
+        body = {"prompt": [prompt_ids(rng, 32) for _ in range(8)], "n": 16, "max_tokens": 2000,
+                "logprobs": 20, "ignore_eos": True, "stream": True}  # fmt: skip
+        async with client.stream("POST", "/v1/completions", json=body,
+                                 headers={"Authorization": "Bearer sk-flood"}) as r:  # fmt: skip
+            codes.append(r.status_code)
+            async for _ in r.aiter_lines():
+                if stop.is_set():
+                    break
+            if r.status_code == 429:
+                await asyncio.sleep(float(r.headers.get("retry-after", "1")))
+
+
+ATTACKS = {"flood": flood, "segments": segments, "segments-chat": segments_chat,
+           "refused": refused, "routes": routes, "logprobs": logprobs,
+           "logprobs-stream": logprobs_stream}  # fmt: skip
 
 
 async def metric(client: httpx.AsyncClient, name: str) -> float:
@@ -179,7 +210,7 @@ async def measure(base_url: str, attack: str, args) -> dict:
         stop, codes = asyncio.Event(), []
         tasks = [asyncio.create_task(ATTACKS[attack](client, random.Random(i + 1), args, stop, codes))
                  for i in range(clients)]  # fmt: skip
-        if attack in ("flood", "logprobs"):
+        if attack in ("flood", "logprobs", "logprobs-stream"):
             await wait_busy(client, minimum=64)
         else:  # under way: the first calls are in (or refused)
             deadline = time.monotonic() + 120
