@@ -48,7 +48,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="RAM cache sizes as fractions of the working set (distinct hash ids), "
                         "comma-separated")
     t.add_argument("--eviction-policy", default="all",
-                   help="all, or comma-separated of lru, lru-demote, belady")
+                   help="all, or comma-separated of lru, lru-demote, hit-density, belady")
+    t.add_argument("--start-ms", type=float, default=None,
+                   help="simulate only requests at or after this trace timestamp (ms)")
+    t.add_argument("--end-ms", type=float, default=None,
+                   help="simulate only requests before this trace timestamp (ms)")
     t.add_argument("--disk-multiple", type=float, default=0.0,
                    help="also simulate a disk tier of N x the RAM capacity behind it")
     t.add_argument("--restore-cost", type=float, default=None,
@@ -147,7 +151,8 @@ def run_trace(args: argparse.Namespace) -> int:
     if not 0 <= restore <= 1:
         return fail("--restore-cost must be in [0, 1]")
     try:
-        summary = trace_summary(args.log, fractions, policies, args.disk_multiple, restore)
+        summary = trace_summary(args.log, fractions, policies, args.disk_multiple, restore,
+                                start_ms=args.start_ms, end_ms=args.end_ms)
     except TraceFormatError as e:
         return fail(str(e))
     if summary["working_set_blocks"] == 0:

@@ -25,8 +25,12 @@ DEFAULT_RESTORE_COST = 229 / 4886
 
 def trace_summary(path: str, fractions: list[float], policies: list[str],
                   disk_multiple: float = 0.0,
-                  restore_cost: float = DEFAULT_RESTORE_COST) -> dict:
-    requests = read_trace(path)
+                  restore_cost: float = DEFAULT_RESTORE_COST, start_ms: float | None = None,
+                  end_ms: float | None = None) -> dict:
+    """The summary of the trace's requests in [start_ms, end_ms), simulated alone (the cache
+    starts empty at the window's first request; sizes are fractions of the window's own working
+    set)."""
+    requests = read_trace(path, start_ms=start_ms, end_ms=end_ms)
     ws = working_set_blocks(requests)
     summary: dict = {"infinite": round(infinite_hit_rate(requests), 4),
                      "working_set_blocks": ws, "sizes": {}}

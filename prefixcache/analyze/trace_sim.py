@@ -61,7 +61,7 @@ def next_uses(requests: list[TraceRequest]) -> list[list[int]]:
 
 def simulate_trace(requests: list[TraceRequest], policy: str, capacity: int,
                    disk_capacity: int = 0, nxt: list[list[int]] | None = None) -> SimResult:
-    """Hit tokens of ``policy`` ("lru", "lru-demote", "belady") with ``capacity`` RAM blocks."""
+    """Hit tokens of ``policy`` (``POLICY_NAMES`` or "belady") with ``capacity`` RAM blocks."""
     if capacity < 1:
         raise ValueError(f"capacity must be at least 1 block, got {capacity}")
     cache: EvictionPolicy

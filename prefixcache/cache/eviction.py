@@ -30,6 +30,16 @@ Policies:
   only, at most ``capacity`` per queue) so that a return enters main directly (it was reused,
   just late), and which queue the returns come from moves probation's share (ARC's
   adaptation). Leaves no request has extended are ranked first in probation.
+- ``hit-density`` (ours, docs/design.md "Eviction policy"): LHD-style (NSDI'18, "least hit
+  density") ranking learned online. A block's state is a *class* (a prompt's last block; never
+  hit; hit once; hit twice or more) and an *age* (ticks since its last use); per class, online
+  histograms of the ages at which blocks were hit and at which they left give each (class,
+  age) a hit density, P(hit later) / expected remaining time in the cache, and the victim is the
+  least dense of a few sampled candidates. What makes it work on prefix blocks is *learning past
+  the cache's horizon*: evicted blocks become ghosts (ids, at most 4x the capacity), a ghost
+  that is requested again counts as a hit at the age it would have had, and the eviction is
+  only counted when the ghost is forgotten. Without that, the histograms only ever see the
+  reuses that LRU-length lifetimes allow and the policy cannot learn to keep anything longer.
 - ``belady``: the offline optimum for the simulator; the caller passes each block's next use.
 """
 
@@ -37,12 +47,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
+import random
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
 Block = Hashable
 
-POLICY_NAMES = ("lru", "lru-demote")  # online policies; "belady" is offline (simulator only)
+POLICY_NAMES = ("lru", "lru-demote", "hit-density")  # online policies; "belady" is offline (simulator only)
 
 
 class EvictionError(RuntimeError):
@@ -62,6 +74,7 @@ class _Meta:
         "parent",
         "queue",
         "refs",
+        "slot",
         "tail",
         "version",
     )
@@ -76,6 +89,7 @@ class _Meta:
         self.queue = 0  # which heap the block is a candidate in
         self.version = 0  # bumped whenever the block's heap entry becomes stale
         self.tail = False  # ended the path of the last access that touched it
+        self.slot = -1  # index in a sampling policy's candidate list (-1: not a candidate)
 
 
 class EvictionPolicy:
@@ -338,6 +352,151 @@ class DemotePolicy(EvictionPolicy):
         return self.MAIN if m_ok else None
 
 
+class HitDensityPolicy(EvictionPolicy):
+    """Least hit density first, learned online per block class (module docstring).
+
+    Candidates (unreferenced leaves) are kept in a list (O(1) add and swap-remove); ``evict``
+    ranks ``samples`` of them drawn with a seeded generator, so the policy is deterministic for
+    a given sequence of calls. Every ``capacity`` evictions the densities are recomputed from
+    the histograms (classes x age buckets, a constant) and the histograms decay by ``decay``,
+    so the statistics follow a changing workload. Per operation: O(1), ``evict`` O(samples).
+
+    Ages are bucketed logarithmically (``per_octave`` buckets per doubling), so no age scale
+    has to be chosen per trace. Until the first recompute every class has the same density,
+    decreasing with age: a sampled LRU.
+    """
+
+    name = "hit-density"
+    TAIL, NEW, ONCE, MORE = 0, 1, 2, 3  # classes
+    NUM_CLASSES = 4
+    NUM_BUCKETS = 96
+
+    def __init__(self, capacity: int | None = None, samples: int = 32,
+                 ghost_multiple: float = 4.0, decay: float = 0.9, per_octave: int = 4,
+                 seed: int = 0) -> None:
+        super().__init__(capacity)
+        if samples < 1 or ghost_multiple < 0 or not 0.0 < decay <= 1.0 or per_octave < 1:
+            raise ValueError("samples >= 1, ghost_multiple >= 0, decay in (0, 1], "
+                             "per_octave >= 1")
+        self.samples = samples
+        self.ghost_multiple = ghost_multiple
+        self.decay = decay
+        self.per_octave = per_octave
+        self._rng = random.Random(seed)
+        self._cands: list[Block] = []
+        nb, po = self.NUM_BUCKETS, per_octave
+        # bucket b covers ages [lo(b), lo(b + 1)): 0..3 one each, then per_octave per doubling
+        lo = [float(b) if b < 4 else 2.0 ** ((b - 4) / po + 2) for b in range(nb + 1)]
+        self._width = [lo[b + 1] - lo[b] for b in range(nb)]
+        self._hits = [[0.0] * nb for _ in range(self.NUM_CLASSES)]
+        self._ends = [[0.0] * nb for _ in range(self.NUM_CLASSES)]  # lifetimes ended unhit
+        self._density = [[1.0 / (1 + b) for b in range(nb)] for _ in range(self.NUM_CLASSES)]
+        # evicted block -> (hits, last use, class): its return is a hit it would have had
+        self._ghosts: OrderedDict[Block, tuple[int, int, int]] = OrderedDict()
+        self._evictions = 0
+
+    # ---- classes and ages --------------------------------------------------------------------
+    def _class(self, m: _Meta) -> int:
+        if m.tail:
+            return self.TAIL
+        return self.NEW if m.hits == 0 else self.ONCE if m.hits == 1 else self.MORE
+
+    def _bucket(self, age: int) -> int:
+        if age < 4:
+            return max(age, 0)
+        b = int(self.per_octave * (math.log2(age) - 2)) + 4
+        return b if b < self.NUM_BUCKETS else self.NUM_BUCKETS - 1
+
+    def _cap(self) -> int:
+        return self.capacity if self.capacity is not None else max(len(self._meta), 1)
+
+    # ---- candidate list (replaces the heaps) -------------------------------------------------
+    def _withdraw(self, m: _Meta) -> None:
+        i = m.slot
+        if i < 0:
+            return
+        m.slot = -1
+        last = self._cands.pop()
+        if i < len(self._cands):
+            self._cands[i] = last
+            self._meta[last].slot = i
+
+    def _offer(self, block: Block, m: _Meta) -> None:
+        if m.refs == 0 and m.children == 0:
+            if m.slot < 0:
+                m.slot = len(self._cands)
+                self._cands.append(block)
+        else:
+            self._withdraw(m)
+
+    def _drop(self, block: Block, m: _Meta) -> None:
+        self._withdraw(m)
+        super()._drop(block, m)
+
+    # ---- learning ----------------------------------------------------------------------------
+    def touch(self, block: Block) -> None:
+        m = self._get(block)
+        age = self._clock - m.last
+        if age > 0:  # a second touch in the same tick is the same use
+            self._hits[self._class(m)][self._bucket(age)] += 1
+            super().touch(block)
+        else:
+            self._offer(block, m)
+
+    def _on_insert(self, block: Block, m: _Meta) -> None:
+        g = self._ghosts.pop(block, None)
+        if g is not None:  # evicted, wanted again: a hit at the age it would have had
+            hits, last, cls = g
+            self._hits[cls][self._bucket(self._clock - last)] += 1
+            m.hits = hits + 1
+
+    def evict(self) -> Block:
+        cands = self._cands
+        n = len(cands)
+        if n == 0:
+            raise NoEvictableBlock(f"none of {len(self._meta)} cached blocks is evictable")
+        meta, clock, density = self._meta, self._clock, self._density
+        rnd = self._rng.random
+        best: Block = None
+        best_key: tuple | None = None
+        for i in range(min(n, self.samples)):
+            b = cands[int(rnd() * n)] if n > self.samples else cands[i]
+            m = meta[b]
+            # least dense first; ties: the deeper block, then the older one
+            key = (density[self._class(m)][self._bucket(clock - m.last)], -m.depth, m.last)
+            if best_key is None or key < best_key:
+                best, best_key = b, key
+        m = meta[best]
+        if m.refs or m.children:  # cannot happen (the list holds candidates only)
+            raise EvictionError(f"candidate {best!r} is in use or has cached children")
+        self._drop(best, m)
+        if self.ghost_multiple > 0:
+            self._ghosts[best] = (m.hits, m.last, self._class(m))
+            while len(self._ghosts) > self.ghost_multiple * self._cap():
+                _, (_, last, cls) = self._ghosts.popitem(last=False)
+                self._ends[cls][self._bucket(clock - last)] += 1  # never came back
+        else:
+            self._ends[self._class(m)][self._bucket(clock - m.last)] += 1
+        self._evictions += 1
+        if self._evictions % self._cap() == 0:
+            self._recompute()
+        return best
+
+    def _recompute(self) -> None:
+        """density(c, a) = hits after age a / block-ticks spent after age a (LHD's estimator)."""
+        width = self._width
+        for c in range(self.NUM_CLASSES):
+            hits, ends, dens = self._hits[c], self._ends[c], self._density[c]
+            hits_above = events_above = life = 0.0
+            for b in range(self.NUM_BUCKETS - 1, -1, -1):
+                hits_above += hits[b]
+                events_above += hits[b] + ends[b]
+                life += events_above * width[b]
+                dens[b] = hits_above / life if life > 0 else 0.0
+                hits[b] *= self.decay
+                ends[b] *= self.decay
+
+
 class BeladyPolicy(EvictionPolicy):
     """Offline optimum: the candidate needed furthest in the future goes first.
 
@@ -375,6 +534,8 @@ def make_policy(name: str, capacity: int | None = None) -> EvictionPolicy:
         return LRUPolicy(capacity)
     if name == "lru-demote":
         return DemotePolicy(capacity)
+    if name == "hit-density":
+        return HitDensityPolicy(capacity)
     raise ValueError(f"unknown eviction policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
 
 
