@@ -116,19 +116,21 @@ def document(rng: random.Random) -> str:
     return f"Record {rng.getrandbits(64):x}: " + " ".join(rng.choice(words) for _ in range(280))
 
 
+def documents_body(rng: random.Random, n: int, **extra) -> dict:
+    docs = [{"role": "document", "content": document(rng)} for _ in range(n)]
+    return {"cache_mode": "segments", "messages": [*docs, {"role": "user", "content": "Summarize."}],
+            **extra}  # fmt: skip
+
+
 async def segments(client, rng, args, stop, codes, docs: int | None = None) -> None:
     while not stop.is_set():
-        docs_ = [{"role": "document", "content": document(rng)} for _ in range(docs or args.segment_docs)]
-        body = {"cache_mode": "segments", "messages": [*docs_, {"role": "user", "content": "Summarize."}]}
-        await attack_call(client, "POST", "/v1/cache/warm", body, codes)
+        await attack_call(client, "POST", "/v1/cache/warm", documents_body(rng, docs or args.segment_docs), codes)
 
 
 async def segments_chat(client, rng, args, stop, codes) -> None:
     """The same documents through a chat in segments mode with nothing recomputed."""
     while not stop.is_set():
-        docs_ = [{"role": "document", "content": document(rng)} for _ in range(args.segment_docs)]
-        body = {"cache_mode": "segments", "segment_recompute_tokens": 0, "max_tokens": 4,
-                "messages": [*docs_, {"role": "user", "content": "Summarize."}]}  # fmt: skip
+        body = documents_body(rng, args.segment_docs, segment_recompute_tokens=0, max_tokens=4)
         await attack_call(client, "POST", "/v1/chat/completions", body, codes)
 
 
@@ -146,20 +148,21 @@ async def routes(client, rng, args, stop, codes) -> None:
         await attack_call(client, method, path, body, codes)
 
 
+def logprobs_body(rng: random.Random, **extra) -> dict:
+    return {"prompt": [prompt_ids(rng, 32) for _ in range(8)], "n": 16, "max_tokens": 2000,
+            "logprobs": 20, "ignore_eos": True, **extra}  # fmt: skip
+
+
 async def logprobs(client, rng, args, stop, codes) -> None:
     while not stop.is_set():
-        body = {"prompt": [prompt_ids(rng, 32) for _ in range(8)], "n": 16, "max_tokens": 2000,
-                "logprobs": 20, "ignore_eos": True}  # fmt: skip
-        await attack_call(client, "POST", "/v1/completions", body, codes)
+        await attack_call(client, "POST", "/v1/completions", logprobs_body(rng), codes)
 
 
 async def logprobs_stream(client, rng, args, stop, codes) -> None:
     """The logprobs flood streamed, read as it comes (the issue's case: its deltas must not
     get other tenants' streams cancelled at max_pending_deltas)."""
     while not stop.is_set():
-        body = {"prompt": [prompt_ids(rng, 32) for _ in range(8)], "n": 16, "max_tokens": 2000,
-                "logprobs": 20, "ignore_eos": True, "stream": True}  # fmt: skip
-        async with client.stream("POST", "/v1/completions", json=body,
+        async with client.stream("POST", "/v1/completions", json=logprobs_body(rng, stream=True),
                                  headers={"Authorization": "Bearer sk-flood"}) as r:  # fmt: skip
             codes.append(r.status_code)
             async for _ in r.aiter_lines():
