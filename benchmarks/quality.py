@@ -33,6 +33,8 @@ from prefixcache.bench.sharegpt import default_sharegpt_path, first_exchange, it
 
 MODES = [
     ("auto (activations int16: exact integer path)", {"quantization": "auto"}),
+    ("activations int16", {"activations": "int16"}),
+    ("activations mixed (8 or 16 bits per group)", {"activations": "mixed"}),
     ("activations int8", {"activations": "int8"}),
     ("activations float32 (the default before the exact path)", {"activations": "float32"}),
     ("int4", {"quantization": "int4"}),

@@ -1,4 +1,5 @@
-"""Bit-for-bit outputs under the exact integer path (activations int16, the default here).
+"""Bit-for-bit outputs under the exact integer path (activations mixed on the default model's 4-bit
+layers, auto's choice; int16 and int8 checked within themselves below).
 
 Every check is ``torch.equal`` on the stored K/V of each computed token and on the logits of each
 sampled position, never a tolerance: a token's numbers must not depend on its batch companions,
@@ -23,7 +24,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixcache import LLM, SamplingParams, kernels
-from prefixcache.model.int_linear import WIDE_ROWS, IntLinear, quantize_activations, reference
+from prefixcache.model.int_linear import (
+    WIDE_ROWS,
+    IntLinear,
+    quantize_activations,
+    reference,
+    wide_groups,
+)
 from prefixcache.model.linear import quantize_int4, quantize_int8
 from prefixcache.model.loader import Int4Groups
 
@@ -111,21 +118,62 @@ def test_default_model_runs_the_exact_path(llm):
 
 
 @pytest.mark.parametrize("weights", ["w4", "w8"])
-@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("bits", [16, 8, "mixed"])
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 16), (5, 96, 40), (70, 576, 200)])
 def test_kernel_equals_the_integer_reference_on_every_isa(weights, bits, m, k, n):
     gen = torch.Generator().manual_seed(m * k + n)
     quantize = quantize_int4 if weights == "w4" else quantize_int8
     groups = quantize(torch.randn(n, k, generator=gen))
     x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+    x[:, 32:64] *= 6  # a group that stands out of its row (16 bits under mixed)
     x[0, :32] = 0  # an all-zero group: scale 0
-    ref = reference(x, groups, bits)
+    mixed = bits == "mixed"
+    bits = 16 if mixed else bits
+    if mixed and k >= 96:  # both kinds of group are present (two groups: neither can be wide)
+        wide = wide_groups(x.view(m, -1, 32).abs().amax(-1))
+        assert wide.any() and not wide.all()
+    ref = reference(x, groups, bits, mixed)
     for isa in kernels.supported_isas():
-        lin = IntLinear(groups, None, bits, isa)
+        lin = IntLinear(groups, None, bits, isa, mixed)
         y = lin(x)
         assert torch.equal(y, ref), isa
         # one row alone: the same bits as in the batch
         assert torch.equal(lin(x[m // 2 : m // 2 + 1])[0], y[m // 2]), isa
+
+
+def test_mixed_activations_follow_the_rule_by_hand():
+    """Group maxima 1, 1, 1, 10 in a row of 4 groups: energy 103, and a group is wide when
+    4 amax^2 > 2 x 103, so only the last keeps 16 bits; the others are 8-bit integers carried
+    as 256 a8 with the scale s8 / 256. A zero row is all narrow with scale 0."""
+    x = torch.zeros(2, 128)
+    x[0, :96] = torch.linspace(-1, 1, 96)
+    x[0, 0], x[0, 32], x[0, 64] = 1.0, -1.0, 1.0  # maxima exactly 1
+    x[0, 96:] = torch.linspace(-10, 10, 32)
+    amax = x.view(2, 4, 32).abs().amax(-1)
+    assert wide_groups(amax).tolist() == [[False, False, False, True], [False] * 4]
+    a, s = quantize_activations(x, 16, mixed=True)
+    s8 = torch.tensor(1.0) / 127
+    assert torch.equal(s[0, :3], (s8 / 256).expand(3))
+    assert torch.equal(a[0, :96], 256 * torch.round(x[0, :96] / s8).long())
+    assert torch.equal(s[0, 3], torch.tensor(10.0) / 32639)
+    assert a[0, 96:].abs().max() == 32639 and (a[0, 96:] % 256 != 0).any()
+    assert torch.equal(s[1], torch.zeros(4)) and not a[1].any()
+    groups = quantize_int4(torch.randn(16, 128, generator=torch.Generator().manual_seed(1)))
+    for isa in kernels.supported_isas():
+        assert torch.equal(IntLinear(groups, None, 16, isa, mixed=True)(x),
+                           reference(x, groups, 16, mixed=True)), isa  # fmt: skip
+
+
+def test_mixed_is_auto_on_4bit_groups_only(llm):
+    """The default model (4-bit GGUF) runs mixed; a mixed layer is closer to int16 than int8 is
+    (its wide groups) and different from both."""
+    assert llm.engine.runner.model.arithmetic == "w4a8x16"
+    gen = torch.Generator().manual_seed(3)
+    groups = quantize_int4(torch.randn(64, 256, generator=gen))
+    x = torch.randn(9, 256, generator=gen) * torch.exp(torch.randn(1, 256, generator=gen))
+    y16, y8, ym = (reference(x, groups, b, m) for b, m in ((16, False), (8, False), (16, True)))
+    assert not torch.equal(ym, y16) and not torch.equal(ym, y8)
+    assert (ym - y16).abs().mean() < (y8 - y16).abs().mean()
 
 
 @pytest.mark.parametrize("bits", [16, 8])
@@ -308,6 +356,29 @@ def test_the_same_bits_under_preemption_eviction_and_disk_restore(llm, small_llm
     cold = run(llm, [prompt], max_tokens=4, salt=_salt("ref2"))
     assert_same(cold, restored, min_kv=10, min_logits=4)
     small_llm.check_integrity()
+
+
+def test_int16_activations_are_exact_within_themselves():
+    """int16 (float32-like quality, no longer auto's choice on 4-bit layers) keeps the bitwise
+    contract: alone vs batched and chunked, decoded vs prefilled; its fingerprint is not
+    mixed's."""
+    a16 = LLM(kv_cache_memory="32MiB", activations="int16", seed=0)
+    assert a16.engine.runner.model.arithmetic == "w4a16"
+    ids = a16.get_tokenizer().encode(PROSE)[:50]
+    with Recorder(a16.engine) as alone:
+        out = a16.generate([ids], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    sched = a16.engine.scheduler
+    config = sched.config
+    sched.config = dataclasses.replace(config, max_num_batched_tokens=23)
+    try:
+        batched = run(a16, [ids[:17], ids, ids[3:40]], salt=_salt("a16"))
+    finally:
+        sched.config = config
+    assert_same(alone, batched, min_kv=50, min_logits=4)
+    prefilled = run(a16, [ids + out[0].outputs[0].token_ids[:4]], max_tokens=1, salt=_salt("a16"))
+    assert_same(alone, prefilled, min_kv=54, min_logits=1)
+    mixed = LLM(kv_cache_memory="32MiB", activations="mixed", seed=0)
+    assert a16.engine.fingerprint != mixed.engine.fingerprint
 
 
 def test_int8_activations_and_int8_kv_are_exact_too():

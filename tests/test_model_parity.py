@@ -27,7 +27,7 @@ TEXT = (
     "religion, science and politics for good."
 )
 PREFILL_TOL = 1e-3  # max abs logit difference, float32 (logits are O(10))
-# The exact path (the default: 16-bit integer activations) against float32 transformers:
+# The exact path with 16-bit integer activations against float32 transformers:
 # measured 2.8e-3 on the last position here, 7.7e-3 over 80 positions (test_quantization.py).
 EXACT_TOL = 3e-2
 LOGPROB_TOL = 1e-3
@@ -59,6 +59,15 @@ def hf_generate(model, ids: list[int], n: int):
 
 
 @pytest.fixture(scope="module")
+def llm_int16():
+    """The exact path with 16-bit activations (float32-like quality); the default's mixed
+    8/16-bit activations are checked for quality in test_quantization.py."""
+    from prefixcache import LLM
+
+    return LLM(kv_cache_memory="32MiB", activations="int16", seed=0)
+
+
+@pytest.fixture(scope="module")
 def llm_f32():
     """The float32 path: the model's implementation against transformers at float32 rounding."""
     from prefixcache import LLM
@@ -66,12 +75,12 @@ def llm_f32():
     return LLM(kv_cache_memory="32MiB", activations="float32", seed=0)
 
 
-def test_prefill_logits_match_transformers(llm, llm_f32, hf_model, ids):
+def test_prefill_logits_match_transformers(llm_int16, llm_f32, hf_model, ids):
     ids = ids[:60]
     assert len(ids) == 60
     with torch.no_grad():
         theirs = hf_model(torch.tensor([ids])).logits[0].float()
-    exact = prefill_logits(llm, ids)
+    exact = prefill_logits(llm_int16, ids)
     assert (exact - theirs).abs().max().item() < EXACT_TOL
     assert torch.equal(exact.argmax(-1), theirs.argmax(-1))
     ours = prefill_logits(llm_f32, ids)  # [60, vocab]
@@ -84,10 +93,10 @@ def test_prefill_logits_match_transformers(llm, llm_f32, hf_model, ids):
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
-def test_greedy_decode_and_logprobs_match_transformers(llm, hf_model, ids):
+def test_greedy_decode_and_logprobs_match_transformers(llm_int16, hf_model, ids):
     prompt = ids[:60]
     sp = SamplingParams(max_tokens=16, temperature=0, logprobs=5)
-    out = llm.generate([prompt], sp, cache_salt="parity-decode")[0].outputs[0]
+    out = llm_int16.generate([prompt], sp, cache_salt="parity-decode")[0].outputs[0]
     hf_ids, hf_logits = hf_generate(hf_model, prompt, 16)
     assert len(hf_ids) == 16, "the reference stopped early; pick a prompt that runs 16 tokens"
     assert out.token_ids == hf_ids
@@ -106,10 +115,10 @@ def test_greedy_decode_and_logprobs_match_transformers(llm, hf_model, ids):
     assert worst < LOGPROB_TOL, f"max abs logprob difference {worst:.3g}"
 
 
-def test_chunked_prefill_matches_transformers(llm, hf_model, ids):
+def test_chunked_prefill_matches_transformers(llm_int16, hf_model, ids):
     """Prefill in chunks of 16 tokens; a second prompt joins once the first decodes, so its
     chunks (15 tokens beside a decode) straddle block boundaries."""
-    chunked = LLM(kv_cache_memory="16MiB", max_num_batched_tokens=16, seed=0)
+    chunked = LLM(kv_cache_memory="16MiB", max_num_batched_tokens=16, activations="int16", seed=0)
     a, b = ids[:70], ids[5:55]
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     eng = chunked.engine
@@ -129,6 +138,6 @@ def test_chunked_prefill_matches_transformers(llm, hf_model, ids):
     assert sa.output_token_ids == hf_a
     assert sb.output_token_ids == hf_b
     # Unchunked on the session engine: the same tokens.
-    whole = llm.generate([a, b], sp, cache_salt="parity-chunked")
+    whole = llm_int16.generate([a, b], sp, cache_salt="parity-chunked")
     assert [o.outputs[0].token_ids for o in whole] == [hf_a, hf_b]
-    assert chunked.engine.fingerprint == llm.engine.fingerprint  # same weights, two loads
+    assert chunked.engine.fingerprint == llm_int16.engine.fingerprint  # same weights, two loads

@@ -220,14 +220,15 @@ def isa() -> str:
     return want
 
 
-def int4_linear(x, wq, wd, wm, n: int, bits: int, isa_name: str):
+def int4_linear(x, wq, wd, wm, n: int, bits: int, isa_name: str, mixed: bool = False):
     """x [M, K] float32 times packed 4-bit groups (model/int_linear.py) with ``bits``-bit
-    activations, exact integer sums: [M, n] float32."""
-    return torch.ops.prefixcache.int4_linear(x, wq, wd, wm, n, bits, _ISA_CODE[isa_name])
+    activations (``mixed``: 8 or 16 bits per group, int_linear.cpp), exact integer sums:
+    [M, n] float32."""
+    return torch.ops.prefixcache.int4_linear(x, wq, wd, wm, n, bits, _ISA_CODE[isa_name], mixed)
 
 
-def int8_linear(x, wq, wd, n: int, bits: int, isa_name: str, wm=None):
+def int8_linear(x, wq, wd, n: int, bits: int, isa_name: str, wm=None, mixed: bool = False):
     """x [M, K] float32 times packed 8-bit groups (model/int_linear.py) with ``bits``-bit
     activations, exact integer sums: [M, n] float32. ``wm``: int4_linear's offsets, for 4-bit
     weights held as int8 (the same bits as int4_linear)."""
-    return torch.ops.prefixcache.int8_linear(x, wq, wd, wm, n, bits, _ISA_CODE[isa_name])
+    return torch.ops.prefixcache.int8_linear(x, wq, wd, wm, n, bits, _ISA_CODE[isa_name], mixed)

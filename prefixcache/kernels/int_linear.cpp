@@ -27,6 +27,16 @@
 //   then d and m: [blocks, groups, 16] float32 each.
 // A 64-byte row j is one VNNI operand (16 columns x 4 consecutive k) after masking a nibble.
 //
+// Mixed activations (``mixed``, with 16 bits): per row, a group whose magnitude stands out of
+// its row is quantized to 16 bits and every other group to 8, as the 16-bit value 256 a8:
+//   wide(r, g) = G amax(r, g)^2 > 2 sum_g' amax(r, g')^2   (in double, g' in order)
+//   wide:    s = amax / 32639, a = round(x / s)                   (the 16-bit rule)
+//   narrow:  s8 = amax / 127, a = 256 round(x / s8), s = s8 / 256  (hi = a8, lo = 0)
+// The integers and the epilogue are the 16-bit path's, so every path, skip or not, gives the
+// same bits; a narrow group's low pass is all zeros and is skipped (per row and group), so the
+// kernel costs about one pass plus the wide groups' share (~11% on the default model). Quality
+// between the two (docs/design.md section 2): the decision reads only its own row.
+//
 // int8_linear is the same for 8-bit weight groups (GGUF Q8_0, or a bf16/float checkpoint
 // quantized at load): w[n, k] = q[n, k] * d[n, g], q in -127..127, no offset, so
 //   acc = acc + float(dot) * (s[r, g] * d[n, g])
@@ -60,41 +70,61 @@ constexpr int64_t kRowChunk = 64;          // rows per work item
 // (8-bit), and per (row, group) the scale s and s * float(sum of a).
 struct Quantized {
   std::vector<int8_t> hi, lo;
+  std::vector<uint8_t> wide;  // per (row, group), mixed activations: 1 where the group has 16 bits
   std::vector<int16_t> a16;  // the integers whole (int8_linear) instead of hi/lo
   std::vector<float> s, ssum;
 };
 
+// The group maxima of row xr (|x|, 8 lanes at a time) into amax[0 .. groups).
+void group_maxima(const float* xr, int64_t groups, float* amax) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg = xr + g * kGroup;
+    __m256 vmax = _mm256_setzero_ps();
+    for (int i = 0; i < kGroup; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    amax[g] = _mm_cvtss_f32(m4);
+  }
+}
+
 // Quantize rows [r0, r1) of x, 8 lanes at a time (one AVX2 build for every ISA path). The
 // float operations are IEEE divisions and round-to-nearest-even (the same as torch.round(x / s)),
 // so the reference in prefixcache/model/int_linear.py computes the same integers.
-void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int bits, bool whole, Quantized& qa) {
+void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int bits, bool whole, bool mixed, Quantized& qa) {
   const int64_t groups = k / kGroup;
   const float amax_q = bits == 16 ? 32639.f : 127.f;
   const __m256 vq = _mm256_set1_ps(amax_q), vnq = _mm256_set1_ps(-amax_q);
-  const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i c128 = _mm256_set1_epi32(128);
+  std::vector<float> maxima(static_cast<size_t>(groups));
   for (int64_t r = r0; r < r1; ++r) {
     const float* xr = x + r * k;
+    group_maxima(xr, groups, maxima.data());
+    double energy = 0.0;  // sum of amax^2 in group order (mixed)
+    if (mixed)
+      for (int64_t g = 0; g < groups; ++g) energy += static_cast<double>(maxima[g]) * maxima[g];
     for (int64_t g = 0; g < groups; ++g) {
       const float* xg = xr + g * kGroup;
-      __m256 vmax = _mm256_setzero_ps();
-      for (int i = 0; i < kGroup; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + i)));
-      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-      const float amax = _mm_cvtss_f32(m4);
-      const float s = amax / amax_q;
+      const float amax = maxima[g];
+      // narrow: a mixed row's ordinary group, 8 bits (a8) carried as the 16-bit 256 a8
+      const bool narrow = mixed && !(static_cast<double>(groups) * (static_cast<double>(amax) * amax) > 2.0 * energy);
+      if (mixed) qa.wide[r * groups + g] = narrow ? 0 : 1;
+      const float s8 = amax / 127.f;
+      const float s = narrow ? s8 : amax / amax_q;
       int8_t* lo = whole ? nullptr : qa.lo.data() + r * k + g * kGroup;
       int8_t* hi = !whole && bits == 16 ? qa.hi.data() + r * k + g * kGroup : nullptr;
       int16_t* a16 = whole ? qa.a16.data() + r * k + g * kGroup : nullptr;
       __m256i vsum = _mm256_setzero_si256();
       if (s > 0.f) {
         const __m256 vs = _mm256_set1_ps(s);
+        const __m256 hiq = narrow ? _mm256_set1_ps(127.f) : vq, loq = narrow ? _mm256_set1_ps(-127.f) : vnq;
         for (int i = 0; i < kGroup; i += 8) {
           __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xg + i), vs),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          v = _mm256_max_ps(vnq, _mm256_min_ps(vq, v));
-          const __m256i a = _mm256_cvtps_epi32(v);  // exact: v is an integer
+          v = _mm256_max_ps(loq, _mm256_min_ps(hiq, v));
+          __m256i a = _mm256_cvtps_epi32(v);  // exact: v is an integer
+          if (narrow) a = _mm256_slli_epi32(a, 8);  // 256 a8
           vsum = _mm256_add_epi32(vsum, a);
           alignas(32) int32_t lo32[8];
           if (whole) {
@@ -123,8 +153,9 @@ void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int bits, 
       _mm256_store_si256(reinterpret_cast<__m256i*>(s32), vsum);
       int32_t sum = 0;
       for (int j = 0; j < 8; ++j) sum += s32[j];
-      qa.s[r * groups + g] = s;
-      qa.ssum[r * groups + g] = s * static_cast<float>(sum);
+      const float se = narrow ? s8 / 256.f : s;  // the scale of a (exact: a power of two)
+      qa.s[r * groups + g] = se;
+      qa.ssum[r * groups + g] = se * static_cast<float>(sum);
     }
   }
 }
@@ -139,7 +170,7 @@ inline int32_t load_i32(const int8_t* p) {
 // registers and serve every row, each row's integer sum is one accumulator (the high pass, a
 // shift by 8, then the low pass onto it: 256 dot(hi) + dot(lo)), rows interleaved so R chains of
 // vpdpbusd are in flight. (Two blocks with separate hi/lo accumulators spilled to the stack.)
-template <int R, bool TWO>
+template <int R, bool TWO, bool MIXED>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512(
     const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd, const float* wm,
     int64_t b, float* y, int64_t ldy, int64_t n) {
@@ -166,12 +197,23 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512(
         }
       for (int r = 0; r < R; ++r) dot[r] = _mm512_slli_epi32(dot[r], 8);
     }
-    for (int j = 0; j < 4; ++j)
+    if (MIXED) {  // the low pass of the rows whose group is wide (the others' low bytes are 0)
       for (int r = 0; r < R; ++r) {
-        const int8_t* l = qa.lo.data() + (r0 + r) * k + g * kGroup + 4 * j;
-        dot[r] = _mm512_dpbusd_epi32(dot[r], w[2 * j], _mm512_set1_epi32(load_i32(l)));
-        dot[r] = _mm512_dpbusd_epi32(dot[r], w[2 * j + 1], _mm512_set1_epi32(load_i32(l + 16)));
+        if (!qa.wide[(r0 + r) * groups + g]) continue;
+        const int8_t* l = qa.lo.data() + (r0 + r) * k + g * kGroup;
+        for (int j = 0; j < 4; ++j) {
+          dot[r] = _mm512_dpbusd_epi32(dot[r], w[2 * j], _mm512_set1_epi32(load_i32(l + 4 * j)));
+          dot[r] = _mm512_dpbusd_epi32(dot[r], w[2 * j + 1], _mm512_set1_epi32(load_i32(l + 4 * j + 16)));
+        }
       }
+    } else {
+      for (int j = 0; j < 4; ++j)
+        for (int r = 0; r < R; ++r) {
+          const int8_t* l = qa.lo.data() + (r0 + r) * k + g * kGroup + 4 * j;
+          dot[r] = _mm512_dpbusd_epi32(dot[r], w[2 * j], _mm512_set1_epi32(load_i32(l)));
+          dot[r] = _mm512_dpbusd_epi32(dot[r], w[2 * j + 1], _mm512_set1_epi32(load_i32(l + 16)));
+        }
+    }
     const __m512 vd = _mm512_loadu_ps(wd + (b * groups + g) * kCols);
     const __m512 vm = _mm512_loadu_ps(wm + (b * groups + g) * kCols);
     for (int r = 0; r < R; ++r) {
@@ -193,7 +235,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512(
 // overflow), and one vpmaddwd with ones per group widens the pairs of lanes to the column's
 // int32 sum: the same integers as a widening per product, with one multiply-port op in place of
 // eight (the kernel is bound by those ports on AVX2).
-template <int R, bool TWO>
+template <int R, bool TWO, bool MIXED>
 inline void tile256(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd,
                     const float* wm, int64_t b, int half, float* y, int64_t ldy, int64_t n) {
   const int64_t groups = k / kGroup;
@@ -210,10 +252,12 @@ inline void tile256(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* w
       const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);
       for (int r = 0; r < R; ++r) {
         const int64_t off = (r0 + r) * k + g * kGroup + 4 * j;
-        const __m256i l0 = _mm256_set1_epi32(load_i32(qa.lo.data() + off));
-        const __m256i l1 = _mm256_set1_epi32(load_i32(qa.lo.data() + off + 16));
-        dl[r] = _mm256_add_epi16(dl[r], _mm256_maddubs_epi16(w0, l0));
-        dl[r] = _mm256_add_epi16(dl[r], _mm256_maddubs_epi16(w1, l1));
+        if (!MIXED || qa.wide[(r0 + r) * groups + g]) {  // a narrow group's low bytes are 0
+          const __m256i l0 = _mm256_set1_epi32(load_i32(qa.lo.data() + off));
+          const __m256i l1 = _mm256_set1_epi32(load_i32(qa.lo.data() + off + 16));
+          dl[r] = _mm256_add_epi16(dl[r], _mm256_maddubs_epi16(w0, l0));
+          dl[r] = _mm256_add_epi16(dl[r], _mm256_maddubs_epi16(w1, l1));
+        }
         if (TWO) {
           const __m256i h0 = _mm256_set1_epi32(load_i32(qa.hi.data() + off));
           const __m256i h1 = _mm256_set1_epi32(load_i32(qa.hi.data() + off + 16));
@@ -243,29 +287,29 @@ inline void tile256(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* w
   }
 }
 
-template <bool TWO>
+template <bool TWO, bool MIXED>
 void rows_avx512(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const uint8_t* wq,
                  const float* wd, const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
   for (int64_t b = b0; b < b1; ++b) {
     int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) tile512<4, TWO>(qa, r, k, wq, wd, wm, b, y, n, n);
+    for (; r + 4 <= r1; r += 4) tile512<4, TWO, MIXED>(qa, r, k, wq, wd, wm, b, y, n, n);
     switch (r1 - r) {
-      case 3: tile512<3, TWO>(qa, r, k, wq, wd, wm, b, y, n, n); break;
-      case 2: tile512<2, TWO>(qa, r, k, wq, wd, wm, b, y, n, n); break;
-      case 1: tile512<1, TWO>(qa, r, k, wq, wd, wm, b, y, n, n); break;
+      case 3: tile512<3, TWO, MIXED>(qa, r, k, wq, wd, wm, b, y, n, n); break;
+      case 2: tile512<2, TWO, MIXED>(qa, r, k, wq, wd, wm, b, y, n, n); break;
+      case 1: tile512<1, TWO, MIXED>(qa, r, k, wq, wd, wm, b, y, n, n); break;
       default: break;
     }
   }
 }
 
-template <bool TWO>
+template <bool TWO, bool MIXED>
 void rows_avx2(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const uint8_t* wq,
                const float* wd, const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
   for (int64_t b = b0; b < b1; ++b) {
     for (int half = 0; half < 2; ++half) {
       int64_t r = r0;
-      for (; r + 4 <= r1; r += 4) tile256<4, TWO>(qa, r, k, wq, wd, wm, b, half, y, n, n);
-      for (; r < r1; ++r) tile256<1, TWO>(qa, r, k, wq, wd, wm, b, half, y, n, n);
+      for (; r + 4 <= r1; r += 4) tile256<4, TWO, MIXED>(qa, r, k, wq, wd, wm, b, half, y, n, n);
+      for (; r < r1; ++r) tile256<1, TWO, MIXED>(qa, r, k, wq, wd, wm, b, half, y, n, n);
     }
   }
 }
@@ -376,9 +420,10 @@ bool cpu_has_vnni512() {
 
 // isa: 2 = AVX512-VNNI, 1 = AVX2 (the Python side chooses; PREFIXCACHE_ISA forces a lower one).
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wd, const at::Tensor& wm,
-                       int64_t n, int64_t bits, int64_t isa) {
+                       int64_t n, int64_t bits, int64_t isa, bool mixed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_cpu(), "x: [M, K] float32 on CPU");
   TORCH_CHECK(bits == 8 || bits == 16, "activation bits: 8 or 16");
+  TORCH_CHECK(!mixed || bits == 16, "mixed activations are 8 or 16 bits per group: bits 16");
   TORCH_CHECK(isa == 1 || isa == 2, "isa: 1 (avx2) or 2 (avx512-vnni)");
   TORCH_CHECK(isa == 1 || cpu_has_vnni512(), "this CPU lacks AVX512-VNNI");
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
@@ -397,9 +442,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
   Quantized qa;
   qa.lo.resize(static_cast<size_t>(m * k));
   if (bits == 16) qa.hi.resize(static_cast<size_t>(m * k));
+  if (mixed) qa.wide.resize(static_cast<size_t>(m * groups));
   qa.s.resize(static_cast<size_t>(m * groups));
   qa.ssum.resize(static_cast<size_t>(m * groups));
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) { quantize_rows(xp, k, r0, r1, static_cast<int>(bits), false, qa); });
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    quantize_rows(xp, k, r0, r1, static_cast<int>(bits), false, mixed, qa);
+  });
   const uint8_t* wqp = wq.data_ptr<uint8_t>();
   const float* wdp = wd.data_ptr<float>();
   const float* wmp = wm.data_ptr<float>();
@@ -416,11 +464,13 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
       const int64_t r0 = rc * kRowChunk, r1 = std::min(m, r0 + kRowChunk);
       const int64_t b0 = ci * kBlocksPerItem, b1 = std::min(blocks, b0 + kBlocksPerItem);
       if (isa == 2) {
-        if (two) rows_avx512<true>(qa, r0, r1, k, wqp, wdp, wmp, b0, b1, yp, n);
-        else rows_avx512<false>(qa, r0, r1, k, wqp, wdp, wmp, b0, b1, yp, n);
+        if (mixed) rows_avx512<true, true>(qa, r0, r1, k, wqp, wdp, wmp, b0, b1, yp, n);
+        else if (two) rows_avx512<true, false>(qa, r0, r1, k, wqp, wdp, wmp, b0, b1, yp, n);
+        else rows_avx512<false, false>(qa, r0, r1, k, wqp, wdp, wmp, b0, b1, yp, n);
       } else {
-        if (two) rows_avx2<true>(qa, r0, r1, k, wqp, wdp, wmp, b0, b1, yp, n);
-        else rows_avx2<false>(qa, r0, r1, k, wqp, wdp, wmp, b0, b1, yp, n);
+        if (mixed) rows_avx2<true, true>(qa, r0, r1, k, wqp, wdp, wmp, b0, b1, yp, n);
+        else if (two) rows_avx2<true, false>(qa, r0, r1, k, wqp, wdp, wmp, b0, b1, yp, n);
+        else rows_avx2<false, false>(qa, r0, r1, k, wqp, wdp, wmp, b0, b1, yp, n);
       }
     }
   });
@@ -431,9 +481,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
 // 0..15): then the epilogue is int4_linear's too, acc + float(dot) (s d) + m (s sum(a)), with
 // the same integer dot (256 dot(hi) + dot(lo) == dot(a)), so the bits equal int4_linear's.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wd,
-                       const std::optional<at::Tensor>& wm, int64_t n, int64_t bits, int64_t isa) {
+                       const std::optional<at::Tensor>& wm, int64_t n, int64_t bits, int64_t isa, bool mixed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_cpu(), "x: [M, K] float32 on CPU");
   TORCH_CHECK(bits == 8 || bits == 16, "activation bits: 8 or 16");
+  TORCH_CHECK(!mixed || bits == 16, "mixed activations are 8 or 16 bits per group: bits 16");
   TORCH_CHECK(isa == 1 || isa == 2, "isa: 1 (avx2) or 2 (avx512-vnni)");
   TORCH_CHECK(isa == 1 || cpu_has_vnni512(), "this CPU lacks AVX512-VNNI");
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
@@ -453,10 +504,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
   const float* xp = xc.data_ptr<float>();
   Quantized qa;
   qa.a16.resize(static_cast<size_t>(m * k));
+  if (mixed) qa.wide.resize(static_cast<size_t>(m * groups));
   qa.s.resize(static_cast<size_t>(m * groups));
   qa.ssum.resize(static_cast<size_t>(m * groups));
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    quantize_rows(xp, k, r0, r1, static_cast<int>(bits), true, qa);
+    quantize_rows(xp, k, r0, r1, static_cast<int>(bits), true, mixed, qa);
   });
   const int8_t* wqp = wq.data_ptr<int8_t>();
   const float* wdp = wd.data_ptr<float>();
@@ -479,8 +531,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(prefixcache, lib) {
-  lib.def("int4_linear(Tensor x, Tensor wq, Tensor wd, Tensor wm, int n, int bits, int isa) -> Tensor");
-  lib.def("int8_linear(Tensor x, Tensor wq, Tensor wd, Tensor? wm, int n, int bits, int isa) -> Tensor");
+  lib.def("int4_linear(Tensor x, Tensor wq, Tensor wd, Tensor wm, int n, int bits, int isa, bool mixed=False) -> Tensor");
+  lib.def("int8_linear(Tensor x, Tensor wq, Tensor wd, Tensor? wm, int n, int bits, int isa, bool mixed=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, lib) {

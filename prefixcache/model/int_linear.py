@@ -20,6 +20,10 @@ of the two ran (tested). Narrower calls (decode) keep the nibbles, half the byte
 
 Activations are quantized per row and group of 32: ``s = max|x| / A``, ``a = round(x / s)``
 (half to even) with ``A = 32639`` for 16-bit (run as two int8 passes) or ``127`` for 8-bit.
+``mixed`` (16 bits, ``kind`` w4a8x16): per row, the groups whose maximum stands out of the row
+(``G amax^2 > 2 sum amax^2``, in float64 in group order) keep 16 bits, the others have 8 bits
+carried as the 16-bit value ``256 a8`` (scale ``s8 / 256``): the same integers and epilogue as
+16-bit, and the kernel skips the low pass where it is zero (int_linear.cpp).
 """
 
 from __future__ import annotations
@@ -41,16 +45,19 @@ class IntLinear:
     """y = x W^T (+ b) for W in 4-bit (``Int4Groups``) or 8-bit (``Int8Groups``) groups of 32,
     ``bits``-bit activations."""
 
-    def __init__(self, groups: Int4Groups | Int8Groups, bias: torch.Tensor | None, bits: int, isa: str):
+    def __init__(self, groups: Int4Groups | Int8Groups, bias: torch.Tensor | None, bits: int, isa: str,
+                 mixed: bool = False):  # fmt: skip
         if getattr(groups, "group_size", GROUP) != GROUP:  # Int8Groups are always 32
             raise ValueError(f"weight groups of {groups.group_size}; the kernel takes {GROUP}")
         if bits not in ACTIVATION_MAX:
             raise ValueError(f"activation bits must be 8 or 16, got {bits}")
         if not kernels.available():  # loads the built library (or says why there is none)
             raise RuntimeError(f"the exact integer kernels are unavailable: {kernels.unavailable_reason()}")
+        if mixed and bits != 16:
+            raise ValueError("mixed activations are 8 or 16 bits per group: bits must be 16")
         self.wide = isinstance(groups, Int8Groups)
-        self.kind = f"w{8 if self.wide else 4}a{bits}"
-        self.bits, self.isa = bits, isa
+        self.kind = f"w{8 if self.wide else 4}a{'8x16' if mixed else bits}"
+        self.bits, self.isa, self.mixed = bits, isa, mixed
         self.out_features, self.in_features = groups.q.shape
         self.wq8 = None  # 4-bit groups as int8, for wide calls on AVX2
         if self.wide:
@@ -58,7 +65,9 @@ class IntLinear:
             self.wm = None
         else:
             self.wq, self.wd, self.wm = pack(groups)
-            if isa == "avx2" and bits == 16:  # 8-bit activations: one vpmaddubsw pass is faster
+            if isa == "avx2" and bits == 16 and not mixed:
+                # 8-bit (and mixed) activations: one vpmaddubsw pass (plus the wide groups' low
+                # pass) is faster
                 self.wq8, _ = pack8(Int8Groups(groups.q.to(torch.int8), groups.scale))
         self.groups = groups  # the reference and tests read the file's numbers from here
         self.bias = None if bias is None else bias.float()
@@ -72,14 +81,13 @@ class IntLinear:
         return self.nbytes + (0 if self.wq8 is None else self.wq8.numel())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n, bits, isa, mixed = self.out_features, self.bits, self.isa, self.mixed
         if self.wide:
-            y = kernels.int8_linear(x.float(), self.wq, self.wd, self.out_features, self.bits, self.isa)
+            y = kernels.int8_linear(x.float(), self.wq, self.wd, n, bits, isa, mixed=mixed)
         elif self.wq8 is not None and x.shape[0] >= WIDE_ROWS:
-            y = kernels.int8_linear(x.float(), self.wq8, self.wd, self.out_features, self.bits,
-                                    self.isa, self.wm)  # fmt: skip
+            y = kernels.int8_linear(x.float(), self.wq8, self.wd, n, bits, isa, self.wm, mixed)
         else:
-            y = kernels.int4_linear(x.float(), self.wq, self.wd, self.wm, self.out_features,
-                                    self.bits, self.isa)  # fmt: skip
+            y = kernels.int4_linear(x.float(), self.wq, self.wd, self.wm, n, bits, isa, mixed)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
@@ -122,24 +130,45 @@ def pack8(groups: Int8Groups) -> tuple[torch.Tensor, torch.Tensor]:
     return q, _block_scales(groups.scale, blocks, pad)
 
 
-def quantize_activations(x: torch.Tensor, bits: int):
+def _quantize_groups(xg: torch.Tensor, amax: torch.Tensor, amax_q: float):
+    """a (float, integer values), s: ``round(xg / s)`` clamped, ``s = amax / amax_q``."""
+    s = amax / amax_q  # one IEEE division, as the kernel
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    a = torch.round(xg / safe.unsqueeze(-1)).clamp(-amax_q, amax_q)
+    return torch.where((s > 0).unsqueeze(-1), a, torch.zeros_like(a)), s
+
+
+def wide_groups(amax: torch.Tensor) -> torch.Tensor:
+    """[M, G] bool: the groups that keep 16 bits under mixed activations, ``G amax^2 > 2 sum
+    amax^2`` with the sum in float64 in group order (the kernel's sequence, so the same
+    decisions)."""
+    sq = amax.double() * amax.double()
+    energy = torch.zeros(amax.shape[0], dtype=torch.float64)
+    for g in range(amax.shape[1]):
+        energy = energy + sq[:, g]
+    return amax.shape[1] * sq > 2.0 * energy.unsqueeze(1)
+
+
+def quantize_activations(x: torch.Tensor, bits: int, mixed: bool = False):
     """a [M, K] int64, s [M, K / 32] float32: the kernel's activation quantization."""
     m, k = x.shape
     xg = x.float().view(m, k // GROUP, GROUP)
-    amax_q = ACTIVATION_MAX[bits]
-    s = xg.abs().amax(-1) / amax_q  # one IEEE division, as the kernel
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    a = torch.round(xg / safe.unsqueeze(-1)).clamp(-amax_q, amax_q)
-    a = torch.where((s > 0).unsqueeze(-1), a, torch.zeros_like(a))
+    amax = xg.abs().amax(-1)
+    a, s = _quantize_groups(xg, amax, ACTIVATION_MAX[bits])
+    if mixed:  # narrow groups: 8 bits carried as 256 a8, scale s8 / 256 (exact)
+        a8, s8 = _quantize_groups(xg, amax, ACTIVATION_MAX[8])
+        wide = wide_groups(amax)
+        a = torch.where(wide.unsqueeze(-1), a, a8 * 256)
+        s = torch.where(wide, s, s8 / 256)
     return a.to(torch.int64).view(m, k), s
 
 
-def reference(x: torch.Tensor, groups: Int4Groups | Int8Groups, bits: int) -> torch.Tensor:
+def reference(x: torch.Tensor, groups: Int4Groups | Int8Groups, bits: int, mixed: bool = False) -> torch.Tensor:
     """The kernel's arithmetic in plain PyTorch: exact integer sums per group (int64), then the
     float32 epilogue in group order, each multiply and add rounded on its own. [M, N] float32."""
     m, k = x.shape
     ng = k // GROUP
-    a, s = quantize_activations(x, bits)
+    a, s = quantize_activations(x, bits, mixed)
     ag = a.view(m, ng, GROUP)
     qg = groups.q.to(torch.int64).view(-1, ng, GROUP)
     dots = torch.einsum("mgk,ngk->mng", ag, qg)  # exact: int64

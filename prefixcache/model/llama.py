@@ -152,11 +152,12 @@ class LlamaModel:
     (every decoder layer in groups of that width, quantized here where the file has none). The
     output projection stays 8-bit or dense: its logits decide greedy choices and logprobs.
 
-    ``activations``: "float32" (float32 activations), or "int16"/"int8"/"auto": the decoder's
-    4-bit layers as ``IntLinear`` (exact integer sums, model/int_linear.py) with attention and
-    the output projection in a fixed order for every row, so each token's K/V and logits are
-    bit-for-bit independent of its batch, its chunking and of whether its context came from
-    the cache ("auto": int16 where that runs, else float32). ``self.exact`` says which ran.
+    ``activations``: "float32" (float32 activations), or "int16"/"mixed"/"int8"/"auto": the
+    decoder's layers as ``IntLinear`` (exact integer sums, model/int_linear.py) with attention
+    and the output projection in a fixed order for every row, so each token's K/V and logits
+    are bit-for-bit independent of its batch, its chunking and of whether its context came
+    from the cache ("auto": mixed for 4-bit groups and int16 for 8-bit ones where that runs,
+    else float32). ``self.exact`` says which ran.
     """
 
     def __init__(
@@ -198,7 +199,11 @@ class LlamaModel:
                 if groups is None or (want is not None and not isinstance(groups, want)):
                     groups = quantize_int4(w) if weight_format == "int4" else quantize_int8(w)
                     self.requantized = True
-                return IntLinear(groups, b, bits, isa)
+                # mixed activations speed up 4-bit groups only (int_linear.cpp skips their low
+                # pass); auto keeps 8-bit groups at 16 bits: w8a16 is already at the floor.
+                mixed = bits == 16 and (activations == "mixed" or (
+                    activations == "auto" and isinstance(groups, Int4Groups)))  # fmt: skip
+                return IntLinear(groups, b, bits, isa, mixed)
             lin = make_linear(w, b, fmt, dtype, device, groups)
             if lin.kind != "dense" and (groups is None or lin.kind != _KIND[type(groups)]):
                 self.requantized = True
@@ -273,7 +278,7 @@ class LlamaModel:
             if activations == "auto":
                 return None
             raise ValueError(f"activations {activations!r} needs {why}")
-        return 8 if activations == "int8" else 16
+        return 8 if activations == "int8" else 16  # mixed: 16 with 8-bit groups
 
     def _fused_layers(self):
         """The per-layer arguments of ``kernels.decode_forward`` (every layer of a decode-only

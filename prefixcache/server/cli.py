@@ -152,10 +152,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--activations",
         default="auto",
-        choices=("auto", "int16", "int8", "float32"),
-        help="arithmetic of the linear layers; int16: exact integer sums, outputs bit-for-bit "
-        "independent of cache, batch and chunking (auto where the layers are 4-bit groups on "
-        "CPU); int8: faster, approximate; float32: the float reference",
+        choices=("auto", "int16", "mixed", "int8", "float32"),
+        help="arithmetic of the linear layers, all but float32 exact (outputs bit-for-bit "
+        "independent of cache, batch and chunking); int16: 16-bit activations, float32-like "
+        "quality; mixed: 8 or 16 bits per group, 1.4x faster (auto's choice for 4-bit groups on "
+        "CPU, int16 for 8-bit ones); int8: faster, below the quality floor; float32: the float "
+        "reference",
     )
     m.add_argument(
         "--kv-cache-dtype",
