@@ -14,7 +14,13 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prefixcache.api.request import CacheExplanation, SamplingParams, SharedPrefix, StreamDelta
+from prefixcache.api.request import (
+    CacheExplanation,
+    CacheLease,
+    SamplingParams,
+    SharedPrefix,
+    StreamDelta,
+)
 from prefixcache.config import EngineConfig
 from prefixcache.segments.plan import SegmentRequest
 
@@ -29,7 +35,9 @@ class EngineRequest:
     instead (whole blocks of them; generated output is never shared). ``tenant``: who sent it
     (fair admission, quotas, the tiers' shares). ``priority`` orders a tenant's own waiting
     requests. ``explain``: say why it hit or missed (``explain_across_namespaces``, admins only:
-    other namespaces may explain a miss). ``segments``: cache_mode "segments"."""
+    other namespaces may explain a miss). ``segments``: cache_mode "segments". ``leases``:
+    prefixes of the prompt to keep from eviction for a while once computed, charged to
+    ``tenant``'s pin quota (the grants come in the stream's deltas)."""
 
     request_id: str
     prompt: str | list[int]
@@ -42,6 +50,7 @@ class EngineRequest:
     explain_across_namespaces: bool = False
     segments: SegmentRequest | None = None
     shared_prefix: SharedPrefix | None = None
+    leases: tuple[CacheLease, ...] = ()
 
 
 @dataclass(frozen=True)

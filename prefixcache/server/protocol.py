@@ -32,6 +32,13 @@ class _Body(BaseModel):
 _B = TypeVar("_B", bound=_Body)
 
 
+class PromptCacheOptions(_Body):
+    """Our extension, named after OpenAI Responses' ``prompt_cache_options``: explain this
+    request's cache hit against an earlier response of the same tenant (comparison.py)."""
+
+    comparison_response_id: str | None = Field(None, min_length=1, max_length=128)
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 

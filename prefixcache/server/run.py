@@ -61,6 +61,7 @@ class Choice:
     cache_info: CacheExplanation | None = None
     tier_tokens: dict[str, int] | None = None
     num_segment_cached_tokens: int = 0
+    lease_grants: tuple | None = None  # what its cache leases got (api.request.LeaseGrant)
     started: bool = False  # has seen its first delta
 
     def apply(self, d: StreamDelta) -> None:
@@ -75,6 +76,8 @@ class Choice:
             self.cache_info = d.cache_info
         self.tier_tokens = d.tier_tokens
         self.num_segment_cached_tokens = d.num_segment_cached_tokens
+        if d.lease_grants is not None:
+            self.lease_grants = d.lease_grants
         if d.finished:
             self.finished = True
             self.finish_reason = d.finish_reason

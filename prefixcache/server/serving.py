@@ -19,13 +19,14 @@ import jinja2
 
 from prefixcache.api.engine import EngineAPI, EngineRequest
 from prefixcache.api.errors import InvalidRequestError
-from prefixcache.api.request import SamplingParams, SharedPrefix
+from prefixcache.api.request import CacheLease, SamplingParams, SharedPrefix
 from prefixcache.segments.plan import DEFAULT_RECOMPUTE_TOKENS, SegmentOptions, SegmentRequest
 from prefixcache.server.activity import Activity
 from prefixcache.server.auth import CacheScope, Tenant, TenantDirectory
 from prefixcache.server.cache_gate import CacheCallGate
 from prefixcache.server.errors import APIError, from_engine_error
 from prefixcache.server.limits import ServerLimits
+from prefixcache.server.messages_prompt import MessagesRenderer
 from prefixcache.server.metrics import ServerMetrics
 from prefixcache.server.protocol import (
     ChatMessage,
@@ -42,7 +43,8 @@ PRIORITY_BOUND = 2**31 - 1
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """``chatcmpl-<hex>``; a prefix ending in ``_`` is Anthropic's style: ``msg_<hex>``."""
+    return f"{prefix}{'' if prefix.endswith('_') else '-'}{uuid.uuid4().hex}"
 
 
 def as_api_error(e: InvalidRequestError) -> APIError:
@@ -87,6 +89,7 @@ class Serving:
             self.limits.max_refusals_per_second, self.limits.refusal_penalty
         )
         self.tokenizer = engine.tokenizer
+        self.messages_renderer = MessagesRenderer(self.tokenizer)  # Anthropic's Messages API
         self.activity = Activity(lambda ids: self.tokenizer.decode(ids), engine.config.block_size)
         self._chars_lock = threading.Lock()
         self._token_texts: list[str] | None = None
@@ -340,10 +343,12 @@ class Serving:
         explain: bool = False,
         segments: SegmentRequest | None = None,
         shared_prefix: SharedPrefix | None = None,
+        leases: tuple[CacheLease, ...] = (),
     ) -> Run:
         """Add every choice to the engine; on any refusal abort those already added. The whole
         request is admitted or refused at once (429 for a tenant over its share).
-        ``shared_prefix``: declared by every prompt (a chat's one prompt)."""
+        ``shared_prefix``: declared by every prompt (a chat's one prompt); ``leases``: asked
+        by every prompt (a Messages request's cache breakpoints)."""
         total = len(prompts) * n
         cfg = self.engine.config
         most = min(cfg.max_waiting_requests, cfg.tenant_waiting_limit)
@@ -369,7 +374,7 @@ class Serving:
                     choice.stream = self.engine.add(EngineRequest(
                         choice.request_id, ids, choice_sp, namespace, priority, explain,
                         tenant=tenant.name, explain_across_namespaces=tenant.admin,
-                        segments=segments, shared_prefix=shared_prefix,
+                        segments=segments, shared_prefix=shared_prefix, leases=leases,
                     ))  # fmt: skip
                     run.choices.append(choice)
         except BaseException as e:
@@ -397,7 +402,7 @@ def authenticate(request) -> Tenant:
     refused here, before its body is read, and its refusals are counted by the error handler
     (refusals.py)."""
     s: Serving = request.app.state.serving
-    tenant = s.tenants.authenticate(request.headers.get("authorization"))
+    tenant = s.tenants.authenticate_request(request.headers)
     if not tenant.admin:
         s.refusals.check(tenant.name)
         request.state.refusal_tenant = tenant.name
