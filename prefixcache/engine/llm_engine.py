@@ -18,7 +18,13 @@ from collections.abc import Callable
 import torch
 
 from prefixcache import kernels
-from prefixcache.api.engine import EngineRequest, EngineStats, LookupResult, TenantStats
+from prefixcache.api.engine import (
+    RETENTIONS,
+    EngineRequest,
+    EngineStats,
+    LookupResult,
+    TenantStats,
+)
 from prefixcache.api.errors import (
     ContextLengthError,
     InvalidRequestError,
@@ -184,6 +190,11 @@ class LLMEngine:
         Pure: no lock needed."""
         self.validate(ids, request.params)
         check_shared_prefix(request.shared_prefix, len(ids))
+        if request.retention not in (None, *RETENTIONS):
+            raise InvalidRequestError(
+                f"retention must be one of {RETENTIONS}, got {request.retention!r}",
+                param="prompt_cache_retention",
+            )
         self.connectors.check(ids, request)
 
     def add(self, request: EngineRequest) -> Sequence:

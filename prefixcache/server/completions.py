@@ -58,7 +58,8 @@ async def completions(request: Request) -> Response:
     texts = None if req.logprobs is None else await s.token_texts()
     run = s.start(
         "cmpl", prompts, params, req.n, tenant, scope.namespace, req.priority,
-        req.return_cache_info,
+        req.return_cache_info, retention=req.prompt_cache_retention,
+        prompt_cache_key=req.prompt_cache_key,
     )  # fmt: skip
     fmt = _CompletionFormat(s, run, req.logprobs, texts)
     return await _respond(request, run, fmt, req.stream, req.include_usage)
@@ -85,6 +86,7 @@ async def chat_completions(request: Request) -> Response:
     run = s.start(
         "chatcmpl", [ids], [params], req.n, tenant, scope.namespace, req.priority,
         req.return_cache_info, segments, scope.prefix(chat.system_tokens),
+        retention=req.prompt_cache_retention, prompt_cache_key=req.prompt_cache_key,
     )  # fmt: skip
     fmt = _ChatFormat(s, run, k, texts)
     return await _respond(request, run, fmt, req.stream, req.include_usage)

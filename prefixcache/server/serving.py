@@ -24,6 +24,7 @@ from prefixcache.segments.plan import DEFAULT_RECOMPUTE_TOKENS, SegmentOptions, 
 from prefixcache.server.activity import Activity
 from prefixcache.server.auth import CacheScope, Tenant, TenantDirectory
 from prefixcache.server.cache_gate import CacheCallGate
+from prefixcache.server.cache_keys import PromptCacheKeyStats
 from prefixcache.server.errors import APIError, from_engine_error
 from prefixcache.server.limits import ServerLimits
 from prefixcache.server.messages_prompt import MessagesRenderer
@@ -91,6 +92,7 @@ class Serving:
         self.tokenizer = engine.tokenizer
         self.messages_renderer = MessagesRenderer(self.tokenizer)  # Anthropic's Messages API
         self.activity = Activity(lambda ids: self.tokenizer.decode(ids), engine.config.block_size)
+        self.cache_keys = PromptCacheKeyStats()
         self._chars_lock = threading.Lock()
         self._token_texts: list[str] | None = None
 
@@ -344,11 +346,15 @@ class Serving:
         segments: SegmentRequest | None = None,
         shared_prefix: SharedPrefix | None = None,
         leases: tuple[CacheLease, ...] = (),
+        retention: str | None = None,
+        prompt_cache_key: str | None = None,
     ) -> Run:
         """Add every choice to the engine; on any refusal abort those already added. The whole
         request is admitted or refused at once (429 for a tenant over its share).
         ``shared_prefix``: declared by every prompt (a chat's one prompt); ``leases``: asked
-        by every prompt (a Messages request's cache breakpoints)."""
+        by every prompt (a Messages request's cache breakpoints); ``retention``: how its blocks
+        are kept beyond RAM (EngineRequest); ``prompt_cache_key``: the group its per-key
+        stats count in (cache_keys.py)."""
         total = len(prompts) * n
         cfg = self.engine.config
         most = min(cfg.max_waiting_requests, cfg.tenant_waiting_limit)
@@ -360,6 +366,7 @@ class Serving:
         run = Run(self, new_id(prefix), tenant, namespace, n)
         run.segments = segments is not None
         run.shared_prefix = shared_prefix
+        run.prompt_cache_key = prompt_cache_key
         try:
             self.engine.check_admission(tenant.name, total)
             for p, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -375,6 +382,7 @@ class Serving:
                         choice.request_id, ids, choice_sp, namespace, priority, explain,
                         tenant=tenant.name, explain_across_namespaces=tenant.admin,
                         segments=segments, shared_prefix=shared_prefix, leases=leases,
+                        retention=retention,
                     ))  # fmt: skip
                     run.choices.append(choice)
         except BaseException as e:
