@@ -190,9 +190,18 @@ def test_breakpoints_create_then_read_and_never_change_outputs(server):
 def test_tenants_learn_nothing_from_each_others_breakpoints(server):
     alice, bob = client(server, "sk-alice"), client(server, "sk-bob")
     secret = SYSTEM + " The merger with Initech closes on May 3."
-    mine = ask(alice, "When does it close?", system=system(secret), extra_body={"cache_salt": "s"})
-    assert mine.model_extra["cache_leases"][0]["status"] == "accepted"
-    theirs = ask(bob, "When does it close?", system=system(secret), extra_body={"cache_salt": "s"})
+    mine = ask(alice, "When does it close?", system=system(secret), extra_body={"cache_salt": "s"},
+               diagnostics={"previous_message_id": None})  # fmt: skip
+    assert mine.model_extra["cache_leases"][0]["status"] == "accepted" and mine.diagnostics is None
+    theirs = ask(bob, "When does it close?", system=system(secret), extra_body={"cache_salt": "s"},
+                 diagnostics={"previous_message_id": mine.id})  # fmt: skip
+    # Naming alice's message gets bob what a made-up id gets him.
+    assert theirs.diagnostics.cache_miss_reason.type == "previous_message_not_found"
+    again = ask(alice, "When does it close, exactly?", system=system(secret),
+                extra_body={"cache_salt": "s"}, diagnostics={"previous_message_id": mine.id})
+    reason = again.diagnostics.cache_miss_reason
+    assert reason.type == "messages_changed" and reason.model_extra["message_index"] == 0
+    assert reason.model_extra["content_offset"] == len("When does it close")
     # Bob's identical request reads nothing of alice's and his lease is his own, granted the
     # same way: no figure of his answer depends on what alice sent.
     assert theirs.usage.cache_read_input_tokens == 0

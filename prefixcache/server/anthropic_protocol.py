@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from prefixcache.server.errors import APIError
-from prefixcache.server.protocol import PromptCacheOptions, _Body
+from prefixcache.server.protocol import _Body
 
 # The ``anthropic-version`` header: a date, at least Anthropic's first version; later ones (the
 # official client sends its own) are served with the same behaviour.
@@ -111,6 +111,13 @@ class Metadata(_Body):
     user_id: str | None = Field(None, max_length=256)
 
 
+class Diagnostics(_Body):
+    """Anthropic's prompt-cache diagnostics: compare with this client's earlier response
+    (null: remember this one, compare with none)."""
+
+    previous_message_id: str | None = Field(None, min_length=1, max_length=128)
+
+
 class Thinking(_Body):
     type: Literal["enabled", "disabled"]
     budget_tokens: int | None = None
@@ -186,11 +193,11 @@ class MessagesRequest(_MessagesPrompt):
     top_k: int | None = Field(None, ge=0)
     metadata: Metadata | None = None
     service_tier: str | None = None  # accepted; there is one tier here
-    # Our extensions (docs/server.md): the hit/miss explanation, the comparison with an
-    # earlier response, the caller's own queue order.
+    # Our extensions (docs/server.md): the hit/miss explanation, the caller's own queue order.
     return_cache_info: bool = False
-    prompt_cache_options: PromptCacheOptions | None = None
     priority: int = 0
+    # Anthropic's: why the cache could not reuse an earlier response's prefix (comparison.py).
+    diagnostics: Diagnostics | None = None
 
 
 class CountTokensRequest(_MessagesPrompt):

@@ -37,6 +37,7 @@ from prefixcache.server.anthropic_protocol import (
     MessagesRequest,
     _MessagesPrompt,
 )
+from prefixcache.server.comparison import PromptRecord, anthropic_diagnostics
 from prefixcache.server.errors import (
     APIError,
     from_engine_error,
@@ -61,13 +62,23 @@ async def messages(request: Request) -> Response:
     _check_limits(s, req)
     prompt = await messages_prompt(s, req)
     params = _sampling(s, req, len(prompt.ids))
+    record = diagnosis = None
+    if req.diagnostics is not None:  # Anthropic's: compare with an earlier response
+        record = PromptRecord.of(prompt.ids, s.messages_renderer.parts(req), req.model,
+                                 scope.namespace)  # fmt: skip
+        previous = req.diagnostics.previous_message_id
+        if previous is not None:
+            diagnosis = (await s.compare_with(
+                tenant, previous, record, lambda k: s.messages_renderer.prefix_ids(req, k)),)
     run = s.start(
         "msg_", [prompt.ids], [params], 1, tenant, scope.namespace, req.priority,
         req.return_cache_info, shared_prefix=cache_breakpoints.shared_prefix(
             prompt.breakpoints, scope),
         leases=cache_breakpoints.leases(prompt.breakpoints),
     )  # fmt: skip
-    answer = _Answer(s, run, req, prompt)
+    if record is not None:
+        s.responses.put(tenant.name, run.id, record)
+    answer = _Answer(s, run, req, prompt, diagnosis)
     if req.stream:
         return TimedStreamingResponse(
             answer.events(request_id_of(request.scope)),
@@ -166,7 +177,9 @@ def _sse(event: str, data: dict) -> str:
 class _Answer:
     """One Messages request's answer: the message, or its events."""
 
-    def __init__(self, s: Serving, run: Run, req: MessagesRequest, prompt: MessagesPrompt) -> None:
+    def __init__(self, s: Serving, run: Run, req: MessagesRequest, prompt: MessagesPrompt,
+                 diagnosis: tuple | None = None) -> None:  # fmt: skip
+        self.diagnosis = diagnosis  # (Comparison | None,) when an earlier message was named
         self.s = s
         self.run = run
         self.req = req
@@ -207,6 +220,9 @@ class _Answer:
         info = self.run.cache_info(c)
         if info is not None:
             body["cache_info"] = info
+        if self.req.diagnostics is not None:  # null: no divergence found (or none asked)
+            body["diagnostics"] = None if self.diagnosis is None else anthropic_diagnostics(
+                self.diagnosis[0], c.num_cached_tokens, self.s.engine.config.block_size)
         return body
 
     def _stop(self, used_tools: bool) -> tuple[str, str | None]:

@@ -130,6 +130,26 @@ class MessagesRenderer:
             points.append(Breakpoint(where, ttl, _common_prefix(head, ids)))
         return MessagesPrompt(ids, tuple(points), tuple(dicts))
 
+    def parts(self, req: _MessagesPrompt) -> list[tuple[str, str]]:
+        """The request's parts as comparisons see them (comparison.py): its tools, its system
+        text, then each message (its role, then its text as rendered)."""
+        tools = "\n".join(_json(t.model_dump(exclude={"cache_control"}, exclude_none=True))
+                          for t in req.tools or ())  # fmt: skip
+        out = [("tools", tools), ("system", "\n".join(b.text for b in req.system_blocks()))]
+        for i, m in enumerate(req.messages):
+            text = "\n".join(_as_text(b) for b in m.blocks() if not isinstance(b, ThinkingBlock))
+            out.append((f"messages.{i}", f"{m.role}\n{text}"))
+        return out
+
+    def prefix_ids(self, req: _MessagesPrompt, k: int) -> list[int]:
+        """The ids of the request's first ``k`` parts (``parts``) alone, no generation prompt."""
+        if k <= 0:
+            return []
+        tools = len(req.tools or ())
+        cut = _Cut(tools, 0 if k < 2 else len(req.system_blocks()), max(0, k - 2))
+        d, t = self._dicts(req, cut)
+        return self._encode(self._render(d, t, add_generation_prompt=False, strict=False))
+
     def _marks(self, req: _MessagesPrompt) -> list[tuple[str, str, _Cut]]:
         tools, system = req.tools or [], req.system_blocks()
         marks = [(f"tools.{i}", t.cache_control.ttl, _Cut(i + 1, 0, 0))

@@ -25,6 +25,7 @@ from prefixcache.server.activity import Activity
 from prefixcache.server.auth import CacheScope, Tenant, TenantDirectory
 from prefixcache.server.cache_gate import CacheCallGate
 from prefixcache.server.cache_keys import PromptCacheKeyStats
+from prefixcache.server.comparison import Comparison, PromptRecord, ResponseStore, compare
 from prefixcache.server.errors import APIError, from_engine_error
 from prefixcache.server.limits import ServerLimits
 from prefixcache.server.messages_prompt import MessagesRenderer
@@ -93,6 +94,7 @@ class Serving:
         self.messages_renderer = MessagesRenderer(self.tokenizer)  # Anthropic's Messages API
         self.activity = Activity(lambda ids: self.tokenizer.decode(ids), engine.config.block_size)
         self.cache_keys = PromptCacheKeyStats()
+        self.responses = ResponseStore()  # prompts kept for comparisons (comparison.py)
         self._chars_lock = threading.Lock()
         self._token_texts: list[str] | None = None
 
@@ -271,6 +273,30 @@ class Serving:
             return 0
         b = self.engine.config.block_size
         return shared.num_tokens // b * b
+
+    # -- comparisons (comparison.py) -------------------------------------------------------------
+
+    async def compare_with(
+        self, tenant: Tenant, previous_id: str, record: PromptRecord, render_prefix
+    ) -> Comparison | None:
+        """``record`` compared with the prompt of the tenant's response ``previous_id`` (None
+        when that is not one of its own: another tenant's id is not found either). The run's
+        own record is kept with ``responses.put`` once it has its id."""
+        previous = self.responses.get(tenant.name, previous_id)
+        if previous is None:
+            return None
+        return await asyncio.to_thread(compare, previous, record, render_prefix)
+
+    def chat_prefix(self, dicts: list[dict]):
+        """``render_prefix`` of a chat: its first k messages alone, no generation prompt."""
+
+        def render(k: int) -> list[int]:
+            try:
+                return self.tokenizer.encode_chat(dicts[:k], add_generation_prompt=False) if k else []
+            except (ValueError, KeyError, TypeError, jinja2.TemplateError):
+                return []
+
+        return render
 
     # -- sampling -----------------------------------------------------------------------------
 
