@@ -89,6 +89,12 @@ def test_merge_stats_and_metrics():
     assert out["query_tokens"] == 400 and out["hit_tokens"] == 50 and out["hit_rate"] == 0.125
     assert out["block_size"] == 16 and out["kv"] == {"kv_cache_dtype": "int8", "num_blocks": 20}
     assert [r["replica"] for r in out["replicas"]] == [0, 1] and out["replicas"][1]["query_tokens"] == 300
+    keys = merge_stats([(info[0], {"prompt_cache_keys": {"u": {"prompt_tokens": 100, "cached_tokens": 80,
+                                                               "hit_rate": 0.8, "requests": 1}}}),
+                        (info[1], {"prompt_cache_keys": {"u": {"prompt_tokens": 300, "cached_tokens": 0,
+                                                               "hit_rate": 0.0, "requests": 2}}})])
+    assert keys["prompt_cache_keys"]["u"] == {"prompt_tokens": 400, "cached_tokens": 80,
+                                              "hit_rate": 0.2, "requests": 3}  # fmt: skip
     text = ("# HELP x_total X.\n# TYPE x_total counter\nx_total{model_name=\"m\"} 3.0\n"
             "# HELP y Y.\n# TYPE y gauge\ny 1.0\n")  # fmt: skip
     merged = merge_metrics([("0", text), ("1", text.replace("3.0", "4.0"))])
