@@ -250,3 +250,43 @@ def test_tools_tool_use_and_tool_results_through_the_template(server):
     with pytest.raises(anthropic.BadRequestError):
         bob.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}])
+
+
+BAD_BODIES = [
+    {"messages": [{"role": "user", "content": [{"type": "video", "url": "x"}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                "content": [{"type": "image"}]}]}]},
+    {"messages": [{"role": "system", "content": "x"}]},
+    {"messages": [{"role": "user", "content": 5}]},
+    {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": []}]},
+    {"system": [{"type": "image", "source": {}}]},
+    {"system": 7},
+    {"tools": [{"name": "bad name!", "input_schema": {}}]},
+    {"tools": [{"name": "t", "input_schema": []}]},
+    {"tools": [{"name": "t", "input_schema": {}}] * 200},
+    {"tool_choice": {"type": "tool", "name": "t"}},
+    {"max_tokens": 10**9},
+    {"max_tokens": "many"},
+    {"stop_sequences": [""]},
+    {"stop_sequences": ["x" * 1000]},
+    {"top_p": 0},
+    {"temperature": -1},
+    {"priority": 2**40},
+    {"metadata": {"user_id": "u" * 1000}},
+    {"cache_control": {"type": "persistent"}},
+    {"diagnostics": {"previous_message_id": ""}},
+    {"messages": [{"role": "user", "content": "x" * (1024 * 81 + 1)}]},
+]
+
+
+def test_bad_input_is_a_4xx_in_anthropics_shape_never_a_5xx(server):
+    for extra in BAD_BODIES:
+        body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}],
+                **extra}  # fmt: skip
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = httpx.post(server.base_url + path, json=body, headers={"x-api-key": "sk-ops"},
+                           timeout=120)  # fmt: skip
+            if path.endswith("count_tokens") and r.status_code == 200:
+                continue  # a field only a message checks (max_tokens, sampling)
+            assert 400 <= r.status_code < 500, (extra, path, r.text)
+            assert r.json()["type"] == "error", r.text
