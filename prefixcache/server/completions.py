@@ -57,9 +57,11 @@ async def completions(request: Request) -> Response:
         for ids in prompts
     ]
     texts = None if req.logprobs is None else await s.token_texts()
-    record = PromptRecord.of(prompts[0], (), req.model or s.model_name, scope.namespace,
-                             req.prompt_cache_key)  # fmt: skip
-    diagnosis = await _diagnosis(s, tenant, req, record, None)
+    record = diagnosis = None
+    if req.prompt_cache_options is not None:  # remembered, and maybe compared (comparison.py)
+        record = PromptRecord.of(prompts[0], (), req.model or s.model_name, scope.namespace,
+                                 req.prompt_cache_key)  # fmt: skip
+        diagnosis = await _diagnosis(s, tenant, req, record, None)
     run = s.start(
         "cmpl", prompts, params, req.n, tenant, scope.namespace, req.priority,
         req.return_cache_info, retention=req.prompt_cache_retention,
@@ -88,11 +90,13 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     params = s.sampling_params(req, len(ids), max_tokens, None, k)
     texts = None if k is None else await s.token_texts()
-    dicts = [m.as_template_dict() for m in req.messages]
-    parts = [(f"messages.{i}", f"{d['role']}\n{d['content']}") for i, d in enumerate(dicts)]
-    record = PromptRecord.of(ids, parts, req.model or s.model_name, scope.namespace,
-                             req.prompt_cache_key)  # fmt: skip
-    diagnosis = await _diagnosis(s, tenant, req, record, s.chat_prefix(dicts))
+    record = diagnosis = None
+    if req.prompt_cache_options is not None:  # remembered, and maybe compared (comparison.py)
+        dicts = [m.as_template_dict() for m in req.messages]
+        parts = [(f"messages.{i}", f"{d['role']}\n{d['content']}") for i, d in enumerate(dicts)]
+        record = PromptRecord.of(ids, parts, req.model or s.model_name, scope.namespace,
+                                 req.prompt_cache_key)  # fmt: skip
+        diagnosis = await _diagnosis(s, tenant, req, record, s.chat_prefix(dicts))
     run = s.start(
         "chatcmpl", [ids], [params], req.n, tenant, scope.namespace, req.priority,
         req.return_cache_info, segments, scope.prefix(chat.system_tokens),
@@ -107,14 +111,14 @@ async def _diagnosis(s: Serving, tenant, req, record: PromptRecord, render_prefi
     """With ``prompt_cache_options.comparison_response_id``: this prompt compared with that
     earlier response's (comparison.py); a tuple, so that "not found" (None) is an answer."""
     opts = req.prompt_cache_options
-    if opts is None or opts.comparison_response_id is None:
+    if opts.comparison_response_id is None:
         return None
     return (await s.compare_with(tenant, opts.comparison_response_id, record, render_prefix),)
 
 
-def _keep(s: Serving, tenant, run: Run, req, record: PromptRecord, diagnosis, fmt) -> None:
+def _keep(s: Serving, tenant, run: Run, req, record: PromptRecord | None, diagnosis, fmt) -> None:
     """A request with ``prompt_cache_options`` is remembered for later comparisons."""
-    if req.prompt_cache_options is not None:
+    if record is not None:
         s.responses.put(tenant.name, run.id, record)
     fmt.diagnosis = diagnosis
 
