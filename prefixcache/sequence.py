@@ -60,6 +60,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cache_info: CacheExplanation | None = None
+    # What its cache leases got (EngineRequest.leases), written by the engine once the prompt is
+    # computed (engine/leases.py); a tuple of api.request.LeaseGrant.
+    lease_grants: tuple | None = None
     # Set when the sequence failed alone inside a step (finish_reason "error"); a bug of ours.
     error: BaseException | None = None
     # Text bookkeeping for stop strings and streaming (owned by the output processor).

@@ -89,6 +89,12 @@ def test_merge_stats_and_metrics():
     assert out["query_tokens"] == 400 and out["hit_tokens"] == 50 and out["hit_rate"] == 0.125
     assert out["block_size"] == 16 and out["kv"] == {"kv_cache_dtype": "int8", "num_blocks": 20}
     assert [r["replica"] for r in out["replicas"]] == [0, 1] and out["replicas"][1]["query_tokens"] == 300
+    keys = merge_stats([(info[0], {"prompt_cache_keys": {"u": {"prompt_tokens": 100, "cached_tokens": 80,
+                                                               "hit_rate": 0.8, "requests": 1}}}),
+                        (info[1], {"prompt_cache_keys": {"u": {"prompt_tokens": 300, "cached_tokens": 0,
+                                                               "hit_rate": 0.0, "requests": 2}}})])
+    assert keys["prompt_cache_keys"]["u"] == {"prompt_tokens": 400, "cached_tokens": 80,
+                                              "hit_rate": 0.2, "requests": 3}  # fmt: skip
     text = ("# HELP x_total X.\n# TYPE x_total counter\nx_total{model_name=\"m\"} 3.0\n"
             "# HELP y Y.\n# TYPE y gauge\ny 1.0\n")  # fmt: skip
     merged = merge_metrics([("0", text), ("1", text.replace("3.0", "4.0"))])
@@ -159,6 +165,41 @@ def test_the_ingress_tokenizes_nothing_a_replica_would_refuse_unread(monkeypatch
                                                                    "content": "x"}]}  # fmt: skip
     assert keys.keys("/v1/chat/completions", None, json.dumps(chat).encode()) == []
     assert calls == []
+
+
+def test_prompt_cache_key_leads_the_route_and_messages_route_on_their_own_keys():
+    """route_keys.py: a prompt_cache_key puts its tenant's affinity key in front of the chain
+    (one key, one replica; the namespace, so what may be hit, unchanged), and a Messages
+    request routes on the engine's keys of its rendered prompt."""
+    from prefixcache.cache.hashing import hash_blocks, root_hash
+    from prefixcache.cluster.route_keys import RouteKeys
+    from prefixcache.model.tokenizer import load_tokenizer
+    from prefixcache.server.anthropic_protocol import MessagesRequest
+    from prefixcache.server.auth import Tenant, TenantDirectory
+    from prefixcache.server.messages_prompt import MessagesRenderer
+
+    tok = load_tokenizer(None)
+    keys = RouteKeys(tok, TenantDirectory({"sk-a": Tenant("alice"), "sk-b": Tenant("bob")}),
+                     "f" * 64, 16)  # fmt: skip
+    body = {"prompt": "The quick brown fox jumps over the lazy dog. " * 4}
+
+    def route(key, **extra):
+        return keys.keys("/v1/completions", f"Bearer {key}", json.dumps({**body, **extra}).encode())
+
+    plain, u1, u2 = route("sk-a"), route("sk-a", prompt_cache_key="u1"), route("sk-a", prompt_cache_key="u2")
+    assert len(plain) >= 2 and u1[1:] == plain == u2[1:] and u1[0] != u2[0]
+    bobs = route("sk-b", prompt_cache_key="u1")
+    assert bobs[0] != u1[0] and not set(bobs) & set(u1)  # his own namespace, his own key
+    router = _router("prefix", imbalance=8)
+    reps = _replicas("a", "b")
+    first = _route(router, reps, u1)
+    assert _route(router, reps, route("sk-a", prompt_cache_key="u1")) == first
+    assert router.decisions["affinity"] == 1
+    m = {"model": "m", "max_tokens": 4, "system": "You are terse. " * 6,
+         "messages": [{"role": "user", "content": "Name a planet."}]}  # fmt: skip
+    ids = MessagesRenderer(tok).prompt(MessagesRequest.model_validate(m)).ids
+    want = hash_blocks(ids, 16, root_hash("f" * 64, "alice", block_size=16))
+    assert keys.keys("/v1/messages", "Bearer sk-a", json.dumps(m).encode()) == want
 
 
 # -- a live cluster -----------------------------------------------------------------------------

@@ -189,11 +189,13 @@ def test_polls_of_one_tenant_share_one_read_of_the_engine(monkeypatch):
             return tenant.admin
 
     from prefixcache.server.cache_gate import CacheCallGate
+    from prefixcache.server.cache_keys import PromptCacheKeyStats
 
     class Serving:  # what the route reads of the server's Serving
         engine = _Counting()
         tenants = Tenants()
         cache_gate = CacheCallGate(2, 16)
+        cache_keys = PromptCacheKeyStats()
 
     s = Serving()
     engine = s.engine

@@ -14,7 +14,13 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prefixcache.api.request import CacheExplanation, SamplingParams, SharedPrefix, StreamDelta
+from prefixcache.api.request import (
+    CacheExplanation,
+    CacheLease,
+    SamplingParams,
+    SharedPrefix,
+    StreamDelta,
+)
 from prefixcache.config import EngineConfig
 from prefixcache.segments.plan import SegmentRequest
 
@@ -29,7 +35,12 @@ class EngineRequest:
     instead (whole blocks of them; generated output is never shared). ``tenant``: who sent it
     (fair admission, quotas, the tiers' shares). ``priority`` orders a tenant's own waiting
     requests. ``explain``: say why it hit or missed (``explain_across_namespaces``, admins only:
-    other namespaces may explain a miss). ``segments``: cache_mode "segments"."""
+    other namespaces may explain a miss). ``segments``: cache_mode "segments". ``leases``:
+    prefixes of the prompt to keep from eviction for a while once computed, charged to
+    ``tenant``'s pin quota (the grants come in the stream's deltas). ``retention``: how its
+    new blocks are kept beyond RAM: None (written through to the persistent tiers, kept until
+    they evict them), "in_memory" (never written to them), "24h" (written, expiring there
+    after 24 hours)."""
 
     request_id: str
     prompt: str | list[int]
@@ -42,6 +53,13 @@ class EngineRequest:
     explain_across_namespaces: bool = False
     segments: SegmentRequest | None = None
     shared_prefix: SharedPrefix | None = None
+    leases: tuple[CacheLease, ...] = ()
+    retention: str | None = None
+
+
+# EngineRequest.retention: the values, and how long "24h" keeps blocks in the tiers.
+RETENTIONS = ("in_memory", "24h")
+RETENTION_SECONDS = {"24h": 24 * 3600.0}
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,47 @@ class SharedPrefix:
             )
 
 
+@dataclass(frozen=True)
+class CacheLease:
+    """Keep the whole blocks of the request's leading ``num_tokens`` prompt tokens from
+    eviction for ``ttl_seconds`` once its prompt is computed: a pin with a TTL charged to the
+    request's tenant (its pin quota), granted as a ``LeaseGrant``. The server makes one of each
+    cache breakpoint (Anthropic's ``cache_control``); a later request with the same lease
+    renews it (the deadline moves, no quota is spent again)."""
+
+    num_tokens: int
+    ttl_seconds: float
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.num_tokens) or self.num_tokens < 0:
+            raise InvalidRequestError(
+                f"lease num_tokens must be an integer >= 0, got {self.num_tokens!r}", param="leases"
+            )
+        if not _is_real(self.ttl_seconds) or self.ttl_seconds <= 0:
+            raise InvalidRequestError(
+                f"lease ttl_seconds must be a finite number > 0, got {self.ttl_seconds!r}",
+                param="leases",
+            )
+
+
+# LeaseGrant.status: what a lease got. "clipped": held, for less than asked (the server's
+# longest pin); "rejected": not held, ``reason`` says why.
+LEASE_ACCEPTED, LEASE_CLIPPED, LEASE_REJECTED = "accepted", "clipped", "rejected"
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    """What one ``CacheLease`` got: ``num_tokens`` prompt tokens held (its whole blocks; 0 when
+    rejected) for ``ttl_seconds``. ``reason`` of a rejection: "caching_disabled",
+    "shorter_than_a_block", "not_cached", "pin_quota_exceeded" (the tenant's own pins fill its
+    quota), "pin_budget_exceeded" (the server's pin budget is full)."""
+
+    num_tokens: int
+    status: str
+    ttl_seconds: float
+    reason: str | None = None
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -186,6 +227,8 @@ class StreamDelta:
     # None when the engine has no tiers.
     tier_tokens: dict[str, int] | None = None
     num_segment_cached_tokens: int = 0  # see RequestOutput
+    # What the request's cache leases got (EngineRequest.leases), once its prompt is computed.
+    lease_grants: tuple[LeaseGrant, ...] | None = None
 
 
 @dataclass(frozen=True)

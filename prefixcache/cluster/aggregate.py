@@ -48,7 +48,8 @@ def merge_stats(per_replica: list[tuple[dict, dict]]) -> dict:
 def _recompute_hit_rate(d) -> None:
     if not isinstance(d, dict):
         return
-    for query, hit in (("query_tokens", "hit_tokens"), ("prompt_tokens_total", "prefix_cache_hits_total")):
+    for query, hit in (("query_tokens", "hit_tokens"), ("prompt_tokens_total", "prefix_cache_hits_total"),
+                       ("prompt_tokens", "cached_tokens")):  # the last: per prompt_cache_key
         if "hit_rate" in d and isinstance(d.get(query), int) and isinstance(d.get(hit), int):
             d["hit_rate"] = d[hit] / d[query] if d[query] else 0.0
     for v in d.values():

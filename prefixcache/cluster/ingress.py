@@ -196,7 +196,7 @@ def build_ingress(serve):
             try:
                 body = await read_body(request, self.spec.limits) if method in ("POST", "PUT", "PATCH") else b""
             except APIError as e:
-                return e.response()
+                return e.response_for(path)
             # Host goes along (unlike the other hop headers): the replica's app checks it
             # against the cluster's allowed hosts (server/origin.py), as one server would.
             headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS - {"host"}]
@@ -204,7 +204,7 @@ def build_ingress(serve):
             if (method, path) in FANOUT_ROUTES:
                 return await self._merged(method, path, query, headers, body)
             keys = await self._route_keys()
-            route = await asyncio.to_thread(keys.keys, path, request.headers.get("authorization"), body) if keys else []
+            route = await asyncio.to_thread(keys.keys, path, _credential(request.headers), body) if keys else []
             return await self._forward(method, path, query, headers, body, route)
 
         async def _forward(self, method, path, query, headers, body, route):
@@ -313,3 +313,16 @@ def build_ingress(serve):
             return "\n".join(lines) + "\n"
 
     return Ingress
+
+
+def _credential(headers) -> str | None:
+    """The request's key as an ``Authorization`` value (``x-api-key`` too, as the replicas
+    take it); None when the two headers disagree: then it is routed by load, and the replica
+    answers the 401."""
+    from prefixcache.server.auth import credential
+    from prefixcache.server.errors import APIError
+
+    try:
+        return credential(headers)
+    except APIError:
+        return None

@@ -8,6 +8,14 @@ server/serving.py: a chat's leading system messages, an admin's whole warmed pro
 a raw prompt), the same model fingerprint and block size (asked from a replica once). Anything that fails here (no JSON, an unknown key, a bad message) gives
 no keys: the request is routed by load, and the replica answers it with the proper 4xx.
 
+A ``prompt_cache_key`` (OpenAI's field) puts one more key in front of the chain: a digest of
+the key and the request's own namespace root. Requests of one tenant with one key then share
+a leading key and go to one replica (the router follows the longest matched run), while the
+same prompt under another key, or of another tenant, starts elsewhere; the namespace, and so
+what a request may hit on that replica, is unchanged. Anthropic's ``/v1/messages`` is rendered
+as its replica will (server/messages_prompt.py), its first breakpoint declaring the shared
+prefix under a shared salt.
+
 Length: the ingress is one process in front of every replica, so it tokenizes nothing a replica
 would refuse unread. A text longer than ``max_tokens`` (the replicas' context length) times
 the vocabulary's longest token in characters cannot fit (the replica's own check, serving.py),
@@ -18,13 +26,22 @@ from __future__ import annotations
 
 import json
 
-from prefixcache.cache.hashing import hash_blocks, hash_blocks_after_shared, root_hash
+from prefixcache.cache.hashing import hash_blocks, hash_blocks_after_shared, key_hash, root_hash
 from prefixcache.model.tokenizer import Tokenizer
+from prefixcache.server.anthropic_protocol import MessagesRequest
 from prefixcache.server.auth import TenantDirectory
+from prefixcache.server.messages_prompt import MessagesRenderer, text_chars
 from prefixcache.server.protocol import ChatMessage, template_text_chars
 
 # The routes whose body names a prompt; everything else is routed by load alone.
-PROMPT_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/cache/warm", "/v1/cache/lookup")
+PROMPT_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/cache/warm", "/v1/cache/lookup",
+                 "/v1/messages")  # fmt: skip
+AFFINITY_TAG = b"prefixcache/prompt-cache-key"
+
+
+def affinity_key(own_root: bytes, prompt_cache_key: str) -> bytes:
+    """The routing key of a ``prompt_cache_key`` in a namespace (whose root it is salted with)."""
+    return key_hash(AFFINITY_TAG + own_root + prompt_cache_key.encode("utf-8"))
 
 
 class RouteKeys:
@@ -38,9 +55,18 @@ class RouteKeys:
     ) -> None:
         self.tokenizer, self.tenants = tokenizer, tenants
         self.fingerprint, self.block_size, self.max_tokens = fingerprint, block_size, max_tokens
+        self.messages = MessagesRenderer(tokenizer)
 
     def _fits(self, num_chars: int) -> bool:
         return num_chars <= self.max_tokens or num_chars <= self.max_tokens * self.tokenizer.max_token_chars
+
+    def messages_prompt(self, body: dict) -> tuple[list[int] | None, int]:
+        """A Messages request's ids and its first breakpoint's tokens (no ids: too long)."""
+        req = MessagesRequest.model_validate(body)
+        if not self._fits(text_chars(req)):
+            return None, 0
+        p = self.messages.prompt(req)
+        return p.ids, p.breakpoints[0].num_tokens if p.breakpoints else 0
 
     def token_ids(self, path: str, body: dict) -> list[int] | None:
         messages = body.get("messages")
@@ -72,9 +98,13 @@ class RouteKeys:
                 return []
             tenant = self.tenants.authenticate(authorization)
             scope = self.tenants.scope(tenant, body.get("cache_salt"))
-            ids = self.token_ids(path, body)
             shared = 0
-            if scope.shared is not None and ids:
+            if path == "/v1/messages":  # with a shared salt, the first breakpoint is shared
+                ids, first = self.messages_prompt(body)
+                shared = first if scope.shared is not None else 0
+            else:
+                ids = self.token_ids(path, body)
+            if scope.shared is not None and ids and path != "/v1/messages":
                 if tenant.admin and path in PROMPT_ROUTES[2:]:
                     shared = len(ids)  # an admin's warm/lookup: the whole prompt is public
                 elif body.get("messages") is not None and path != "/v1/completions":
@@ -90,6 +120,11 @@ class RouteKeys:
         own = root_hash(self.fingerprint, scope.namespace, block_size=bs)
         k = min(shared, len(ids)) // bs
         if not k:
-            return hash_blocks(ids, bs, own)
-        public = root_hash(self.fingerprint, scope.shared, block_size=bs)
-        return hash_blocks_after_shared(ids, bs, public, k, own)
+            chain = hash_blocks(ids, bs, own)
+        else:
+            public = root_hash(self.fingerprint, scope.shared, block_size=bs)
+            chain = hash_blocks_after_shared(ids, bs, public, k, own)
+        key = body.get("prompt_cache_key")
+        if isinstance(key, str) and key:
+            return [affinity_key(own, key), *chain]
+        return chain

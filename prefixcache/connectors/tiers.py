@@ -15,6 +15,12 @@ Flow of a restore:
    installs nothing. The step never waits on it while other work exists; when nothing else
    can run, the step waits at most ``connector.IDLE_WAIT`` seconds for a restore to finish.
 
+Retention (``EngineRequest.retention``, OpenAI's ``prompt_cache_retention``): the blocks a
+request registers are written through unless it asked for "in_memory" (RAM only: nothing of it
+reaches a tier), and with "24h" they are written to expire there after 24 hours (Redis TTLs,
+a sweep of the disk tier: tiers/disk.py, tiers/redis_tier.py). A block's retention is that of
+the request that registered it first; a later request reusing it changes nothing.
+
 Segments (cache_mode "segments") ride the same TierManager as records of their own kind
 (segments/record.py); the segments connector (connectors/segments.py) restores and writes them.
 Without tiers there is no tier connector (and ``build_storage`` returns None).
@@ -28,6 +34,7 @@ import weakref
 from collections import Counter, OrderedDict
 from pathlib import Path
 
+from prefixcache.api.engine import RETENTION_SECONDS
 from prefixcache.api.errors import TierUnavailableError
 from prefixcache.cache.connector import KVConnector
 from prefixcache.cache.hashing import KEY_BYTES, block_chunks
@@ -79,6 +86,7 @@ class TierConnector(KVConnector):
         self._jobs: dict[str, tuple[Sequence, RestoreJob, int]] = {}  # rid -> (seq, job, first)
         self._known: OrderedDict[bytes, str | None] = OrderedDict()  # key -> its namespace
         self._by_tenant: dict[str | None, Counter] = {}
+        self._retention: dict[str, str] = {}  # request id -> its retention, when one was asked
         # Queued writes are flushed and the I/O threads stopped when the engine goes away or
         # the interpreter exits (the offline LLM has no shutdown call): a restart finds them.
         weakref.finalize(self, manager.close)
@@ -86,6 +94,8 @@ class TierConnector(KVConnector):
     # ---- restore ---------------------------------------------------------------------------------
     def on_arrival(self, seq: Sequence, request) -> None:
         seq.tier_tokens = {}
+        if request.retention is not None:
+            self._retention[seq.request_id] = request.retention
         self._restore_blocks(seq)
 
     def pending(self, seq: Sequence) -> bool:
@@ -121,6 +131,7 @@ class TierConnector(KVConnector):
 
     def on_finish(self, seq: Sequence) -> None:
         """The request left (finished, aborted): its restore installs nothing."""
+        self._retention.pop(seq.request_id, None)
         entry = self._jobs.pop(seq.request_id, None)
         if entry is not None and entry[0] is seq:
             self.manager.cancel(entry[1])
@@ -188,11 +199,14 @@ class TierConnector(KVConnector):
 
     # ---- write-through ---------------------------------------------------------------------------
     def after_commit(self, seq: Sequence, first_block: int) -> None:
-        """Queue the blocks ``seq`` registered since ``first_block`` for every tier."""
+        """Queue the blocks ``seq`` registered since ``first_block`` for every tier (none with
+        retention "in_memory"; to expire after 24 hours with "24h")."""
         b = self.block_size
         n = seq.num_registered_blocks
-        if n <= first_block:
+        retention = self._retention.get(seq.request_id)
+        if n <= first_block or retention == "in_memory":
             return
+        ttl = RETENTION_SECONDS.get(retention)
         chunks = block_chunks(seq.all_token_ids, b, start_block=first_block, num_tokens=n * b)
         out: dict[str | None, list] = {}  # namespace -> its blocks (a shared run, the owner's)
         for i, chunk in enumerate(chunks, start=first_block):
@@ -204,7 +218,7 @@ class TierConnector(KVConnector):
             out.setdefault(namespace, []).append((ref, self.cache.read_block(seq.block_table[i])))
             self._remember(key, namespace)
         for namespace, blocks in out.items():
-            self.manager.offload(namespace, blocks)
+            self.manager.offload(namespace, blocks, ttl=ttl)
 
     def _remember(self, key: bytes, namespace: str | None) -> None:
         self._known[key] = namespace

@@ -78,8 +78,9 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig):
-        self.engine = LLMEngine(config)
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic):
+        """``clock``: the time pins and cache leases expire by (tests inject one)."""
+        self.engine = LLMEngine(config, clock)
         self.config = config
         self._lock = threading.RLock()
         self._inbox: collections.deque[InboxMessage] = collections.deque()

@@ -18,7 +18,13 @@ from collections.abc import Callable
 import torch
 
 from prefixcache import kernels
-from prefixcache.api.engine import EngineRequest, EngineStats, LookupResult, TenantStats
+from prefixcache.api.engine import (
+    RETENTIONS,
+    EngineRequest,
+    EngineStats,
+    LookupResult,
+    TenantStats,
+)
 from prefixcache.api.errors import (
     ContextLengthError,
     InvalidRequestError,
@@ -38,6 +44,7 @@ from prefixcache.cache.manager import blocks_needed, kv_cache_manager
 from prefixcache.config import EngineConfig
 from prefixcache.connectors.build import build_connectors
 from prefixcache.engine import stats as engine_stats
+from prefixcache.engine.leases import grant_leases
 from prefixcache.engine.output import OutputProcessor
 from prefixcache.engine.sampler import SampleFailure, make_generator, sample
 from prefixcache.engine.scheduler import Scheduler, SchedulerOutput
@@ -53,8 +60,10 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic):
+        """``clock``: the time pins and cache leases expire by (seconds; tests inject one)."""
         self.config = config
+        self.clock = clock
         device = torch.device(config.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r} requested but CUDA is not available")
@@ -108,6 +117,7 @@ class LLMEngine:
             self.pool.index.record_events()
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
+        self._leases: dict[str, tuple] = {}  # request id -> its CacheLeases, until granted
         self._n_added = 0
         # The last explanation, with what it answered: (namespace, across, scope, prompt,
         # answer). The
@@ -180,6 +190,11 @@ class LLMEngine:
         Pure: no lock needed."""
         self.validate(ids, request.params)
         check_shared_prefix(request.shared_prefix, len(ids))
+        if request.retention not in (None, *RETENTIONS):
+            raise InvalidRequestError(
+                f"retention must be one of {RETENTIONS}, got {request.retention!r}",
+                param="prompt_cache_retention",
+            )
         self.connectors.check(ids, request)
 
     def add(self, request: EngineRequest) -> Sequence:
@@ -217,6 +232,8 @@ class LLMEngine:
             seq.cache_info = last[4]
         self._n_added += 1
         self.seqs[r.request_id] = seq
+        if r.leases:
+            self._leases[r.request_id] = tuple(r.leases)
         self.scheduler.add(seq)
         self.connectors.on_arrival(seq, r)
         return seq
@@ -241,7 +258,7 @@ class LLMEngine:
         sequences that got a new token (or finished)."""
         t0 = time.perf_counter()
         self._explained = None
-        self.pool.expire_pins()
+        self.pool.expire_pins(self.clock())
         try:
             for seq in self.connectors.before_step():  # finished restores are installed
                 if seq.explain:  # explained at arrival, before the restore: what it gets now
@@ -300,9 +317,20 @@ class LLMEngine:
             try:
                 self.kv.commit(s.seq)
                 self.connectors.after_commit(s.seq, registered)
+                if s.seq.num_computed_tokens >= s.seq.num_prompt_tokens:
+                    self._grant_leases(s.seq)
             except Exception as e:  # noqa: BLE001 - isolated to this sequence
                 failed[id(s.seq)] = e
         return failed
+
+    def _grant_leases(self, seq: Sequence) -> None:
+        """Its prompt is computed and registered: pin what its leases ask (engine/leases.py)."""
+        leases = self._leases.pop(seq.request_id, None)
+        if leases:
+            seq.lease_grants = grant_leases(
+                self.pool, seq, leases, now=self.clock(),
+                max_ttl=self.config.max_pin_ttl_seconds, caching=self.kv.enable_caching,
+            )  # fmt: skip
 
     def _postprocess(self, scheduled, sampling, sampled, failed) -> list[Sequence]:
         """Append each sampled token, finish what stopped, fail what failed alone."""
@@ -334,6 +362,7 @@ class LLMEngine:
         the connectors forget it."""
         self.scheduler.remove(seq)
         self.seqs.pop(seq.request_id, None)
+        self._leases.pop(seq.request_id, None)
         self.connectors.on_finish(seq)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason=None, now: float | None = None) -> None:
@@ -408,7 +437,7 @@ class LLMEngine:
         scope = self.kv.scope(namespace, shared_prefix, len(prompt_token_ids))
         m = self.kv.match_prompt(prompt_token_ids, scope)
         try:
-            self.pool.pin(m.block_ids, ttl, owner=owner)
+            self.pool.pin(m.block_ids, ttl, self.clock(), owner=owner)
         except ValueError as e:
             raise PinQuotaError(str(e), param="pin") from None
         return len(m.block_ids)

@@ -93,6 +93,7 @@ class OutputProcessor:
             cache_info=seq.cache_info if first else None,
             tier_tokens=seq.tier_tokens,
             num_segment_cached_tokens=seq.num_segment_cached_tokens or 0,
+            lease_grants=seq.lease_grants,
         )
 
     @staticmethod

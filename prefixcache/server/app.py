@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 import prefixcache
 from prefixcache.api.engine import EngineAPI
-from prefixcache.server import cache_routes, completions, dashboard
+from prefixcache.server import cache_routes, completions, dashboard, messages
 from prefixcache.server.auth import TenantDirectory
 from prefixcache.server.errors import APIError, RequestIdMiddleware, install_error_handlers
 from prefixcache.server.limits import ServerLimits
@@ -87,6 +87,7 @@ def create_app(
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
     app.include_router(completions.router)
+    app.include_router(messages.router)
     app.include_router(cache_routes.router)
     app.include_router(dashboard.router)
 

@@ -71,6 +71,25 @@ class Tenant:
     admin: bool = False
 
 
+def credential(headers: Mapping[str, str]) -> str | None:
+    """The ``Authorization`` value a request authenticates with: its own, or ``Bearer <key>``
+    for an ``x-api-key`` header (401 when both are given and name different keys)."""
+    auth = headers.get("authorization")
+    key = headers.get("x-api-key")
+    if key is None:
+        return auth
+    if auth is not None:
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            _digest(token.strip()), _digest(key.strip())
+        ):
+            raise APIError(
+                401, "the x-api-key and Authorization headers carry different keys",
+                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+            )  # fmt: skip
+    return f"Bearer {key.strip()}"
+
+
 def _digest(key: str) -> bytes:
     # Keys are looked up by digest, so the lookup's timing says nothing about the stored keys.
     return hashlib.sha256(key.encode("utf-8")).digest()
@@ -178,7 +197,7 @@ class TenantDirectory:
         if not authorization:
             raise APIError(
                 401,
-                "missing API key: send 'Authorization: Bearer <key>'",
+                "missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
@@ -192,6 +211,12 @@ class TenantDirectory:
                 headers={"WWW-Authenticate": "Bearer"},
             )
         return tenant
+
+    def authenticate_request(self, headers: Mapping[str, str]) -> Tenant:
+        """The tenant of a request's headers: ``Authorization: Bearer <key>`` or, as
+        Anthropic's clients send it, ``x-api-key: <key>`` (the same keys). Both at once must
+        name the same key: a proxy adding one must not silently win over the client's other."""
+        return self.authenticate(credential(headers))
 
     def authenticate_metrics(self, authorization: str | None, metrics_key: str) -> None:
         """``/metrics`` with ``--metrics-key``: that key, or any admin key; else 401."""

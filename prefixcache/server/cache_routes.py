@@ -163,7 +163,9 @@ async def stats(request: Request) -> dict:
 async def stats_for(s: Serving, tenant: Tenant) -> dict:
     """The body of ``/v1/cache/stats`` for ``tenant`` (the dashboard's data shows the same)."""
     if tenant.admin:
-        return await s.cache_gate.run(tenant.name, _stats, s.engine)
+        out = await s.cache_gate.run(tenant.name, _stats, s.engine)
+        out["prompt_cache_keys"] = s.cache_keys.of(tenant.name)  # its own keys only
+        return out
     own = await s.cache_gate.run(
         tenant.name, s.engine.tenant_stats, tenant.name,
         lambda ns: ns is not None and s.tenants.owns(tenant, ns),
@@ -171,6 +173,7 @@ async def stats_for(s: Serving, tenant: Tenant) -> dict:
     out = _as_dict(own)
     out["hit_rate"] = own.hit_rate
     out["kv"] = dict(s.engine.kv_info)
+    out["prompt_cache_keys"] = s.cache_keys.of(tenant.name)
     return out
 
 

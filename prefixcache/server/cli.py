@@ -31,6 +31,7 @@ _LIMIT_HELP = {
     "max_refusals_per_second": "refused requests (400/413/422) a non-admin tenant may have in a "
     "second; past it, 429 for --refusal-penalty seconds",
     "refusal_penalty": "seconds a tenant over --max-refusals-per-second is refused early",
+    "max_tools": "tool definitions per /v1/messages request",
 }
 
 

@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixcache.api.request import StreamDelta
+from prefixcache.server.comparison import PromptRecord, openai_diagnostics
 from prefixcache.server.errors import APIError, from_engine_error, internal_error, request_id_of
 from prefixcache.server.http import TimedStreamingResponse
 from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -56,11 +57,18 @@ async def completions(request: Request) -> Response:
         for ids in prompts
     ]
     texts = None if req.logprobs is None else await s.token_texts()
+    record = diagnosis = None
+    if req.prompt_cache_options is not None:  # remembered, and maybe compared (comparison.py)
+        record = PromptRecord.of(prompts[0], (), req.model or s.model_name, scope.namespace,
+                                 req.prompt_cache_key)  # fmt: skip
+        diagnosis = await _diagnosis(s, tenant, req, record, None)
     run = s.start(
         "cmpl", prompts, params, req.n, tenant, scope.namespace, req.priority,
-        req.return_cache_info,
+        req.return_cache_info, retention=req.prompt_cache_retention,
+        prompt_cache_key=req.prompt_cache_key,
     )  # fmt: skip
     fmt = _CompletionFormat(s, run, req.logprobs, texts)
+    _keep(s, tenant, run, req, record, diagnosis, fmt)
     return await _respond(request, run, fmt, req.stream, req.include_usage)
 
 
@@ -82,12 +90,37 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     params = s.sampling_params(req, len(ids), max_tokens, None, k)
     texts = None if k is None else await s.token_texts()
+    record = diagnosis = None
+    if req.prompt_cache_options is not None:  # remembered, and maybe compared (comparison.py)
+        dicts = [m.as_template_dict() for m in req.messages]
+        parts = [(f"messages.{i}", f"{d['role']}\n{d['content']}") for i, d in enumerate(dicts)]
+        record = PromptRecord.of(ids, parts, req.model or s.model_name, scope.namespace,
+                                 req.prompt_cache_key)  # fmt: skip
+        diagnosis = await _diagnosis(s, tenant, req, record, s.chat_prefix(dicts))
     run = s.start(
         "chatcmpl", [ids], [params], req.n, tenant, scope.namespace, req.priority,
         req.return_cache_info, segments, scope.prefix(chat.system_tokens),
+        retention=req.prompt_cache_retention, prompt_cache_key=req.prompt_cache_key,
     )  # fmt: skip
     fmt = _ChatFormat(s, run, k, texts)
+    _keep(s, tenant, run, req, record, diagnosis, fmt)
     return await _respond(request, run, fmt, req.stream, req.include_usage)
+
+
+async def _diagnosis(s: Serving, tenant, req, record: PromptRecord, render_prefix):
+    """With ``prompt_cache_options.comparison_response_id``: this prompt compared with that
+    earlier response's (comparison.py); a tuple, so that "not found" (None) is an answer."""
+    opts = req.prompt_cache_options
+    if opts.comparison_response_id is None:
+        return None
+    return (await s.compare_with(tenant, opts.comparison_response_id, record, render_prefix),)
+
+
+def _keep(s: Serving, tenant, run: Run, req, record: PromptRecord | None, diagnosis, fmt) -> None:
+    """A request with ``prompt_cache_options`` is remembered for later comparisons."""
+    if record is not None:
+        s.responses.put(tenant.name, run.id, record)
+    fmt.diagnosis = diagnosis
 
 
 async def _respond(request: Request, run: Run, fmt, stream: bool, include_usage: bool) -> Response:
@@ -174,10 +207,15 @@ async def _sse(run: Run, fmt, include_usage: bool, request_id: str | None):
             first = fmt.first_chunk(c)
             if first is not None:
                 yield _event(fmt.with_usage_field(first, include_usage))
+        diagnose = fmt.diagnosis is not None  # with the first delta: what was cached is known
         async for c, d in run.deltas():
             if not (d.text_delta or d.new_token_ids or d.finished or d.cache_info):
                 continue
-            yield _event(fmt.with_usage_field(fmt.chunk(c, d), include_usage))
+            chunk = fmt.chunk(c, d)
+            if diagnose:
+                diagnose = False
+                chunk["prompt_cache_diagnostics"] = fmt.diagnostics(c.num_cached_tokens)
+            yield _event(fmt.with_usage_field(chunk, include_usage))
         if include_usage:
             yield _event(fmt.envelope([], usage=run.usage()))
         yield "data: [DONE]\n\n"
@@ -207,6 +245,12 @@ class _Format:
         self.run = run
         self.top_k = top_k  # None: no logprobs; else the number of alternatives per token
         self._texts = texts  # with logprobs: Serving.token_texts(), each id's text alone
+        # (Comparison | None,) when the request asked for one (comparison.py), else None.
+        self.diagnosis: tuple | None = None
+
+    def diagnostics(self, cached_tokens: int) -> dict:
+        """``prompt_cache_diagnostics``: what the comparison with the named response found."""
+        return openai_diagnostics(self.diagnosis[0], cached_tokens, self.s.engine.config.block_size)
 
     def envelope(self, choices: list, usage: dict | None = None, chunk: bool = True) -> dict:
         body = {
@@ -230,7 +274,11 @@ class _Format:
 
     def response(self) -> dict:
         choices = [self.choice(c) for c in self.run.choices]
-        return self.envelope(choices, usage=self.run.usage(), chunk=False)
+        body = self.envelope(choices, usage=self.run.usage(), chunk=False)
+        if self.diagnosis is not None:
+            cached = min(c.num_cached_tokens for c in self.run.choices)
+            body["prompt_cache_diagnostics"] = self.diagnostics(cached)
+        return body
 
     def num_entries(self) -> int:
         """The size of ``response()``: a token counts 1, with logprobs 2 + top_k (its text and

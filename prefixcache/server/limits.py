@@ -25,6 +25,7 @@ class ServerLimits:
     max_stop_chars: int = 256  # characters per stop string
     max_stop_token_ids: int = 64
     max_messages: int = 1024  # chat messages per request
+    max_tools: int = 128  # tool definitions per Messages request
     # Time: a body must arrive within body_timeout; a connection must send a request's headers
     # within header_timeout; a response chunk the client does not take within send_timeout
     # cancels its request (a client that stopped reading).

@@ -98,6 +98,7 @@ _TIER_COUNTERS = (
         "Records not sent: larger than the tier's record size cap (Redis).",
     ),
     ("prefixcache:tier_restores", "restores", "Restore reads from the tier."),
+    ("prefixcache:tier_expired", "expired", "Records removed when their retention ran out."),
     ("prefixcache:tier_restore_seconds", "restore_seconds_total", "Time spent in restore reads."),
     ("prefixcache:tier_reconnects", "reconnects", "Times the tier came back after a failure."),
     (

@@ -207,6 +207,6 @@ class BrowserGuard:
                 headers.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
             refusal = self.policy.check(scope["method"], headers)
             if refusal is not None:
-                await refusal.response()(scope, receive, send)
+                await refusal.response_for(scope.get("path", ""))(scope, receive, send)
                 return
         await self.app(scope, receive, send)

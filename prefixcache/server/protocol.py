@@ -32,6 +32,23 @@ class _Body(BaseModel):
 _B = TypeVar("_B", bound=_Body)
 
 
+class PromptCacheOptions(_Body):
+    """OpenAI's ``prompt_cache_options``. ``comparison_response_id`` (as in OpenAI's Responses
+    API; on chat and completions our extension): explain this request's cache hit against an
+    earlier response of the same tenant (comparison.py). OpenAI's ``mode`` and ``ttl``
+    (implicit/explicit breakpoints) are refused: there are no explicit breakpoints here."""
+
+    comparison_response_id: str | None = Field(None, min_length=1, max_length=128)
+    mode: str | None = None
+    ttl: str | None = None
+
+    def check_unsupported(self) -> None:
+        for name in ("mode", "ttl"):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"prompt_cache_options.{name} is not supported",
+                               param=f"prompt_cache_options.{name}", code="unsupported")  # fmt: skip
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
@@ -60,6 +77,13 @@ class _Generation(_Body):
     # Cache fields: a partition inside the tenant's namespace, and the hit/miss explanation.
     cache_salt: str | None = None
     return_cache_info: bool = False
+    # OpenAI's prompt caching fields (docs/server.md "Anthropic and OpenAI caching fields"):
+    # prompt_cache_key routes a cluster's requests and keys per-key stats, never what a request
+    # may hit; prompt_cache_retention: "in_memory" (RAM only) or "24h" (written through to the
+    # disk/Redis tiers, expiring there after 24 h).
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=256)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
     # Segment caching (docs/segments.md): "segments" reuses each document message's KV wherever
     # it appears (approximate; chat only). Any other value is a 422.
     cache_mode: Literal["prefix", "segments"] = "prefix"
@@ -71,6 +95,8 @@ class _Generation(_Body):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported", param=name, code="unsupported")
+        if self.prompt_cache_options is not None:
+            self.prompt_cache_options.check_unsupported()
 
     @property
     def include_usage(self) -> bool:

@@ -22,6 +22,7 @@ from prefixcache.api.engine import EngineAPI
 from prefixcache.api.request import CacheExplanation, SharedPrefix, StreamDelta
 from prefixcache.server.activity import Activity
 from prefixcache.server.auth import Tenant
+from prefixcache.server.cache_keys import PromptCacheKeyStats
 from prefixcache.server.metrics import ServerMetrics
 from prefixcache.server.request_log import LogRecord
 
@@ -33,6 +34,7 @@ class RunHost(Protocol):
     engine: EngineAPI
     metrics: ServerMetrics
     activity: Activity
+    cache_keys: PromptCacheKeyStats
     request_log: object | None  # analyze.request_log.RequestLogWriter: its ``submit``
 
     def shared_tokens(self, shared: SharedPrefix | None) -> int: ...
@@ -61,6 +63,7 @@ class Choice:
     cache_info: CacheExplanation | None = None
     tier_tokens: dict[str, int] | None = None
     num_segment_cached_tokens: int = 0
+    lease_grants: tuple | None = None  # what its cache leases got (api.request.LeaseGrant)
     started: bool = False  # has seen its first delta
 
     def apply(self, d: StreamDelta) -> None:
@@ -75,6 +78,8 @@ class Choice:
             self.cache_info = d.cache_info
         self.tier_tokens = d.tier_tokens
         self.num_segment_cached_tokens = d.num_segment_cached_tokens
+        if d.lease_grants is not None:
+            self.lease_grants = d.lease_grants
         if d.finished:
             self.finished = True
             self.finish_reason = d.finish_reason
@@ -94,6 +99,7 @@ class Run:
         self.namespace = namespace
         self.segments = False  # cache_mode "segments": usage reports segment_cached_tokens
         self.shared_prefix = None  # the request.SharedPrefix its prompts declare, if any
+        self.prompt_cache_key: str | None = None  # OpenAI's field: its per-key stats group
         self.created = int(time.time())
         self.choices: list[Choice] = []
         self._tasks: list[asyncio.Task] = []
@@ -138,6 +144,9 @@ class Run:
         c.started = True
         c.apply(d)
         s = self.serving
+        if first and self.prompt_cache_key is not None and c.index == c.prompt_index * self.n:
+            s.cache_keys.record(self.tenant.name, self.prompt_cache_key,
+                                d.num_prompt_tokens, d.num_cached_tokens)  # fmt: skip
         if first and s.request_log is not None and c.index == c.prompt_index * self.n:
             # Once per prompt, not once per choice; written by the log's own thread.
             s.request_log.submit(

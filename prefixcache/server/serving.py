@@ -19,13 +19,16 @@ import jinja2
 
 from prefixcache.api.engine import EngineAPI, EngineRequest
 from prefixcache.api.errors import InvalidRequestError
-from prefixcache.api.request import SamplingParams, SharedPrefix
+from prefixcache.api.request import CacheLease, SamplingParams, SharedPrefix
 from prefixcache.segments.plan import DEFAULT_RECOMPUTE_TOKENS, SegmentOptions, SegmentRequest
 from prefixcache.server.activity import Activity
 from prefixcache.server.auth import CacheScope, Tenant, TenantDirectory
 from prefixcache.server.cache_gate import CacheCallGate
+from prefixcache.server.cache_keys import PromptCacheKeyStats
+from prefixcache.server.comparison import Comparison, PromptRecord, ResponseStore, compare
 from prefixcache.server.errors import APIError, from_engine_error
 from prefixcache.server.limits import ServerLimits
+from prefixcache.server.messages_prompt import MessagesRenderer
 from prefixcache.server.metrics import ServerMetrics
 from prefixcache.server.protocol import (
     ChatMessage,
@@ -42,7 +45,8 @@ PRIORITY_BOUND = 2**31 - 1
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """``chatcmpl-<hex>``; a prefix ending in ``_`` is Anthropic's style: ``msg_<hex>``."""
+    return f"{prefix}{'' if prefix.endswith('_') else '-'}{uuid.uuid4().hex}"
 
 
 def as_api_error(e: InvalidRequestError) -> APIError:
@@ -87,7 +91,10 @@ class Serving:
             self.limits.max_refusals_per_second, self.limits.refusal_penalty
         )
         self.tokenizer = engine.tokenizer
+        self.messages_renderer = MessagesRenderer(self.tokenizer)  # Anthropic's Messages API
         self.activity = Activity(lambda ids: self.tokenizer.decode(ids), engine.config.block_size)
+        self.cache_keys = PromptCacheKeyStats()
+        self.responses = ResponseStore()  # prompts kept for comparisons (comparison.py)
         self._chars_lock = threading.Lock()
         self._token_texts: list[str] | None = None
 
@@ -267,6 +274,30 @@ class Serving:
         b = self.engine.config.block_size
         return shared.num_tokens // b * b
 
+    # -- comparisons (comparison.py) -------------------------------------------------------------
+
+    async def compare_with(
+        self, tenant: Tenant, previous_id: str, record: PromptRecord, render_prefix
+    ) -> Comparison | None:
+        """``record`` compared with the prompt of the tenant's response ``previous_id`` (None
+        when that is not one of its own: another tenant's id is not found either). The run's
+        own record is kept with ``responses.put`` once it has its id."""
+        previous = self.responses.get(tenant.name, previous_id)
+        if previous is None:
+            return None
+        return await asyncio.to_thread(compare, previous, record, render_prefix)
+
+    def chat_prefix(self, dicts: list[dict]):
+        """``render_prefix`` of a chat: its first k messages alone, no generation prompt."""
+
+        def render(k: int) -> list[int]:
+            try:
+                return self.tokenizer.encode_chat(dicts[:k], add_generation_prompt=False) if k else []
+            except (ValueError, KeyError, TypeError, jinja2.TemplateError):
+                return []
+
+        return render
+
     # -- sampling -----------------------------------------------------------------------------
 
     def check_generation_limits(self, req: _Generation, logprobs: int | None) -> None:
@@ -340,10 +371,16 @@ class Serving:
         explain: bool = False,
         segments: SegmentRequest | None = None,
         shared_prefix: SharedPrefix | None = None,
+        leases: tuple[CacheLease, ...] = (),
+        retention: str | None = None,
+        prompt_cache_key: str | None = None,
     ) -> Run:
         """Add every choice to the engine; on any refusal abort those already added. The whole
         request is admitted or refused at once (429 for a tenant over its share).
-        ``shared_prefix``: declared by every prompt (a chat's one prompt)."""
+        ``shared_prefix``: declared by every prompt (a chat's one prompt); ``leases``: asked
+        by every prompt (a Messages request's cache breakpoints); ``retention``: how its blocks
+        are kept beyond RAM (EngineRequest); ``prompt_cache_key``: the group its per-key
+        stats count in (cache_keys.py)."""
         total = len(prompts) * n
         cfg = self.engine.config
         most = min(cfg.max_waiting_requests, cfg.tenant_waiting_limit)
@@ -355,6 +392,7 @@ class Serving:
         run = Run(self, new_id(prefix), tenant, namespace, n)
         run.segments = segments is not None
         run.shared_prefix = shared_prefix
+        run.prompt_cache_key = prompt_cache_key
         try:
             self.engine.check_admission(tenant.name, total)
             for p, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -369,7 +407,8 @@ class Serving:
                     choice.stream = self.engine.add(EngineRequest(
                         choice.request_id, ids, choice_sp, namespace, priority, explain,
                         tenant=tenant.name, explain_across_namespaces=tenant.admin,
-                        segments=segments, shared_prefix=shared_prefix,
+                        segments=segments, shared_prefix=shared_prefix, leases=leases,
+                        retention=retention,
                     ))  # fmt: skip
                     run.choices.append(choice)
         except BaseException as e:
@@ -397,7 +436,7 @@ def authenticate(request) -> Tenant:
     refused here, before its body is read, and its refusals are counted by the error handler
     (refusals.py)."""
     s: Serving = request.app.state.serving
-    tenant = s.tenants.authenticate(request.headers.get("authorization"))
+    tenant = s.tenants.authenticate_request(request.headers)
     if not tenant.admin:
         s.refusals.check(tenant.name)
         request.state.refusal_tenant = tenant.name

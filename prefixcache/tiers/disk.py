@@ -1,6 +1,7 @@
 """The local disk tier: one file per block, per-tenant shares of a byte budget, atomic writes.
 
     DIR/pc-kv/<namespace id>/<record name>.blk     (keyed names: keys.py)
+    DIR/pc-kv/<namespace id>/<record name>.<deadline>.blk   (a record kept until then)
     DIR/pc-kv/<namespace id>/owner                  (the namespace's owner id: shares.py)
     DIR/tier-secret                                 (the generated secret, if any: secret.py)
 
@@ -30,6 +31,11 @@
   ``MAX_RETRY_AFTER``) the next write is the probe: if it succeeds the tier writes again (one
   warning), so a disk that was full and got space back is used again without a restart. A file
   that vanished under a reader (evicted, invalidated, removed by hand) is a miss.
+- **Retention.** A record written with a TTL (a request's ``prompt_cache_retention: "24h"``)
+  carries its deadline (Unix seconds, the wall clock: it must outlive the process) in its
+  file name, so a restart knows it without reading anything. An expired record is a miss, is
+  removed at the next ``sweep`` (the writer thread runs one a minute: manager.py) and is not
+  indexed at start. Records written without one stay until evicted, as before.
 - **Thread safety.** The reader and writer threads share the index under one lock; file I/O
   happens outside it.
 """
@@ -62,12 +68,15 @@ class DiskTier:
     knows_contents = True  # the in-memory index is the directory's content
 
     def __init__(self, root: str | Path, capacity_bytes: int, fsync: bool = True,
-                 retry_after: float = 1.0):  # fmt: skip
+                 retry_after: float = 1.0, clock=time.time):  # fmt: skip
+        """``clock``: the wall clock retention deadlines are on (tests inject one)."""
         self.dir = Path(root).expanduser() / SUBDIR
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self.retry_after = retry_after
+        self.clock = clock
         self.counters = TierCounters()
+        self._deadlines: dict[tuple[str, str], int] = {}  # records with a retention
         self._lock = threading.Lock()
         self._index = OwnerLRU()  # (ns, name) -> bytes, by owner, each owner's LRU first
         self._ns_owner: dict[str, str] = {}  # namespace id -> owner id, as its directory says
@@ -90,8 +99,10 @@ class DiskTier:
 
     # ---- start --------------------------------------------------------------------------------
     def _scan(self) -> None:
-        """Rebuild the index from the directory: oldest first; stale temporaries removed."""
+        """Rebuild the index from the directory: oldest first; stale temporaries and expired
+        records removed."""
         found = []
+        now = self.clock()
         for ns_dir in self.dir.iterdir():
             if not ns_dir.is_dir():
                 continue
@@ -109,23 +120,31 @@ class DiskTier:
                         continue
                     if f.suffix != SUFFIX:
                         continue
+                    name, deadline = _parse_name(f.name)
+                    if deadline is not None and deadline <= now:
+                        f.unlink()  # its retention ran out while no server ran
+                        continue
                     st = f.stat()
                 except OSError:
                     continue
-                found.append(
-                    (st.st_mtime_ns, owner, ns_dir.name, f.name[: -len(SUFFIX)], st.st_size)
-                )
+                found.append((st.st_mtime_ns, owner, ns_dir.name, name, st.st_size, deadline))
         found.sort()
-        for _, owner, ns, name, size in found:
+        for _, owner, ns, name, size, deadline in found:
             self._index.add(owner, (ns, name), size)
+            if deadline is not None:
+                self._deadlines[(ns, name)] = deadline
         self._evict_over_budget()
         if found:
             log.info("disk cache %s: %d blocks, %.1f MiB from earlier runs (%d owners)",
                      self.dir, len(self._index), self._index.total / 2**20,
                      self._index.owners)  # fmt: skip
 
-    def _path(self, ns: str, name: str) -> Path:
-        return self.dir / ns / (name + SUFFIX)
+    def _path(self, ns: str, name: str, deadline: int | None = None) -> Path:
+        """The file of a record (``deadline``: of one being written; else as indexed)."""
+        if deadline is None:
+            deadline = self._deadlines.get((ns, name))
+        stem = name if deadline is None else f"{name}.{deadline}"
+        return self.dir / ns / (stem + SUFFIX)
 
     # ---- reads --------------------------------------------------------------------------------
     def contains(self, ns: str, name: str) -> bool:
@@ -136,10 +155,14 @@ class DiskTier:
         """The stored bytes of the leading ``names`` present here (stops at the first miss).
         (``owner``: the directory knows it here.)"""
         out: list[bytes] = []
+        now = self.clock()
         for name in names:
             with self._lock:
                 if (ns, name) not in self._index:
                     break
+                deadline = self._deadlines.get((ns, name))
+                if deadline is not None and deadline <= now:
+                    break  # expired: a miss; the next sweep removes it
                 self._index.touch((ns, name))
             try:
                 data = self._path(ns, name).read_bytes()
@@ -154,8 +177,11 @@ class DiskTier:
         return out
 
     # ---- writes -------------------------------------------------------------------------------
-    def put(self, ns: str, name: str, data: bytes, record: str = "block", *, owner: str) -> bool:
-        """Store one record of namespace ``ns``, owned by ``owner`` (an owner id, shares.py)."""
+    def put(self, ns: str, name: str, data: bytes, record: str = "block", *, owner: str,
+            ttl: float | None = None) -> bool:  # fmt: skip
+        """Store one record of namespace ``ns``, owned by ``owner`` (an owner id, shares.py),
+        until ``ttl`` seconds from now (None: until evicted). A record already stored is
+        kept as it is."""
         with self._lock:
             paused = time.monotonic() < self._paused_until
         if paused:
@@ -164,6 +190,7 @@ class DiskTier:
         if self.contains(ns, name):
             return True
         d = self.dir / ns
+        deadline = None if ttl is None else int(self.clock() + ttl)
         tmp = d / f"{_TMP}{name}-{os.getpid()}-{threading.get_ident()}"
         try:
             _private_dir(d)
@@ -172,7 +199,7 @@ class DiskTier:
             if not recorded:
                 self._record_owner(d, owner)
             _write_private(tmp, data, self.fsync)
-            os.replace(tmp, self._path(ns, name))
+            os.replace(tmp, self._path(ns, name, deadline))
         except OSError as e:
             _unlink_quietly(tmp)
             self._write_failed(f"writing a block failed: {e}")
@@ -181,6 +208,8 @@ class DiskTier:
         with self._lock:
             if (ns, name) not in self._index:
                 self._index.add(owner, (ns, name), len(data))
+                if deadline is not None:
+                    self._deadlines[(ns, name)] = deadline
         self.counters.written(record, len(data))
         self._evict_over_budget()
         return True
@@ -206,12 +235,30 @@ class DiskTier:
 
     def remove(self, ns: str, name: str, owner: str | None = None) -> None:
         """Drop one block (a rejected one). (``owner``: the index knows it here.)"""
-        self._forget(ns, name)
-        _unlink_quietly(self._path(ns, name))
+        _unlink_quietly(self._forget(ns, name))
 
-    def _forget(self, ns: str, name: str) -> None:
+    def _forget(self, ns: str, name: str) -> Path:
+        """Out of the index; its file's path (to unlink, outside the lock)."""
         with self._lock:
+            path = self._path(ns, name)
             self._index.pop((ns, name))
+            self._deadlines.pop((ns, name), None)
+        return path
+
+    def sweep(self, now: float | None = None) -> int:
+        """Remove the records whose retention ran out. Returns how many."""
+        now = self.clock() if now is None else now
+        with self._lock:
+            gone = [k for k, t in self._deadlines.items() if t <= now]
+            paths = [self._path(*k) for k in gone]
+            for k in gone:
+                self._index.pop(k)
+                del self._deadlines[k]
+        for p in paths:
+            _unlink_quietly(p)
+        if gone:
+            self.counters.add(expired=len(gone))
+        return len(gone)
 
     def _evict_over_budget(self) -> None:
         """Back within the budget, from the owner holding the most (shares.py)."""
@@ -220,9 +267,11 @@ class DiskTier:
                 if self._index.total <= self.capacity_bytes:
                     return
                 _, (ns, name), _ = self._index.victim()
+                path = self._path(ns, name)
                 self._index.pop((ns, name))
+                self._deadlines.pop((ns, name), None)
                 self.counters.add(evicted=1)
-            _unlink_quietly(self._path(ns, name))
+            _unlink_quietly(path)
 
     def drop_namespace(self, ns: str | None, owner: str | None = None) -> int:
         """Remove a namespace's blocks (``None``: every namespace). Returns the blocks removed."""
@@ -230,6 +279,7 @@ class DiskTier:
             gone = [k for k in self._index.records() if ns is None or k[0] == ns]
             for k in gone:
                 self._index.pop(k)
+                self._deadlines.pop(k, None)
             if ns is None:
                 self._ns_owner.clear()
             else:
@@ -279,6 +329,7 @@ class DiskTier:
         with self._lock:
             self._index.check()
             assert self._index.total <= self.capacity_bytes, "disk tier over budget"
+            assert all(k in self._index for k in self._deadlines), "deadline of no record"
 
     def close(self) -> None:
         pass
@@ -303,6 +354,15 @@ def _write_private(path: Path, data: bytes, fsync: bool) -> None:
                 os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _parse_name(file_name: str) -> tuple[str, int | None]:
+    """(record name, deadline or None) of a record's file name."""
+    stem = file_name[: -len(SUFFIX)]
+    name, dot, deadline = stem.rpartition(".")
+    if dot and deadline.isdigit():
+        return name, int(deadline)
+    return stem, None
 
 
 def _read_owner(ns_dir: Path) -> str:

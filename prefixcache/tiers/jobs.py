@@ -49,6 +49,7 @@ class Write:
     tiers: tuple  # the tiers to write to
     nbytes: int
     kind: RecordKind
+    ttl: float | None = None  # seconds the records are kept in the tiers (None: until evicted)
 
 
 @dataclass

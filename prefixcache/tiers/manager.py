@@ -71,6 +71,7 @@ log = logging.getLogger(__name__)
 MAX_GENERATIONS = 65536  # namespaces remembered as invalidated (then a global epoch moves on)
 PROBE_EVERY = 16  # a tier measured slower than prefill is still read on every 16th restore
 MAX_QUEUED_RESTORES = 32  # restore jobs one tenant may have waiting for the reader
+SWEEP_INTERVAL = 60.0  # seconds between sweeps of records whose retention ran out
 _OF_NAMESPACE = object()  # submit_restore's default requester: the owner of the namespace read
 
 
@@ -272,11 +273,24 @@ class TierManager:
             return None
 
     def _promote(self, job: RestoreJob, missing_from: list) -> None:
-        """What only a lower tier (Redis) held is written to disk, when disk lacked it."""
+        """What only a lower tier (Redis) held is written to disk, when disk lacked it, for
+        as long as it has left there (a record with a retention keeps its deadline)."""
         disk = tuple(t for t in missing_from if t.name == "disk")
-        lower = [(ref, p) for ref, p, where in job.found if where != "disk"]
-        if disk and lower:
-            self._queue_write(job.namespace, lower, disk, job.generation)
+        lower = [(ref, p, where) for ref, p, where in job.found if where != "disk"]
+        if not (disk and lower):
+            return
+        ns_id = self.namespace_id(job.namespace)
+        by_ttl: dict[float | None, list] = {}
+        for where in dict.fromkeys(w for _, _, w in lower):
+            tier = next(t for t in self.tiers if t.name == where)
+            mine = [(ref, p) for ref, p, w in lower if w == where]
+            ask = getattr(tier, "remaining_ttls", None)
+            names = [self.record_name(ref.key, job.kind) for ref, _ in mine]
+            ttls = ask(ns_id, names) if ask is not None else [None] * len(mine)
+            for rec, ttl in zip(mine, ttls, strict=True):
+                by_ttl.setdefault(ttl, []).append(rec)
+        for ttl, recs in by_ttl.items():
+            self._queue_write(job.namespace, recs, disk, job.generation, ttl)
 
     # ---- restore vs recompute ------------------------------------------------------------------
     def observe_prefill(self, tokens: int, seconds: float) -> None:
@@ -325,17 +339,20 @@ class TierManager:
             return sum(len(q) for q in self._restores.values())
 
     # ---- writes ---------------------------------------------------------------------------------
-    def offload(self, namespace: str | None, records: list[tuple[Ref, bytes]]) -> None:
+    def offload(
+        self, namespace: str | None, records: list[tuple[Ref, bytes]], ttl: float | None = None
+    ) -> None:
         """Queue newly computed records (all of one kind) for every tier (never blocks; drops
-        when the queue is full)."""
+        when the queue is full). ``ttl``: seconds they are kept there (None: until evicted)."""
         if records:
-            self._queue_write(namespace, records, tuple(self.tiers), self.generation(namespace))
+            self._queue_write(namespace, records, tuple(self.tiers), self.generation(namespace),
+                              ttl)  # fmt: skip
 
-    def _queue_write(self, namespace, records, tiers, generation) -> None:
+    def _queue_write(self, namespace, records, tiers, generation, ttl=None) -> None:
         nbytes = sum(len(p) for _, p in records)
         owner = owner_of(namespace)
         w = Write(namespace, self.namespace_id(namespace), owner, owner_id(owner, self.keys),
-                  generation, records, tiers, nbytes, records[0][0].kind)  # fmt: skip
+                  generation, records, tiers, nbytes, records[0][0].kind, ttl)  # fmt: skip
         with self._cv:
             gone = self._make_room(owner, nbytes)
             if gone is None:
@@ -392,15 +409,37 @@ class TierManager:
             return self._invalidations.popleft()
         return _pop_in_turn(self._writes)
 
+    def sweep(self, now: float | None = None) -> int:
+        """Remove the records whose retention ran out, in every tier (the writer thread runs
+        this every ``SWEEP_INTERVAL`` seconds; tests call it with an injected ``now``)."""
+        n = 0
+        for t in self.tiers:
+            fn = getattr(t, "sweep", None)
+            try:
+                n += fn(now) if fn is not None else 0
+            except Exception:  # a bug here must cost a sweep, not the thread
+                log.exception("%s tier: sweep of expired records failed", t.name)
+        return n
+
     def _writer(self) -> None:
+        next_sweep = time.monotonic() + SWEEP_INTERVAL
         while True:
             with self._cv:
                 while not self._has_work() and not self._stop:
-                    self._cv.wait()
+                    left = next_sweep - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cv.wait(left)
                 if self._stop and not self._has_work():
                     return
-                item = self._next_work()
-                self._busy_writes += 1
+                item = self._next_work() if self._has_work() else None
+                if item is not None:
+                    self._busy_writes += 1
+            if time.monotonic() >= next_sweep:
+                self.sweep()
+                next_sweep = time.monotonic() + SWEEP_INTERVAL
+            if item is None:
+                continue
             try:
                 if isinstance(item, Invalidate):
                     self._run_invalidate(item)
@@ -432,7 +471,9 @@ class TierManager:
                     continue
                 if data is None:
                     data = codec.encode(self._expected(w.ns_id, ref), payload, self.keys, self.compression)
-                tier.put(w.ns_id, name, data, w.kind.label, owner=w.owner_id)
+                # A TTL only when there is one: a tier may not know retention at all.
+                kw = {} if w.ttl is None else {"ttl": w.ttl}
+                tier.put(w.ns_id, name, data, w.kind.label, owner=w.owner_id, **kw)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write has run (tests, shutdown). False on timeout."""

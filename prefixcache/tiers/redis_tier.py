@@ -6,6 +6,8 @@
     "pc-kv-use:<deployment id>"                   -> hash: owner id -> bytes we wrote for it
     "pc-kv-lru:<owner id>"                        -> sorted set: "<ns>:<name>" by last use
     "pc-kv-size:<owner id>"                       -> hash: "<ns>:<name>" -> bytes
+    "pc-kv-exp:<deployment id>"                   -> sorted set: "<owner>|<ns>:<name>" by the
+                                                     deadline of a record kept for a while
 
 Shares (shares.py). With a capacity (``remote_cache_size``; "auto": half the server's
 ``maxmemory``, none when it has none), every write runs one script that stores the
@@ -30,6 +32,13 @@ gone with the set at the next invalidation. Reads TOUCH the index so that, under
 policy, it is never colder than the blocks it names (an evicted index would orphan them: they
 would outlive an invalidation until Redis evicts them too). Blocks written by a version
 without the index are not in it: flush those once (``redis-cli --scan --pattern 'pc-kv:*'``).
+
+Retention. A record written with a TTL (``prompt_cache_retention: "24h"``) is SET with that
+expiry, so Redis deletes it on time whether or not any server runs; its name and deadline go
+into the deployment's expiry set, and ``sweep`` (the writer thread, once a minute) takes the
+records past their deadline out of the index sets and the owners' accounts, so an expired
+record stops counting against its owner's share. A record written again without a TTL loses it
+(and leaves the set).
 
 Every replica of a deployment (one tier secret, secret.py) computes the same names for the same
 blocks (keys.py), so server B restores what server A computed; another deployment's names for
@@ -63,6 +72,8 @@ log = logging.getLogger(__name__)
 PREFIX = "pc-kv"
 INDEX_PREFIX = "pc-kv-index"
 NAMESPACES = "pc-kv-namespaces"
+EXPIRY_PREFIX = "pc-kv-exp"
+_SWEEP_BATCH = 1000
 USE_PREFIX = "pc-kv-use"
 LRU_PREFIX = "pc-kv-lru"
 SIZE_PREFIX = "pc-kv-size"
@@ -73,9 +84,10 @@ AUTO = "auto"  # capacity_bytes: from the server's maxmemory
 AUTO_FRACTION = 0.5
 _UNLINK_BATCH = 1000
 
-# KEYS: record, index set, namespaces set, use hash, owner's LRU, owner's sizes
+# KEYS: record, index set, namespaces set, use hash, owner's LRU, owner's sizes, expiry set
 # ARGV: data, ns, name, owner, capacity (0: none), score, then the prefixes of the keys the
-# eviction reaches: records, index sets, LRUs, sizes.
+# eviction reaches: records, index sets, LRUs, sizes; then the TTL in ms (0: none) and the
+# deadline (Unix seconds).
 # Returns {records evicted, the owner's bytes after}.
 _PUT = """
 local member = ARGV[2] .. ':' .. ARGV[3]
@@ -83,7 +95,14 @@ local size = string.len(ARGV[1])
 local old = tonumber(redis.call('HGET', KEYS[6], member) or '0')
 redis.call('SADD', KEYS[3], ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[3])
-redis.call('SET', KEYS[1], ARGV[1])
+local ttl = tonumber(ARGV[11])
+if ttl > 0 then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
+  redis.call('ZADD', KEYS[7], ARGV[12], ARGV[4] .. '|' .. member)
+else
+  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('ZREM', KEYS[7], ARGV[4] .. '|' .. member)
+end
 redis.call('HSET', KEYS[6], member, size)
 redis.call('ZADD', KEYS[5], ARGV[6], member)
 redis.call('HINCRBY', KEYS[4], ARGV[4], size - old)
@@ -114,6 +133,33 @@ while cap > 0 do
   end
 end
 return {evicted, tonumber(redis.call('HGET', KEYS[4], ARGV[4]) or '0')}
+"""
+
+# KEYS: expiry set, use hash. ARGV: now, then the prefixes: LRUs, sizes, index sets, records;
+# then the most entries to take. The records past their deadline leave the index sets and
+# their owners' accounts (Redis deleted them already by their TTL; UNLINK is for a clock that
+# runs ahead of Redis's). Returns the entries taken.
+_SWEEP = """
+local out = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[6]))
+for _, m in ipairs(out) do
+  local bar = string.find(m, '|', 1, true)
+  local owner = string.sub(m, 1, bar - 1)
+  local member = string.sub(m, bar + 1)
+  local sizes = ARGV[3] .. ':' .. owner
+  local b = redis.call('HGET', sizes, member)
+  if b then
+    redis.call('HDEL', sizes, member)
+    redis.call('ZREM', ARGV[2] .. ':' .. owner, member)
+    if redis.call('HINCRBY', KEYS[2], owner, -tonumber(b)) <= 0 then
+      redis.call('HDEL', KEYS[2], owner)
+    end
+  end
+  local sep = string.find(member, ':', 1, true)
+  redis.call('SREM', ARGV[4] .. ':' .. string.sub(member, 1, sep - 1), string.sub(member, sep + 1))
+  redis.call('UNLINK', ARGV[5] .. ':' .. member)
+  redis.call('ZREM', KEYS[1], m)
+end
+return #out
 """
 
 # KEYS: use hash. ARGV: LRU prefix, sizes prefix. Read-only, atomic: the owners whose bytes are
@@ -183,6 +229,7 @@ class RedisTier:
         # Per deployment: dropping "all of ours" must not reach another deployment's records
         # on the same Redis (its namespace ids differ: keyed by its secret, keys.py).
         self._namespaces_key = f"{NAMESPACES}:{scope}"
+        self._expiry_key = f"{EXPIRY_PREFIX}:{scope}"
         self._owner_bytes: dict[str, int] = {}  # owner -> its bytes as of our last write of it
         # One immediate retry on a connection error, none on a timeout: after Redis restarted,
         # the first command on each pooled connection fails (reset); the retry takes a new
@@ -202,6 +249,7 @@ class RedisTier:
         self._put_script = self.client.register_script(_PUT)
         self._forget_script = self.client.register_script(_FORGET)
         self._check_script = self.client.register_script(_CHECK)
+        self._sweep_script = self.client.register_script(_SWEEP)
         try:
             self.client.ping()
             log.info("remote cache %s: connected", self.url_for_logs)
@@ -304,8 +352,10 @@ class RedisTier:
     def contains(self, ns: str, name: str) -> bool:
         return False  # unknown without a round trip; writes are idempotent
 
-    def put(self, ns: str, name: str, data: bytes, record: str = "block", *, owner: str) -> bool:
-        """Store one record of ``ns`` in ``owner``'s account (one script: see the top)."""
+    def put(self, ns: str, name: str, data: bytes, record: str = "block", *, owner: str,
+            ttl: float | None = None) -> bool:  # fmt: skip
+        """Store one record of ``ns`` in ``owner``'s account (one script: see the top), for
+        ``ttl`` seconds (None: until evicted)."""
         if not self.available():
             self.counters.add(dropped_writes=1)
             return False
@@ -315,11 +365,13 @@ class RedisTier:
         try:
             # One script, atomic like a MULTI: a concurrent invalidation sees the block, its
             # index entry and its accounting, or none of them.
+            now = time.time()
+            ttl_ms = 0 if ttl is None else max(1, int(ttl * 1000))
             evicted, mine = self._put_script(
                 keys=[self._key(ns, name), self._index(ns), self._namespaces_key, self._use_key,
-                      f"{LRU_PREFIX}:{owner}", f"{SIZE_PREFIX}:{owner}"],
-                args=[data, ns, name, owner, self.capacity_bytes or 0, time.time(), PREFIX,
-                      INDEX_PREFIX, LRU_PREFIX, SIZE_PREFIX],
+                      f"{LRU_PREFIX}:{owner}", f"{SIZE_PREFIX}:{owner}", self._expiry_key],
+                args=[data, ns, name, owner, self.capacity_bytes or 0, now, PREFIX,
+                      INDEX_PREFIX, LRU_PREFIX, SIZE_PREFIX, ttl_ms, now + (ttl or 0)],
             )  # fmt: skip
         except self._refused as e:
             self.counters.add(errors=1, dropped_writes=1)
@@ -341,6 +393,43 @@ class RedisTier:
         with self._lock:
             self._owner_bytes[owner] = mine
         return True
+
+    def sweep(self, now: float | None = None) -> int:
+        """Take the records past their deadline out of the index sets and the accounts (see
+        the top). Returns how many; 0 while Redis is down."""
+        if not self.available():
+            return 0
+        now = time.time() if now is None else now
+        total = 0
+        try:
+            while True:
+                n = self._sweep_script(
+                    keys=[self._expiry_key, self._use_key],
+                    args=[now, LRU_PREFIX, SIZE_PREFIX, INDEX_PREFIX, PREFIX, _SWEEP_BATCH],
+                )  # fmt: skip
+                total += n
+                if n < _SWEEP_BATCH:
+                    break
+        except self._errors as e:
+            self._slow_or_down(e, "a sweep of expired records")
+            return total
+        if total:
+            self.counters.add(expired=total)
+        return total
+
+    def remaining_ttls(self, ns: str, names: list[str]) -> list[float | None]:
+        """Seconds each record has left (None: kept until evicted, or gone); one round trip."""
+        if not names or not self.available():
+            return [None] * len(names)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for n in names:
+                pipe.pttl(self._key(ns, n))
+            ms = pipe.execute()
+        except self._errors as e:
+            self._slow_or_down(e, "a read of record TTLs")
+            return [None] * len(names)
+        return [m / 1000 if m >= 0 else None for m in ms]
 
     def _forget(self, owner: str, ns: str, names: list[str]) -> int:
         """Delete records of ``ns`` and take them out of ``owner``'s account."""
@@ -386,6 +475,7 @@ class RedisTier:
         owners = [o.decode() for o in self._take_hash_keys(self._use_key)]
         for o in owners:
             self.client.unlink(f"{LRU_PREFIX}:{o}", f"{SIZE_PREFIX}:{o}")
+        self.client.unlink(self._expiry_key)
         with self._lock:
             self._owner_bytes.clear()
 

@@ -39,6 +39,7 @@ class TierStats:
     segment_written: int = 0
     oversize_writes: int = 0  # not sent: over the tier's record size cap (Redis)
     evicted: int = 0  # records we removed to stay within capacity (shares.py), by this process
+    expired: int = 0  # records with a retention whose time ran out, removed by this process
     owners: int | None = None  # owners (tenants) holding bytes here now (None: not known)
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
 
@@ -60,7 +61,7 @@ class TierCounters:
         self.dropped_writes = self.errors = self.restores = self.reconnects = 0
         self.skipped_slow = 0
         self.segment_hit_tokens = self.segment_read = self.segment_missed = 0
-        self.segment_written = self.oversize_writes = self.evicted = 0
+        self.segment_written = self.oversize_writes = self.evicted = self.expired = 0
         self.restore_seconds_total = 0.0
         self.rejected_by_reason: dict[str, int] = {}
 
@@ -95,7 +96,7 @@ class TierCounters:
                 skipped_slow=self.skipped_slow, segment_hit_tokens=self.segment_hit_tokens,
                 segment_read=self.segment_read, segment_missed=self.segment_missed,
                 segment_written=self.segment_written, oversize_writes=self.oversize_writes,
-                evicted=self.evicted, owners=owners,
+                evicted=self.evicted, expired=self.expired, owners=owners,
                 rejected_by_reason=dict(self.rejected_by_reason),
             )  # fmt: skip
 
