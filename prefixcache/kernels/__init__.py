@@ -34,7 +34,9 @@ _SOURCES = [_HERE / n for n in (
     "prefill_attention.cpp", "kv_store.cpp", "int_linear.cpp",
 )]
 _HEADERS = [
-    _HERE / n for n in ("vec.h", "group_gemv.h", "attention.h", "rowwise.h", "kv_codec.h")
+    _HERE / n
+    for n in ("vec.h", "group_gemv.h", "attention.h", "rowwise.h", "kv_codec.h", "parallel.h",
+              "int_gemm.h", "exact_attention.h")
 ]
 # -fopenmp: at::parallel_for is a header template that compiles to `#pragma omp parallel` in
 # our library; without the flag it runs on one thread. The library then needs libgomp.so.1,
