@@ -314,6 +314,18 @@ def test_cold_equals_warm_bit_for_bit_around_block_boundaries(llm, prose_ids, k)
         llm.check_integrity()
 
 
+def test_decode_steps_run_in_one_native_call(llm, prose_ids, monkeypatch):
+    """A decode-only step runs every layer in kernels.exact_decode (exact_decode.cpp); the tests
+    around it (decoded vs prefilled, alone vs batched) hold its bits to the per-layer path's."""
+    calls = []
+    real = kernels.exact_decode
+    monkeypatch.setattr(kernels, "exact_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prompts = [prose_ids[:20], prose_ids[30:61]]
+    llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                 cache_salt=_salt("fused"))  # fmt: skip
+    assert len(calls) >= 5  # two prefills, then decode-only steps
+
+
 def test_decoded_kv_equals_prefilled_kv(llm, prose_ids):
     prompt = prose_ids[10:60]
     params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)

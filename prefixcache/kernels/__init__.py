@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in (
     "group_linear.cpp", "decode_attention.cpp", "fused_ops.cpp", "decode_forward.cpp",
-    "prefill_attention.cpp", "kv_store.cpp", "int_linear.cpp",
+    "prefill_attention.cpp", "kv_store.cpp", "int_linear.cpp", "exact_decode.cpp",
 )]
 _HEADERS = [
     _HERE / n
@@ -180,6 +180,18 @@ def decode_forward(x, cos, sin, layers, kv, slot_mapping, parts, num_heads: int,
         x, cos, sin, *layers, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.fmt.code, slot_mapping,
         parts.rows_off, parts.rows, parts.slots_off, parts.slots, num_heads, num_kv_heads, eps,
         scale,
+    )  # fmt: skip
+
+
+def exact_decode(x, cos, sin, layers, kv, slot_mapping, paged, isa_name: str, num_heads: int,
+                 num_kv_heads: int, ffn: int, eps: float, scale: float):
+    """Every decoder layer of an exact decode-only step in one call (exact_decode.cpp): the bits
+    of the op-by-op path. ``layers`` is (input_norms, post_norms, wq, wd, wm, codes, qkv_bias)
+    from model/llama.py; ``paged`` the step's PagedBatch (one query per sequence)."""
+    return torch.ops.prefixcache.exact_decode(
+        x, cos, sin, *layers, _ISA_CODE[isa_name], kv.k, kv.v, kv.k_scale, kv.v_scale,
+        kv.fmt.code, slot_mapping, paged.ctx, paged.slots_off, paged.slots, num_heads,
+        num_kv_heads, ffn, eps, scale,
     )  # fmt: skip
 
 

@@ -241,9 +241,87 @@ inline void tile256(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* w
   }
 }
 
+// ---- AVX512-VNNI, narrow calls (1-3 rows: decode): R rows x C blocks. With one block a row's
+// group is one chain of 16 dependent vpdpbusd, bound by their latency (a single-sequence decode
+// step spent ~2.8 ms there); C blocks give R C independent chains. A block's weights are
+// unpacked per j (two registers per block live), once per pass. Each output's integers and
+// epilogue are tile512's: the same bits.
+template <int R, int C, bool TWO, bool MIXED>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512n(
+    const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd, const float* wm,
+    int64_t b, float* y, int64_t ldy, int64_t n) {
+  const int64_t groups = k / kGroup;
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_si512();
+    bool lo_rows[R];
+    for (int r = 0; r < R; ++r) lo_rows[r] = !MIXED || qa.wide[(r0 + r) * groups + g];
+    for (int pass = TWO ? 0 : 1; pass < 2; ++pass) {
+      if (pass == 1 && TWO)
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) dot[r][c] = _mm512_slli_epi32(dot[r][c], 8);
+      const int8_t* a = pass == 0 ? qa.hi.data() : qa.lo.data();
+      for (int j = 0; j < 4; ++j) {
+        __m512i w0[C], w1[C];
+        for (int c = 0; c < C; ++c) {
+          const __m512i p = _mm512_loadu_si512(wq + ((b + c) * groups + g) * kBlockBytes + j * 64);
+          w0[c] = _mm512_and_si512(p, mask);
+          w1[c] = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);
+        }
+        for (int r = 0; r < R; ++r) {
+          if (pass == 1 && !lo_rows[r]) continue;  // a narrow group's low bytes are 0
+          const int8_t* ar = a + (r0 + r) * k + g * kGroup + 4 * j;
+          const __m512i a0 = _mm512_set1_epi32(load_i32(ar)), a1 = _mm512_set1_epi32(load_i32(ar + 16));
+          for (int c = 0; c < C; ++c) {
+            dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], w0[c], a0);
+            dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], w1[c], a1);
+          }
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512 vd = _mm512_loadu_ps(wd + ((b + c) * groups + g) * kCols);
+      const __m512 vm = _mm512_loadu_ps(wm + ((b + c) * groups + g) * kCols);
+      for (int r = 0; r < R; ++r) {
+        const int64_t rg = (r0 + r) * groups + g;
+        const __m512 p = _mm512_mul_ps(_mm512_set1_ps(qa.s[rg]), vd);
+        acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][c]), p));
+        acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const int64_t col = (b + c) * kCols;
+    const int64_t nv = std::min<int64_t>(kCols, n - col);
+    if (nv <= 0) break;
+    const __mmask16 mk = static_cast<__mmask16>((1u << nv) - 1u);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r][c]);
+  }
+}
+
+template <int R, bool TWO, bool MIXED>
+inline void narrow512(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd,
+                      const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
+  constexpr int kC = R == 1 ? 4 : 2;
+  int64_t b = b0;
+  for (; b + kC <= b1; b += kC) tile512n<R, kC, TWO, MIXED>(qa, r0, k, wq, wd, wm, b, y, n, n);
+  for (; b < b1; ++b) tile512n<R, 1, TWO, MIXED>(qa, r0, k, wq, wd, wm, b, y, n, n);
+}
+
 template <bool TWO, bool MIXED>
 inline void rows_avx512(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const uint8_t* wq,
                  const float* wd, const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
+  switch (r1 - r0) {  // narrow calls: several blocks per tile (tile512n)
+    case 1: narrow512<1, TWO, MIXED>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
+    case 2: narrow512<2, TWO, MIXED>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
+    case 3: narrow512<3, TWO, MIXED>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
+    default: break;
+  }
   for (int64_t b = b0; b < b1; ++b) {
     int64_t r = r0;
     for (; r + 4 <= r1; r += 4) tile512<4, TWO, MIXED>(qa, r, k, wq, wd, wm, b, y, n, n);
@@ -305,6 +383,62 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512_w8(
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r]);
 }
 
+// ---- 8-bit weights, AVX512-VNNI, narrow calls (1-3 rows): R rows x C blocks, R C independent
+// vpdpwssd chains (one block's 16 dependent ones were latency-bound); tile512_w8's integers and
+// epilogue, so its bits.
+template <int R, int C, bool OFF>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512n_w8(
+    const Quantized& qa, int64_t r0, int64_t k, const int8_t* wq, const float* wd, const float* wm,
+    int64_t b, float* y, int64_t ldy, int64_t n) {
+  const int64_t groups = k / kGroup;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_si512();
+    for (int p = 0; p < kGroup / 2; ++p) {
+      __m512i w[C];
+      for (int c = 0; c < C; ++c)
+        w[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(wq + ((b + c) * groups + g) * kBlockBytes8 + p * 32)));
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, qa.a16.data() + (r0 + r) * k + g * kGroup + 2 * p, 4);
+        const __m512i a = _mm512_set1_epi32(pair);
+        for (int c = 0; c < C; ++c) dot[r][c] = _mm512_dpwssd_epi32(dot[r][c], a, w[c]);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512 vd = _mm512_loadu_ps(wd + ((b + c) * groups + g) * kCols);
+      const __m512 vm = OFF ? _mm512_loadu_ps(wm + ((b + c) * groups + g) * kCols) : _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        const int64_t rg = (r0 + r) * groups + g;
+        const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(qa.s[rg]), vd);
+        acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][c]), sd));
+        if (OFF) acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const int64_t col = (b + c) * kCols;
+    const int64_t nv = std::min<int64_t>(kCols, n - col);
+    if (nv <= 0) break;
+    const __mmask16 mk = static_cast<__mmask16>((1u << nv) - 1u);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r][c]);
+  }
+}
+
+template <int R, bool OFF>
+inline void narrow512_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t* wq, const float* wd,
+                         const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
+  constexpr int kC = R == 1 ? 4 : 2;
+  int64_t b = b0;
+  for (; b + kC <= b1; b += kC) tile512n_w8<R, kC, OFF>(qa, r0, k, wq, wd, wm, b, y, n, n);
+  for (; b < b1; ++b) tile512n_w8<R, 1, OFF>(qa, r0, k, wq, wd, wm, b, y, n, n);
+}
+
 // ---- 8-bit weights, AVX2: half a block (8 columns), vpmaddwd on the widened pairs.
 template <int R, bool OFF>
 inline void tile256_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t* wq, const float* wd,
@@ -346,6 +480,14 @@ inline void tile256_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t*
 template <bool OFF>
 inline void rows_w8(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const int8_t* wq, const float* wd,
              const float* wm, int64_t b0, int64_t b1, float* y, int64_t n, int64_t isa) {
+  if (isa == 2 && r1 - r0 < 4) {  // narrow calls: several blocks per tile (tile512n_w8)
+    switch (r1 - r0) {
+      case 1: narrow512_w8<1, OFF>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
+      case 2: narrow512_w8<2, OFF>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
+      case 3: narrow512_w8<3, OFF>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
+      default: return;
+    }
+  }
   for (int64_t b = b0; b < b1; ++b) {
     if (isa == 2) {
       int64_t r = r0;

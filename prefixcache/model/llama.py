@@ -269,6 +269,7 @@ class LlamaModel:
         self.rotary = Rotary(cfg, max_len, tensors.get("rope_freqs"), device)
         self.dtype = dtype
         self.fused_layers = self._fused_layers()
+        self.exact_layers = self._exact_layers()
 
     def _activation_bits(self, activations: str, weight_format: str, weights: LoadedWeights):
         """16 or 8 for the exact integer path, None for float32 activations; an error when
@@ -285,6 +286,30 @@ class LlamaModel:
                 return None
             raise ValueError(f"activations {activations!r} needs {why}")
         return 8 if activations == "int8" else 16  # mixed: 16 with 8-bit groups
+
+    def _exact_layers(self):
+        """The per-layer arguments of ``kernels.exact_decode`` (an exact decode-only step in one
+        native call), or None off the exact path."""
+        if not self.exact:
+            return None
+        lins = [lin for layer in self.layers for lin in _linears(layer)]
+        if not all(isinstance(lin, IntLinear) for lin in lins):
+            return None
+        biases = [layer.qkv_proj.bias for layer in self.layers]
+        if any(lin.bias is not None for layer in self.layers for lin in _linears(layer)[1:]):
+            return None  # only qkv biases (Qwen2) are fused
+        if any(b is None for b in biases) and not all(b is None for b in biases):
+            return None
+        empty = torch.empty(0)
+        return (
+            [layer.input_norm for layer in self.layers],
+            [layer.post_norm for layer in self.layers],
+            [lin.wq for lin in lins],
+            [lin.wd for lin in lins],
+            [empty if lin.wm is None else lin.wm for lin in lins],
+            [int(lin.wide) | 2 * int(lin.mixed) | 4 * int(lin.bits == 16) for lin in lins],
+            [] if biases[0] is None else biases,
+        )  # fmt: skip
 
     def _fused_layers(self):
         """The per-layer arguments of ``kernels.decode_forward`` (every layer of a decode-only
@@ -336,6 +361,16 @@ class LlamaModel:
             x = kernels.decode_forward(
                 x, cos, sin, self.fused_layers, kv, meta.slot_mapping, d.native,
                 cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cfg.head_dim**-0.5,
+            )  # fmt: skip
+        elif (self.exact_layers is not None and meta.paged is not None
+              and x.shape[0] == meta.paged.q_len.numel()):  # fmt: skip
+            # an exact decode-only step (one new token per sequence): every layer in one native
+            # call, the same bits as the loop below
+            cfg = self.config
+            x = kernels.exact_decode(
+                x, cos, sin, self.exact_layers, kv, meta.slot_mapping, meta.paged, self.isa,
+                cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.rms_norm_eps,
+                cfg.head_dim**-0.5,
             )  # fmt: skip
         else:
             for i, layer in enumerate(self.layers):

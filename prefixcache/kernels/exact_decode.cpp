@@ -1,0 +1,327 @@
+// A decode-only step of the exact path through every decoder layer in one call: one parallel
+// region per step, the threads meeting at a spinning barrier between the phases of a layer.
+//
+// Why: op by op, a decode layer is ~12 calls (norms, four integer linears with their
+// quantization, rotary, the K/V store, attention, residual adds), each its own OpenMP region
+// and Python dispatch; at decode sizes that fixed cost was most of a step (a single sequence:
+// ~2.5 ms of kernels in a ~7.6 ms step on Zen 4, more with OMP_WAIT_POLICY=PASSIVE, where every
+// region wakes sleeping threads). decode_forward.cpp does the same for the float32 path.
+//
+// The same bits as the op-by-op path (model/llama.py with IntLinear and paged attention), which
+// tests/test_exact.py checks with torch.equal (decoded K/V and logits vs prefilled): every phase
+// calls the functions the per-layer ops call (rowwise.h, int_gemm.h, exact_attention.h,
+// kv_codec.h) on the same rows, each output is computed whole by one thread, and the residual and
+// bias adds are the same single float adds.
+//
+// Per layer, B rows (one new token per sequence), phases separated by barriers:
+//   rows   xn = rms_norm(x), quantized                 cols  qkv = xn Wqkv (+ bias)
+//   rows   rotate q, k; K, V -> cache slots; q copy    items attention (sequence, KV head)
+//   rows   attn quantized                              cols  x += attn Wo
+//   rows   xn = rms_norm(x), quantized                 cols  gu = xn Wgu
+//   rows   h = silu(gate) up, quantized                cols  x += h Wdown
+// "rows" phases split the B rows between threads; "cols" and "items" phases hand out column
+// runs and attention items to whichever thread is free.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "exact_attention.h"
+#include "int_gemm.h"
+#include "kv_codec.h"
+#include "rowwise.h"
+
+namespace {
+
+using prefixcache::IntScheme;
+using prefixcache::IntWeights;
+using prefixcache::Quantized;
+
+// Sense-reversing barrier that spins (with pause, yielding after a while).
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int n) : n_(n) {}
+  void wait() {
+    const int gen = gen_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+      count_.store(0, std::memory_order_relaxed);
+      gen_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    int spins = 0;
+    while (gen_.load(std::memory_order_acquire) == gen) {
+      _mm_pause();
+      if (++spins > (1 << 14)) {
+        std::this_thread::yield();  // a descheduled sibling: let it run
+        spins = 0;
+      }
+    }
+  }
+
+ private:
+  const int n_;
+  std::atomic<int> count_{0};
+  std::atomic<int> gen_{0};
+};
+
+// One linear layer's arguments: packed weights and how its activations are quantized.
+struct Linear {
+  IntWeights w;
+  IntScheme sc;
+};
+
+// code per linear: bit 0 = 8-bit weights (int8_linear's layout), bit 1 = mixed activations,
+// bit 2 = 16-bit activations (else 8).
+Linear make_linear(const at::Tensor& wq, const at::Tensor& wd, const at::Tensor& wm, int64_t code,
+                   int64_t n, int64_t k, int64_t isa) {
+  const bool w8 = code & 1;
+  const int64_t groups = k / prefixcache::kGroup, blocks = (n + prefixcache::kCols - 1) / prefixcache::kCols;
+  TORCH_CHECK(wq.is_contiguous() && wq.numel() == blocks * groups * (w8 ? prefixcache::kBlockBytes8 : prefixcache::kBlockBytes) &&
+                  wq.scalar_type() == (w8 ? at::kChar : at::kByte),
+              "packed weights of the wrong size or type");
+  TORCH_CHECK(wd.is_contiguous() && wd.scalar_type() == at::kFloat && wd.numel() == blocks * groups * prefixcache::kCols,
+              "weight scales [blocks, groups, 16] float32");
+  const bool off = wm.numel() > 0;
+  TORCH_CHECK(off || w8, "4-bit groups need their offsets");
+  TORCH_CHECK(!off || (wm.is_contiguous() && wm.scalar_type() == at::kFloat && wm.numel() == wd.numel()),
+              "weight offsets [blocks, groups, 16] float32");
+  const int bits = (code & 4) ? 16 : 8;
+  const bool mixed = code & 2;
+  TORCH_CHECK(!mixed || bits == 16, "mixed activations with 16 bits");
+  return Linear{IntWeights{w8, wq.data_ptr(), wd.data_ptr<float>(), off ? wm.data_ptr<float>() : nullptr, n, k},
+                IntScheme{bits, mixed, isa}};
+}
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.is_cpu(), name, ": float32 contiguous on CPU");
+}
+
+// [begin, end) of n items for thread t of nt.
+inline std::pair<int64_t, int64_t> share(int64_t n, int t, int nt) {
+  return {n * t / nt, n * (t + 1) / nt};
+}
+
+at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+                        at::TensorList input_norms, at::TensorList post_norms, at::TensorList wq,
+                        at::TensorList wd, at::TensorList wm, at::IntArrayRef codes,
+                        at::TensorList qkv_bias, int64_t isa, const at::Tensor& kv_k,
+                        const at::Tensor& kv_v, const c10::optional<at::Tensor>& kv_k_scale,
+                        const c10::optional<at::Tensor>& kv_v_scale, int64_t kv_code,
+                        const at::Tensor& slot_mapping, const at::Tensor& ctx,
+                        const at::Tensor& slots_off, const at::Tensor& slots, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t ffn, double eps_d, double scale_d) {
+  check_f32(x_in, "x");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  TORCH_CHECK(isa == 1 || isa == 2, "isa: 1 (avx2) or 2 (avx512-vnni)");
+  TORCH_CHECK(isa == 1 || prefixcache::cpu_has_vnni512(), "this CPU lacks AVX512-VNNI");
+  const int64_t layers = static_cast<int64_t>(input_norms.size());
+  TORCH_CHECK(layers > 0 && post_norms.size() == input_norms.size() && wq.size() == 4 * input_norms.size() &&
+                  wd.size() == wq.size() && wm.size() == wq.size() && static_cast<int64_t>(codes.size()) == 4 * layers,
+              "four linears per layer, each with weights, scales, offsets and a code");
+  TORCH_CHECK(qkv_bias.empty() || static_cast<int64_t>(qkv_bias.size()) == layers, "qkv bias per layer or none");
+  const bool scaled = kv_code == prefixcache::kI8 || kv_code == prefixcache::kFP8;
+  TORCH_CHECK(kv_code >= 0 && kv_code <= 3, "kv code 0..3");
+  TORCH_CHECK(kv_k.is_contiguous() && kv_v.is_contiguous() && kv_v.sizes() == kv_k.sizes() && kv_k.dim() == 4 &&
+                  kv_k.size(0) >= layers && kv_k.element_size() == prefixcache::kv_elem_size(kv_code),
+              "kv: [L, KVH, N, D] contiguous, in the storage of kv_code");
+  TORCH_CHECK(kv_k_scale.has_value() == scaled && kv_v_scale.has_value() == scaled, "scales iff int8/fp8");
+  const int64_t b = x_in.size(0), hid = x_in.size(1);
+  const int64_t h = num_heads, kvh = num_kv_heads, d = kv_k.size(3), n_slots = kv_k.size(2);
+  TORCH_CHECK(kv_k.size(1) == kvh && h % kvh == 0 && d % 16 == 0 && d <= prefixcache::exact::kMaxD, "head shapes");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == b && cos.size(1) == d && sin.sizes() == cos.sizes(), "cos, sin: [B, D]");
+  const int64_t width = (h + 2 * kvh) * d;
+  TORCH_CHECK(ffn > 0 && ffn % prefixcache::kGroup == 0 && hid % prefixcache::kGroup == 0 &&
+                  (h * d) % prefixcache::kGroup == 0,
+              "widths in groups of 32");
+  std::vector<Linear> lin;
+  lin.reserve(static_cast<size_t>(4 * layers));
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t outs[4] = {width, hid, 2 * ffn, hid}, ins[4] = {hid, h * d, hid, ffn};
+    for (int j = 0; j < 4; ++j) {
+      const int64_t i = 4 * l + j;
+      lin.push_back(make_linear(wq[i], wd[i], wm[i], codes[i], outs[j], ins[j], isa));
+    }
+    check_f32(input_norms[l], "input_norm");
+    check_f32(post_norms[l], "post_norm");
+    TORCH_CHECK(input_norms[l].numel() == hid && post_norms[l].numel() == hid, "norm widths");
+    if (!qkv_bias.empty()) {
+      check_f32(qkv_bias[l], "qkv_bias");
+      TORCH_CHECK(qkv_bias[l].numel() == width, "qkv bias width");
+    }
+  }
+  for (const at::Tensor* t : {&slot_mapping, &ctx, &slots_off, &slots})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1, "index tensors: int64 vectors");
+  TORCH_CHECK(slot_mapping.numel() == b && ctx.numel() == b && slots_off.numel() == b + 1, "one sequence per row");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  const int64_t* cx = ctx.data_ptr<int64_t>();
+  const int64_t* so = slots_off.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < b; ++r) {
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < n_slots, "slot out of range");
+    TORCH_CHECK(cx[r] >= 1 && so[r] >= 0 && so[r] + cx[r] <= slots.numel(), "context slots");
+    TORCH_CHECK(sl[so[r] + cx[r] - 1] == slot[r], "a row's last context slot is its new token's");
+    for (int64_t j = 0; j < cx[r]; ++j) TORCH_CHECK(sl[so[r] + j] >= 0 && sl[so[r] + j] < n_slots, "slot out of range");
+  }
+  const int64_t layer_stride = kvh * n_slots;  // elements per layer of the scales; x d for K/V
+  const int64_t es = prefixcache::kv_elem_size(kv_code);
+  if (scaled) {
+    TORCH_CHECK(kv_k_scale->scalar_type() == at::kFloat && kv_k_scale->is_contiguous() &&
+                    kv_k_scale->numel() == kv_k.size(0) * layer_stride &&
+                    kv_v_scale->sizes() == kv_k_scale->sizes() && kv_v_scale->is_contiguous(),
+                "scales: [L, KVH, N] float32 contiguous");
+  }
+
+  const auto opts = x_in.options();
+  at::Tensor x = x_in.clone();
+  at::Tensor xn = at::empty({b, std::max(hid, ffn)}, opts), qkv = at::empty({b, width}, opts);
+  at::Tensor q = at::empty({b, h, d}, opts), attn = at::empty({b, h, d}, opts);
+  at::Tensor proj = at::empty({b, hid}, opts), gu = at::empty({b, 2 * ffn}, opts);
+  float* xp = x.data_ptr<float>();
+  float* xnp = xn.data_ptr<float>();
+  float* qkvp = qkv.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* attnp = attn.data_ptr<float>();
+  float* projp = proj.data_ptr<float>();
+  float* gup = gu.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* snp = sin.data_ptr<float>();
+  const float eps = static_cast<float>(eps_d), scale = static_cast<float>(scale_d);
+  auto* kbase = static_cast<uint8_t*>(kv_k.data_ptr());
+  auto* vbase = static_cast<uint8_t*>(kv_v.data_ptr());
+  float* ksbase = scaled ? kv_k_scale->data_ptr<float>() : nullptr;
+  float* vsbase = scaled ? kv_v_scale->data_ptr<float>() : nullptr;
+
+  // The quantized activations of each linear's input, sized for the widest scheme it needs.
+  Quantized qa;
+  {
+    size_t widest = static_cast<size_t>(std::max({hid, h * d, ffn}));
+    qa.hi.resize(b * widest), qa.lo.resize(b * widest), qa.a16.resize(b * widest);
+    qa.wide.resize(b * widest / prefixcache::kGroup);
+    qa.s.resize(b * widest / prefixcache::kGroup), qa.ssum.resize(b * widest / prefixcache::kGroup);
+  }
+  // Work counters of the dynamic phases: per layer, qkv / o / gate_up / down / attention.
+  std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[5 * layers]);
+  for (int64_t i = 0; i < 5 * layers; ++i) next[i].store(0, std::memory_order_relaxed);
+  const int threads = std::max(1, at::get_num_threads());
+  // Column runs per item: at least four items per thread where the layer allows.
+  const auto per_item = [&](int64_t blocks) {
+    return std::clamp<int64_t>(blocks / (4 * threads), 1, 8);
+  };
+  // qkv = xn Wqkv (+ bias) and friends: column runs of the layer handed out dynamically.
+  const auto gemm_cols = [&](const Linear& L, std::atomic<int64_t>& counter, float* y, const float* bias,
+                             const float* residual) {
+    const int64_t blocks = L.w.blocks(), pi = per_item(blocks), items = (blocks + pi - 1) / pi;
+    for (int64_t it = counter.fetch_add(1, std::memory_order_relaxed); it < items;
+         it = counter.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t b0 = it * pi, b1 = std::min(blocks, b0 + pi);
+      prefixcache::gemm_item(qa, L.w, L.sc, 0, b, b0, b1, y);
+      const int64_t c0 = b0 * prefixcache::kCols, c1 = std::min(L.w.n, b1 * prefixcache::kCols);
+      if (bias != nullptr)
+        for (int64_t r = 0; r < b; ++r)
+          for (int64_t c = c0; c < c1; ++c) y[r * L.w.n + c] = y[r * L.w.n + c] + bias[c];
+      if (residual != nullptr)  // x += y, as the op path's y.add_(x)
+        for (int64_t r = 0; r < b; ++r)
+          for (int64_t c = c0; c < c1; ++c) xp[r * hid + c] = y[r * hid + c] + xp[r * hid + c];
+    }
+  };
+  const auto quantize = [&](const Linear& L, const float* src, int64_t k, int64_t r0, int64_t r1) {
+    prefixcache::quantize_rows(src, k, r0, r1, L.sc.bits, L.w.w8, L.sc.mixed, qa);
+  };
+
+  int team = 1;
+  SpinBarrier* barrier = nullptr;
+  std::vector<std::unique_ptr<SpinBarrier>> keep;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp single
+    {
+      team = omp_get_num_threads();
+      keep.emplace_back(new SpinBarrier(team));
+      barrier = keep.back().get();
+    }  // implicit barrier: every thread sees team and barrier
+    const int t = omp_get_thread_num(), nt = team;
+    std::vector<float> kt, vbuf, seen(static_cast<size_t>(d));
+    float unused_scale;
+    const auto [r0, r1] = share(b, t, nt);
+    for (int64_t l = 0; l < layers; ++l) {
+      const Linear& Lqkv = lin[4 * l];
+      const Linear& Lo = lin[4 * l + 1];
+      const Linear& Lgu = lin[4 * l + 2];
+      const Linear& Ldown = lin[4 * l + 3];
+      uint8_t* kl = kbase + l * layer_stride * d * es;
+      uint8_t* vl = vbase + l * layer_stride * d * es;
+      float* ksl = scaled ? ksbase + l * layer_stride : nullptr;
+      float* vsl = scaled ? vsbase + l * layer_stride : nullptr;
+      const float* in_norm = input_norms[l].data_ptr<float>();
+      const float* post_norm = post_norms[l].data_ptr<float>();
+      for (int64_t r = r0; r < r1; ++r) prefixcache::rms_norm_row(xp + r * hid, in_norm, eps, hid, xnp + r * hid);
+      quantize(Lqkv, xnp, hid, r0, r1);
+      barrier->wait();
+      gemm_cols(Lqkv, next[5 * l], qkvp, qkv_bias.empty() ? nullptr : qkv_bias[l].data_ptr<float>(), nullptr);
+      barrier->wait();
+      // rotate q and k; K and V into their cache slots (attention reads them back as stored)
+      for (int64_t r = r0; r < r1; ++r) {
+        float* row = qkvp + r * width;
+        prefixcache::rope_row(row, h + kvh, cp + r * d, snp + r * d, d);
+        for (int64_t kh = 0; kh < kvh; ++kh) {
+          const int64_t at_ = kh * n_slots + slot[r];
+          prefixcache::store_row(kv_code, row + (h + kh) * d, d, kl + at_ * d * es,
+                                 scaled ? ksl + at_ : &unused_scale, seen.data());
+          prefixcache::store_row(kv_code, row + (h + kvh + kh) * d, d, vl + at_ * d * es,
+                                 scaled ? vsl + at_ : &unused_scale, seen.data());
+        }
+        std::memcpy(qp + r * h * d, row, h * d * sizeof(float));
+      }
+      barrier->wait();
+      {  // attention items (row, KV head), each a one-query chunk of paged_attention
+        const int64_t items = b * kvh;
+        std::atomic<int64_t>& counter = next[5 * l + 4];
+        for (int64_t it = counter.fetch_add(1, std::memory_order_relaxed); it < items;
+             it = counter.fetch_add(1, std::memory_order_relaxed)) {
+          const int64_t r = it / kvh, kh = it % kvh;
+          const prefixcache::exact::PagedKeys keys{kl, vl, ksl, vsl, kv_code, n_slots, d, sl + so[r]};
+          prefixcache::exact::attend_rows(qp + r * h * d, keys, attnp + r * h * d, 1, cx[r], h, kvh, d, kh, 0,
+                                          1, scale, kt, vbuf);
+        }
+      }
+      barrier->wait();
+      quantize(Lo, attnp, h * d, r0, r1);
+      barrier->wait();
+      gemm_cols(Lo, next[5 * l + 1], projp, nullptr, xp);
+      barrier->wait();
+      for (int64_t r = r0; r < r1; ++r) prefixcache::rms_norm_row(xp + r * hid, post_norm, eps, hid, xnp + r * hid);
+      quantize(Lgu, xnp, hid, r0, r1);
+      barrier->wait();
+      gemm_cols(Lgu, next[5 * l + 2], gup, nullptr, nullptr);
+      barrier->wait();
+      for (int64_t r = r0; r < r1; ++r) prefixcache::silu_mul_row(gup + r * 2 * ffn, ffn, xnp + r * ffn);
+      quantize(Ldown, xnp, ffn, r0, r1);
+      barrier->wait();
+      gemm_cols(Ldown, next[5 * l + 3], projp, nullptr, xp);
+      barrier->wait();
+    }
+  }
+  return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(prefixcache, lib) {
+  lib.def(
+      "exact_decode(Tensor x, Tensor cos, Tensor sin, Tensor[] input_norms, Tensor[] post_norms, "
+      "Tensor[] wq, Tensor[] wd, Tensor[] wm, int[] codes, Tensor[] qkv_bias, int isa, "
+      "Tensor(a!) kv_k, Tensor(b!) kv_v, Tensor(c!)? kv_k_scale, Tensor(d!)? kv_v_scale, int kv_code, "
+      "Tensor slot_mapping, Tensor ctx, Tensor slots_off, Tensor slots, int num_heads, "
+      "int num_kv_heads, int ffn, float eps, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(prefixcache, CPU, lib) {
+  lib.impl("exact_decode", &exact_decode);
+}
