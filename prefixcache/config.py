@@ -17,6 +17,8 @@ _UNITS = {
 }  # fmt: skip
 
 SCHEDULING_POLICIES = ("fcfs", "lpm")
+# The block pool's eviction policies (cache/eviction.py, whose POLICY_NAMES these are).
+EVICTION_POLICIES = ("lru", "lru-demote", "hit-density")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Weight-only quantization of the decoder's linear layers (docs/engine.md, "Kernels and
 # quantization"). auto: on CPU the file's own 4- or 8-bit groups (GGUF Q4_0/Q4_1/Q8_0) as stored;
@@ -97,6 +99,9 @@ class EngineConfig:
     shared_step_ms: float = 250.0
     shared_window_s: float = 60.0
     scheduling_policy: str = "fcfs"
+    # Which cached block the pool evicts (docs/design.md §4 "Eviction policy"): lru (least
+    # recently released first), lru-demote or hit-density; the trace simulator runs the same code.
+    eviction_policy: str = "lru"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     quantization: str = "auto"
     activations: str = "auto"  # ACTIVATIONS
@@ -190,6 +195,10 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
+            )
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")

@@ -50,11 +50,14 @@ import itertools
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+
+from prefixcache.config import EVICTION_POLICIES
 
 Block = Hashable
 
-POLICY_NAMES = ("lru", "lru-demote", "hit-density")  # online policies; "belady" is offline (simulator only)
+# The online policies (the engine's choices); "belady" is offline (simulator only).
+POLICY_NAMES = EVICTION_POLICIES
 
 
 class EvictionError(RuntimeError):
@@ -67,11 +70,15 @@ class NoEvictableBlock(EvictionError):
 
 class _Meta:
     __slots__ = (
+        "block",
         "children",
         "depth",
+        "gone",
+        "held_below",
         "hits",
         "last",
         "parent",
+        "pmeta",
         "queue",
         "refs",
         "slot",
@@ -79,17 +86,21 @@ class _Meta:
         "version",
     )
 
-    def __init__(self, parent: Block | None, depth: int) -> None:
-        self.parent = parent
+    def __init__(self, block: Block, pmeta: _Meta | None, depth: int) -> None:
+        self.block = block
+        self.pmeta = pmeta  # the parent's record (None: a root); see ``parent_meta``
+        self.parent = None if pmeta is None else pmeta.block
         self.depth = depth
         self.children = 0  # cached children
         self.refs = 0
+        self.held_below = 0  # children that are held or have a held descendant
         self.hits = 0  # touches after the insert
-        self.last = 0  # clock of the last touch
+        self.last = 0  # clock of the last use (touch, or release)
         self.queue = 0  # which heap the block is a candidate in
         self.version = 0  # bumped whenever the block's heap entry becomes stale
         self.tail = False  # ended the path of the last access that touched it
         self.slot = -1  # index in a sampling policy's candidate list (-1: not a candidate)
+        self.gone = False  # forgotten (``forget``): its children are roots now
 
 
 class EvictionPolicy:
@@ -97,6 +108,14 @@ class EvictionPolicy:
 
     ``_rank(meta)`` gives ``(queue, key)``: the heap a candidate is in and its order there
     (smallest first); ``_pick_queue()`` chooses the heap the next victim comes from.
+
+    Besides the candidates (evictable now), the policy counts the blocks that are *held*: a
+    block with a reference, or one with a held descendant (it cannot go before that
+    descendant does). Every other block is evicted before an ``evict`` can fail, so
+    ``num_reclaimable = len - num_held`` is exactly how many ``evict`` calls succeed in a row
+    (the engine's pool admits requests by it). Kept up to date by walking up from a block whose
+    held state changes, as far as the first ancestor whose own state does not: O(1) when
+    requests hold whole prefixes (their ancestors are held already), O(depth) at worst.
     """
 
     name = "base"
@@ -109,6 +128,7 @@ class EvictionPolicy:
         self._sizes = [0] * self.num_queues  # cached blocks per queue, candidates or not
         self._clock = 0
         self._seq = itertools.count(1)  # versions: unique, so heap entries never compare blocks
+        self._num_held = 0
 
     # ---- queries -----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -118,11 +138,26 @@ class EvictionPolicy:
         return block in self._meta
 
     def is_evictable(self, block: Block) -> bool:
+        """A candidate now: cached, unreferenced, no cached child."""
         m = self._meta.get(block)
         return m is not None and m.refs == 0 and m.children == 0
 
+    def is_reclaimable(self, block: Block) -> bool:
+        """Neither referenced nor above a referenced block: evicted before ``evict`` fails."""
+        m = self._meta.get(block)
+        return m is not None and m.refs == 0 and m.held_below == 0
+
+    @property
+    def num_reclaimable(self) -> int:
+        """How many ``evict`` calls would succeed in a row now."""
+        return len(self._meta) - self._num_held
+
+    def refs(self, block: Block) -> int:
+        return self._get(block).refs
+
     def parent(self, block: Block) -> Block | None:
-        return self._get(block).parent
+        pm = self._get(block).pmeta
+        return None if pm is None or pm.gone else pm.block
 
     def depth(self, block: Block) -> int:
         return self._get(block).depth
@@ -133,31 +168,34 @@ class EvictionPolicy:
         self._clock += 1
         return self._clock
 
-    def insert(self, block: Block, parent: Block | None = None) -> None:
-        """A block newly cached, as a child of ``parent`` (which must be cached)."""
+    def insert(self, block: Block, parent: Block | None = None, held: bool = False) -> None:
+        """A block newly cached, as a child of ``parent`` (which must be cached); ``held``: with
+        one reference already (a block computed by a running request, as the engine inserts)."""
         if block in self._meta:
             raise EvictionError(f"block {block!r} is already cached")
+        pm = None
         if parent is not None:
             pm = self._get(parent)
-            depth = pm.depth + 1
             if pm.children == 0:
                 self._withdraw(pm)
             pm.children += 1
-        else:
-            depth = 0
-        m = self._meta[block] = _Meta(parent, depth)
+        m = self._meta[block] = _Meta(block, pm, 0 if pm is None else pm.depth + 1)
         m.last = self._clock
         self._on_insert(block, m)
         self._sizes[m.queue] += 1
-        self._offer(block, m)
+        if held:  # in use: no candidate, held (and so is every ancestor)
+            m.refs = 1
+            if pm is not None and pm.refs:
+                self._num_held += 1
+                pm.held_below += 1
+            else:
+                self._held_changed(m, 1)
+        else:
+            self._offer(block, m)
 
     def touch(self, block: Block) -> None:
         """A cache hit on ``block`` at the current tick."""
-        m = self._get(block)
-        m.hits += 1
-        m.last = self._clock
-        self._on_touch(block, m)
-        self._offer(block, m)
+        self._touch(block, self._get(block))
 
     def mark_tail(self, block: Block, tail: bool = True) -> None:
         """Whether ``block`` ended the path of the access that just touched it."""
@@ -168,17 +206,55 @@ class EvictionPolicy:
 
     def acquire(self, block: Block) -> None:
         """One more reference: the block is in use and no candidate until released."""
-        m = self._get(block)
-        if m.refs == 0:
-            self._withdraw(m)
-        m.refs += 1
+        self.acquire_all((block,))
+
+    def acquire_all(self, blocks: Iterable[Block], touch: bool = False) -> None:
+        """``acquire`` each block, in order, and with ``touch`` count it as a hit too (the
+        engine's admission: one call for a request's hits)."""
+        meta = self._meta
+        for b in blocks:
+            m = meta.get(b)
+            if m is None:
+                raise EvictionError(f"block {b!r} is not cached")
+            if m.refs == 0:
+                self._withdraw(m)
+                if m.held_below == 0:
+                    pm = m.pmeta
+                    if pm is not None and pm.refs and not pm.gone:  # a held prefix: no walk
+                        self._num_held += 1
+                        pm.held_below += 1
+                    else:
+                        self._held_changed(m, 1)
+            m.refs += 1
+            if touch:
+                self._touch(b, m)
 
     def release(self, block: Block) -> None:
-        m = self._get(block)
-        if m.refs == 0:
-            raise EvictionError(f"block {block!r} released more often than acquired")
-        m.refs -= 1
-        self._offer(block, m)
+        """One reference less. The release is a use: the block's recency is the current tick
+        (the engine's LRU orders blocks by when their last user let go, as vLLM's does)."""
+        self.release_all((block,))
+
+    def release_all(self, blocks: Iterable[Block]) -> None:
+        """``release`` each block, in order (the engine releases a block table tail first)."""
+        meta, clock = self._meta, self._clock
+        for b in blocks:
+            m = meta.get(b)
+            if m is None:
+                raise EvictionError(f"block {b!r} is not cached")
+            if m.refs == 0:
+                raise EvictionError(f"block {b!r} released more often than acquired")
+            m.refs -= 1
+            m.last = clock
+            if m.refs == 0:
+                if m.held_below == 0:
+                    pm = m.pmeta
+                    if pm is not None and pm.refs and not pm.gone:  # a held prefix: no walk
+                        self._num_held -= 1
+                        pm.held_below -= 1
+                    else:
+                        self._held_changed(m, -1)
+                if m.children == 0:  # a candidate again (no other block has a live entry)
+                    self._offer(b, m)
 
     def evict(self) -> Block:
         """Remove and return the next victim: an unreferenced block without cached children."""
@@ -198,11 +274,23 @@ class EvictionPolicy:
             return block
 
     def remove(self, block: Block) -> None:
-        """Drop a cached block on the owner's decision (invalidation): it must be a candidate."""
+        """Drop a cached block on the owner's decision: it must be a candidate."""
         m = self._get(block)
         if m.refs or m.children:
             raise EvictionError(f"block {block!r} is in use or has cached children")
         self._drop(block, m)
+
+    def forget(self, block: Block) -> None:
+        """Drop ``block`` whatever its references and children (the engine's invalidation: its
+        key is gone, its users keep the memory until they release it, outside the policy). Its
+        cached children become roots. Not an eviction: no ghost is kept."""
+        m = self._get(block)
+        if m.refs or m.held_below:
+            self._held_changed(m, -1)  # stops counting as held, here and above
+        self._withdraw(m)
+        m.children = 0
+        self._drop(block, m)
+        m.gone = True  # children find their parent gone (``parent_meta``): they are roots
 
     def access(self, path: Sequence[Block]) -> int:
         """One request over ``path`` (root first), as the simulator drives it: returns how many
@@ -226,12 +314,81 @@ class EvictionPolicy:
             self.mark_tail(path[-1], True)
         return hit
 
+    # ---- invariants --------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """The forest, the held counts, the queue sizes and the candidates agree (tests, the
+        engine's ``check_integrity``). O(n log n)."""
+        meta = self._meta
+        children: dict[int, int] = {}
+        held_below: dict[int, int] = {}
+        sizes = [0] * self.num_queues
+        for b, m in meta.items():
+            assert m.block == b and not m.gone, f"record of {b!r} is not its own"
+            pm = self.parent_meta(m)
+            if pm is not None:
+                assert meta.get(pm.block) is pm, f"parent of {b!r} is not cached"
+                assert m.depth == pm.depth + 1, f"depth of {b!r}"
+                children[id(pm)] = children.get(id(pm), 0) + 1
+                if m.refs or m.held_below:
+                    held_below[id(pm)] = held_below.get(id(pm), 0) + 1
+            sizes[m.queue] += 1
+        for b, m in meta.items():
+            assert m.children == children.get(id(m), 0), f"children of {b!r}"
+            assert m.held_below == held_below.get(id(m), 0), f"held count below {b!r}"
+            assert m.refs >= 0
+        held = sum(1 for m in meta.values() if m.refs or m.held_below)
+        assert held == self._num_held, f"{self._num_held} counted held, {held} are"
+        assert sizes == self._sizes, f"queue sizes {self._sizes}, counted {sizes}"
+        self._check_candidates({b for b, m in meta.items() if m.refs == 0 and m.children == 0})
+
+    def _check_candidates(self, cands: set) -> None:
+        live = set()
+        for q, heap in enumerate(self._heaps):
+            for entry in heap:
+                m = self._meta.get(entry[-1])
+                if m is not None and m.version == entry[-2] and m.queue == q:
+                    live.add(entry[-1])
+        assert live == cands, f"heap candidates {len(live)}, unreferenced leaves {len(cands)}"
+
     # ---- internals ---------------------------------------------------------------------------
     def _get(self, block: Block) -> _Meta:
         m = self._meta.get(block)
         if m is None:
             raise EvictionError(f"block {block!r} is not cached")
         return m
+
+    @staticmethod
+    def parent_meta(m: _Meta) -> _Meta | None:
+        pm = m.pmeta
+        if pm is not None and pm.gone:
+            m.pmeta = pm = None  # its parent was forgotten: a root from now on
+        return pm
+
+    def _held_changed(self, m: _Meta, d: int) -> None:
+        """``m`` became held (+1) or stopped being held (-1); tell its ancestors."""
+        while True:
+            self._num_held += d
+            pm = self.parent_meta(m)
+            if pm is None:
+                return
+            was = bool(pm.refs or pm.held_below)
+            pm.held_below += d
+            if was == bool(pm.refs or pm.held_below):  # its own state did not change
+                return
+            m = pm
+
+    def _touch(self, block: Block, m: _Meta) -> None:
+        m.hits += 1
+        m.last = self._clock
+        self._on_touch(block, m)
+        if m.refs == 0 and m.children == 0:
+            self._offer(block, m)
+        elif self.num_queues > 1:  # no heap entry to renew; its queue may change (hits)
+            q = self._rank(m)[0]
+            if q != m.queue:
+                self._sizes[m.queue] -= 1
+                self._sizes[q] += 1
+                m.queue = q
 
     def _withdraw(self, m: _Meta) -> None:
         m.version = next(self._seq)
@@ -245,17 +402,32 @@ class EvictionPolicy:
             self._sizes[q] += 1
             m.queue = q
         if m.refs == 0 and m.children == 0:
-            heapq.heappush(self._heaps[q], (key, -m.depth, m.version, block))
+            heap = self._heaps[q]
+            heapq.heappush(heap, (key, -m.depth, m.version, block))
+            if len(heap) > 2 * len(self._meta) + 64:
+                self._compact(q)
+
+    def _compact(self, q: int) -> None:
+        """Drop the stale entries of heap ``q`` (amortized O(1) a push: the heap never holds
+        more than about twice the live entries, however long nothing is evicted)."""
+        meta = self._meta
+        live = []
+        for entry in self._heaps[q]:
+            m = meta.get(entry[-1])
+            if m is not None and m.version == entry[-2] and m.queue == q:
+                live.append(entry)
+        heapq.heapify(live)
+        self._heaps[q] = live
 
     def _drop(self, block: Block, m: _Meta) -> None:
         del self._meta[block]
         self._sizes[m.queue] -= 1
         m.version = next(self._seq)
-        if m.parent is not None:
-            pm = self._meta[m.parent]
+        pm = self.parent_meta(m)
+        if pm is not None:
             pm.children -= 1
             if pm.children == 0:
-                self._offer(m.parent, pm)
+                self._offer(pm.block, pm)
 
     def _top_valid(self, q: int) -> bool:
         """Whether heap ``q`` has a live candidate (stale tops are popped on the way)."""
@@ -433,13 +605,16 @@ class HitDensityPolicy(EvictionPolicy):
         self._withdraw(m)
         super()._drop(block, m)
 
+    def _check_candidates(self, cands: set) -> None:
+        assert set(self._cands) == cands and len(self._cands) == len(cands), "candidate list"
+        assert all(self._meta[b].slot == i for i, b in enumerate(self._cands)), "slots"
+
     # ---- learning ----------------------------------------------------------------------------
-    def touch(self, block: Block) -> None:
-        m = self._get(block)
+    def _touch(self, block: Block, m: _Meta) -> None:
         age = self._clock - m.last
         if age > 0:  # a second touch in the same tick is the same use
             self._hits[self._class(m)][self._bucket(age)] += 1
-            super().touch(block)
+            super()._touch(block, m)
         else:
             self._offer(block, m)
 
