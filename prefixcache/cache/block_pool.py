@@ -13,10 +13,11 @@ reference. The policy picks the victims: never a block in use or pinned, never a
 cached child (leaves go first), the deeper block on ties. Allocation takes free blocks first and
 asks the policy for a victim only when none are left.
 
-Time for the policy: one tick per ``acquire`` (a request's hits) and per ``release`` (blocks
-released together are one use, so among them the tail of a sequence goes first), a block's
-recency is its last release. With ``lru`` that is exactly the order of the OrderedDict LRU the
-pool had before (oldest release first, tail before head).
+Time for the policy: one tick per admitted request (``tick``, from the cache manager: hit
+density's ages count requests, as in the trace simulator), and a block's recency is its last
+use, its release included; blocks released together are one use, and among them the deeper
+goes first (a sequence's tail before its head). With ``lru`` that is exactly the order of the
+OrderedDict LRU the pool had before (oldest release first, tail before head).
 
 Pure Python, no tensors: block ids index the KV tensors owned by ``kv/pool.py``.
 """
@@ -101,10 +102,14 @@ class BlockPool:
         return self.index.match_tokens(token_ids, root, num_tokens)
 
     # ---- lifecycle --------------------------------------------------------------------------
+    def tick(self) -> None:
+        """A request begins to use the cache (the manager's admission): one tick of the
+        eviction policy's clock."""
+        self.policy.tick()
+
     def acquire(self, block_ids: Iterable[int], touch: bool = True) -> None:
         """Take a reference on cached or in-use blocks. ``touch``: a use of their content (a
-        cache hit; one tick of the policy's clock), else only a hold (a connector keeping a
-        prefix while it extends it)."""
+        cache hit), else only a hold (a connector keeping a prefix while it extends it)."""
         ids = list(block_ids)
         keys = self.index.keys_of(ids)
         ref = self._ref
@@ -114,8 +119,6 @@ class BlockPool:
                     raise AssertionError(f"acquire of block {b} that is free (not cached)")
                 self._num_in_use += 1
             ref[b] += 1
-        if touch:
-            self.policy.tick()
         self.policy.acquire_all([k for k in keys if k is not None], touch)
 
     def allocate(self, n: int) -> list[int] | None:
@@ -164,9 +167,11 @@ class BlockPool:
                 policy.acquire(key)
         return holder
 
-    def release(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference on each block (one tick: released together, the deeper block goes
-        first, so a sequence's tail is evicted before its head)."""
+    def release(self, block_ids: Sequence[int], tail: bool = True) -> None:
+        """Drop one reference on each block: one use (released together, the deeper block goes
+        first, so a sequence's tail is evicted before its head). ``tail``: ``block_ids`` is a
+        request's block table, its last cached block ends its path (the policies rank such
+        prompt ends apart); False for a hold (``acquire(touch=False)``)."""
         ids = block_ids[::-1]
         keys = self.index.keys_of(ids)
         ref, free = self._ref, self._free
@@ -177,8 +182,7 @@ class BlockPool:
                 self._num_in_use -= 1
                 if key is None:
                     free.append(b)
-        self.policy.tick()
-        self.policy.release_all([k for k in keys if k is not None])
+        self.policy.release_all([k for k in keys if k is not None], tail)
 
     # ---- pins, invalidation -----------------------------------------------------------------
     # A block is pinned while any owner's pin on it lasts. Each owner (a tenant; None for the
@@ -261,18 +265,19 @@ class BlockPool:
         ended = [(b, o) for b, owners in self._pin_owners.items() for o, t in owners.items() if t <= now]
         if not ended:
             return 0
-        self.policy.tick()  # the blocks unpinned now are used now (the deeper ones go first)
         for b, o in ended:
             self._drop_owner_pin(b, o)
-        unpinned = 0
+        unpinned = []
         for b in dict.fromkeys(b for b, _ in ended):
             owners = self._pin_owners.get(b)
             if owners:
                 self._pinned_until[b] = max(owners.values())
             else:
-                self._unpin(b)
-                unpinned += 1
-        return unpinned
+                self._unpin(b, release=False)
+                unpinned.append(self.index.key_of(b))
+        # One use for all of them: the blocks unpinned now rank as used now, deeper ones first.
+        self.policy.release_all(unpinned)
+        return len(unpinned)
 
     def _drop_owner_pin(self, b: int, owner: str | None) -> None:
         owners = self._pin_owners[b]
@@ -285,11 +290,12 @@ class BlockPool:
         if not owners:
             del self._pin_owners[b]
 
-    def _unpin(self, b: int) -> None:
+    def _unpin(self, b: int, release: bool = True) -> None:
         for o in list(self._pin_owners.get(b, ())):
             self._drop_owner_pin(b, o)
         del self._pinned_until[b]
-        self.policy.release(self.index.key_of(b))
+        if release:  # the pin's reference in the policy (else the caller releases it)
+            self.policy.release(self.index.key_of(b))
 
     def invalidate(self, namespace: str | None, all_namespaces: bool = False) -> int:
         """Drop cached content of a namespace (or all). In-use blocks lose their key now and

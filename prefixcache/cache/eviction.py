@@ -82,6 +82,7 @@ class _Meta:
         "queue",
         "refs",
         "slot",
+        "stamp",
         "tail",
         "version",
     )
@@ -95,7 +96,8 @@ class _Meta:
         self.refs = 0
         self.held_below = 0  # children that are held or have a held descendant
         self.hits = 0  # touches after the insert
-        self.last = 0  # clock of the last use (touch, or release)
+        self.last = 0  # clock of the last use (touch, or release): ages count ticks
+        self.stamp = 0  # order of the last use: recency (several uses may share a tick)
         self.queue = 0  # which heap the block is a candidate in
         self.version = 0  # bumped whenever the block's heap entry becomes stale
         self.tail = False  # ended the path of the last access that touched it
@@ -127,6 +129,7 @@ class EvictionPolicy:
         self._heaps: list[list] = [[] for _ in range(self.num_queues)]
         self._sizes = [0] * self.num_queues  # cached blocks per queue, candidates or not
         self._clock = 0
+        self._stamp = 0  # advances with every tick and every release_all: recency order
         self._seq = itertools.count(1)  # versions: unique, so heap entries never compare blocks
         self._num_held = 0
 
@@ -164,8 +167,14 @@ class EvictionPolicy:
 
     # ---- updates -----------------------------------------------------------------------------
     def tick(self) -> int:
-        """Advance the clock: touches at one tick are simultaneous (one request's blocks)."""
+        """Advance the clock: touches at one tick are simultaneous (one request's blocks).
+
+        Ages (``hit-density``) count ticks, recency counts *uses*: a tick is one, and so is
+        every ``release_all`` (blocks released together are one use, ranked among themselves
+        by depth), so blocks released one call after another keep their order within a tick
+        (the engine ticks once per admitted request and releases many times in between)."""
         self._clock += 1
+        self._stamp += 1
         return self._clock
 
     def insert(self, block: Block, parent: Block | None = None, held: bool = False) -> None:
@@ -181,6 +190,7 @@ class EvictionPolicy:
             pm.children += 1
         m = self._meta[block] = _Meta(block, pm, 0 if pm is None else pm.depth + 1)
         m.last = self._clock
+        m.stamp = self._stamp
         self._on_insert(block, m)
         self._sizes[m.queue] += 1
         if held:  # in use: no candidate, held (and so is every ancestor)
@@ -234,9 +244,12 @@ class EvictionPolicy:
         (the engine's LRU orders blocks by when their last user let go, as vLLM's does)."""
         self.release_all((block,))
 
-    def release_all(self, blocks: Iterable[Block]) -> None:
-        """``release`` each block, in order (the engine releases a block table tail first)."""
-        meta, clock = self._meta, self._clock
+    def release_all(self, blocks: Iterable[Block], tail: bool = False) -> None:
+        """``release`` each block, in order, as one use (the engine releases a block table tail
+        first). ``tail``: the blocks are a request's path, deepest first, that it is done with:
+        the first ends the path (``mark_tail``), the others do not."""
+        self._stamp += 1
+        meta, clock, stamp = self._meta, self._clock, self._stamp
         for b in blocks:
             m = meta.get(b)
             if m is None:
@@ -245,6 +258,11 @@ class EvictionPolicy:
                 raise EvictionError(f"block {b!r} released more often than acquired")
             m.refs -= 1
             m.last = clock
+            m.stamp = stamp
+            if tail:
+                m.tail, tail = True, False
+            elif m.tail:
+                m.tail = False
             if m.refs == 0:
                 if m.held_below == 0:
                     pm = m.pmeta
@@ -380,6 +398,7 @@ class EvictionPolicy:
     def _touch(self, block: Block, m: _Meta) -> None:
         m.hits += 1
         m.last = self._clock
+        m.stamp = self._stamp
         self._on_touch(block, m)
         if m.refs == 0 and m.children == 0:
             self._offer(block, m)
@@ -445,7 +464,7 @@ class EvictionPolicy:
         return 0 if self._top_valid(0) else None
 
     def _rank(self, m: _Meta) -> tuple[int, object]:
-        return 0, m.last
+        return 0, m.stamp
 
     def _on_insert(self, block: Block, m: _Meta) -> None:
         pass
@@ -504,9 +523,9 @@ class DemotePolicy(EvictionPolicy):
 
     def _rank(self, m: _Meta) -> tuple[int, object]:
         if m.hits:
-            return self.MAIN, m.last
+            return self.MAIN, m.stamp
         # Probation: leaves no request extended (a prompt's last block) go first, then oldest.
-        return self.PROBATION, (0 if m.tail else 1, m.last)
+        return self.PROBATION, (0 if m.tail else 1, m.stamp)
 
     def _on_evict(self, block: Block, m: _Meta) -> None:
         ghosts = self._ghosts if m.queue == self.PROBATION else self._main_ghosts
@@ -638,7 +657,7 @@ class HitDensityPolicy(EvictionPolicy):
             b = cands[int(rnd() * n)] if n > self.samples else cands[i]
             m = meta[b]
             # least dense first; ties: the deeper block, then the older one
-            key = (density[self._class(m)][self._bucket(clock - m.last)], -m.depth, m.last)
+            key = (density[self._class(m)][self._bucket(clock - m.last)], -m.depth, m.stamp)
             if best_key is None or key < best_key:
                 best, best_key = b, key
         m = meta[best]

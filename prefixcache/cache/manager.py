@@ -226,6 +226,7 @@ class KVCacheManager:
         assert not seq.block_table, "admit of a sequence that holds blocks"
         if self.num_new_blocks_for_admission(seq, m, num_new_tokens) > self.pool.num_allocatable:
             return False
+        self.pool.tick()  # a request's use of the cache begins (the eviction policy's clock)
         self.pool.acquire(m.block_ids)
         seq.block_table = list(m.block_ids)
         seq.num_registered_blocks = len(m.block_ids)

@@ -168,9 +168,9 @@ class TierConnector(KVConnector):
                 self._remember(ref.key, namespace)
                 if holder == bid:  # else RAM had this one already; ours goes back free
                     got[where] += b
-            pool.release(ids)
+            pool.release(ids, tail=False)
         finally:
-            pool.release(m.block_ids)
+            pool.release(m.block_ids, tail=False)
         for where, n in got.items():  # a chain crossing a shared prefix comes in two jobs
             seq.tier_tokens[where] = seq.tier_tokens.get(where, 0) + n
         self._by_tenant.setdefault(seq.tenant, Counter()).update(got)
