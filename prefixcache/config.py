@@ -18,7 +18,7 @@ _UNITS = {
 
 SCHEDULING_POLICIES = ("fcfs", "lpm")
 # The block pool's eviction policies (cache/eviction.py, whose POLICY_NAMES these are).
-EVICTION_POLICIES = ("lru", "lru-demote", "hit-density")
+EVICTION_POLICIES = ("lru", "lru-demote", "hit-density", "adaptive")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Weight-only quantization of the decoder's linear layers (docs/engine.md, "Kernels and
 # quantization"). auto: on CPU the file's own 4- or 8-bit groups (GGUF Q4_0/Q4_1/Q8_0) as stored;

@@ -537,7 +537,7 @@ def test_index_match_tokens_collision_guard():
 
 
 # ---- eviction policies in the pool (cache/eviction.py) ------------------------------------------
-POLICIES = ["lru", "lru-demote", "hit-density"]
+POLICIES = ["lru", "lru-demote", "hit-density", "adaptive"]
 
 
 class LegacyLRUPool(BlockPool):

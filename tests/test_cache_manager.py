@@ -488,7 +488,8 @@ def _prompt_source(rng: random.Random):
     "seed, enable_caching, policy",
     [(1234, True, "lru"), (7, True, "lru"), (2024, True, "lru"), (1234, False, "lru"),
      (1234, True, "lru-demote"), (7, True, "lru-demote"),
-     (1234, True, "hit-density"), (7, True, "hit-density")],
+     (1234, True, "hit-density"), (7, True, "hit-density"), (1234, True, "adaptive"),
+     (7, True, "adaptive")],
 )
 def test_randomized_operations_keep_invariants_and_cold_equals_warm(seed, enable_caching, policy):
     """Every eviction policy: the shadow KV a live sequence reads is always its own tokens (a

@@ -238,7 +238,8 @@ def _stress_engine(policy: str, num_blocks: int, eviction: str = "lru") -> LLMEn
 
 
 @pytest.mark.parametrize("policy, eviction", [("fcfs", "lru"), ("lpm", "lru"),
-                                              ("fcfs", "lru-demote"), ("lpm", "hit-density")])
+                                              ("fcfs", "lru-demote"), ("lpm", "hit-density"),
+                                              ("fcfs", "adaptive")])
 def test_stress_small(policy, eviction, llm_cold, cold_refs):
     """Every eviction policy too: cold == warm under preemption and eviction, nothing leaks,
     ``check_integrity`` (the policy's state included) holds at the end."""

@@ -44,7 +44,7 @@ def _trace(seed: int, n: int) -> list:
     return rows
 
 
-@pytest.mark.parametrize("policy", ["lru", "lru-demote", "hit-density"])
+@pytest.mark.parametrize("policy", ["lru", "lru-demote", "hit-density", "adaptive"])
 def test_live_engine_hits_what_the_engine_model_predicts(policy):
     reqs = _trace(11, 70)
     prompts = trace_prompts(reqs, BT, vocab=2000)

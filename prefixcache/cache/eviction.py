@@ -49,6 +49,7 @@ import heapq
 import itertools
 import math
 import random
+import zlib
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
@@ -164,6 +165,9 @@ class EvictionPolicy:
 
     def depth(self, block: Block) -> int:
         return self._get(block).depth
+
+    def is_tail(self, block: Block) -> bool:
+        return self._get(block).tail
 
     # ---- updates -----------------------------------------------------------------------------
     def tick(self) -> int:
@@ -291,6 +295,15 @@ class EvictionPolicy:
             self._on_evict(block, m)
             return block
 
+    def evict_block(self, block: Block) -> None:
+        """Evict ``block``, a candidate another ranking chose (``AdaptivePolicy``), as ``evict``
+        would have: ghosts and statistics learn from it."""
+        m = self._get(block)
+        if m.refs or m.children:
+            raise EvictionError(f"block {block!r} is in use or has cached children")
+        self._drop(block, m)
+        self._on_evict(block, m)
+
     def remove(self, block: Block) -> None:
         """Drop a cached block on the owner's decision: it must be a candidate."""
         m = self._get(block)
@@ -316,9 +329,8 @@ class EvictionPolicy:
         References are the caller's (``acquire``/``release``); nothing is evicted here."""
         self.tick()
         hit = 0
-        meta = self._meta
         for b in path:
-            if b not in meta:
+            if b not in self:
                 break
             hit += 1
         for i in range(hit):
@@ -327,7 +339,7 @@ class EvictionPolicy:
             self.insert(path[i], path[i - 1] if i else None)
         if path:
             for b in path[:-1]:
-                if meta[b].tail:
+                if self.is_tail(b):
                     self.mark_tail(b, False)
             self.mark_tail(path[-1], True)
         return hit
@@ -664,8 +676,13 @@ class HitDensityPolicy(EvictionPolicy):
         if m.refs or m.children:  # cannot happen (the list holds candidates only)
             raise EvictionError(f"candidate {best!r} is in use or has cached children")
         self._drop(best, m)
+        self._on_evict(best, m)
+        return best
+
+    def _on_evict(self, block: Block, m: _Meta) -> None:
+        clock = self._clock
         if self.ghost_multiple > 0:
-            self._ghosts[best] = (m.hits, m.last, self._class(m))
+            self._ghosts[block] = (m.hits, m.last, self._class(m))
             while len(self._ghosts) > self.ghost_multiple * self._cap():
                 _, (_, last, cls) = self._ghosts.popitem(last=False)
                 self._ends[cls][self._bucket(clock - last)] += 1  # never came back
@@ -674,7 +691,6 @@ class HitDensityPolicy(EvictionPolicy):
         self._evictions += 1
         if self._evictions % self._cap() == 0:
             self._recompute()
-        return best
 
     def _recompute(self) -> None:
         """density(c, a) = hits after age a / block-ticks spent after age a (LHD's estimator)."""
@@ -689,6 +705,191 @@ class HitDensityPolicy(EvictionPolicy):
                 dens[b] = hits_above / life if life > 0 else 0.0
                 hits[b] *= self.decay
                 ends[b] *= self.decay
+
+
+def _sample_hash(block: Block) -> int:
+    """A 32-bit hash of a block id that is the same in every process (``hash()`` of bytes is
+    not): the trace's hash ids are ints, the engine's keys bytes that are hashes already."""
+    if isinstance(block, int):
+        return (block * 0x9E3779B1) & 0xFFFFFFFF
+    if isinstance(block, bytes):
+        return int.from_bytes(block[:4], "little")
+    return zlib.crc32(repr(block).encode())
+
+
+class AdaptivePolicy(EvictionPolicy):
+    """The winner of lru, lru-demote and hit-density on a miniature of the cache (module
+    docstring): set dueling, fully associative.
+
+    Each member policy keeps the whole forest (the same blocks, references and candidates in
+    all of them); ``evict`` takes the victim of the member followed now and the others evict
+    that block as if they had chosen it (``evict_block``: their ghosts and statistics learn
+    from it). Miniatures: the blocks whose key hashes to 0 mod ``rate`` (a fixed sample,
+    so a sampled block is sampled at every use), run through one small instance of each member
+    (capacity / rate, each sampled block the child of its nearest sampled ancestor), see the
+    same uses; each counts its hits (a request's leading run of sampled blocks found), decayed
+    by ``decay`` per tick, and the member whose miniature has the most is followed (ties: the
+    first, lru). ``rate`` shrinks for small caches so a miniature keeps ``min_mini`` blocks.
+    Cost: every operation three times, plus the miniatures' share (about 3 / rate).
+    """
+
+    name = "adaptive"
+    MEMBERS = ("lru", "lru-demote", "hit-density")
+
+    def __init__(self, capacity: int | None = None, rate: int = 4, min_mini: int = 256,
+                 decay: float = 0.999, margin: float = 0.0) -> None:
+        super().__init__(capacity)
+        if rate < 1 or min_mini < 1 or not 0.0 < decay <= 1.0 or margin < 0:
+            raise ValueError("rate >= 1, min_mini >= 1, decay in (0, 1], margin >= 0")
+        self.margin = margin
+        self.rate = max(1, min(rate, (capacity or 0) // min_mini))
+        self.decay = decay
+        self.members = [make_policy(n, capacity) for n in self.MEMBERS]
+        mini_cap = None if capacity is None else max(1, capacity // self.rate)
+        self.minis = [make_policy(n, mini_cap) for n in self.MEMBERS]
+        self.scores = [0.0] * len(self.members)
+        self.follow = 0  # index of the member whose victims are taken
+        self._tick_hits = [0] * len(self.members)
+        self._leading = [True] * len(self.members)
+        self._visited: list[Block] = []  # sampled blocks used since the last tick, in order
+
+    @property
+    def following(self) -> str:
+        return self.MEMBERS[self.follow]
+
+    # ---- queries: the members agree, the first answers ---------------------------------------
+    def __len__(self) -> int:
+        return len(self.members[0])
+
+    def __contains__(self, block: Block) -> bool:
+        return block in self.members[0]
+
+    def is_evictable(self, block: Block) -> bool:
+        return self.members[0].is_evictable(block)
+
+    def is_reclaimable(self, block: Block) -> bool:
+        return self.members[0].is_reclaimable(block)
+
+    @property
+    def num_reclaimable(self) -> int:
+        return self.members[0].num_reclaimable
+
+    def refs(self, block: Block) -> int:
+        return self.members[0].refs(block)
+
+    def parent(self, block: Block) -> Block | None:
+        return self.members[0].parent(block)
+
+    def depth(self, block: Block) -> int:
+        return self.members[0].depth(block)
+
+    def is_tail(self, block: Block) -> bool:
+        return self.members[0].is_tail(block)
+
+    # ---- updates: every member, and the sampled uses to the miniatures ------------------------
+    def tick(self) -> int:
+        rev = self._visited[::-1]
+        for i, mini in enumerate(self.minis):
+            if rev:  # the last request is done: its sampled blocks go back, the mini evicts
+                mini.release_all(rev, tail=True)
+                while len(mini) > mini.capacity:
+                    mini.evict()
+            self.scores[i] = self.scores[i] * self.decay + self._tick_hits[i]
+            self._tick_hits[i] = 0
+            self._leading[i] = True
+            mini.tick()
+        self._visited = []
+        best = 0
+        for i in range(1, len(self.scores)):
+            if self.scores[i] > self.scores[best]:
+                best = i
+        # another member than lru only when its miniature beats lru's by the margin
+        self.follow = best if self.scores[best] > self.scores[0] * (1 + self.margin) else 0
+        for p in self.members:
+            p.tick()
+        self._clock = self.members[0]._clock
+        return self._clock
+
+    def insert(self, block: Block, parent: Block | None = None, held: bool = False) -> None:
+        for p in self.members:
+            p.insert(block, parent, held)
+        self._visit(block)
+
+    def touch(self, block: Block) -> None:
+        for p in self.members:
+            p.touch(block)
+        self._visit(block)
+
+    def mark_tail(self, block: Block, tail: bool = True) -> None:
+        for p in self.members:
+            p.mark_tail(block, tail)
+
+    def acquire_all(self, blocks: Iterable[Block], touch: bool = False) -> None:
+        blocks = list(blocks)
+        for p in self.members:
+            p.acquire_all(blocks, touch)
+        if touch:
+            for b in blocks:
+                self._visit(b)
+
+    def release_all(self, blocks: Iterable[Block], tail: bool = False) -> None:
+        blocks = list(blocks)
+        for p in self.members:
+            p.release_all(blocks, tail)
+
+    def evict(self) -> Block:
+        chooser = self.members[self.follow]
+        victim = chooser.evict()
+        for p in self.members:
+            if p is not chooser:
+                p.evict_block(victim)
+        return victim
+
+    def evict_block(self, block: Block) -> None:
+        for p in self.members:
+            p.evict_block(block)
+
+    def remove(self, block: Block) -> None:
+        for p in self.members:
+            p.remove(block)
+
+    def forget(self, block: Block) -> None:
+        for p in self.members:
+            p.forget(block)
+
+    def check_integrity(self) -> None:
+        first = self.members[0]
+        for p in self.members + self.minis:
+            p.check_integrity()
+        for p in self.members[1:]:
+            assert set(p._meta) == set(first._meta), "members hold different blocks"
+            for b, m in p._meta.items():
+                m0 = first._meta[b]
+                assert (m.refs, m.children, m.depth) == (m0.refs, m0.children, m0.depth), (
+                    f"members disagree on {b!r}")
+
+    # ---- the miniatures --------------------------------------------------------------------
+    def _visit(self, block: Block) -> None:
+        rate = self.rate
+        if _sample_hash(block) % rate:
+            return
+        sampled_parent = None  # nearest sampled ancestor in the full forest
+        pm = self.parent_meta(self.members[0]._meta[block])
+        while pm is not None:
+            if _sample_hash(pm.block) % rate == 0:
+                sampled_parent = pm.block
+                break
+            pm = self.parent_meta(pm)
+        for i, mini in enumerate(self.minis):
+            if block in mini:
+                if self._leading[i]:
+                    self._tick_hits[i] += 1
+                mini.acquire_all((block,), touch=True)
+            else:
+                self._leading[i] = False
+                parent = sampled_parent if sampled_parent in mini else None
+                mini.insert(block, parent, held=True)
+        self._visited.append(block)
 
 
 class BeladyPolicy(EvictionPolicy):
@@ -730,6 +931,8 @@ def make_policy(name: str, capacity: int | None = None) -> EvictionPolicy:
         return DemotePolicy(capacity)
     if name == "hit-density":
         return HitDensityPolicy(capacity)
+    if name == "adaptive":
+        return AdaptivePolicy(capacity)
     raise ValueError(f"unknown eviction policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
 
 
