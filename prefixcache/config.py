@@ -16,7 +16,7 @@ _UNITS = {
     "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
 }  # fmt: skip
 
-SCHEDULING_POLICIES = ("fcfs", "lpm")
+SCHEDULING_POLICIES = ("fcfs", "lpm", "sjf")
 # The block pool's eviction policies (cache/eviction.py, whose POLICY_NAMES these are).
 EVICTION_POLICIES = ("lru", "lru-demote", "hit-density", "adaptive")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -161,9 +161,9 @@ class EngineConfig:
     max_pending_deltas: int = 1024
     # /health says 503 when work waits and no step finished for this long.
     health_stall_seconds: float = 60.0
-    # lpm starvation guard: a waiting request older than this many steps goes first.
+    # lpm and sjf starvation guard: a waiting request older than this many steps goes first.
     lpm_max_wait_steps: int = 64
-    # Above this many waiting requests lpm falls back to fcfs (SGLang does the same: sorting a
+    # Above this many waiting requests lpm and sjf fall back to fcfs (SGLang does the same: sorting a
     # long queue by prefix match costs more than it saves).
     lpm_max_queue: int = 128
 

@@ -7,7 +7,7 @@ import logging
 import sys
 from dataclasses import fields
 
-from prefixcache.config import EVICTION_POLICIES, parse_bytes
+from prefixcache.config import EVICTION_POLICIES, SCHEDULING_POLICIES, parse_bytes
 from prefixcache.server.limits import ServerLimits
 
 DEFAULT_HOST = "127.0.0.1"
@@ -95,7 +95,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="a tenant counts as active this long after its last request",
     )
-    m.add_argument("--scheduling-policy", choices=("fcfs", "lpm"), default="fcfs")
+    m.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="fcfs; lpm: longest cached prefix first; sjf: fewest uncached prompt "
+                   "tokens first (both with a starvation guard)")
     m.add_argument(
         "--eviction-policy",
         choices=EVICTION_POLICIES,
