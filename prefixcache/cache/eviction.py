@@ -822,7 +822,7 @@ class AdaptivePolicy(EvictionPolicy):
         for i, mini in enumerate(self.minis):
             if rev:  # the last request is done: its sampled blocks go back, the mini evicts
                 mini.release_all(rev, tail=True)
-                while len(mini) > mini.capacity:
+                while mini.capacity is not None and len(mini) > mini.capacity:
                     mini.evict()
             self.scores[i] = self.scores[i] * self.decay + self._tick_hits[i]
             d = self._tick_hits[i] - self._tick_hits[0]
