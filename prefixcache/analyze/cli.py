@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="RAM cache sizes as fractions of the working set (distinct hash ids), "
                         "comma-separated")
     t.add_argument("--eviction-policy", default="all",
-                   help="all, or comma-separated of lru, lru-demote, hit-density, belady")
+                   help="all, or comma-separated of lru, lru-demote, hit-density, adaptive, belady")
     t.add_argument("--start-ms", type=float, default=None,
                    help="simulate only requests at or after this trace timestamp (ms)")
     t.add_argument("--end-ms", type=float, default=None,
