@@ -16,7 +16,9 @@ _UNITS = {
     "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
 }  # fmt: skip
 
-SCHEDULING_POLICIES = ("fcfs", "lpm")
+SCHEDULING_POLICIES = ("fcfs", "lpm", "sjf")
+# The block pool's eviction policies (cache/eviction.py, whose POLICY_NAMES these are).
+EVICTION_POLICIES = ("lru", "lru-demote", "hit-density", "adaptive")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Weight-only quantization of the decoder's linear layers (docs/engine.md, "Kernels and
 # quantization"). auto: on CPU the file's own 4- or 8-bit groups (GGUF Q4_0/Q4_1/Q8_0) as stored;
@@ -100,6 +102,9 @@ class EngineConfig:
     shared_step_ms: float = 250.0
     shared_window_s: float = 60.0
     scheduling_policy: str = "fcfs"
+    # Which cached block the pool evicts (docs/design.md §4 "Eviction policy"): lru (least
+    # recently released first), lru-demote or hit-density; the trace simulator runs the same code.
+    eviction_policy: str = "lru"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     quantization: str = "auto"
     activations: str = "auto"  # ACTIVATIONS
@@ -159,9 +164,9 @@ class EngineConfig:
     max_pending_deltas: int = 1024
     # /health says 503 when work waits and no step finished for this long.
     health_stall_seconds: float = 60.0
-    # lpm starvation guard: a waiting request older than this many steps goes first.
+    # lpm and sjf starvation guard: a waiting request older than this many steps goes first.
     lpm_max_wait_steps: int = 64
-    # Above this many waiting requests lpm falls back to fcfs (SGLang does the same: sorting a
+    # Above this many waiting requests lpm and sjf fall back to fcfs (SGLang does the same: sorting a
     # long queue by prefix match costs more than it saves).
     lpm_max_queue: int = 128
 
@@ -193,6 +198,10 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
+            )
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import random
 import re
+from collections import OrderedDict
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.hashing import block_hash, hash_blocks, root_hash
@@ -411,7 +414,7 @@ def test_check_integrity_catches_parked_referenced_block():
 def test_check_integrity_catches_free_block_with_key():
     pool = BlockPool(6, B)
     t = _cache(pool, _tokens(B, 1))
-    del pool._lru[t[0]]
+    pool.policy.remove(pool.index.key_of(t[0]))  # parked as free, its key still indexed
     pool._free.append(t[0])
     with pytest.raises(AssertionError):
         pool.check_integrity()
@@ -531,3 +534,258 @@ def test_index_match_tokens_collision_guard():
     idx.insert(keys[1], 2, keys[0], [t + 1 for t in toks[B:]], None)
     assert idx.match_tokens(toks, root).block_ids == [1]
     assert idx.match(keys, toks, root).block_ids == [1]
+
+
+# ---- eviction policies in the pool (cache/eviction.py) ------------------------------------------
+POLICIES = ["lru", "lru-demote", "hit-density", "adaptive"]
+
+
+class LegacyLRUPool(BlockPool):
+    """The pool's eviction before it took a policy (an OrderedDict of unreferenced cached
+    blocks, parked in release order, tail first): the reference the ``lru`` policy must equal."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        super().__init__(num_blocks, block_size)
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def num_allocatable(self) -> int:
+        return len(self._free) + len(self._lru)
+
+    def is_evictable(self, block_id: int) -> bool:
+        return block_id in self._lru
+
+    def num_evictable(self, block_ids) -> int:
+        return sum(1 for b in block_ids if b in self._lru)
+
+    def acquire(self, block_ids, touch: bool = True) -> None:
+        for b in block_ids:
+            if self._ref[b] == 0:
+                del self._lru[b]
+            self._ref[b] += 1
+
+    def allocate(self, n: int):
+        if n > self.num_allocatable:
+            return None
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.popleft()
+            else:
+                b, _ = self._lru.popitem(last=False)
+                self.index.remove_block(b, evicted=True)
+                self.evicted_blocks += 1
+            self._ref[b] = 1
+            out.append(b)
+        return out
+
+    def register(self, block_id, key, parent, token_ids, namespace, parent_block=None):
+        return self.index.insert(key, block_id, parent, token_ids, namespace)
+
+    def release(self, block_ids) -> None:
+        for b in reversed(block_ids):
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                if self.index.key_of(b) is None:
+                    self._free.append(b)
+                else:
+                    self._lru[b] = None
+
+
+def _conversation_prompts(rng: random.Random, n: int) -> list[list[int]]:
+    """Prompts that share prefixes: a few system prompts, conversations growing turn by turn,
+    repeats, lengths on and off block boundaries."""
+    systems = [_tokens(k * B, 50 + k) for k in (1, 2, 3)]
+    convs: list[list[int]] = []
+    out = []
+    for _ in range(n):
+        r = rng.random()
+        if convs and r < 0.5:
+            i = rng.randrange(len(convs))
+            convs[i] = convs[i] + [rng.randrange(1, 1000) for _ in range(rng.randint(1, 2 * B))]
+            out.append(convs[i])
+        elif out and r < 0.6:
+            out.append(rng.choice(out))
+        else:
+            p = rng.choice(systems) + [rng.randrange(1, 1000) for _ in range(rng.randint(1, 3 * B))]
+            convs.append(p)
+            out.append(p)
+    return out
+
+
+def test_lru_policy_evicts_exactly_what_the_ordered_dict_lru_did():
+    """``lru`` through the policy module is the pool's old LRU, block for block: the same
+    workload (admissions with hits, chunked prefill, commits that share a block computed twice,
+    up to four requests in flight) through both gives the same block tables at every step."""
+    from prefixcache.api.request import SamplingParams
+    from prefixcache.cache.manager import kv_cache_manager
+    from prefixcache.sequence import Sequence
+
+    rng = random.Random(3)
+    prompts = _conversation_prompts(rng, 400)
+    managers = [kv_cache_manager(BlockPool(40, B), FP), kv_cache_manager(LegacyLRUPool(40, B), FP)]
+    live: list[list[Sequence]] = [[], []]
+    for i, p in enumerate(prompts):
+        chunk = rng.choice((7, 16, 1000))
+        finish_first = rng.random() < 0.3
+        tables = []
+        for kv, running in zip(managers, live):
+            s = Sequence(f"r{i}", list(p), SamplingParams(max_tokens=1), root=kv.root(None))
+            if finish_first or len(running) >= 4:
+                kv.free(running.pop(0))
+            m = kv.match(s)
+            while not kv.admit(s, m, min(chunk, s.num_tokens - m.num_tokens)):
+                kv.free(running.pop(0))
+            while True:
+                kv.mark_computed(s, min(s.num_tokens, len(s.block_table) * B))
+                kv.commit(s)
+                if s.num_computed_tokens == s.num_tokens:
+                    break
+                while not kv.allocate_slots(s, min(chunk, s.num_tokens - s.num_computed_tokens)):
+                    kv.free(running.pop(0))
+            running.append(s)
+            tables.append([list(q.block_table) for q in running])
+        assert tables[0] == tables[1], f"request {i}"
+    new, old = (kv.pool for kv in managers)
+    assert new.evicted_blocks == old.evicted_blocks > 500
+    assert managers[0].hit_tokens == managers[1].hit_tokens > 0
+    new.check_integrity([s.block_table for s in live[0]])
+
+
+POOL_OPS = st.lists(
+    st.tuples(st.sampled_from(["compute", "compute", "release", "hit", "pin", "expire",
+                               "invalidate", "allocate"]),
+              st.integers(0, 10**6)),
+    min_size=30,
+    max_size=120,
+)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=60, deadline=None)
+@given(ops=POOL_OPS)
+def test_pool_invariants_under_random_operations(policy, ops):
+    """Every policy in the pool, under hypothesis: ``allocate(n)`` succeeds exactly when
+    ``n <= num_allocatable`` and never hands out a block that was in use or pinned; an
+    evicted block never leaves a cached child behind (leaves first); ``check_integrity``
+    (which checks the policy's own state) holds after every operation."""
+    pool = BlockPool(12, B, max_pinned_blocks=4, eviction_policy=policy)
+    rng = random.Random(0)
+    prompts = [_tokens(k * B, 10 + r) for r in range(3) for k in (1, 2, 3)]
+    prompts += [p[: len(p) - B] + _tokens(B, 90 + i) for i, p in enumerate(prompts) if len(p) > B]
+    live: list[list[int]] = []
+    now = 0.0
+    for op, x in ops:
+        now += 1.0
+        ns = (None, "a")[x % 2]
+        p = prompts[x % len(prompts)]
+        root = root_hash(FP, ns, block_size=B)
+        keys = hash_blocks(p, B, root)
+        if op in ("compute", "hit"):
+            m = pool.match(keys, p, root)
+            if op == "hit" or len(m.block_ids) == len(keys):
+                pool.acquire(m.block_ids)
+                live.append(list(m.block_ids))
+            else:
+                pool.acquire(m.block_ids)
+                new = pool.allocate(len(keys) - len(m.block_ids))
+                if new is None:
+                    pool.release(m.block_ids)
+                else:
+                    table = list(m.block_ids)
+                    for i in range(len(m.block_ids), len(keys)):
+                        b = new[i - len(m.block_ids)]
+                        parent = keys[i - 1] if i else root
+                        holder = pool.register(b, keys[i], parent, p[i * B:(i + 1) * B], ns,
+                                               parent_block=table[-1] if table else None)
+                        assert holder == b
+                        table.append(b)
+                    live.append(table)
+        elif op == "release" and live:
+            pool.release(live.pop(x % len(live)))
+        elif op == "pin":
+            m = pool.match(keys, p, root)
+            try:
+                pool.pin(m.block_ids, ttl_seconds=rng.choice((2.0, 20.0, None)), now=now)
+            except ValueError:
+                pass
+        elif op == "expire":
+            pool.expire_pins(now=now if x % 4 else float("inf"))
+        elif op == "invalidate":
+            pool.invalidate(ns, all_namespaces=x % 5 == 0)
+        elif op == "allocate":
+            avail = pool.num_allocatable
+            n = x % (avail + 2)
+            held = {b for t in live for b in t} | set(pool._pinned_until)
+            before = {pool.index.key_of(b) for b in pool.index.all_blocks()}
+            got = pool.allocate(n)
+            assert (got is None) == (n > avail)  # exactly what it said it could give
+            if got is not None:
+                assert not set(got) & held, "evicted a block in use or pinned"
+                evicted = before - {pool.index.key_of(b) for b in pool.index.all_blocks()}
+                parents = {pool.index.entry(k).parent for k in
+                           (pool.index.key_of(b) for b in pool.index.all_blocks())}
+                assert not evicted & parents, "evicted a block before its cached child"
+                pool.release(got)  # unindexed: back to the free list
+        pool.check_integrity(live)
+    for t in live:
+        pool.release(t)
+    pool.expire_pins(now=float("inf"))
+    pool.check_integrity([])
+    assert pool.num_allocatable == pool.num_blocks  # everything comes back
+
+
+def test_check_integrity_covers_the_policy():
+    pool = BlockPool(6, B, eviction_policy="lru-demote")
+    t = _compute(pool, _tokens(2 * B, 1))
+    pool.check_integrity([t])
+    pool.policy.acquire(pool.index.key_of(t[0]))  # a reference the pool does not hold
+    with pytest.raises(AssertionError, match="policy refs"):
+        pool.check_integrity([t])
+    pool = BlockPool(6, B, eviction_policy="hit-density")
+    t = _cache(pool, _tokens(2 * B, 1))
+    pool.policy._num_held += 1  # the held count drifted
+    with pytest.raises(AssertionError, match="held"):
+        pool.check_integrity([])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_pins_and_ttl_under_every_policy(policy):
+    """A pinned prompt survives any amount of churn under every policy, and its blocks are
+    evictable again once the TTL ends."""
+    pool = BlockPool(10, B, max_pinned_blocks=4, eviction_policy=policy)
+    sys_prompt = _tokens(2 * B, 1)
+    pinned = _cache(pool, sys_prompt)
+    pool.pin(pinned, ttl_seconds=60.0, now=1000.0)
+    for i in range(40):
+        t = _compute(pool, _tokens(random.Random(i).randint(1, 8) * B, 100 + i))
+        pool.release(t)
+        assert pool.allocate(9) is None
+        pool.check_integrity([])
+    assert _match(pool, sys_prompt).block_ids == pinned
+    assert pool.expire_pins(now=1060.0) == 2
+    assert pool.num_allocatable == 10
+    assert set(pinned) <= set(pool.allocate(10))
+
+
+def test_a_pinned_block_holds_its_ancestors():
+    """Pinning a block keeps its parent too (the parent is no candidate while it has a cached
+    child), and ``num_allocatable`` says so: it counts what eviction can actually reach."""
+    pool = BlockPool(4, B)
+    t = _cache(pool, _tokens(3 * B, 1))
+    pool.pin(t[2:], ttl_seconds=None, now=0.0)
+    assert pool.num_allocatable == 1  # the free block; the three cached ones are held
+    assert pool.allocate(2) is None
+    pool.expire_pins(now=float("inf"))
+    assert pool.num_allocatable == 4
+
+
+def test_engine_config_takes_the_policy_names():
+    from prefixcache.cache.eviction import POLICY_NAMES
+    from prefixcache.config import EngineConfig
+
+    assert tuple(POLICIES) == POLICY_NAMES
+    for name in POLICY_NAMES:
+        assert EngineConfig(eviction_policy=name).eviction_policy == name
+    with pytest.raises(ValueError, match="eviction_policy"):
+        EngineConfig(eviction_policy="belady")  # offline: the simulator's only

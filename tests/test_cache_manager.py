@@ -16,6 +16,7 @@ import pytest
 
 from prefixcache.api.request import SamplingParams
 from prefixcache.cache.block_pool import BlockPool
+from prefixcache.cache.eviction import EvictionPolicy
 from prefixcache.cache.manager import blocks_needed, kv_cache_manager
 from prefixcache.sequence import Sequence
 
@@ -42,16 +43,27 @@ def _next_token(tokens: list[int]) -> int:
     return 1000 + (sum(tokens[-5:]) * 7 + len(tokens)) % 97
 
 
+def _pool_state(pool: BlockPool) -> tuple:
+    """What a call without effects must leave as it was: counts, evictions, and the eviction
+    policy's clock and per-block state (references, recency, hits)."""
+    pol = pool.policy
+    blocks = sorted((k, m.refs, m.last, m.hits) for k, m in pol._meta.items())
+    return pool.counts(), pool.num_allocatable, pool.evicted_blocks, pol._clock, blocks
+
+
 class Sim:
     """A manager, its pool and the shadow KV; plays the scheduler and the model runner."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, max_pinned: int | None = None):
-        self.pool = BlockPool(num_blocks, B, max_pinned_blocks=max_pinned)
+    def __init__(self, num_blocks: int, enable_caching: bool = True, max_pinned: int | None = None,
+                 eviction_policy: str = "lru"):
+        self.pool = BlockPool(num_blocks, B, max_pinned_blocks=max_pinned,
+                              eviction_policy=eviction_policy)
         self.mgr = kv_cache_manager(self.pool, FP, enable_caching=enable_caching)
         self.shadow: dict[int, list[int | None]] = {}
         self.live: list[Sequence] = []
         self.n = 0
         self.dedups = 0  # blocks swapped for an already cached copy at commit
+        self.integrity = True  # check_integrity in check() (off: the shadow KV alone)
 
     def seq(self, prompt: list[int], ns: str | None = None, max_tokens: int = 16) -> Sequence:
         self.n += 1
@@ -65,7 +77,8 @@ class Sim:
 
     # -- checks ------------------------------------------------------------------------------
     def check(self) -> None:
-        self.pool.check_integrity([s.block_table for s in self.live])
+        if self.integrity:
+            self.pool.check_integrity([s.block_table for s in self.live])
         for s in self.live:
             self.check_kv(s)
         # Every block the index serves holds exactly the tokens it is indexed under.
@@ -101,10 +114,10 @@ class Sim:
             assert self.mgr.lookup(s.prompt_token_ids, s.namespace) == m.num_tokens
         remaining = s.num_tokens - m.num_tokens
         n = remaining if num_new is None else min(num_new, remaining)
-        before = (self.pool.counts(), list(self.pool._lru), self.pool.evicted_blocks)
+        before = _pool_state(self.pool)
         if not self.mgr.admit(s, m, n):
             assert not s.block_table
-            assert (self.pool.counts(), list(self.pool._lru), self.pool.evicted_blocks) == before
+            assert _pool_state(self.pool) == before
             return False
         assert s.block_table[: len(m.block_ids)] == m.block_ids
         assert s.num_computed_tokens == m.num_tokens
@@ -352,9 +365,9 @@ def test_caching_disabled_never_hits_and_registers_nothing():
 
 # ---- explanations ------------------------------------------------------------------------------
 def _explain(sim: Sim, prompt: list[int], ns: str | None = None, others=("a", "b", None)):
-    before = (sim.pool.counts(), list(sim.pool._lru), len(sim.pool.index))
+    before = (_pool_state(sim.pool), len(sim.pool.index))
     e = sim.mgr.explain(prompt, ns, list(others))
-    assert (sim.pool.counts(), list(sim.pool._lru), len(sim.pool.index)) == before  # no effects
+    assert (_pool_state(sim.pool), len(sim.pool.index)) == before  # no effects
     assert e.reason in REASONS
     assert e.cached_tokens == sim.mgr.lookup(prompt, ns)
     return e
@@ -472,11 +485,27 @@ def _prompt_source(rng: random.Random):
 
 
 @pytest.mark.parametrize(
-    "seed, enable_caching", [(1234, True), (7, True), (2024, True), (1234, False)]
+    "seed, enable_caching, policy",
+    [(1234, True, "lru"), (7, True, "lru"), (2024, True, "lru"), (1234, False, "lru"),
+     (1234, True, "lru-demote"), (7, True, "lru-demote"),
+     (1234, True, "hit-density"), (7, True, "hit-density"), (1234, True, "adaptive"),
+     (7, True, "adaptive")],
 )
-def test_randomized_operations_keep_invariants_and_cold_equals_warm(seed, enable_caching):
+def test_randomized_operations_keep_invariants_and_cold_equals_warm(seed, enable_caching, policy):
+    """Every eviction policy: the shadow KV a live sequence reads is always its own tokens (a
+    policy that evicted a referenced block would hand its memory to another sequence, whose
+    writes the check sees; test_a_policy_evicting_a_referenced_block_is_caught)."""
+    _randomized_run(seed, enable_caching, policy)
+
+
+def _randomized_run(seed: int, enable_caching: bool, policy: str | BlockPool,
+                    integrity: bool = True) -> None:
     rng = random.Random(seed)
-    sim = Sim(24, enable_caching=enable_caching, max_pinned=4)
+    sim = Sim(24, enable_caching=enable_caching, max_pinned=4,
+              eviction_policy=policy if isinstance(policy, str) else "lru")
+    if not isinstance(policy, str):
+        sim.pool = sim.mgr.pool = policy
+    sim.integrity = integrity
     pool, mgr = sim.pool, sim.mgr
     make_prompt, history = _prompt_source(rng)
     waiting: list[Sequence] = []
@@ -577,3 +606,28 @@ def test_randomized_operations_keep_invariants_and_cold_equals_warm(seed, enable
         assert stats["invalidated"] > 0, stats
     else:
         assert stats["hits"] == 0 and len(pool.index) == 0
+
+
+class _EvictsInUse(EvictionPolicy):
+    """A broken policy: its victim is the least recently used block *in use* when one is."""
+
+    def evict(self):
+        held = [m for m in self._meta.values() if m.refs and not m.children]
+        if not held:
+            return super().evict()
+        m = min(held, key=lambda m: m.last)
+        m.refs = 0
+        m.held_below = 0
+        self._num_held -= 1
+        self._drop(m.block, m)
+        return m.block
+
+
+def test_a_policy_evicting_a_referenced_block_is_caught():
+    """The randomized run above fails when the pool's policy evicts a block in use: the
+    differential check is what guards every policy."""
+    for integrity in (True, False):  # the pool's own check, and the shadow KV without it
+        pool = BlockPool(24, B, max_pinned_blocks=4)
+        pool.policy = _EvictsInUse(24)
+        with pytest.raises(AssertionError, match="drifted" if integrity else "holds|write into"):
+            _randomized_run(1234, True, pool, integrity=integrity)

@@ -149,14 +149,16 @@ def test_decodes_sharing_a_prefix_attend_it_once_and_equal_cold(llm, llm_f32, mo
     assert segments == []
 
 
-@pytest.fixture(scope="module")
-def tiny_pool_llm():
-    # 24 blocks of 16 tokens: a few prompts of ~100 tokens force eviction.
-    return LLM(kv_cache_memory=24 * B * 46080, seed=0)
+@pytest.fixture(scope="module", params=["lru", "lru-demote", "hit-density", "adaptive"])
+def tiny_pool_llm(request):
+    # 24 blocks of 16 tokens: a few prompts of ~100 tokens force eviction. Every eviction
+    # policy (a policy that evicted a block in use would hand a running request's KV to another).
+    return LLM(kv_cache_memory=24 * B * 46080, seed=0, eviction_policy=request.param)
 
 
 def test_cold_equals_warm_under_eviction(tiny_pool_llm, llm_cold):
     llm = tiny_pool_llm
+    assert llm.engine.pool.eviction_policy in ("lru", "lru-demote", "hit-density", "adaptive")
     tok = llm.get_tokenizer()
     base = tok.encode(TEXT * 3)
     # Eight prompts: a shared 48-token head (stays hot) + distinct 60-token tails. Their full

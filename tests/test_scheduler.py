@@ -228,12 +228,33 @@ def test_lpm_admits_longest_cached_prefix_first(tok, policy):
     assert order[0] is first
 
 
-def _starvation_wait(tok, max_wait_steps: int, steps: int) -> int | None:
-    """Steps a no-hit request waits while hit requests keep arriving (None: never admitted)."""
+@pytest.mark.parametrize("policy", ["fcfs", "sjf"])
+def test_sjf_admits_the_least_uncached_work_first(tok, policy):
+    """sjf orders by the prompt tokens the cache does not hold: a long prompt whose prefix is
+    cached (8 tokens to compute) before a short uncached one (20), before a long uncached one
+    (60), whatever their arrival order; fcfs keeps arrival order."""
+    engine = make_engine(
+        kv_cache_memory=32 * B * BYTES_PER_TOKEN, max_num_seqs=1, scheduling_policy=policy
+    )
+    prefix = _text_ids(tok, TEXT, 4 * B)
+    _warm(engine, prefix)
+    long = engine.add_request("long", _text_ids(tok, OTHER, 60), GREEDY4)
+    short = engine.add_request("short", _text_ids(tok, OTHER[40:], 20), GREEDY4)
+    cached = engine.add_request("cached", prefix + _text_ids(tok, OTHER[80:], 8), GREEDY4)
+    _run_to_end(engine)
+    _assert_no_leak(engine)
+    assert cached.num_cached_tokens == 4 * B
+    order = sorted([long, short, cached], key=lambda s: s.metrics.first_scheduled_time)
+    assert order == ([cached, short, long] if policy == "sjf" else [long, short, cached])
+
+
+def _starvation_wait(tok, max_wait_steps: int, steps: int, policy: str = "lpm") -> int | None:
+    """Steps a no-hit request waits while hit requests keep arriving (None: never admitted).
+    Under sjf too: the hits are less work than the miss (a few uncached tokens against 20)."""
     engine = make_engine(
         kv_cache_memory=32 * B * BYTES_PER_TOKEN,
         max_num_seqs=1,
-        scheduling_policy="lpm",
+        scheduling_policy=policy,
         lpm_max_wait_steps=max_wait_steps,
     )
     prefix = _text_ids(tok, TEXT, 4 * B)
@@ -257,13 +278,14 @@ def _starvation_wait(tok, max_wait_steps: int, steps: int) -> int | None:
     return None
 
 
-def test_lpm_starvation_guard_bounds_the_wait_of_a_miss(tok):
+@pytest.mark.parametrize("policy", ["lpm", "sjf"])
+def test_lpm_starvation_guard_bounds_the_wait_of_a_miss(tok, policy):
     # A hit request runs for 4 steps (prefill, 3 decodes); with max_num_seqs=1 the miss gets
     # in when the guard fires and the request running then finishes.
-    wait = _starvation_wait(tok, max_wait_steps=3, steps=16)
+    wait = _starvation_wait(tok, max_wait_steps=3, steps=16, policy=policy)
     assert wait is not None and wait <= 3 + 1 + 4, wait
     # Control: without a guard in reach, the same stream of hits keeps the miss waiting.
-    assert _starvation_wait(tok, max_wait_steps=1000, steps=16) is None
+    assert _starvation_wait(tok, max_wait_steps=1000, steps=16, policy=policy) is None
 
 
 def test_priority_lower_value_goes_first_under_fcfs(tok):

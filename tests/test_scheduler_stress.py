@@ -222,7 +222,7 @@ def _stress(engine: LLMEngine, llm_cold, cold_refs, n: int, seed: int, abort_fra
     return seqs
 
 
-def _stress_engine(policy: str, num_blocks: int) -> LLMEngine:
+def _stress_engine(policy: str, num_blocks: int, eviction: str = "lru") -> LLMEngine:
     # A request holds up to 6 blocks of 16 tokens: 8 running requests cannot all fit, so they
     # preempt each other; the prefix tree holds far more blocks than the pool, so blocks are
     # evicted. A quarter of the pool is the pin budget (unused here).
@@ -231,14 +231,20 @@ def _stress_engine(policy: str, num_blocks: int) -> LLMEngine:
         max_num_seqs=8,
         max_num_batched_tokens=64,
         scheduling_policy=policy,
+        eviction_policy=eviction,
         lpm_max_wait_steps=8,
         seed=0,
     )
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
-def test_stress_small(policy, llm_cold, cold_refs):
-    engine = _stress_engine(policy, num_blocks=12)
+@pytest.mark.parametrize("policy, eviction", [("fcfs", "lru"), ("lpm", "lru"),
+                                              ("fcfs", "lru-demote"), ("lpm", "hit-density"),
+                                              ("fcfs", "adaptive")])
+def test_stress_small(policy, eviction, llm_cold, cold_refs):
+    """Every eviction policy too: cold == warm under preemption and eviction, nothing leaks,
+    ``check_integrity`` (the policy's state included) holds at the end."""
+    engine = _stress_engine(policy, num_blocks=12, eviction=eviction)
+    assert engine.pool.eviction_policy == eviction
     _stress(engine, llm_cold, cold_refs, n=24, seed=8, abort_fraction=0.15)
 
 

@@ -48,11 +48,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="RAM cache sizes as fractions of the working set (distinct hash ids), "
                         "comma-separated")
     t.add_argument("--eviction-policy", default="all",
-                   help="all, or comma-separated of lru, lru-demote, hit-density, belady")
+                   help="all, or comma-separated of lru, lru-demote, hit-density, adaptive, belady")
     t.add_argument("--start-ms", type=float, default=None,
                    help="simulate only requests at or after this trace timestamp (ms)")
     t.add_argument("--end-ms", type=float, default=None,
                    help="simulate only requests before this trace timestamp (ms)")
+    t.add_argument("--max-requests", type=int, default=0,
+                   help="simulate at most this many requests of the window (0: all)")
+    t.add_argument("--engine-model", action="store_true",
+                   help="also replay the trace through the engine's own cache core (partial "
+                        "tails never shared, hits at most len - 1 tokens, a request's blocks "
+                        "held while it runs): what a live `bench serve --dataset-name "
+                        "mooncake-trace --max-concurrency 1` with one output token measures")
+    t.add_argument("--block-tokens", type=int, default=16,
+                   help="--engine-model: tokens (and engine block size) per 512-token hash block, "
+                        "as bench serve's --block-tokens")
+    t.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="--engine-model: the server's prefill chunk")
     t.add_argument("--disk-multiple", type=float, default=0.0,
                    help="also simulate a disk tier of N x the RAM capacity behind it")
     t.add_argument("--restore-cost", type=float, default=None,
@@ -147,12 +159,20 @@ def run_trace(args: argparse.Namespace) -> int:
         return fail("--cache-fraction takes fractions in (0, 1]")
     if args.disk_multiple < 0:
         return fail("--disk-multiple must be >= 0")
+    if args.max_requests < 0 or args.block_tokens < 1 or args.max_num_batched_tokens < 1:
+        return fail("--max-requests must be >= 0, --block-tokens and --max-num-batched-tokens "
+                    ">= 1")
+    engine = None
+    if args.engine_model:
+        engine = {"block_tokens": args.block_tokens,
+                  "max_num_batched_tokens": args.max_num_batched_tokens}
     restore = DEFAULT_RESTORE_COST if args.restore_cost is None else args.restore_cost
     if not 0 <= restore <= 1:
         return fail("--restore-cost must be in [0, 1]")
     try:
         summary = trace_summary(args.log, fractions, policies, args.disk_multiple, restore,
-                                start_ms=args.start_ms, end_ms=args.end_ms)
+                                start_ms=args.start_ms, end_ms=args.end_ms,
+                                max_requests=args.max_requests or None, engine=engine)
     except TraceFormatError as e:
         return fail(str(e))
     if summary["working_set_blocks"] == 0:

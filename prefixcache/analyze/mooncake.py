@@ -17,6 +17,7 @@ replay, not a log to salvage, so nothing is skipped silently.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,13 @@ class TraceRequest:
     def hit_tokens(self, k: int) -> int:
         """Input tokens covered by the first ``k`` blocks."""
         return min(k * TRACE_BLOCK_TOKENS, self.input_length)
+
+    def scaled_block_lengths(self, block_tokens: int) -> list[int]:
+        """Tokens of each block when a 512-token block becomes ``block_tokens`` (a replay's
+        scale): a full block exactly ``block_tokens``, a partial one its share rounded up (at
+        least one token)."""
+        scale = block_tokens / TRACE_BLOCK_TOKENS
+        return [max(1, math.ceil(self.block_tokens(j) * scale)) for j in range(len(self.hash_ids))]
 
 
 def _int(obj: dict, key: str, where: str) -> int:

@@ -6,8 +6,11 @@ The summary (``--json`` prints it) is::
      "sizes": {"5%": {"blocks": n, "lru": x, "belady": x, "<policy>": x, ...}, ...}}
 
 (exactly these keys) and, with a disk tier (``--disk-multiple N``), ``"disk"``: per size and policy the RAM and
-RAM + disk hit rates and the share of the infinite ideal they reach. ``--report DIR`` writes
-summary.json, report.md (the table) and hit_rate_vs_size.png.
+RAM + disk hit rates and the share of the infinite ideal they reach. With ``--engine-model``,
+``"engine"``: ``{"block_tokens": b, "max_num_batched_tokens": n, "sizes": {"5%": {"blocks": n,
+"<policy>": x, ...}}}``, the same sizes (in blocks of ``b`` tokens) replayed through the engine's
+own cache core (``engine_sim.py``; None where the longest prompt does not fit the pool).
+``--report DIR`` writes summary.json, report.md (the table) and hit_rate_vs_size.png.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from prefixcache.analyze.engine_sim import simulate_engine, trace_prompts
 from prefixcache.analyze.mooncake import infinite_hit_rate, read_trace, working_set_blocks
 from prefixcache.analyze.trace_sim import capacity_for, next_uses, simulate_trace, size_label
 
@@ -26,11 +30,13 @@ DEFAULT_RESTORE_COST = 229 / 4886
 def trace_summary(path: str, fractions: list[float], policies: list[str],
                   disk_multiple: float = 0.0,
                   restore_cost: float = DEFAULT_RESTORE_COST, start_ms: float | None = None,
-                  end_ms: float | None = None) -> dict:
-    """The summary of the trace's requests in [start_ms, end_ms), simulated alone (the cache
-    starts empty at the window's first request; sizes are fractions of the window's own working
-    set)."""
-    requests = read_trace(path, start_ms=start_ms, end_ms=end_ms)
+                  end_ms: float | None = None, max_requests: int | None = None,
+                  engine: dict | None = None) -> dict:
+    """The summary of the trace's requests in [start_ms, end_ms) (at most ``max_requests``),
+    simulated alone (the cache starts empty at the window's first request; sizes are fractions
+    of the window's own working set). ``engine``: also through the engine's cache core, with
+    these ``simulate_engine`` options (block_tokens, max_num_batched_tokens)."""
+    requests = read_trace(path, max_requests, start_ms=start_ms, end_ms=end_ms)
     ws = working_set_blocks(requests)
     summary: dict = {"infinite": round(infinite_hit_rate(requests), 4),
                      "working_set_blocks": ws, "sizes": {}}
@@ -59,7 +65,28 @@ def trace_summary(path: str, fractions: list[float], policies: list[str],
     if disk:
         summary["disk"] = {"multiple": disk_multiple, "restore_cost": round(restore_cost, 4),
                            "sizes": disk}
+    if engine is not None:
+        summary["engine"] = engine_summary(requests, fractions, policies, ws, **engine)
     return summary
+
+
+def engine_summary(requests, fractions: list[float], policies: list[str], ws: int,
+                   block_tokens: int = 16, max_num_batched_tokens: int = 2048) -> dict:
+    """Hit rates of the online policies through the engine's cache core, per size."""
+    prompts = trace_prompts(requests, block_tokens)
+    longest = max((-(-len(p) // block_tokens) for p in prompts), default=0)
+    sizes: dict = {}
+    for f in fractions:
+        cap = capacity_for(f, ws)
+        row: dict = {"blocks": cap}
+        for p in policies:
+            if p == "belady":
+                continue
+            row[p] = None if cap < longest else round(simulate_engine(
+                requests, p, cap, block_tokens, max_num_batched_tokens, prompts).hit_rate, 4)
+        sizes[size_label(f)] = row
+    return {"block_tokens": block_tokens, "max_num_batched_tokens": max_num_batched_tokens,
+            "sizes": sizes}
 
 
 def text_table(summary: dict, markdown: bool = False, name: str = "") -> str:
@@ -76,6 +103,15 @@ def text_table(summary: dict, markdown: bool = False, name: str = "") -> str:
         for row, (label, dr) in zip(rows, d["sizes"].items()):
             row += [f"{dr[p]['ram_disk']:.3f} ({dr[p]['of_infinite']:.0%})" for p in policies]
     lines += _table(head, rows, markdown)
+    if "engine" in summary:
+        e = summary["engine"]
+        lines += ["", (f"through the engine's cache core (blocks of {e['block_tokens']} tokens, "
+                       "one request at a time, one output token; '-': the longest prompt does "
+                       "not fit):")]
+        eps = [k for k in next(iter(e["sizes"].values()), {}) if k != "blocks"]
+        erows = [[label, str(r["blocks"]), *("-" if r[p] is None else f"{r[p]:.3f}" for p in eps)]
+                 for label, r in e["sizes"].items()]
+        lines += _table(["size", "blocks", *eps], erows, markdown)
     if "disk" in summary:
         d = summary["disk"]
         lines.append("")

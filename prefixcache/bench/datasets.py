@@ -370,12 +370,11 @@ def _mooncake_trace(tok, n, rng, *, dataset_path, block_tokens, time_scale, max_
         ids: list[int] = []
         ideal = 0
         leading = True
-        for j, h in enumerate(r.hash_ids):
+        for h, m in zip(r.hash_ids, r.scaled_block_lengths(block_tokens)):
             toks = blocks.get(h)
             if toks is None:
                 toks = blocks[h] = np.random.default_rng([h, 0x6D6F6F6E]).choice(
                     word_ids, size=block_tokens).tolist()
-            m = max(1, math.ceil(r.block_tokens(j) * scale))
             ids.extend(toks[:m])
             if leading and h in seen:
                 ideal += m

@@ -1,14 +1,23 @@
-"""Block pool: ref counts, the free list, and LRU eviction of cached blocks (docs/design.md §4).
+"""Block pool: ref counts, the free list, pins, and eviction of cached blocks through an
+eviction policy (docs/design.md §4).
 
-    free ──allocate──▶ in use (ref ≥ 1) ──last ref released──▶ cached (ref 0, LRU) ──evict──▶ free
+    free ──allocate──▶ in use (ref ≥ 1) ──last ref released──▶ cached (ref 0) ──evict──▶ free
                               ▲                                   │
-                              └──── cache hit (acquire): ref 0 → 1, leaves the LRU ──┘
+                              └──── cache hit (acquire): ref 0 → 1 ─┘
 
-Every block is in exactly one of: ``_free`` (ref 0, no key), ``_lru`` (ref 0, key, evictable),
-``_pinned_idle`` (ref 0, key, pinned until a deadline), or in use (ref ≥ 1). Allocation takes
-free blocks first and evicts from the front of the LRU only when none are left. Releasing a
-block table walks it backwards, so among blocks freed together the tail of a sequence is evicted
-before its head (its head is the part other requests are most likely to share).
+Every block is either free (``_free``: ref 0, no key), cached (ref 0, a key in the index), or
+in use (ref ≥ 1, with or without a key). Every block with a key, in use or not, is known to the
+eviction policy (``cache/eviction.py``, the same classes the trace simulator runs) under its
+*key*, as a child of the block before it in its prompt; a pin counts there as one more
+reference. The policy picks the victims: never a block in use or pinned, never a block with a
+cached child (leaves go first), the deeper block on ties. Allocation takes free blocks first and
+asks the policy for a victim only when none are left.
+
+Time for the policy: one tick per admitted request (``tick``, from the cache manager: hit
+density's ages count requests, as in the trace simulator), and a block's recency is its last
+use, its release included; blocks released together are one use, and among them the deeper
+goes first (a sequence's tail before its head). With ``lru`` that is exactly the order of the
+OrderedDict LRU the pool had before (oldest release first, tail before head).
 
 Pure Python, no tensors: block ids index the KV tensors owned by ``kv/pool.py``.
 """
@@ -16,10 +25,11 @@ Pure Python, no tensors: block ids index the KV tensors owned by ``kv/pool.py``.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from prefixcache.cache.eviction import EvictionPolicy, make_policy
 from prefixcache.cache.hashing import BlockHash
 from prefixcache.cache.prefix_index import PrefixIndex, PrefixMatch
 
@@ -34,42 +44,51 @@ class PoolCounts:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, max_pinned_blocks: int | None = None):
+    def __init__(self, num_blocks: int, block_size: int, max_pinned_blocks: int | None = None,
+                 eviction_policy: str = "lru"):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_pinned_blocks = num_blocks if max_pinned_blocks is None else max_pinned_blocks
         self.index = PrefixIndex(block_size)
+        # The keys of every indexed block (in use or cached), as a forest; a pin is a reference.
+        self.policy: EvictionPolicy = make_policy(eviction_policy, num_blocks)
+        self.eviction_policy = eviction_policy
         self._ref = [0] * num_blocks
+        self._num_in_use = 0
         self._free: deque[int] = deque(range(num_blocks))
-        self._lru: OrderedDict[int, None] = OrderedDict()  # front = evicted first
         self._pinned_until: dict[int, float] = {}  # block id -> deadline (time.monotonic)
         self._pin_owners: dict[int, dict[str | None, float]] = {}  # block -> owner -> deadline
         self._owner_pins: dict[str | None, int] = {}  # owner -> blocks it holds a pin on
         self._pin_quotas: dict[str | None, int] = {}  # owner -> its quota (set_pin_quotas)
-        self._pinned_idle: set[int] = set()
         self.evicted_blocks = 0
 
     # ---- queries ----------------------------------------------------------------------------
     def counts(self) -> PoolCounts:
-        cached = len(self._lru) + len(self._pinned_idle)
         free = len(self._free)
-        return PoolCounts(
-            free, cached, self.num_blocks - free - cached, len(self._pinned_until), self.num_blocks
-        )
+        cached = self.num_blocks - free - self._num_in_use
+        return PoolCounts(free, cached, self._num_in_use, len(self._pinned_until), self.num_blocks)
 
     @property
     def num_allocatable(self) -> int:
-        """Blocks an allocation can take now: free ones plus evictable cached ones."""
-        return len(self._free) + len(self._lru)
+        """Blocks an allocation can take now: free ones plus the cached ones the policy can
+        evict before it runs out (unreferenced, unpinned, with no such block below them)."""
+        return len(self._free) + self.policy.num_reclaimable
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
 
     def is_evictable(self, block_id: int) -> bool:
-        """Cached, unreferenced and unpinned: counted in ``num_allocatable``."""
-        return block_id in self._lru
+        """Cached and reclaimable by eviction: counted in ``num_allocatable``."""
+        key = self.index.key_of(block_id)
+        return key is not None and self.policy.is_reclaimable(key)
+
+    def num_evictable(self, block_ids: Iterable[int]) -> int:
+        """How many of ``block_ids`` are ``is_evictable`` (an admission's hits that it takes out
+        of ``num_allocatable``)."""
+        reclaimable = self.policy.is_reclaimable
+        return sum(1 for k in self.index.keys_of(block_ids) if k is not None and reclaimable(k))
 
     def match(self, keys: Sequence[BlockHash], token_ids: Sequence[int], root: BlockHash) -> PrefixMatch:
         """Cached leading blocks of a prompt. Does not modify the pool; acquire before allocating."""
@@ -83,17 +102,24 @@ class BlockPool:
         return self.index.match_tokens(token_ids, root, num_tokens)
 
     # ---- lifecycle --------------------------------------------------------------------------
-    def acquire(self, block_ids: Iterable[int]) -> None:
-        """Take a reference on cached or in-use blocks (a cache hit)."""
-        for b in block_ids:
-            if self._ref[b] == 0:
-                if b in self._lru:
-                    del self._lru[b]
-                elif b in self._pinned_idle:
-                    self._pinned_idle.remove(b)
-                else:
+    def tick(self) -> None:
+        """A request begins to use the cache (the manager's admission): one tick of the
+        eviction policy's clock."""
+        self.policy.tick()
+
+    def acquire(self, block_ids: Iterable[int], touch: bool = True) -> None:
+        """Take a reference on cached or in-use blocks. ``touch``: a use of their content (a
+        cache hit), else only a hold (a connector keeping a prefix while it extends it)."""
+        ids = list(block_ids)
+        keys = self.index.keys_of(ids)
+        ref = self._ref
+        for b, key in zip(ids, keys):
+            if ref[b] == 0:
+                if key is None:
                     raise AssertionError(f"acquire of block {b} that is free (not cached)")
-            self._ref[b] += 1
+                self._num_in_use += 1
+            ref[b] += 1
+        self.policy.acquire_all([k for k in keys if k is not None], touch)
 
     def allocate(self, n: int) -> list[int] | None:
         """``n`` fresh blocks with ref 1, or None (and no change) if fewer can be had."""
@@ -104,11 +130,13 @@ class BlockPool:
             if self._free:
                 b = self._free.popleft()
             else:
-                b, _ = self._lru.popitem(last=False)
+                key = self.policy.evict()
+                b = self.index.entry(key).block_id
                 self.index.remove_block(b, evicted=True)
                 self.evicted_blocks += 1
             self._ref[b] = 1
             out.append(b)
+        self._num_in_use += n
         return out
 
     def register(
@@ -118,27 +146,43 @@ class BlockPool:
         parent: BlockHash,
         token_ids: Sequence[int],
         namespace: str | None,
+        parent_block: int | None = None,
     ) -> int | None:
         """Make a full, computed, in-use block findable by its key. Returns the block holding it
-        (None: the key collides with other content, see ``PrefixIndex.insert``)."""
+        (None: the key collides with other content, see ``PrefixIndex.insert``).
+
+        For the eviction policy the block is a child of the cached block whose key is
+        ``parent``, or, where ``parent`` names no block (the join after a shared prefix), of
+        ``parent_block`` (the block before it in the caller's table) if that one is indexed."""
         assert self._ref[block_id] >= 1, "only in-use blocks are registered"
-        return self.index.insert(key, block_id, parent, token_ids, namespace)
+        holder = self.index.insert(key, block_id, parent, token_ids, namespace)
+        if holder == block_id:
+            policy = self.policy
+            if parent in policy:
+                pkey: BlockHash | None = parent
+            else:
+                pkey = None if parent_block is None else self.index.key_of(parent_block)
+            policy.insert(key, pkey, held=True)
+            for _ in range(self._ref[block_id] - 1):
+                policy.acquire(key)
+        return holder
 
-    def release(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference on each block; walks backwards so the tail is evicted first."""
-        for b in reversed(block_ids):
-            assert self._ref[b] > 0, f"release of block {b} with ref 0"
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                self._park(b)
-
-    def _park(self, b: int) -> None:
-        if self.index.key_of(b) is None:
-            self._free.append(b)
-        elif b in self._pinned_until:
-            self._pinned_idle.add(b)
-        else:
-            self._lru[b] = None
+    def release(self, block_ids: Sequence[int], tail: bool = True) -> None:
+        """Drop one reference on each block: one use (released together, the deeper block goes
+        first, so a sequence's tail is evicted before its head). ``tail``: ``block_ids`` is a
+        request's block table, its last cached block ends its path (the policies rank such
+        prompt ends apart); False for a hold (``acquire(touch=False)``)."""
+        ids = block_ids[::-1]
+        keys = self.index.keys_of(ids)
+        ref, free = self._ref, self._free
+        for b, key in zip(ids, keys):
+            assert ref[b] > 0, f"release of block {b} with ref 0"
+            ref[b] -= 1
+            if ref[b] == 0:
+                self._num_in_use -= 1
+                if key is None:
+                    free.append(b)
+        self.policy.release_all([k for k in keys if k is not None], tail)
 
     # ---- pins, invalidation -----------------------------------------------------------------
     # A block is pinned while any owner's pin on it lasts. Each owner (a tenant; None for the
@@ -205,10 +249,9 @@ class BlockPool:
             if owner not in owners:
                 self._owner_pins[owner] = self._owner_pins.get(owner, 0) + 1
             owners[owner] = max(deadline, owners.get(owner, 0.0))
+            if b not in self._pinned_until:  # a pin holds the block: one reference more
+                self.policy.acquire(self.index.key_of(b))
             self._pinned_until[b] = max(owners.values())
-            if b in self._lru:
-                del self._lru[b]
-                self._pinned_idle.add(b)
         return len(new)
 
     def pinned_by(self, owner: str | None) -> int:
@@ -220,17 +263,21 @@ class BlockPool:
         (idle ones at the most recent end). Returns the number of blocks unpinned."""
         now = time.monotonic() if now is None else now
         ended = [(b, o) for b, owners in self._pin_owners.items() for o, t in owners.items() if t <= now]
+        if not ended:
+            return 0
         for b, o in ended:
             self._drop_owner_pin(b, o)
-        unpinned = 0
+        unpinned = []
         for b in dict.fromkeys(b for b, _ in ended):
             owners = self._pin_owners.get(b)
             if owners:
                 self._pinned_until[b] = max(owners.values())
             else:
-                self._unpin(b)
-                unpinned += 1
-        return unpinned
+                self._unpin(b, release=False)
+                unpinned.append(self.index.key_of(b))
+        # One use for all of them: the blocks unpinned now rank as used now, deeper ones first.
+        self.policy.release_all(unpinned)
+        return len(unpinned)
 
     def _drop_owner_pin(self, b: int, owner: str | None) -> None:
         owners = self._pin_owners[b]
@@ -243,13 +290,12 @@ class BlockPool:
         if not owners:
             del self._pin_owners[b]
 
-    def _unpin(self, b: int) -> None:
+    def _unpin(self, b: int, release: bool = True) -> None:
         for o in list(self._pin_owners.get(b, ())):
             self._drop_owner_pin(b, o)
         del self._pinned_until[b]
-        if b in self._pinned_idle:
-            self._pinned_idle.remove(b)
-            self._lru[b] = None
+        if release:  # the pin's reference in the policy (else the caller releases it)
+            self.policy.release(self.index.key_of(b))
 
     def invalidate(self, namespace: str | None, all_namespaces: bool = False) -> int:
         """Drop cached content of a namespace (or all). In-use blocks lose their key now and
@@ -258,27 +304,37 @@ class BlockPool:
         for b in blocks:
             if b in self._pinned_until:
                 self._unpin(b)
-            self.index.remove_block(b, evicted=False)
+            self.policy.forget(self.index.remove_block(b, evicted=False))
             if self._ref[b] == 0:
-                del self._lru[b]
                 self._free.append(b)
         return len(blocks)
 
     # ---- invariants -------------------------------------------------------------------------
     def check_integrity(self, live_block_tables: Iterable[Sequence[int]] | None = None) -> None:
-        """free + cached + in use == total; sets disjoint; ref counts match live block tables."""
-        free, lru, idle = set(self._free), set(self._lru), self._pinned_idle
+        """free + cached + in use == total; the free list holds unindexed unreferenced blocks;
+        the eviction policy knows exactly the indexed blocks, each with its references plus
+        one for a pin, and its own state is consistent (``EvictionPolicy.check_integrity``);
+        ref counts match live block tables."""
+        free = set(self._free)
         assert len(free) == len(self._free), "duplicate in free list"
-        assert not (free & lru) and not (free & idle) and not (lru & idle), "block in two lists"
         in_use = {b for b in range(self.num_blocks) if self._ref[b] > 0}
-        assert not (in_use & (free | lru | idle)), "referenced block is parked"
-        assert len(free) + len(lru) + len(idle) + len(in_use) == self.num_blocks, "blocks lost"
+        assert len(in_use) == self._num_in_use, "in-use count drifted"
+        assert not (in_use & free), "referenced block is free"
+        indexed = set(self.index.all_blocks())
+        assert not (free & indexed), "free block still indexed"
+        assert len(free) + len(in_use) + len(indexed - in_use) == self.num_blocks, "blocks lost"
         for b in free:
             assert self.index.key_of(b) is None, f"free block {b} still indexed"
-        for b in lru | idle:
-            assert self.index.key_of(b) is not None, f"cached block {b} has no key"
-        for b in idle:
-            assert b in self._pinned_until, f"pinned-idle block {b} is not pinned"
+        policy = self.policy
+        assert len(policy) == len(indexed), "policy and index hold different blocks"
+        for b in indexed:
+            key = self.index.key_of(b)
+            assert key in policy, f"cached block {b} unknown to the eviction policy"
+            want = self._ref[b] + (b in self._pinned_until)
+            assert policy.refs(key) == want, f"block {b}: policy refs {policy.refs(key)} != {want}"
+        for b in self._pinned_until:
+            assert b in indexed, f"pinned block {b} is not cached"
+        policy.check_integrity()
         assert len(self._pinned_until) <= self.max_pinned_blocks, "pin budget exceeded"
         assert set(self._pin_owners) == set(self._pinned_until), "pinned block without owner"
         for b, owners in self._pin_owners.items():

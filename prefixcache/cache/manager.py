@@ -218,7 +218,7 @@ class KVCacheManager:
         """Allocatable blocks an admission with this match would consume (hits on evictable
         blocks take them out of the LRU, so they count too; pinned ones are not allocatable)."""
         fresh = blocks_needed(m.num_tokens + num_new_tokens, self.block_size) - len(m.block_ids)
-        idle_hits = sum(1 for b in m.block_ids if self.pool.is_evictable(b))
+        idle_hits = self.pool.num_evictable(m.block_ids)
         return fresh + idle_hits
 
     def admit(self, seq: Sequence, m: PrefixMatch, num_new_tokens: int) -> bool:
@@ -226,6 +226,7 @@ class KVCacheManager:
         assert not seq.block_table, "admit of a sequence that holds blocks"
         if self.num_new_blocks_for_admission(seq, m, num_new_tokens) > self.pool.num_allocatable:
             return False
+        self.pool.tick()  # a request's use of the cache begins (the eviction policy's clock)
         self.pool.acquire(m.block_ids)
         seq.block_table = list(m.block_ids)
         seq.num_registered_blocks = len(m.block_ids)
@@ -267,7 +268,7 @@ class KVCacheManager:
             mine = seq.block_table[i]
             holder = self.pool.register(
                 mine, seq.block_keys[i], self.parent_of(seq, i), tokens[i * b : (i + 1) * b],
-                seq.namespace_of_block(i),
+                seq.namespace_of_block(i), parent_block=seq.block_table[i - 1] if i else None,
             )
             if holder is None:  # a key collision: ours stays private, and so does the rest
                 seq.max_registered_blocks = n_full = i  # (their keys chain from this one)

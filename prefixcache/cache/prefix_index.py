@@ -12,7 +12,7 @@ Contracts:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from prefixcache.cache.hashing import (
@@ -89,6 +89,11 @@ class PrefixIndex:
 
     def key_of(self, block_id: int) -> BlockHash | None:
         return self._key_of_block.get(block_id)
+
+    def keys_of(self, block_ids: Iterable[int]) -> list[BlockHash | None]:
+        """``key_of`` of each block, in order."""
+        get = self._key_of_block.get
+        return [get(b) for b in block_ids]
 
     def entry(self, key: BlockHash) -> IndexEntry | None:
         return self._entries.get(key)

@@ -160,26 +160,28 @@ class TierConnector(KVConnector):
         todo = job.found[have - first :]
         if not todo:
             return
-        pool.acquire(m.block_ids)  # our allocation must not evict the prefix we extend
+        pool.acquire(m.block_ids, touch=False)  # our allocation must not evict the prefix
         try:
             ids = pool.allocate(min(len(todo), pool.num_allocatable)) or []
             tokens = seq.all_token_ids
             got: Counter = Counter()
+            prev = m.block_ids[-1] if m.block_ids else None  # the block each one extends
             for i, (bid, (ref, payload, where)) in enumerate(zip(ids, todo), start=have):
                 self.cache.write_block(bid, payload)
                 namespace = seq.namespace_of_block(i)
                 holder = pool.register(
                     bid, ref.key, ref.key_input[:KEY_BYTES], tokens[i * b : (i + 1) * b],
-                    namespace,
+                    namespace, parent_block=prev,
                 )  # fmt: skip
                 if holder is None:
                     break  # a key collision: nothing chained on it is installed
+                prev = holder
                 self._remember(ref.key, namespace)
                 if holder == bid:  # else RAM had this one already; ours goes back free
                     got[where] += b
-            pool.release(ids)
+            pool.release(ids, tail=False)
         finally:
-            pool.release(m.block_ids)
+            pool.release(m.block_ids, tail=False)
         for where, n in got.items():  # a chain crossing a shared prefix comes in two jobs
             seq.tier_tokens[where] = seq.tier_tokens.get(where, 0) + n
         self._by_tenant.setdefault(seq.tenant, Counter()).update(got)

@@ -108,6 +108,7 @@ class LLMEngine:
             layout.num_blocks,
             config.block_size,
             max_pinned_blocks=int(layout.num_blocks * config.pin_budget_fraction),
+            eviction_policy=config.eviction_policy,
         )
         self.kv = kv_cache_manager(pool, self.fingerprint, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)

@@ -253,11 +253,16 @@ class Scheduler:
         cfg = self.config
         if cfg.scheduling_policy == "fcfs" or len(self.waiting) > cfg.lpm_max_queue:
             return by_arrival
-        # lpm: longest cached prefix first; starvation guard: requests that waited too long
-        # go first, in arrival order.
+        # lpm: longest cached prefix first; sjf: least prefill work first (the prompt tokens the
+        # cache does not hold: length-aware and cache-aware at once). Starvation guard:
+        # requests that waited too long go first, in arrival order.
         starved = [s for s in by_arrival if self.step_index - s.arrival_step > cfg.lpm_max_wait_steps]
         rest = [s for s in by_arrival if s not in starved]
-        rest.sort(key=lambda s: (s.priority, -self.kv.match(s).num_tokens, s.metrics.arrival_time))
+        if cfg.scheduling_policy == "lpm":
+            rest.sort(key=lambda s: (s.priority, -self.kv.match(s).num_tokens, s.metrics.arrival_time))
+        else:
+            rest.sort(key=lambda s: (s.priority, s.num_tokens - self.kv.match(s).num_tokens,
+                                     s.metrics.arrival_time))
         return starved + rest
 
     def _schedule_waiting(

@@ -7,7 +7,7 @@ import logging
 import sys
 from dataclasses import fields
 
-from prefixcache.config import parse_bytes
+from prefixcache.config import EVICTION_POLICIES, SCHEDULING_POLICIES, parse_bytes
 from prefixcache.server.limits import ServerLimits
 
 DEFAULT_HOST = "127.0.0.1"
@@ -96,7 +96,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="a tenant counts as active this long after its last request",
     )
-    m.add_argument("--scheduling-policy", choices=("fcfs", "lpm"), default="fcfs")
+    m.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="fcfs; lpm: longest cached prefix first; sjf: fewest uncached prompt "
+                   "tokens first (both with a starvation guard)")
+    m.add_argument(
+        "--eviction-policy",
+        choices=EVICTION_POLICIES,
+        default="lru",
+        help="which cached KV block goes when the pool is full (docs/engine.md \"Eviction\")",
+    )
     m.add_argument(
         "--max-waiting-requests",
         type=int,
@@ -431,6 +439,7 @@ def _engine_config(args: argparse.Namespace):
         shared_step_ms=args.shared_step_ms,
         shared_window_s=args.shared_window,
         scheduling_policy=args.scheduling_policy,
+        eviction_policy=args.eviction_policy,
         dtype=args.dtype,
         quantization=args.quantization,
         activations=args.activations,
