@@ -105,9 +105,10 @@ class EngineConfig:
     # carries only the tokens that fit in about busy_step_ms at the pace of recent steps (at
     # least BUSY_STEP_FLOOR tokens): the burst's prompts then get their first tokens one after
     # another instead of all when the whole burst is done, and decodes are not held behind a
-    # full chunk. A sequence alone gets full steps; 0 turns the bound off. Measured on Zen 4
-    # (docs/benchmarks.md): median TTFT at concurrency 8 halves at equal throughput.
-    busy_step_ms: float = 100.0
+    # full chunk. A sequence alone gets full steps; 0 turns the bound off. The pace is that of
+    # prefill-dominated steps only (scheduler.prefill_pace). Measured on Zen 4
+    # (docs/benchmarks.md): 200 ms beat 100 on throughput and TTFT at concurrency 8.
+    busy_step_ms: float = 200.0
     scheduling_policy: str = "fcfs"
     # Which cached block the pool evicts (docs/design.md §4 "Eviction policy"): lru (least
     # recently released first), lru-demote or hit-density; the trace simulator runs the same code.

@@ -32,6 +32,7 @@ from prefixcache.engine.fairness import (
     token_caps,
 )
 from prefixcache.engine.llm_engine import LLMEngine
+from prefixcache.engine.scheduler import Scheduler
 from prefixcache.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -217,6 +218,20 @@ def test_busy_budget():
     assert busy_budget(100, 2, pace, 1.0) == 100  # never above the configured max
 
 
+def test_busy_steps_are_paced_by_prefill_steps_only():
+    """A decode row costs several prefill tokens, so a step of mostly decode rows would make the
+    pace look slow and shrink busy steps to their floor (random 256 at concurrency 8 lost a
+    third of its throughput that way): the busy pace counts only steps whose tokens are at least
+    4x their rows; the shared pace counts every step."""
+    sched = Scheduler(EngineConfig(kv_cache_memory="4MiB", seed=0), kv=None)
+    sched._last_rows = 8
+    sched.observe_step(12, 0.1)  # 8 decode rows and a few prompt tokens: not a prefill step
+    assert sched.prefill_pace.seconds_per_token is None
+    assert sched.pace.seconds_per_token == pytest.approx(0.1 / 12)
+    sched.observe_step(256, 0.128)  # a prefill chunk beside the decodes
+    assert sched.prefill_pace.seconds_per_token == pytest.approx(0.0005)
+
+
 def test_a_burst_of_prompts_gets_short_steps_and_first_tokens_in_turn(llm_cold):
     """Three long prompts of one tenant arrive together: each step carries what fits in
     busy_step_ms at the (fixed) pace, so the first prompt's first token comes steps before the
@@ -224,7 +239,7 @@ def test_a_burst_of_prompts_gets_short_steps_and_first_tokens_in_turn(llm_cold):
     with shared_default_weights():
         eng = LLMEngine(EngineConfig(kv_cache_memory="32MiB", max_num_batched_tokens=512, seed=0,
                                      busy_step_ms=100))  # fmt: skip
-    eng.scheduler.pace = _FixedPace(0.1 / 128)  # 128 tokens in 100 ms
+    eng.scheduler.prefill_pace = _FixedPace(0.1 / 128)  # 128 prefill tokens in 100 ms
     sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     long = [eng.tokenizer.encode((PROSE * 3)[i * 80 :])[:300] for i in range(3)]
     seqs = [eng.add_request(f"r{i}", p, sp) for i, p in enumerate(long)]

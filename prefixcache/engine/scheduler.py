@@ -79,6 +79,11 @@ class Scheduler:
         # Short steps while tenants share (fairness.py 4.): the pace of recent steps, fed by the
         # engine through observe_step, and who was active lately, on ``clock``.
         self.pace = StepPace()
+        # The pace of prefill-dominated steps only (busy steps size prefill work; a decode row
+        # costs several times a prefill token, so mixing them in would shrink busy steps to
+        # their floor when decodes dominate).
+        self.prefill_pace = StepPace()
+        self._last_rows = 0  # sequences in the last scheduled step
         self.recent = RecentTenants(config.shared_window_s)
         self.clock = clock
         self._last_first_step = -2
@@ -100,6 +105,8 @@ class Scheduler:
     def observe_step(self, tokens: int, seconds: float) -> None:
         """The engine reports each step's batched tokens and its wall time (schedule to end)."""
         self.pace.observe(tokens, seconds)
+        if tokens >= 4 * self._last_rows:
+            self.prefill_pace.observe(tokens, seconds)
 
     def step_budget(self) -> int:
         """This step's token budget: ``max_num_batched_tokens``, or less while sequences share
@@ -115,7 +122,7 @@ class Scheduler:
             floor=cfg.block_size,
         )
         busy = busy_budget(
-            cfg.max_num_batched_tokens, len(self.running) + len(self.waiting), self.pace,
+            cfg.max_num_batched_tokens, len(self.running) + len(self.waiting), self.prefill_pace,
             cfg.busy_step_ms / 1000,
         )  # fmt: skip
         return min(shared, busy)
@@ -150,6 +157,7 @@ class Scheduler:
         return self._finish(out)
 
     def _finish(self, out: SchedulerOutput) -> SchedulerOutput:
+        self._last_rows = len(out.scheduled)
         self.counters.num_steps += 1
         self.counters.batched_tokens += out.num_batched_tokens
         for s in out.scheduled:

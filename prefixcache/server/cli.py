@@ -84,7 +84,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--busy-step-ms",
         type=float,
-        default=100.0,
+        default=200.0,
         metavar="MS",
         help="while two or more requests have work, steps carry only the tokens that fit in "
         "about this long, so a burst's prompts get first tokens one after another and decodes "
