@@ -22,7 +22,7 @@ import torch
 
 from prefixcache import LLM, SamplingParams
 
-MODES = ("int16", "int8", "float32")
+MODES = ("mixed", "int16", "int8", "float32")
 
 
 def main() -> None:

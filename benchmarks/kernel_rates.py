@@ -1,6 +1,8 @@
 """Integer kernel rates (GOP/s) on the default model's linear shapes, per ISA path this CPU has,
-at several batch sizes M: what ``IntLinear`` runs for w4a16 (the default model's layers), w4a8
-and w8a16 (a bf16 checkpoint's default), next to ``torch._int_mm`` and float32 ``F.linear``.
+at several batch sizes M: what ``IntLinear`` runs for w4a8x16 (mixed activations: the default
+model's layers), w4a16, w4a8 and w8a16 (a bf16 checkpoint's default), next to ``torch._int_mm``
+and float32 ``F.linear``. The activations are Gaussian, so mixed rows have few wide groups here
+(real activations' outlier groups are wider: docs/design.md "Mixed activations").
 
     .venv/bin/python benchmarks/kernel_rates.py [--json results/kernel_rates.json]
 
@@ -44,8 +46,9 @@ def main() -> None:
             x = torch.randn(m, k)
             flops = 2 * m * k * n
             for isa in kernels.supported_isas():
-                for name, g, bits in [("w4a16", g4, 16), ("w4a8", g4, 8), ("w8a16", g8, 16)]:
-                    lin = IntLinear(g, None, bits, isa)
+                for name, g, bits, mixed in [("w4a16", g4, 16, False), ("w4a8x16", g4, 16, True),
+                                             ("w4a8", g4, 8, False), ("w8a16", g8, 16, False)]:
+                    lin = IntLinear(g, None, bits, isa, mixed)
                     res["gops"][f"{name} {isa} K={k} N={n} M={m}"] = round(flops / median_time(lambda lin=lin, x=x: lin(x), 15) / 1e9, 1)
             res["gops"][f"F.linear float32 K={k} N={n} M={m}"] = round(
                 flops / median_time(lambda x=x, w=w: torch.nn.functional.linear(x, w), 15) / 1e9, 1
