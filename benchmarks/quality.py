@@ -32,7 +32,7 @@ from prefixcache import LLM, SamplingParams
 from prefixcache.bench.sharegpt import default_sharegpt_path, first_exchange, iter_conversations
 
 MODES = [
-    ("auto (activations int16: exact integer path)", {"quantization": "auto"}),
+    ("auto (mixed on 4-bit groups, int16 on 8-bit: exact integer path)", {"quantization": "auto"}),
     ("activations int16", {"activations": "int16"}),
     ("activations mixed (8 or 16 bits per group)", {"activations": "mixed"}),
     ("activations int8", {"activations": "int8"}),
