@@ -579,7 +579,7 @@ class LegacyLRUPool(BlockPool):
             out.append(b)
         return out
 
-    def register(self, block_id, key, parent, token_ids, namespace, parent_block=None):
+    def register(self, block_id, key, parent, token_ids, namespace, parent_block=None, group=None):
         return self.index.insert(key, block_id, parent, token_ids, namespace)
 
     def release(self, block_ids) -> None:

@@ -21,6 +21,7 @@ from _helpers import shared_default_weights
 from prefixcache.api.request import CacheLease, SamplingParams
 from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.hashing import hash_blocks, root_hash
+from prefixcache.cache.manager import KVCacheManager
 from prefixcache.engine.leases import grant_leases
 from prefixcache.sequence import Sequence
 
@@ -37,15 +38,16 @@ def computed_seq(pool: BlockPool, n_tokens: int, tenant: str | None = "alice") -
     keys = hash_blocks(tokens, B, root)
     for i in range(n):
         parent = root if i == 0 else keys[i - 1]
-        pool.register(seq.block_table[i], keys[i], parent, tokens[i * B : (i + 1) * B], tenant)
+        pool.register(seq.block_table[i], keys[i], parent, tokens[i * B : (i + 1) * B], tenant,
+                      group=tenant)  # fmt: skip
     seq.num_registered_blocks = n
     seq.num_computed_tokens = n_tokens
     return seq
 
 
 def grant(pool, seq, *leases, now=0.0, max_ttl=3600.0, caching=True):
-    return grant_leases(pool, seq, [CacheLease(*x) for x in leases], now=now, max_ttl=max_ttl,
-                        caching=caching)  # fmt: skip
+    return grant_leases(KVCacheManager(pool, "m"), seq, [CacheLease(*x) for x in leases],
+                        now=now, max_ttl=max_ttl, caching=caching)  # fmt: skip
 
 
 def test_what_a_lease_gets():

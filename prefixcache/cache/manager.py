@@ -16,6 +16,11 @@ explanation scans siblings only where the caller's own chain is (the shared run 
 declaration, the owner's run holds its blocks alone), so nothing it says reaches past the
 shared part into another owner's blocks.
 
+Retention priorities (``request.RetentionPriority``, and a cache lease's implied one): the
+blocks a sequence hits or registers in its own namespace are ranked for it, as blocks of its
+tenant's group (``group_of``); a shared prefix's blocks are a group of their own, which no
+request ranks.
+
 With caching disabled the manager is ``NoCaching`` (``kv_cache_manager`` picks it): every
 match is empty, nothing is registered, an explanation says caching is off; allocation and
 freeing are the same, so the rest of the engine runs unchanged.
@@ -23,7 +28,9 @@ freeing are the same, so the rest of the engine runs unchanged.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prefixcache.api.request import CacheExplanation, SharedPrefix
@@ -71,16 +78,33 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def kv_cache_manager(pool: BlockPool, model_fingerprint: str, enable_caching: bool = True):
+def kv_cache_manager(
+    pool: BlockPool,
+    model_fingerprint: str,
+    enable_caching: bool = True,
+    clock: Callable[[], float] = time.monotonic,
+):
     """The manager for the config: ``KVCacheManager``, or ``NoCaching`` with caching off."""
-    return (KVCacheManager if enable_caching else NoCaching)(pool, model_fingerprint)
+    return (KVCacheManager if enable_caching else NoCaching)(pool, model_fingerprint, clock)
+
+
+def shared_group(namespace: str | None) -> tuple:
+    """The retention group of a shared namespace's blocks (never a tenant's name: a tuple)."""
+    return ("shared", namespace)
 
 
 class KVCacheManager:
     enable_caching = True
 
-    def __init__(self, pool: BlockPool, model_fingerprint: str):
+    def __init__(
+        self,
+        pool: BlockPool,
+        model_fingerprint: str,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """``clock``: what retention priorities' ends are measured on (the engine's)."""
         self.pool = pool
+        self.clock = clock
         self.block_size = pool.block_size
         self.model_fingerprint = model_fingerprint
         self._roots: OrderedDict[str | None, BlockHash] = OrderedDict()
@@ -172,6 +196,37 @@ class KVCacheManager:
             chunks, start = chunks[k - start :], k
         seq.block_keys.extend(chain_keys(chunks, self.parent_of(seq, start)))
 
+    # ---- retention priorities ----------------------------------------------------------------
+    @staticmethod
+    def group_of(seq: Sequence, i: int):
+        """The retention group of ``seq``'s block ``i``: the shared namespace's own within a
+        declared shared prefix, else its tenant's."""
+        if i < seq.num_shared_blocks:
+            return shared_group(seq.shared_namespace)
+        return seq.tenant
+
+    def rank(
+        self,
+        seq: Sequence,
+        block_ids: list[int],
+        priority: int,
+        seconds: float | None,
+        now: float | None = None,
+    ) -> int:
+        """Rank ``block_ids`` (blocks of ``seq``) of its tenant's group at ``priority`` for
+        ``seconds`` from ``now`` (default: the clock's; None: while cached); blocks of a shared
+        prefix are left alone."""
+        if seconds is None:
+            until = None
+        else:
+            until = (self.clock() if now is None else now) + seconds
+        return self.pool.set_retention(block_ids, priority, until, seq.tenant)
+
+    def _rank_own(self, seq: Sequence, block_ids: list[int]) -> None:
+        r = seq.retention_priority
+        if r is not None and block_ids:
+            self.rank(seq, block_ids, r.priority, r.seconds)
+
     # ---- matching ------------------------------------------------------------------------------
     def _match(self, keys: list[BlockHash], token_ids: list[int], scope: KeyScope) -> PrefixMatch:
         """``pool.match`` of a chain that may cross from a shared prefix into its owner's part:
@@ -228,6 +283,7 @@ class KVCacheManager:
             return False
         self.pool.tick()  # a request's use of the cache begins (the eviction policy's clock)
         self.pool.acquire(m.block_ids)
+        self._rank_own(seq, m.block_ids)
         seq.block_table = list(m.block_ids)
         seq.num_registered_blocks = len(m.block_ids)
         seq.num_computed_tokens = m.num_tokens
@@ -269,6 +325,7 @@ class KVCacheManager:
             holder = self.pool.register(
                 mine, seq.block_keys[i], self.parent_of(seq, i), tokens[i * b : (i + 1) * b],
                 seq.namespace_of_block(i), parent_block=seq.block_table[i - 1] if i else None,
+                group=self.group_of(seq, i),
             )
             if holder is None:  # a key collision: ours stays private, and so does the rest
                 seq.max_registered_blocks = n_full = i  # (their keys chain from this one)
@@ -277,6 +334,7 @@ class KVCacheManager:
                 self.pool.acquire([holder])
                 seq.block_table[i] = holder
                 self.pool.release([mine])
+        self._rank_own(seq, seq.block_table[seq.num_registered_blocks : n_full])
         seq.num_registered_blocks = n_full
 
     def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
