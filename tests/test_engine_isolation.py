@@ -20,8 +20,10 @@ from prefixcache.api.request import GREEDY_TEMPERATURE_EPS
 from prefixcache.cache.manager import MAX_CACHED_ROOTS
 from prefixcache.config import EngineConfig
 from prefixcache.engine.fairness import (
+    BUSY_STEP_FLOOR,
     RecentTenants,
     StepPace,
+    busy_budget,
     fair_order,
     fair_share,
     memory_victim,
@@ -160,7 +162,7 @@ def test_long_prefills_of_one_tenant_leave_room_in_every_step(llm_cold):
     with shared_default_weights():
         eng = LLMEngine(EngineConfig(
             kv_cache_memory="32MiB", max_num_batched_tokens=64, seed=0,
-            shared_step_ms=0,  # full steps: this test is about the caps and the top-up
+            shared_step_ms=0, busy_step_ms=0,  # full steps: this test is about the caps
         ))  # fmt: skip
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     long = [PROSE[i * 50 :] for i in range(3)]  # ~150+ tokens each: several chunks of 64
@@ -204,6 +206,45 @@ def test_step_pace_recent_tenants_and_the_shared_budget():
     assert recent.active(now=12) == {"c", "d", "e"}  # bounded: the oldest is forgotten
 
 
+def test_busy_budget():
+    pace = StepPace()
+    assert busy_budget(2048, 3, pace, 0.1) == 2048  # pace unknown: no bound yet
+    pace.observe(100, 0.5)  # 5 ms a token
+    assert busy_budget(2048, 1, pace, 0.1) == 2048  # a sequence alone: every token
+    assert busy_budget(2048, 2, pace, 0.1) == BUSY_STEP_FLOOR  # 20 fit: the floor
+    assert busy_budget(2048, 2, pace, 1.0) == 200
+    assert busy_budget(2048, 2, pace, 0.0) == 2048  # 0: off
+    assert busy_budget(100, 2, pace, 1.0) == 100  # never above the configured max
+
+
+def test_a_burst_of_prompts_gets_short_steps_and_first_tokens_in_turn(llm_cold):
+    """Three long prompts of one tenant arrive together: each step carries what fits in
+    busy_step_ms at the (fixed) pace, so the first prompt's first token comes steps before the
+    last's, not with it; a prompt alone gets whole steps. Outputs equal the solo runs."""
+    with shared_default_weights():
+        eng = LLMEngine(EngineConfig(kv_cache_memory="32MiB", max_num_batched_tokens=512, seed=0,
+                                     busy_step_ms=100))  # fmt: skip
+    eng.scheduler.pace = _FixedPace(0.1 / 128)  # 128 tokens in 100 ms
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    long = [eng.tokenizer.encode((PROSE * 3)[i * 80 :])[:300] for i in range(3)]
+    seqs = [eng.add_request(f"r{i}", p, sp) for i, p in enumerate(long)]
+    firsts, steps = {}, 0
+    while eng.has_unfinished():
+        before = eng.scheduler.counters.batched_tokens
+        eng.step()
+        steps += 1
+        assert eng.scheduler.counters.batched_tokens - before <= 128
+        for s in seqs:
+            if s.output_token_ids and s.request_id not in firsts:
+                firsts[s.request_id] = steps
+    assert firsts["r0"] < firsts["r2"] - 2  # r0's first token several steps before r2's
+    refs = llm_cold.generate(long, sp)
+    assert [s.output_token_ids for s in seqs] == [r.outputs[0].token_ids for r in refs]
+    alone = eng.add_request("alone", long[0][:250], sp)
+    eng.step()  # a sequence alone: the whole budget
+    assert alone.num_computed_tokens == 250
+
+
 class _FixedPace(StepPace):
     """A pace that ignores the wall clock, so the test's budgets do not depend on the host."""
 
@@ -224,7 +265,7 @@ def test_steps_are_short_while_another_tenant_is_active(llm_cold):
     with shared_default_weights():
         eng = LLMEngine(EngineConfig(
             kv_cache_memory="32MiB", max_num_batched_tokens=256, seed=0,
-            shared_step_ms=100, shared_window_s=30,
+            shared_step_ms=100, shared_window_s=30, busy_step_ms=0,  # tenants' bound alone
         ))  # fmt: skip
     eng.scheduler.pace = _FixedPace(0.1 / 40)
     eng.scheduler.clock = lambda: now[0]

@@ -212,8 +212,27 @@ def test_preempted_segments_requests_are_rebuilt_and_equal_running_alone(llm):
     opts = {"cache_mode": "segments", "segment_recompute_tokens": 3}
     alone = [llm.chat(c, g, cache_salt="preempt-alone", **opts)[0].outputs[0].token_ids for c in convs]
     with shared_default_weights():
-        small = LLM(kv_cache_memory=20 * 16 * 46080, seed=0, pin_budget_fraction=0.0)
+        # full steps: preemption between the chunks of one assembly is the next test's case
+        small = LLM(kv_cache_memory=20 * 16 * 46080, seed=0, pin_budget_fraction=0.0,
+                    busy_step_ms=0)  # fmt: skip
     outs = small.chat(convs, g, **opts)
     assert small.engine.scheduler.counters.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == alone
     small.check_integrity()
+
+
+@pytest.mark.xfail(strict=True, reason="known bug (2026-12-04): a segments request preempted "
+                   "between the chunks of its assembly is rebuilt with other numbers")
+def test_segments_requests_preempted_between_chunks_equal_running_alone(llm):
+    """As above with 100-token steps: requests are preempted between the chunks of their
+    assembly (43 preemptions measured); the third conversation's output then differs."""
+    g = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    convs = [_messages(o) for o in (["Alice", "Bruno", "Chen"], ["Dara", "Alice"],
+                                    ["Chen", "Dara", "Bruno"], ["Bruno", "Chen", "Alice", "Dara"])]  # fmt: skip
+    opts = {"cache_mode": "segments", "segment_recompute_tokens": 3}
+    alone = [llm.chat(c, g, cache_salt="preempt-alone", **opts)[0].outputs[0].token_ids for c in convs]
+    with shared_default_weights():
+        small = LLM(kv_cache_memory=20 * 16 * 46080, seed=0, pin_budget_fraction=0.0,
+                    busy_step_ms=0, max_num_batched_tokens=100)  # fmt: skip
+    outs = small.chat(convs, g, **opts)
+    assert [o.outputs[0].token_ids for o in outs] == alone

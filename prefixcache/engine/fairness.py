@@ -192,6 +192,23 @@ class RecentTenants:
         return set(self._seen)
 
 
+# The least a busy step carries (tokens): below it a step's fixed cost (scheduling, the per-step
+# Python, a narrow GEMM) outweighs what a shorter step saves.
+BUSY_STEP_FLOOR = 64
+
+
+def busy_budget(budget: int, sequences: int, pace: StepPace, step_seconds: float) -> int:
+    """The step's token budget while ``sequences`` (running or waiting) share the engine: what
+    fits in ``step_seconds`` at the recent pace, at least BUSY_STEP_FLOOR, at most ``budget``;
+    the whole ``budget`` for a sequence alone, an unknown pace or a bound of 0."""
+    if sequences < 2 or step_seconds <= 0:
+        return budget
+    fit = pace.tokens_within(step_seconds)
+    if fit is None:
+        return budget
+    return max(1, min(budget, max(fit, BUSY_STEP_FLOOR)))
+
+
 def shared_budget(
     budget: int, active: int, pace: StepPace, step_seconds: float, floor: int
 ) -> int:

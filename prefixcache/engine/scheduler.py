@@ -30,6 +30,7 @@ from prefixcache.config import EngineConfig
 from prefixcache.engine.fairness import (
     RecentTenants,
     StepPace,
+    busy_budget,
     fair_order,
     memory_victim,
     rebalance,
@@ -101,17 +102,23 @@ class Scheduler:
         self.pace.observe(tokens, seconds)
 
     def step_budget(self) -> int:
-        """This step's token budget: ``max_num_batched_tokens``, or less while tenants share."""
+        """This step's token budget: ``max_num_batched_tokens``, or less while sequences share
+        the engine (``busy_step_ms``) or tenants do (``shared_step_ms``)."""
         cfg = self.config
         now = self.clock()
         self.recent.touch({s.tenant for s in self.running} | {s.tenant for s in self.waiting}, now)
-        return shared_budget(
+        shared = shared_budget(
             cfg.max_num_batched_tokens,
             len(self.recent.active(now)),
             self.pace,
             cfg.shared_step_ms / 1000,
             floor=cfg.block_size,
         )
+        busy = busy_budget(
+            cfg.max_num_batched_tokens, len(self.running) + len(self.waiting), self.pace,
+            cfg.busy_step_ms / 1000,
+        )  # fmt: skip
+        return min(shared, busy)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -82,6 +82,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--max-num-seqs", type=int, default=128)
     m.add_argument("--max-num-batched-tokens", type=int, default=2048)
     m.add_argument(
+        "--busy-step-ms",
+        type=float,
+        default=100.0,
+        metavar="MS",
+        help="while two or more requests have work, steps carry only the tokens that fit in "
+        "about this long, so a burst's prompts get first tokens one after another and decodes "
+        "never wait behind a full chunk (0: off)",
+    )
+    m.add_argument(
         "--shared-step-ms",
         type=float,
         default=250.0,
@@ -437,6 +446,7 @@ def _engine_config(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         shared_step_ms=args.shared_step_ms,
+        busy_step_ms=args.busy_step_ms,
         shared_window_s=args.shared_window,
         scheduling_policy=args.scheduling_policy,
         eviction_policy=args.eviction_policy,
