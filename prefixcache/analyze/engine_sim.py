@@ -88,6 +88,7 @@ def simulate_engine(requests: list[TraceRequest], policy: str, num_blocks: int,
         if not kv.admit(s, m, min(s.num_tokens - m.num_tokens, budget)):
             raise ValueError(f"request {i} ({s.num_tokens} tokens) does not fit a pool of "
                              f"{num_blocks} blocks of {block_tokens}")
+        kv.copy_partial_blocks(lambda copies: None)  # a partial hit's copy (no KV here)
         while True:  # one prefill step per chunk: compute, register, grow
             kv.mark_computed(s, min(s.num_tokens, s.num_computed_tokens + budget,
                                     len(s.block_table) * block_tokens))
