@@ -111,7 +111,8 @@ class LLMEngine:
             max_pinned_blocks=int(layout.num_blocks * config.pin_budget_fraction),
             eviction_policy=config.eviction_policy,
         )
-        self.kv = kv_cache_manager(pool, self.fingerprint, config.enable_prefix_caching, clock)
+        self.kv = kv_cache_manager(pool, self.fingerprint, config.enable_prefix_caching, clock,
+                                   config.partial_block_reuse)  # fmt: skip
         self.scheduler = Scheduler(config, self.kv)
         # Segments, the persistent tiers, KV events: what the config asks for (connectors/build.py).
         self.connectors = build_connectors(config, self.fingerprint, self.kv, self.runner)
@@ -275,6 +276,9 @@ class LLMEngine:
                         seq.prompt_token_ids, self.kv.scope_of(seq), ()
                     )
             out = self.scheduler.schedule()
+            # Partial blocks reused token-exactly at admission: their tokens' K/V are copied
+            # before anything computes after them (cache/manager.py).
+            self.kv.copy_partial_blocks(self.runner.copy_kv)
             if not out.scheduled:
                 self.connectors.idle_wait(IDLE_WAIT)  # only connector work is left: briefly
                 return []
