@@ -77,7 +77,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="reuse a cached block's leading tokens when a prompt diverges inside it, so a "
-        "hit is the whole common prefix, not its floor to a block (docs/engine.md)",
+        "hit is the whole common prefix, not its floor to a block (docs/design.md §4)",
     )
     m.add_argument(
         "--kv-cache-memory",
