@@ -92,6 +92,9 @@ class EngineConfig:
     kv_cache_memory: str | int | None = None  # None: a share of available memory, capped
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # Token-exact hits (docs/design.md §4): when a prompt diverges inside a cached block, its
+    # leading tokens' K/V are copied instead of computed, so a hit is the whole common prefix.
+    partial_block_reuse: bool = True
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 128  # vLLM's CPU default for its server: throughput needs wide decode steps
     max_num_batched_tokens: int = 2048

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixcache.api.request import CacheExplanation, RequestMetrics, RequestStatus, SamplingParams
+from prefixcache.api.request import (
+    CacheExplanation,
+    RequestMetrics,
+    RequestStatus,
+    RetentionPriority,
+    SamplingParams,
+)
 from prefixcache.cache.hashing import BlockHash
 
 
@@ -60,6 +66,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cache_info: CacheExplanation | None = None
+    # How its own blocks are ranked for eviction among its tenant's (api.request.RetentionPriority;
+    # None: as they are), applied by the KV cache manager when it hits or registers them.
+    retention_priority: RetentionPriority | None = None
     # What its cache leases got (EngineRequest.leases), written by the engine once the prompt is
     # computed (engine/leases.py); a tuple of api.request.LeaseGrant.
     lease_grants: tuple | None = None

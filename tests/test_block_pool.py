@@ -579,7 +579,7 @@ class LegacyLRUPool(BlockPool):
             out.append(b)
         return out
 
-    def register(self, block_id, key, parent, token_ids, namespace, parent_block=None):
+    def register(self, block_id, key, parent, token_ids, namespace, parent_block=None, group=None):
         return self.index.insert(key, block_id, parent, token_ids, namespace)
 
     def release(self, block_ids) -> None:
@@ -623,7 +623,9 @@ def test_lru_policy_evicts_exactly_what_the_ordered_dict_lru_did():
 
     rng = random.Random(3)
     prompts = _conversation_prompts(rng, 400)
-    managers = [kv_cache_manager(BlockPool(40, B), FP), kv_cache_manager(LegacyLRUPool(40, B), FP)]
+    # whole blocks only: the old pool predates token-exact reuse (a copy's source is a use)
+    managers = [kv_cache_manager(BlockPool(40, B), FP, partial_reuse=False),
+                kv_cache_manager(LegacyLRUPool(40, B), FP, partial_reuse=False)]
     live: list[list[Sequence]] = [[], []]
     for i, p in enumerate(prompts):
         chunk = rng.choice((7, 16, 1000))

@@ -21,6 +21,7 @@ from _helpers import shared_default_weights
 from prefixcache.api.request import CacheLease, SamplingParams
 from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.hashing import hash_blocks, root_hash
+from prefixcache.cache.manager import KVCacheManager
 from prefixcache.engine.leases import grant_leases
 from prefixcache.sequence import Sequence
 
@@ -37,15 +38,16 @@ def computed_seq(pool: BlockPool, n_tokens: int, tenant: str | None = "alice") -
     keys = hash_blocks(tokens, B, root)
     for i in range(n):
         parent = root if i == 0 else keys[i - 1]
-        pool.register(seq.block_table[i], keys[i], parent, tokens[i * B : (i + 1) * B], tenant)
+        pool.register(seq.block_table[i], keys[i], parent, tokens[i * B : (i + 1) * B], tenant,
+                      group=tenant)  # fmt: skip
     seq.num_registered_blocks = n
     seq.num_computed_tokens = n_tokens
     return seq
 
 
 def grant(pool, seq, *leases, now=0.0, max_ttl=3600.0, caching=True):
-    return grant_leases(pool, seq, [CacheLease(*x) for x in leases], now=now, max_ttl=max_ttl,
-                        caching=caching)  # fmt: skip
+    return grant_leases(KVCacheManager(pool, "m"), seq, [CacheLease(*x) for x in leases],
+                        now=now, max_ttl=max_ttl, caching=caching)  # fmt: skip
 
 
 def test_what_a_lease_gets():
@@ -214,5 +216,84 @@ def test_leases_past_the_quota_are_refused_and_quotas_do_not_crowd_out(served):
         assert mine.model_extra["cache_leases"][0]["status"] == "accepted"
         # Bob sent the same prompt: alice read nothing of his (namespaces are per tenant).
         assert mine.usage.cache_read_input_tokens == 0
+
+    run(served, test)
+
+
+# ---- retention priorities through the server ----------------------------------------------------
+
+LONG_SYSTEM = (SYSTEM + " Quote the handbook section you answer from, by its number.") * 3
+
+
+@pytest.mark.slow
+def test_a_lease_refused_over_the_quota_still_ranks_its_prefix(served):
+    """Bob's breakpoint is over his pin quota: no pin, but its prefix ranks 100 among his own
+    blocks for its TTL, so his own storm of unique prompts evicts those first."""
+
+    async def test(client_of, http, clock):
+        clock.t += 10_000  # every earlier lease and rank has ended
+        bob = client_of("sk-bob")
+        big = await ask(bob, "Hello", system=LONG_SYSTEM, salt="ranked")
+        lease = big.model_extra["cache_leases"][0]
+        assert (lease["status"], lease["reason"]) == ("rejected", "pin_quota_exceeded")
+        prefix = lease["prompt_tokens"] // 16 * 16
+        await storm(http, "sk-bob", n=8)  # 8 x 8 blocks through 34: every unranked block goes
+        again = await ask(bob, "Goodbye", system=LONG_SYSTEM, salt="ranked")
+        assert again.usage.cache_read_input_tokens >= prefix
+        clock.t += 301  # the rank ended with the lease's TTL: evictable like the rest
+        await storm(http, "sk-bob", n=8)
+        late = await ask(bob, "Hello again", system=LONG_SYSTEM, salt="ranked")
+        assert late.usage.cache_read_input_tokens == 0
+
+    run(served, test)
+
+
+def _chat(user: str, **fields) -> dict:
+    return {"model": "SmolLM2-135M-Instruct", "max_tokens": 1, "temperature": 0,
+            "cache_salt": "rp", "messages": [{"role": "system", "content": LONG_SYSTEM},
+                                             {"role": "user", "content": user}], **fields}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_retention_priority_on_the_openai_routes_and_its_bad_values(served):
+    async def test(client_of, http, clock):
+        clock.t += 10_000
+        alice = {"Authorization": "Bearer sk-alice"}
+
+        async def cached(user: str, **fields) -> int:
+            r = await http.post("/v1/chat/completions", headers=alice, json=_chat(user, **fields))
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        await cached("Where do I file expenses?", retention_priority=100,
+                     retention_priority_seconds=600)  # fmt: skip
+        await storm(http, "sk-alice", n=8)
+        assert await cached("Who approves travel?") >= 96  # the ranked prompt outlived it
+        clock.t += 601  # its rank ended: the next storm takes it
+        await storm(http, "sk-alice", n=8)
+        assert await cached("Who approves travel?") == 0
+        bad = [({"retention_priority": 101}, 400, "retention_priority"),
+               ({"retention_priority": -1}, 400, "retention_priority"),
+               ({"retention_priority": "high"}, 422, "retention_priority"),
+               ({"retention_priority": True}, 422, "retention_priority"),
+               ({"retention_priority": 50, "retention_priority_seconds": 0}, 400,
+                "retention_priority_seconds"),
+               ({"retention_priority_seconds": 60}, 400, "retention_priority_seconds")]  # fmt: skip
+        for fields, status, param in bad:
+            r = await http.post("/v1/chat/completions", headers=alice, json=_chat("Hi", **fields))
+            assert r.status_code == status, (fields, r.text)
+            assert r.json()["error"]["param"] == param, r.text
+        r = await http.post("/v1/completions", headers=alice, json={
+            "prompt": "Paris is", "max_tokens": 1, "retention_priority": 1000})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "retention_priority"
+        r = await http.post("/v1/messages", headers={"x-api-key": "sk-alice"}, json={
+            "model": "SmolLM2-135M-Instruct", "max_tokens": 1, "retention_priority": 101,
+            "messages": [{"role": "user", "content": "Hi"}]})  # fmt: skip
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        assert "retention_priority" in r.json()["error"]["message"]
+        ok = await client_of("sk-alice").messages.create(
+            model="SmolLM2-135M-Instruct", max_tokens=1, messages=[{"role": "user", "content": "Hi"}],
+            extra_body={"retention_priority": 90, "retention_priority_seconds": 60})  # fmt: skip
+        assert ok.content is not None
 
     run(served, test)

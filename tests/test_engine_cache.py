@@ -39,9 +39,10 @@ def test_cold_equals_warm_around_block_boundaries(llm, llm_cold, k):
         cold = llm_cold.generate(prompts, GREEDY)
         assert first.outputs[0].token_ids == cold[0].outputs[0].token_ids
         assert second.outputs[0].token_ids == cold[1].outputs[0].token_ids
-        # Only full blocks of the shared part are hits (the suffixes differ from token 0).
+        # The whole shared part is a hit (the suffixes differ from token 0): its full blocks,
+        # then the tokens of the next block that the first prompt computed (token-exact reuse).
         assert first.num_cached_tokens == 0
-        assert second.num_cached_tokens == (shared // B) * B
+        assert second.num_cached_tokens == shared
         assert cold[1].num_cached_tokens == 0
         llm.check_integrity()
 
@@ -53,8 +54,9 @@ def test_fully_cached_prompt_recomputes_last_token(llm, llm_cold):
     b = llm.generate([prompt], GREEDY, cache_salt="full")[0]
     c = llm_cold.generate([prompt], GREEDY)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
-    # The last token must be computed for its logits, so the block holding it is not a hit.
-    assert b.num_cached_tokens == 3 * B
+    # The last token must be computed for its logits, so the block holding it is not a whole
+    # hit: its first 15 tokens are copied (token-exact reuse), the last is computed.
+    assert b.num_cached_tokens == 4 * B - 1
     # One more token: the four full blocks of the earlier prompt (and its decode) are hits.
     d = llm.generate([prompt + [tok.encode(" Next")[0]]], GREEDY, cache_salt="full")[0]
     assert d.num_cached_tokens == 4 * B

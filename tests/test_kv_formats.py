@@ -140,7 +140,7 @@ def test_cold_equals_warm_around_block_boundaries(engines, name):
             first = warm.generate([prompts[0]], GREEDY, cache_salt=salt)[0]
             second = warm.generate([prompts[1]], GREEDY, cache_salt=salt)[0]
             ref = cold.generate(prompts, GREEDY)
-            assert second.num_cached_tokens == (shared // B) * B
+            assert second.num_cached_tokens == shared  # whole blocks, then a partial one's
             assert first.outputs[0].token_ids == ref[0].outputs[0].token_ids
             assert second.outputs[0].token_ids == ref[1].outputs[0].token_ids
             warm.check_integrity()

@@ -173,10 +173,11 @@ def test_breakpoints_create_then_read_and_never_change_outputs(server):
     # Another question after the same system prompt reads the breakpoint's prefix.
     second = ask(alice, "Can I carry days over to next year?", extra_body=salt)
     v = second.usage
-    assert (v.cache_read_input_tokens, v.cache_creation_input_tokens) == (held, 0)
+    # (and, token-exactly, the template's tokens after it that her first question's block holds)
+    assert held <= v.cache_read_input_tokens < held + 16 and v.cache_creation_input_tokens == 0
     # A 1-hour breakpoint is reported as such; the read needs no breakpoint at all.
     third = ask(alice, "Who approves travel?", system=system(ttl=None), extra_body=salt)
-    assert third.usage.cache_read_input_tokens == held  # cached without a breakpoint: a read
+    assert held <= third.usage.cache_read_input_tokens < held + 16  # no breakpoint: a read
     assert "cache_leases" not in (third.model_extra or {})
     # cold == warm: the same request without breakpoints, in a fresh salt (nothing cached),
     # says the same tokens as the one with them, served from the cache.
@@ -219,7 +220,8 @@ def test_a_breakpoint_under_a_shared_salt_declares_the_public_prefix(server):
     assert b.usage.cache_read_input_tokens == shared  # the system prompt, computed once
     # Alice's question and answer stayed hers: bob replaying it reads the public part only.
     replay = ask(bob, "My badge number is 4471. Is it valid?", extra_body=public)
-    assert replay.usage.cache_read_input_tokens == shared
+    # (plus, token-exactly, the template tokens his own first question's block holds: < a block)
+    assert shared <= replay.usage.cache_read_input_tokens < shared + 16
     assert ask(alice, "My badge number is 4471. Is it valid?",
                extra_body=public).usage.cache_read_input_tokens > shared  # fmt: skip
 

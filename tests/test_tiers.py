@@ -454,8 +454,8 @@ def test_restart_restores_from_disk_cold_equals_warm_int8(tmp_path, cold):
     for w, c in zip(warm, expect):
         assert w.outputs[0].token_ids == c.outputs[0].token_ids
     # Every full block of the shared prefix came from disk (the prompt seen before: all full
-    # blocks but the one holding its last token, which is always computed).
-    assert [w.num_cached_tokens for w in warm] == [n // BS * BS for n in lengths] + [4 * BS]
+    # blocks, then the 15 tokens before its last one, copied from the restored fifth block).
+    assert [w.num_cached_tokens for w in warm] == [n // BS * BS for n in lengths] + [5 * BS - 1]
     st = _disk(second)
     assert st["hit_tokens"] == sum(n // BS * BS for n in lengths) and st["rejected_blocks"] == 0
     second.check_integrity()

@@ -6,8 +6,10 @@ to C. The engine differs in three ways, and this simulation has them all because
 engine's cache code (``cache/block_pool.py`` and ``cache/manager.py``, torch-free), driven the
 way the scheduler drives it for one request at a time:
 
-- **never a partial tail**: only full blocks are hashed and shared, so a prompt's last partial
-  block is neither hit nor cached;
+- **a partial tail is never cached**: only full blocks are hashed and shared; a prompt's last
+  partial block is hit only token-exactly, when a cached full block starts with its tokens (the
+  same hash id, full in another request), by copying them (token-exact reuse, on by default as
+  in the engine; the figures of docs/benchmarks.md "Real traces: eviction" predate it);
 - **a hit is at most len - 1 tokens**: a fully cached prompt still computes its last token (its
   logits are needed), so it recomputes its last block (and then shares the cached copy);
 - **in-flight blocks**: a request holds its hits and its new blocks while it runs; eviction
@@ -71,14 +73,15 @@ def trace_prompts(requests: list[TraceRequest], block_tokens: int,
 
 def simulate_engine(requests: list[TraceRequest], policy: str, num_blocks: int,
                     block_tokens: int = 16, max_num_batched_tokens: int = 2048,
-                    prompts: list[list[int]] | None = None) -> EngineSimResult:
+                    prompts: list[list[int]] | None = None,
+                    partial_reuse: bool = True) -> EngineSimResult:
     """Replay ``requests`` one at a time through a pool of ``num_blocks`` blocks of
     ``block_tokens`` tokens with eviction ``policy``; the hit rate is the engine's own count
     (``KVCacheManager.hit_tokens``: tokens served from cache at admission)."""
     if prompts is None:
         prompts = trace_prompts(requests, block_tokens)
     pool = BlockPool(num_blocks, block_tokens, eviction_policy=policy)
-    kv = kv_cache_manager(pool, "mooncake-replay")
+    kv = kv_cache_manager(pool, "mooncake-replay", partial_reuse=partial_reuse)
     root = kv.root(None)
     params = SamplingParams(max_tokens=1, temperature=0)
     budget = max_num_batched_tokens
@@ -88,6 +91,7 @@ def simulate_engine(requests: list[TraceRequest], policy: str, num_blocks: int,
         if not kv.admit(s, m, min(s.num_tokens - m.num_tokens, budget)):
             raise ValueError(f"request {i} ({s.num_tokens} tokens) does not fit a pool of "
                              f"{num_blocks} blocks of {block_tokens}")
+        kv.copy_partial_blocks(lambda copies: None)  # a partial hit's copy (no KV here)
         while True:  # one prefill step per chunk: compute, register, grow
             kv.mark_computed(s, min(s.num_tokens, s.num_computed_tokens + budget,
                                     len(s.block_table) * block_tokens))

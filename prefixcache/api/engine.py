@@ -17,6 +17,7 @@ from typing import Protocol
 from prefixcache.api.request import (
     CacheExplanation,
     CacheLease,
+    RetentionPriority,
     SamplingParams,
     SharedPrefix,
     StreamDelta,
@@ -40,7 +41,8 @@ class EngineRequest:
     ``tenant``'s pin quota (the grants come in the stream's deltas). ``retention``: how its
     new blocks are kept beyond RAM: None (written through to the persistent tiers, kept until
     they evict them), "in_memory" (never written to them), "24h" (written, expiring there
-    after 24 hours)."""
+    after 24 hours). ``retention_priority``: how the blocks it uses in its own namespace rank
+    for eviction among its tenant's (``RetentionPriority``; None: as they are)."""
 
     request_id: str
     prompt: str | list[int]
@@ -55,6 +57,7 @@ class EngineRequest:
     shared_prefix: SharedPrefix | None = None
     leases: tuple[CacheLease, ...] = ()
     retention: str | None = None
+    retention_priority: RetentionPriority | None = None
 
 
 # EngineRequest.retention: the values, and how long "24h" keeps blocks in the tiers.

@@ -157,6 +157,35 @@ class LeaseGrant:
     reason: str | None = None
 
 
+# Retention priorities (TensorRT-LLM's scale): 0 goes first, 100 last; a block nobody ranked is
+# at the default, TensorRT-LLM's too. A cache breakpoint ranks its prefix at the top.
+MIN_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY = 0, 100
+DEFAULT_RETENTION_PRIORITY = 35
+
+
+@dataclass(frozen=True)
+class RetentionPriority:
+    """Rank the blocks this request uses in its tenant's own namespace (its prompt's and its
+    output's) at ``priority`` (0-100) for ``seconds`` (None: while they stay cached), then back
+    at the default. Eviction takes a tenant's lower-ranked blocks before its higher-ranked
+    ones; it never decides *whose* blocks go (docs/design.md §4, "Retention priority")."""
+
+    priority: int
+    seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        lo, hi = MIN_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY
+        if not _is_int(self.priority) or not lo <= self.priority <= hi:
+            raise InvalidRequestError(
+                f"retention_priority must be an integer in [{lo}, {hi}], got {self.priority!r}",
+                param="retention_priority",
+            )
+        if self.seconds is not None and (not _is_real(self.seconds) or self.seconds <= 0):
+            raise InvalidRequestError(
+                f"retention_priority_seconds must be a finite number > 0, got {self.seconds!r}",
+                param="retention_priority_seconds",
+            )
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -13,6 +13,12 @@ reference. The policy picks the victims: never a block in use or pinned, never a
 cached child (leaves go first), the deeper block on ties. Allocation takes free blocks first and
 asks the policy for a victim only when none are left.
 
+Retention priorities: each indexed block belongs to a *group* (the engine's: the tenant whose
+namespace it is in; a shared namespace is a group of its own) and may be ranked 0-100 for a
+while (``set_retention``; a deadline on the pool's clock, as pins). The policy evicts its own
+victim's group's lowest-ranked candidate first (``cache/eviction.py``), so a group's ranks
+decide which of *its* blocks go, never whose.
+
 Time for the policy: one tick per admitted request (``tick``, from the cache manager: hit
 density's ages count requests, as in the trace simulator), and a block's recency is its last
 use, its release included; blocks released together are one use, and among them the deeper
@@ -24,11 +30,13 @@ Pure Python, no tensors: block ids index the KV tensors owned by ``kv/pool.py``.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from prefixcache.api.request import DEFAULT_RETENTION_PRIORITY
 from prefixcache.cache.eviction import EvictionPolicy, make_policy
 from prefixcache.cache.hashing import BlockHash
 from prefixcache.cache.prefix_index import PrefixIndex, PrefixMatch
@@ -62,6 +70,10 @@ class BlockPool:
         self._pin_owners: dict[int, dict[str | None, float]] = {}  # block -> owner -> deadline
         self._owner_pins: dict[str | None, int] = {}  # owner -> blocks it holds a pin on
         self._pin_quotas: dict[str | None, int] = {}  # owner -> its quota (set_pin_quotas)
+        # Retention priorities with an end: key -> deadline, and a heap of (deadline, key) to
+        # find the ended ones (stale entries are skipped: a later deadline, an evicted key).
+        self._rank_until: dict[BlockHash, float] = {}
+        self._rank_ends: list[tuple[float, BlockHash]] = []
         self.evicted_blocks = 0
 
     # ---- queries ----------------------------------------------------------------------------
@@ -133,6 +145,7 @@ class BlockPool:
                 key = self.policy.evict()
                 b = self.index.entry(key).block_id
                 self.index.remove_block(b, evicted=True)
+                self._rank_until.pop(key, None)
                 self.evicted_blocks += 1
             self._ref[b] = 1
             out.append(b)
@@ -147,13 +160,15 @@ class BlockPool:
         token_ids: Sequence[int],
         namespace: str | None,
         parent_block: int | None = None,
+        group=None,
     ) -> int | None:
         """Make a full, computed, in-use block findable by its key. Returns the block holding it
         (None: the key collides with other content, see ``PrefixIndex.insert``).
 
         For the eviction policy the block is a child of the cached block whose key is
         ``parent``, or, where ``parent`` names no block (the join after a shared prefix), of
-        ``parent_block`` (the block before it in the caller's table) if that one is indexed."""
+        ``parent_block`` (the block before it in the caller's table) if that one is indexed.
+        ``group``: whose block it is, for retention priorities (``set_retention``)."""
         assert self._ref[block_id] >= 1, "only in-use blocks are registered"
         holder = self.index.insert(key, block_id, parent, token_ids, namespace)
         if holder == block_id:
@@ -162,7 +177,7 @@ class BlockPool:
                 pkey: BlockHash | None = parent
             else:
                 pkey = None if parent_block is None else self.index.key_of(parent_block)
-            policy.insert(key, pkey, held=True)
+            policy.insert(key, pkey, held=True, group=group)
             for _ in range(self._ref[block_id] - 1):
                 policy.acquire(key)
         return holder
@@ -183,6 +198,48 @@ class BlockPool:
                 if key is None:
                     free.append(b)
         self.policy.release_all([k for k in keys if k is not None], tail)
+
+    # ---- retention priorities -----------------------------------------------------------------
+    def set_retention(
+        self, block_ids: Iterable[int], priority: int, until: float | None, group
+    ) -> int:
+        """Rank the cached blocks among ``block_ids`` that belong to ``group`` at ``priority``
+        until ``until`` (the pool's clock; None: while they stay cached), then back at the
+        default; the last call for a block wins. Blocks of another group are left as they are:
+        a request ranks only its own tenant's blocks. Returns the blocks ranked."""
+        policy, keys = self.policy, self.index.keys_of(block_ids)
+        n = 0
+        for key in keys:
+            if key is None or policy.group(key) != group:
+                continue
+            policy.set_priority(key, priority)
+            if until is None or priority == DEFAULT_RETENTION_PRIORITY:
+                self._rank_until.pop(key, None)
+            else:
+                self._rank_until[key] = until
+                heapq.heappush(self._rank_ends, (until, key))
+            n += 1
+        if len(self._rank_ends) > 2 * len(self._rank_until) + 64:  # drop stale entries
+            self._rank_ends = [(t, k) for t, k in self._rank_ends if self._rank_until.get(k) == t]
+            heapq.heapify(self._rank_ends)
+        return n
+
+    def priority_of(self, block_id: int) -> int | None:
+        """A cached block's retention priority (None: not cached)."""
+        key = self.index.key_of(block_id)
+        return None if key is None else self.policy.priority(key)
+
+    def expire_ranks(self, now: float) -> int:
+        """Retention priorities whose time ended go back to the default. Returns how many."""
+        ends, until = self._rank_ends, self._rank_until
+        n = 0
+        while ends and ends[0][0] <= now:
+            t, key = heapq.heappop(ends)
+            if until.get(key) == t:
+                del until[key]
+                self.policy.set_priority(key, DEFAULT_RETENTION_PRIORITY)
+                n += 1
+        return n
 
     # ---- pins, invalidation -----------------------------------------------------------------
     # A block is pinned while any owner's pin on it lasts. Each owner (a tenant; None for the
@@ -260,8 +317,10 @@ class BlockPool:
 
     def expire_pins(self, now: float | None = None) -> int:
         """End the pins whose deadline passed; a block whose last pin ended becomes evictable
-        (idle ones at the most recent end). Returns the number of blocks unpinned."""
+        (idle ones at the most recent end). Retention priorities whose time ended go back to
+        the default too (``expire_ranks``). Returns the number of blocks unpinned."""
         now = time.monotonic() if now is None else now
+        self.expire_ranks(now)
         ended = [(b, o) for b, owners in self._pin_owners.items() for o, t in owners.items() if t <= now]
         if not ended:
             return 0
@@ -304,7 +363,9 @@ class BlockPool:
         for b in blocks:
             if b in self._pinned_until:
                 self._unpin(b)
-            self.policy.forget(self.index.remove_block(b, evicted=False))
+            key = self.index.remove_block(b, evicted=False)
+            self._rank_until.pop(key, None)
+            self.policy.forget(key)
             if self._ref[b] == 0:
                 self._free.append(b)
         return len(blocks)
@@ -334,6 +395,10 @@ class BlockPool:
             assert policy.refs(key) == want, f"block {b}: policy refs {policy.refs(key)} != {want}"
         for b in self._pinned_until:
             assert b in indexed, f"pinned block {b} is not cached"
+        for key in self._rank_until:
+            assert key in policy, "a ranked block's deadline outlived it"
+        ends = {(t, k) for t, k in self._rank_ends}
+        assert all((t, k) in ends for k, t in self._rank_until.items()), "deadline not queued"
         policy.check_integrity()
         assert len(self._pinned_until) <= self.max_pinned_blocks, "pin budget exceeded"
         assert set(self._pin_owners) == set(self._pinned_until), "pinned block without owner"

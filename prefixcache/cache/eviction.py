@@ -47,6 +47,17 @@ Policies:
   than the miniatures' error, as good as the best of the three where they differ.
 - ``belady``: the offline optimum for the simulator; the caller passes each block's next use.
 
+**Retention priority, within a group** (every policy; docs/design.md §4): a block may belong to
+a *group* (the engine's: a tenant) and carry a priority (0-100, default 35, TensorRT-LLM's
+scale). ``evict`` first takes the policy's own victim; that decides *whose* block goes. Then,
+within the victim's group, the lowest priority among the group's candidates goes first, the
+policy's order deciding among equals. So priorities reorder a group's own blocks only: how
+many blocks each group loses is what the policy alone would take, and a group ranking all
+its blocks at 100 takes nobody else's. The layer costs nothing until a priority other than
+the default is set (``set_priority``); from then on each candidate is also kept per group (a
+heap of ``(priority, rank)`` per group and queue; sampled policies: a list per group and
+priority).
+
 The engine's pool (``block_pool.py``) names blocks by key (content, as the trace's hash ids),
 holds a reference for each user and one for a pin, ticks once per admitted request and releases
 a request's blocks as one use; ``num_reclaimable`` (blocks neither referenced nor above a
@@ -63,6 +74,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
+from prefixcache.api.request import DEFAULT_RETENTION_PRIORITY
 from prefixcache.config import EVICTION_POLICIES
 
 Block = Hashable
@@ -85,11 +97,14 @@ class _Meta:
         "children",
         "depth",
         "gone",
+        "group",
+        "gslot",
         "held_below",
         "hits",
         "last",
         "parent",
         "pmeta",
+        "prio",
         "queue",
         "refs",
         "slot",
@@ -114,6 +129,9 @@ class _Meta:
         self.tail = False  # ended the path of the last access that touched it
         self.slot = -1  # index in a sampling policy's candidate list (-1: not a candidate)
         self.gone = False  # forgotten (``forget``): its children are roots now
+        self.group = None  # whose block it is: priorities rank within a group
+        self.prio = DEFAULT_RETENTION_PRIORITY
+        self.gslot = -1  # index in its group's candidate list (sampling policies; -1: none)
 
 
 class EvictionPolicy:
@@ -143,6 +161,10 @@ class EvictionPolicy:
         self._stamp = 0  # advances with every tick and every release_all: recency order
         self._seq = itertools.count(1)  # versions: unique, so heap entries never compare blocks
         self._num_held = 0
+        # Retention priorities (module docstring): off until a block gets a non-default one.
+        self._ranked = False
+        self._gheaps: dict[tuple, list] = {}  # (group, queue) -> heap of (prio, rank..., block)
+        self._gsizes: dict = {}  # group -> its cached blocks (bounds its heaps' stale entries)
 
     # ---- queries -----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -179,6 +201,12 @@ class EvictionPolicy:
     def is_tail(self, block: Block) -> bool:
         return self._get(block).tail
 
+    def group(self, block: Block):
+        return self._get(block).group
+
+    def priority(self, block: Block) -> int:
+        return self._get(block).prio
+
     # ---- updates -----------------------------------------------------------------------------
     def tick(self) -> int:
         """Advance the clock: touches at one tick are simultaneous (one request's blocks).
@@ -191,9 +219,12 @@ class EvictionPolicy:
         self._stamp += 1
         return self._clock
 
-    def insert(self, block: Block, parent: Block | None = None, held: bool = False) -> None:
+    def insert(self, block: Block, parent: Block | None = None, held: bool = False,
+               group=None) -> None:  # fmt: skip
         """A block newly cached, as a child of ``parent`` (which must be cached); ``held``: with
-        one reference already (a block computed by a running request, as the engine inserts)."""
+        one reference already (a block computed by a running request, as the engine inserts).
+        ``group``: whose block it is (retention priorities rank within a group); its priority
+        starts at the default."""
         if block in self._meta:
             raise EvictionError(f"block {block!r} is already cached")
         pm = None
@@ -203,6 +234,8 @@ class EvictionPolicy:
                 self._withdraw(pm)
             pm.children += 1
         m = self._meta[block] = _Meta(block, pm, 0 if pm is None else pm.depth + 1)
+        m.group = group
+        self._gsizes[group] = self._gsizes.get(group, 0) + 1
         m.last = self._clock
         m.stamp = self._stamp
         self._on_insert(block, m)
@@ -227,6 +260,17 @@ class EvictionPolicy:
         if m.tail != tail:
             m.tail = tail
             self._offer(block, m)
+
+    def set_priority(self, block: Block, priority: int) -> None:
+        """``block``'s retention priority (higher: kept longer than its group's lower ones)."""
+        m = self._get(block)
+        if m.prio == priority:
+            return
+        if not self._ranked:
+            self._enable_ranking()
+        self._withdraw(m)  # out of its group's candidates under the old priority
+        m.prio = priority
+        self._offer(block, m)
 
     def acquire(self, block: Block) -> None:
         """One more reference: the block is in use and no candidate until released."""
@@ -289,8 +333,9 @@ class EvictionPolicy:
                     self._offer(b, m)
 
     def evict(self) -> Block:
-        """Remove and return the next victim: an unreferenced block without cached children."""
-        if self.num_queues == 1:  # one heap: pop until a live entry (no queue to choose)
+        """Remove and return the next victim: an unreferenced block without cached children;
+        with priorities, the lowest-ranked candidate of the policy's victim's group."""
+        if self.num_queues == 1 and not self._ranked:  # one heap: pop until a live entry
             heap, meta = self._heaps[0], self._meta
             while heap:
                 _, _, version, block = heapq.heappop(heap)
@@ -303,20 +348,64 @@ class EvictionPolicy:
                 self._on_evict(block, m)
                 return block
             raise NoEvictableBlock(f"none of {len(meta)} cached blocks is evictable")
-        while True:
-            q = self._pick_queue()
-            if q is None:
-                raise NoEvictableBlock(f"none of {len(self._meta)} cached blocks is evictable")
-            heap = self._heaps[q]
-            _, _, version, block = heapq.heappop(heap)
-            m = self._meta.get(block)
-            if m is None or m.version != version or m.queue != q:
-                continue  # stale entry
-            if m.refs or m.children:  # cannot happen (entries go stale first); never evict one
-                raise EvictionError(f"candidate {block!r} is in use or has cached children")
-            self._drop(block, m)
-            self._on_evict(block, m)
-            return block
+        return self._evict_chosen()
+
+    def _evict_chosen(self) -> Block:
+        """Evict the policy's choice, within its group by priority when ranked."""
+        block = self._choose()
+        if self._ranked:
+            block = self._choose_in_group(block)
+        m = self._meta[block]
+        if m.refs or m.children:  # cannot happen (entries go stale first); never evict one
+            raise EvictionError(f"candidate {block!r} is in use or has cached children")
+        self._drop(block, m)
+        self._on_evict(block, m)
+        return block
+
+    def _choose(self) -> Block:
+        """The policy's own next victim, left in place (stale heap tops are discarded)."""
+        q = self._pick_queue()
+        if q is None:
+            raise NoEvictableBlock(f"none of {len(self._meta)} cached blocks is evictable")
+        return self._heaps[q][0][-1]
+
+    def _choose_in_group(self, victim: Block) -> Block:
+        """Among the candidates of ``victim``'s group, the lowest priority: ``victim`` itself
+        when it is at that priority, else the first of that priority in the policy's order
+        (the preferred queue first, then each queue's rank)."""
+        m = self._meta[victim]
+        best = None
+        for q in self._queue_order():
+            e = self._group_top(m.group, q)
+            if e is not None and (best is None or e[0] < best[0]):
+                best = e
+        return victim if best is None or best[0] >= m.prio else best[-1]
+
+    def _queue_order(self) -> list[int]:
+        """The queues in the order the policy would take victims from them now."""
+        return list(range(self.num_queues))
+
+    def _group_top(self, group, q: int):
+        """The live top entry of ``group``'s heap for queue ``q`` (None: no candidate there)."""
+        heap = self._gheaps.get((group, q))
+        if not heap:
+            return None
+        meta = self._meta
+        while heap:
+            e = heap[0]
+            m = meta.get(e[-1])
+            if m is not None and m.version == e[-2] and m.queue == q:
+                return e
+            heapq.heappop(heap)
+        return None
+
+    def _enable_ranking(self) -> None:
+        """The first non-default priority: from now on every candidate is also kept in its
+        group's structure; the current ones enter it now."""
+        self._ranked = True
+        for b, m in list(self._meta.items()):
+            if m.refs == 0 and m.children == 0:
+                self._offer(b, m)
 
     def evict_block(self, block: Block) -> None:
         """Evict ``block``, a candidate another ranking chose (``AdaptivePolicy``), as ``evict``
@@ -402,6 +491,15 @@ class EvictionPolicy:
                 if m is not None and m.version == entry[-2] and m.queue == q:
                     live.add(entry[-1])
         assert live == cands, f"heap candidates {len(live)}, unreferenced leaves {len(cands)}"
+        if self._ranked:
+            glive = set()
+            for (g, q), heap in self._gheaps.items():
+                for e in heap:
+                    m = self._meta.get(e[-1])
+                    if m is not None and m.version == e[-2] and m.queue == q:
+                        assert m.group == g and m.prio == e[0], f"group entry of {e[-1]!r}"
+                        glive.add(e[-1])
+            assert glive == cands, f"group candidates {len(glive)}, candidates {len(cands)}"
 
     # ---- internals ---------------------------------------------------------------------------
     def _get(self, block: Block) -> _Meta:
@@ -456,10 +554,22 @@ class EvictionPolicy:
             self._sizes[q] += 1
             m.queue = q
         if m.refs == 0 and m.children == 0:
-            heap = self._heaps[q]
-            heapq.heappush(heap, (key, -m.depth, m.version, block))
-            if len(heap) > 2 * len(self._meta) + 64:
-                self._compact(q)
+            self._push(block, m, q, key)
+
+    def _push(self, block: Block, m: _Meta, q: int, key) -> None:
+        """Enter a candidate in heap ``q`` at ``key`` (and in its group's, when ranked)."""
+        heap = self._heaps[q]
+        heapq.heappush(heap, (key, -m.depth, m.version, block))
+        if len(heap) > 2 * len(self._meta) + 64:
+            self._compact(q)
+        if self._ranked:
+            gk = (m.group, q)
+            gheap = self._gheaps.get(gk)
+            if gheap is None:
+                gheap = self._gheaps[gk] = []
+            heapq.heappush(gheap, (m.prio, key, -m.depth, m.version, block))
+            if len(gheap) > 2 * self._gsizes.get(m.group, 0) + 64:
+                self._compact_group(gk)
 
     def _compact(self, q: int) -> None:
         """Drop the stale entries of heap ``q`` (amortized O(1) a push: the heap never holds
@@ -473,8 +583,25 @@ class EvictionPolicy:
         heapq.heapify(live)
         self._heaps[q] = live
 
+    def _compact_group(self, gk: tuple) -> None:
+        meta, q = self._meta, gk[1]
+        live = [e for e in self._gheaps[gk]
+                if (m := meta.get(e[-1])) is not None and m.version == e[-2] and m.queue == q]
+        if live:
+            heapq.heapify(live)
+            self._gheaps[gk] = live
+        else:
+            del self._gheaps[gk]
+
     def _drop(self, block: Block, m: _Meta) -> None:
         del self._meta[block]
+        n = self._gsizes[m.group] - 1
+        if n:
+            self._gsizes[m.group] = n
+        else:  # the group's last block: its structures go too (groups come and go)
+            del self._gsizes[m.group]
+            for q in range(self.num_queues):
+                self._gheaps.pop((m.group, q), None)
         self._sizes[m.queue] -= 1
         m.version = next(self._seq)
         pm = self.parent_meta(m)
@@ -568,6 +695,11 @@ class DemotePolicy(EvictionPolicy):
         while len(ghosts) > self._cap():  # ids only: at most capacity of each
             ghosts.popitem(last=False)
 
+    def _queue_order(self) -> list[int]:
+        if self._sizes[self.PROBATION] > self._target:
+            return [self.PROBATION, self.MAIN]
+        return [self.MAIN, self.PROBATION]
+
     def _pick_queue(self) -> int | None:
         p_ok = self._top_valid(self.PROBATION)
         m_ok = self._top_valid(self.MAIN)
@@ -620,6 +752,7 @@ class HitDensityPolicy(EvictionPolicy):
         # evicted block -> (hits, last use, class): its return is a hit it would have had
         self._ghosts: OrderedDict[Block, tuple[int, int, int]] = OrderedDict()
         self._evictions = 0
+        self._glists: dict = {}  # group -> priority -> candidates (ranked only)
 
     # ---- classes and ages --------------------------------------------------------------------
     def _class(self, m: _Meta) -> int:
@@ -637,6 +770,8 @@ class HitDensityPolicy(EvictionPolicy):
         return self.capacity if self.capacity is not None else max(len(self._meta), 1)
 
     # ---- candidate list (replaces the heaps) -------------------------------------------------
+    # Ranked (retention priorities): each candidate is also in the list of its group and
+    # priority, ``_glists[group][prio]`` (empty lists are removed), at ``gslot``.
     def _withdraw(self, m: _Meta) -> None:
         i = m.slot
         if i < 0:
@@ -646,12 +781,29 @@ class HitDensityPolicy(EvictionPolicy):
         if i < len(self._cands):
             self._cands[i] = last
             self._meta[last].slot = i
+        j = m.gslot
+        if j >= 0:
+            m.gslot = -1
+            levels = self._glists[m.group]
+            lst = levels[m.prio]
+            last = lst.pop()
+            if j < len(lst):
+                lst[j] = last
+                self._meta[last].gslot = j
+            elif not lst:
+                del levels[m.prio]
+                if not levels:
+                    del self._glists[m.group]
 
     def _offer(self, block: Block, m: _Meta) -> None:
         if m.refs == 0 and m.children == 0:
             if m.slot < 0:
                 m.slot = len(self._cands)
                 self._cands.append(block)
+            if self._ranked and m.gslot < 0:
+                lst = self._glists.setdefault(m.group, {}).setdefault(m.prio, [])
+                m.gslot = len(lst)
+                lst.append(block)
         else:
             self._withdraw(m)
 
@@ -662,6 +814,16 @@ class HitDensityPolicy(EvictionPolicy):
     def _check_candidates(self, cands: set) -> None:
         assert set(self._cands) == cands and len(self._cands) == len(cands), "candidate list"
         assert all(self._meta[b].slot == i for i, b in enumerate(self._cands)), "slots"
+        if self._ranked:
+            seen = []
+            for g, levels in self._glists.items():
+                for p, lst in levels.items():
+                    assert lst, "empty priority list kept"
+                    for j, b in enumerate(lst):
+                        m = self._meta[b]
+                        assert (m.group, m.prio, m.gslot) == (g, p, j), f"group list of {b!r}"
+                    seen += lst
+            assert len(seen) == len(cands) and set(seen) == cands, "group lists"
 
     # ---- learning ----------------------------------------------------------------------------
     def _touch(self, block: Block, m: _Meta) -> None:
@@ -680,10 +842,22 @@ class HitDensityPolicy(EvictionPolicy):
             m.hits = hits + 1
 
     def evict(self) -> Block:
-        cands = self._cands
-        n = len(cands)
-        if n == 0:
+        return self._evict_chosen()
+
+    def _choose(self) -> Block:
+        if not self._cands:
             raise NoEvictableBlock(f"none of {len(self._meta)} cached blocks is evictable")
+        return self._least_dense(self._cands)
+
+    def _choose_in_group(self, victim: Block) -> Block:
+        m = self._meta[victim]
+        levels = self._glists[m.group]
+        low = min(levels)
+        return victim if low >= m.prio else self._least_dense(levels[low])
+
+    def _least_dense(self, cands: list) -> Block:
+        """The least dense of ``samples`` candidates drawn from ``cands`` (all if fewer)."""
+        n = len(cands)
         meta, clock, density = self._meta, self._clock, self._density
         rnd = self._rng.random
         best: Block = None
@@ -695,11 +869,6 @@ class HitDensityPolicy(EvictionPolicy):
             key = (density[self._class(m)][self._bucket(clock - m.last)], -m.depth, m.stamp)
             if best_key is None or key < best_key:
                 best, best_key = b, key
-        m = meta[best]
-        if m.refs or m.children:  # cannot happen (the list holds candidates only)
-            raise EvictionError(f"candidate {best!r} is in use or has cached children")
-        self._drop(best, m)
-        self._on_evict(best, m)
         return best
 
     def _on_evict(self, block: Block, m: _Meta) -> None:
@@ -816,6 +985,12 @@ class AdaptivePolicy(EvictionPolicy):
     def is_tail(self, block: Block) -> bool:
         return self.members[0].is_tail(block)
 
+    def group(self, block: Block):
+        return self.members[0].group(block)
+
+    def priority(self, block: Block) -> int:
+        return self.members[0].priority(block)
+
     # ---- updates: every member, and the sampled uses to the miniatures ------------------------
     def tick(self) -> int:
         rev = self._visited[::-1]
@@ -846,10 +1021,15 @@ class AdaptivePolicy(EvictionPolicy):
         self._clock = self.members[0]._clock
         return self._clock
 
-    def insert(self, block: Block, parent: Block | None = None, held: bool = False) -> None:
+    def insert(self, block: Block, parent: Block | None = None, held: bool = False,
+               group=None) -> None:  # fmt: skip
         for p in self.members:
-            p.insert(block, parent, held)
+            p.insert(block, parent, held, group)
         self._visit(block)
+
+    def set_priority(self, block: Block, priority: int) -> None:
+        for p in self.members:  # each member ranks within groups (the miniatures do not)
+            p.set_priority(block, priority)
 
     def touch(self, block: Block) -> None:
         for p in self.members:
@@ -955,8 +1135,7 @@ class BeladyPolicy(EvictionPolicy):
         m.version = next(self._seq)
         if m.refs == 0 and m.children == 0:
             # furthest next use first: heap on its negation
-            heapq.heappush(self._heaps[0], (-self._next.get(block, 1 << 62), -m.depth,
-                                            m.version, block))
+            self._push(block, m, 0, -self._next.get(block, 1 << 62))
 
 
 def make_policy(name: str, capacity: int | None = None) -> EvictionPolicy:

@@ -16,6 +16,23 @@ explanation scans siblings only where the caller's own chain is (the shared run 
 declaration, the owner's run holds its blocks alone), so nothing it says reaches past the
 shared part into another owner's blocks.
 
+Token-exact reuse (``partial_reuse``): after the cached full blocks, a match goes on into the
+next block when a cached block of the sequence's own namespace, a child of the last one hit,
+starts with the prompt's next tokens (``PrefixIndex.longest_child``): those tokens' K/V are
+copied into the sequence's own fresh block instead of being computed, so the hit is the true
+common prefix, not its floor to a block. The manager only plans the copy (``BlockCopy``,
+holding a reference on the source so nothing evicts it); the engine has it done by the model
+runner (``copy_partial_blocks``) before the step's forward. A cold run computes the same bits
+for those tokens (their K/V depend only on the tokens up to them, and the exact path is batch
+invariant), so cold == warm still holds bit for bit. Not inside a declared shared prefix:
+copying a block token by token would let a tenant test guesses of another's shared block one
+token at a time; a whole-block hit needs all of its tokens.
+
+Retention priorities (``request.RetentionPriority``, and a cache lease's implied one): the
+blocks a sequence hits or registers in its own namespace are ranked for it, as blocks of its
+tenant's group (``group_of``); a shared prefix's blocks are a group of their own, which no
+request ranks.
+
 With caching disabled the manager is ``NoCaching`` (``kv_cache_manager`` picks it): every
 match is empty, nothing is registered, an explanation says caching is off; allocation and
 freeing are the same, so the rest of the engine runs unchanged.
@@ -23,8 +40,11 @@ freeing are the same, so the rest of the engine runs unchanged.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from prefixcache.api.request import CacheExplanation, SharedPrefix
 from prefixcache.cache.block_pool import BlockPool
@@ -67,20 +87,55 @@ MAX_JOINS = 65536
 MAX_CACHED_ROOTS = 4096
 
 
+class BlockCopy(NamedTuple):
+    """Copy the K/V of block ``src``'s first ``num_tokens`` tokens into block ``dst`` (its
+    slots 0..num_tokens-1): a partial block reused token-exactly."""
+
+    src: int
+    dst: int
+    num_tokens: int
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def kv_cache_manager(pool: BlockPool, model_fingerprint: str, enable_caching: bool = True):
+def kv_cache_manager(
+    pool: BlockPool,
+    model_fingerprint: str,
+    enable_caching: bool = True,
+    clock: Callable[[], float] = time.monotonic,
+    partial_reuse: bool = True,
+):
     """The manager for the config: ``KVCacheManager``, or ``NoCaching`` with caching off."""
-    return (KVCacheManager if enable_caching else NoCaching)(pool, model_fingerprint)
+    cls = KVCacheManager if enable_caching else NoCaching
+    return cls(pool, model_fingerprint, clock, partial_reuse)
+
+
+def shared_group(namespace: str | None) -> tuple:
+    """The retention group of a shared namespace's blocks (never a tenant's name: a tuple)."""
+    return ("shared", namespace)
 
 
 class KVCacheManager:
     enable_caching = True
 
-    def __init__(self, pool: BlockPool, model_fingerprint: str):
+    def __init__(
+        self,
+        pool: BlockPool,
+        model_fingerprint: str,
+        clock: Callable[[], float] = time.monotonic,
+        partial_reuse: bool = True,
+    ):
+        """``clock``: what retention priorities' ends are measured on (the engine's);
+        ``partial_reuse``: token-exact matches (a partial block's tokens copied)."""
         self.pool = pool
+        self.clock = clock
+        self.partial_reuse = partial_reuse
+        # id(seq) -> (seq, its planned copy), from admission until the copy ran or seq freed;
+        # each holds a reference on its source block.
+        self._copies: dict[int, tuple[Sequence, BlockCopy]] = {}
+        self.partial_hit_tokens = 0  # of hit_tokens, those copied from partial blocks
         self.block_size = pool.block_size
         self.model_fingerprint = model_fingerprint
         self._roots: OrderedDict[str | None, BlockHash] = OrderedDict()
@@ -172,6 +227,37 @@ class KVCacheManager:
             chunks, start = chunks[k - start :], k
         seq.block_keys.extend(chain_keys(chunks, self.parent_of(seq, start)))
 
+    # ---- retention priorities ----------------------------------------------------------------
+    @staticmethod
+    def group_of(seq: Sequence, i: int):
+        """The retention group of ``seq``'s block ``i``: the shared namespace's own within a
+        declared shared prefix, else its tenant's."""
+        if i < seq.num_shared_blocks:
+            return shared_group(seq.shared_namespace)
+        return seq.tenant
+
+    def rank(
+        self,
+        seq: Sequence,
+        block_ids: list[int],
+        priority: int,
+        seconds: float | None,
+        now: float | None = None,
+    ) -> int:
+        """Rank ``block_ids`` (blocks of ``seq``) of its tenant's group at ``priority`` for
+        ``seconds`` from ``now`` (default: the clock's; None: while cached); blocks of a shared
+        prefix are left alone."""
+        if seconds is None:
+            until = None
+        else:
+            until = (self.clock() if now is None else now) + seconds
+        return self.pool.set_retention(block_ids, priority, until, seq.tenant)
+
+    def _rank_own(self, seq: Sequence, block_ids: list[int]) -> None:
+        r = seq.retention_priority
+        if r is not None and block_ids:
+            self.rank(seq, block_ids, r.priority, r.seconds)
+
     # ---- matching ------------------------------------------------------------------------------
     def _match(self, keys: list[BlockHash], token_ids: list[int], scope: KeyScope) -> PrefixMatch:
         """``pool.match`` of a chain that may cross from a shared prefix into its owner's part:
@@ -189,12 +275,35 @@ class KVCacheManager:
         tail = self.pool.match(keys[k:], token_ids[k * b :], parent)
         return PrefixMatch(head.block_ids + tail.block_ids, head.num_tokens + tail.num_tokens)
 
+    def _partial(self, m: PrefixMatch, token_ids: list[int], usable: int, scope: KeyScope) -> PrefixMatch:
+        """``m`` (whole blocks) continued token-exactly into the next block: by the cached
+        child of its last block, in the scope's own namespace, that shares the most of the
+        prompt's next tokens (up to ``usable``). No side effects."""
+        i = len(m.block_ids)
+        start = i * self.block_size
+        if not self.partial_reuse or i < scope.shared_blocks or start >= usable:
+            return m
+        index = self.pool.index
+        if i == 0:
+            parent = self.root(scope.namespace)
+        elif i == scope.shared_blocks:
+            parent = join_hash(index.key_of(m.block_ids[-1]), self.root(scope.namespace))
+        else:
+            parent = index.key_of(m.block_ids[-1])
+        hit = index.longest_child(parent, token_ids[start : min(usable, start + self.block_size)])
+        if hit is None or hit[0].namespace != scope.namespace:  # (the chain says it is ours)
+            return m
+        return PrefixMatch(m.block_ids, start + hit[1], hit[0].block_id)
+
     def match(self, seq: Sequence) -> PrefixMatch:
-        """Cached leading blocks usable by ``seq`` now (capped at len - 1 tokens). No side effects."""
+        """Cached leading tokens usable by ``seq`` now (capped at len - 1 tokens): whole blocks,
+        then a partial one's tokens. No side effects."""
         usable = seq.num_tokens - 1
         self.extend_keys(seq, usable)
         n_full = usable // self.block_size
-        return self._match(seq.block_keys[:n_full], seq.all_token_ids, self.scope_of(seq))
+        scope = self.scope_of(seq)
+        tokens = seq.all_token_ids
+        return self._partial(self._match(seq.block_keys[:n_full], tokens, scope), tokens, usable, scope)
 
     def match_prompt(self, token_ids: list[int], scope: KeyScope) -> PrefixMatch:
         """Cached leading full blocks of ``token_ids`` (all of them, not capped). No side effects."""
@@ -209,16 +318,17 @@ class KVCacheManager:
         usable = len(token_ids) - 1
         scope = self.scope(namespace, shared, len(token_ids))
         if scope.shared_blocks:
-            return self._match(self.keys_in(token_ids[:usable], scope), token_ids, scope).num_tokens
-        # Hash and walk in one loop over the first len - 1 tokens; stops at the first miss.
-        m = self.pool.match_tokens(token_ids, self.root(namespace), usable)
-        return m.num_tokens
+            m = self._match(self.keys_in(token_ids[:usable], scope), token_ids, scope)
+        else:  # hash and walk in one loop over the first len - 1 tokens; stops at the first miss
+            m = self.pool.match_tokens(token_ids, self.root(namespace), usable)
+        return self._partial(m, token_ids, usable, scope).num_tokens
 
     def num_new_blocks_for_admission(self, seq: Sequence, m: PrefixMatch, num_new_tokens: int) -> int:
         """Allocatable blocks an admission with this match would consume (hits on evictable
         blocks take them out of the LRU, so they count too; pinned ones are not allocatable)."""
         fresh = blocks_needed(m.num_tokens + num_new_tokens, self.block_size) - len(m.block_ids)
-        idle_hits = self.pool.num_evictable(m.block_ids)
+        held = m.block_ids if m.partial_block is None else [*m.block_ids, m.partial_block]
+        idle_hits = self.pool.num_evictable(held)
         return fresh + idle_hits
 
     def admit(self, seq: Sequence, m: PrefixMatch, num_new_tokens: int) -> bool:
@@ -228,15 +338,23 @@ class KVCacheManager:
             return False
         self.pool.tick()  # a request's use of the cache begins (the eviction policy's clock)
         self.pool.acquire(m.block_ids)
+        if m.partial_block is not None:  # the copy's source: held until the copy has run
+            self.pool.acquire([m.partial_block])
+        self._rank_own(seq, m.block_ids)
         seq.block_table = list(m.block_ids)
         seq.num_registered_blocks = len(m.block_ids)
         seq.num_computed_tokens = m.num_tokens
         ok = self.allocate_slots(seq, num_new_tokens)
         assert ok, "allocation failed after the admission check"
+        partial = m.partial_tokens(self.block_size)
+        if m.partial_block is not None:
+            copy = BlockCopy(m.partial_block, seq.block_table[len(m.block_ids)], partial)
+            self._copies[id(seq)] = (seq, copy)
         if seq.num_cached_tokens is None:  # first admission: what the user sees as cached
             seq.num_cached_tokens = m.num_tokens
             self.query_tokens += seq.num_prompt_tokens
             self.hit_tokens += m.num_tokens
+            self.partial_hit_tokens += partial
             mine = self.by_tenant.setdefault(seq.tenant, [0, 0])
             mine[0] += seq.num_prompt_tokens
             mine[1] += m.num_tokens
@@ -269,6 +387,7 @@ class KVCacheManager:
             holder = self.pool.register(
                 mine, seq.block_keys[i], self.parent_of(seq, i), tokens[i * b : (i + 1) * b],
                 seq.namespace_of_block(i), parent_block=seq.block_table[i - 1] if i else None,
+                group=self.group_of(seq, i),
             )
             if holder is None:  # a key collision: ours stays private, and so does the rest
                 seq.max_registered_blocks = n_full = i  # (their keys chain from this one)
@@ -277,6 +396,7 @@ class KVCacheManager:
                 self.pool.acquire([holder])
                 seq.block_table[i] = holder
                 self.pool.release([mine])
+        self._rank_own(seq, seq.block_table[seq.num_registered_blocks : n_full])
         seq.num_registered_blocks = n_full
 
     def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
@@ -286,8 +406,29 @@ class KVCacheManager:
         assert num_tokens <= len(seq.block_table) * self.block_size, "computed past the blocks"
         seq.num_computed_tokens = num_tokens
 
+    def copy_partial_blocks(self, copy: Callable[[list[BlockCopy]], None]) -> int:
+        """Have the planned copies of partial blocks done (``copy``: the model runner's
+        ``copy_kv``; the engine calls this after scheduling, before the forward), then let go
+        of their sources. Returns how many ran."""
+        if not self._copies:
+            return 0
+        planned, self._copies = list(self._copies.values()), {}
+        try:
+            copy([c for _, c in planned])
+        finally:
+            self.pool.release([c.src for _, c in planned], tail=False)
+        return len(planned)
+
+    def copy_sources(self) -> list[list[int]]:
+        """The blocks held for planned copies, as one-block tables (the references they hold,
+        for ``check_integrity``)."""
+        return [[c.src] for _, c in self._copies.values()]
+
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq`` (finish, abort, preemption); computed ones stay cached."""
+        planned = self._copies.pop(id(seq), None)
+        if planned is not None:  # admitted and freed before its copy ran: nothing to copy
+            self.pool.release([planned[1].src], tail=False)
         self.pool.release(seq.block_table)
         seq.block_table = []
         seq.num_registered_blocks = 0
@@ -319,8 +460,8 @@ class KVCacheManager:
         namespace = scope.namespace
         usable = max(n - 1, 0)
         keys = self.keys_in(token_ids[:usable], scope)
-        m = self._match(keys, token_ids, scope)
-        cached = m.num_tokens
+        m = self._partial(self._match(keys, token_ids, scope), token_ids, usable, scope)
+        cached = m.num_tokens  # what a request gets: whole blocks, then a partial one's tokens
         if len(m.block_ids) == len(keys):
             reason = "full_hit" if cached == usable else "partial_block"
             return CacheExplanation(cached, cached, reason)
@@ -345,7 +486,7 @@ class KVCacheManager:
             best = max(best, common)
         # Sharing no token at all with any cached prompt is not a divergence.
         if best > 0 or (best == 0 and i > 0):
-            return CacheExplanation(cached, cached, "diverged", diverged_at=cached + best)
+            return CacheExplanation(cached, cached, "diverged", diverged_at=i * b + best)
         for ns in other_namespaces:
             if ns == namespace:
                 continue

@@ -7,10 +7,16 @@ Contracts:
   ``hashing.py``), so a hash collision can never serve the KV of different tokens or of another
   prefix (the check is one compare of 16 + 4·block_size bytes per block).
 - Evicted keys are remembered (bounded) only to tell "evicted" from "never seen" in explanations.
+- ``longest_child`` finds, among the cached children of a key, the one whose tokens share the
+  longest prefix with a few tokens (token-exact reuse of a partial block, manager.py): each
+  parent keeps its children sorted by their encoded tokens, and in lexicographic order the
+  string sharing the longest prefix with a query is next to where the query would sort, so a
+  lookup is one bisection and two comparisons, however many children a block has.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -46,10 +52,25 @@ _MISS = IndexEntry(-1, b"", None)  # compares unequal to every key input
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """Leading full blocks of a prompt that are cached, in order."""
+    """Leading full blocks of a prompt that are cached, in order; with ``partial_block`` (the
+    KV cache manager's token-exact match), a cached block whose leading tokens continue the
+    prompt after them: ``num_tokens`` counts those too (``partial_tokens``)."""
 
     block_ids: list[int]
     num_tokens: int
+    partial_block: int | None = None
+
+    def partial_tokens(self, block_size: int) -> int:
+        return self.num_tokens - len(self.block_ids) * block_size
+
+
+def _common_tokens(a: bytes, b: bytes) -> int:
+    """How many leading 4-byte token ids two encodings share."""
+    n = min(len(a), len(b))
+    x = int.from_bytes(a[:n], "big") ^ int.from_bytes(b[:n], "big")
+    if x == 0:
+        return n // 4
+    return (n - (x.bit_length() + 7) // 8) // 4
 
 
 class PrefixIndex:
@@ -57,8 +78,9 @@ class PrefixIndex:
         self.block_size = block_size
         self._entries: dict[BlockHash, IndexEntry] = {}
         self._key_of_block: dict[int, BlockHash] = {}
-        # parent key -> child keys; lets an explanation find where a prompt diverged.
-        self._children: dict[BlockHash, set[BlockHash]] = {}
+        # parent key -> its children as (encoded tokens || key), sorted: where a prompt diverged
+        # (an explanation) and which child continues it furthest (``longest_child``).
+        self._children: dict[BlockHash, list[bytes]] = {}
         self._evicted: OrderedDict[BlockHash, None] = OrderedDict()
         self._evicted_memory = evicted_memory
         # namespace -> its indexed blocks. The registry of namespaces is exactly the namespaces
@@ -164,7 +186,7 @@ class PrefixIndex:
         assert block_id not in self._key_of_block, f"block {block_id} already indexed"
         self._entries[key] = IndexEntry(block_id, key_input, namespace)
         self._key_of_block[block_id] = key
-        self._children.setdefault(parent, set()).add(key)
+        bisect.insort(self._children.setdefault(parent, []), key_input[KEY_BYTES:] + key)
         self._by_namespace.setdefault(namespace, set()).add(block_id)
         self._evicted.pop(key, None)
         if self.events is not None:
@@ -183,7 +205,10 @@ class PrefixIndex:
             del self._by_namespace[e.namespace]
         kids = self._children.get(e.parent)
         if kids is not None:
-            kids.discard(key)
+            item = e.key_input[KEY_BYTES:] + key
+            i = bisect.bisect_left(kids, item)
+            if i < len(kids) and kids[i] == item:
+                del kids[i]
             if not kids:
                 del self._children[e.parent]
         if self.events is not None:
@@ -211,16 +236,39 @@ class PrefixIndex:
         return key in self._evicted
 
     def children(self, parent: BlockHash) -> list[IndexEntry]:
-        return [self._entries[k] for k in self._children.get(parent, ())]
+        return [self._entries[c[-KEY_BYTES:]] for c in self._children.get(parent, ())]
+
+    def longest_child(
+        self, parent: BlockHash, token_ids: Sequence[int]
+    ) -> tuple[IndexEntry, int] | None:
+        """The cached child of ``parent`` whose tokens share the longest prefix with
+        ``token_ids`` (at most a block of them), and how many tokens they share; None when no
+        child shares even the first. No side effects."""
+        kids = self._children.get(parent)
+        if not kids or not token_ids:
+            return None
+        q = encode_tokens(token_ids)
+        i = bisect.bisect_left(kids, q)
+        best, best_n = None, 0
+        for j in (i - 1, i):  # the neighbours in sorted order share the most with the query
+            if 0 <= j < len(kids):
+                n = _common_tokens(kids[j][: len(q)], q)
+                if n > best_n:
+                    best, best_n = kids[j], n
+        if best is None:
+            return None
+        return self._entries[best[-KEY_BYTES:]], min(best_n, len(token_ids))
 
     def check_integrity(self) -> None:
         assert len(self._entries) == len(self._key_of_block), "entry/block maps differ in size"
         for key, e in self._entries.items():
             assert self._key_of_block.get(e.block_id) == key, f"block {e.block_id} maps elsewhere"
             assert len(e.key_input) == KEY_BYTES + 4 * self.block_size, "indexed block is not full"
-            assert key in self._children.get(e.parent, ()), "child link missing"
+            assert e.key_input[KEY_BYTES:] + key in self._children.get(e.parent, ()), (
+                "child link missing")
         n_links = sum(len(v) for v in self._children.values())
         assert n_links == len(self._entries), "dangling child links"
+        assert all(v == sorted(v) for v in self._children.values()), "children out of order"
         by_ns = sum(len(v) for v in self._by_namespace.values())
         assert by_ns == len(self._entries) and all(self._by_namespace.values()), "namespace map"
         for ns, blocks in self._by_namespace.items():

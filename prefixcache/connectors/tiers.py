@@ -171,7 +171,7 @@ class TierConnector(KVConnector):
                 namespace = seq.namespace_of_block(i)
                 holder = pool.register(
                     bid, ref.key, ref.key_input[:KEY_BYTES], tokens[i * b : (i + 1) * b],
-                    namespace, parent_block=prev,
+                    namespace, parent_block=prev, group=self.kv.group_of(seq, i),
                 )  # fmt: skip
                 if holder is None:
                     break  # a key collision: nothing chained on it is installed

@@ -14,6 +14,12 @@ tenant. So a lease is a pin, the one mechanism, with everything pins promise:
   cannot be held is *rejected* with the reason, and the request runs on unchanged (its blocks
   stay cached as any request's, evictable).
 
+A lease also *ranks* its blocks at the top retention priority (100) for its TTL, whatever the
+pin got: retention priorities order only the tenant's own blocks for eviction (which of its
+blocks go, never whose; cache/eviction.py), so they need no quota, and a lease refused over
+the quota still keeps its prefix ahead of the tenant's other blocks. Blocks of a shared prefix
+are not the tenant's to rank and keep theirs.
+
 Deadlines are on the engine's clock (``LLMEngine.clock``), which tests inject.
 """
 
@@ -25,15 +31,17 @@ from prefixcache.api.request import (
     LEASE_ACCEPTED,
     LEASE_CLIPPED,
     LEASE_REJECTED,
+    MAX_RETENTION_PRIORITY,
     CacheLease,
     LeaseGrant,
 )
 from prefixcache.cache.block_pool import BlockPool
+from prefixcache.cache.manager import KVCacheManager
 from prefixcache.sequence import Sequence
 
 
 def grant_leases(
-    pool: BlockPool,
+    kv: KVCacheManager,
     seq: Sequence,
     leases: Iterable[CacheLease],
     *,
@@ -42,7 +50,9 @@ def grant_leases(
     caching: bool,
 ) -> tuple[LeaseGrant, ...]:
     """Pin each lease's whole blocks of ``seq``'s prompt (computed and registered: the step
-    committed them) for its TTL, owned by ``seq.tenant``."""
+    committed them) for its TTL, owned by ``seq.tenant``, and rank them at the top priority
+    for that TTL among the tenant's own blocks."""
+    pool = kv.pool
     b = pool.block_size
     out = []
     for lease in leases:
@@ -58,6 +68,7 @@ def grant_leases(
             out.append(_rejected("not_cached"))
             continue
         ttl = min(lease.ttl_seconds, max_ttl)
+        kv.rank(seq, blocks, MAX_RETENTION_PRIORITY, ttl, now)
         try:
             pool.pin(blocks, ttl, now, owner=seq.tenant)
         except ValueError:  # over the quota or the budget; a failed pin pins nothing

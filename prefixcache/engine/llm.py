@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
-from prefixcache.api.request import RequestOutput, SamplingParams, SharedPrefix
+from prefixcache.api.request import RequestOutput, RetentionPriority, SamplingParams, SharedPrefix
 from prefixcache.config import EngineConfig
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.segments.plan import (
@@ -47,11 +47,14 @@ class LLM:
         priority: Seq[int] | None = None,
         segments: Seq[SegmentRequest | None] | None = None,
         shared_prefixes: Seq[SharedPrefix | None] | None = None,
+        retention_priority: RetentionPriority | None = None,
     ) -> list[RequestOutput]:
         """Run the prompts as one batch through the scheduler; outputs in input order.
         ``segments`` (one per prompt, as ``chat(cache_mode="segments")`` builds them): document
         spans to reuse through the segment store. ``shared_prefixes`` (one per prompt): the
-        leading tokens cached in a shared namespace, the rest in ``cache_salt``'s."""
+        leading tokens cached in a shared namespace, the rest in ``cache_salt``'s.
+        ``retention_priority``: how the blocks these requests use rank for eviction
+        (``RetentionPriority(priority 0-100, seconds)``; docs/engine.md)."""
         plist = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -71,7 +74,7 @@ class LLM:
                 shared = None if shared_prefixes is None else shared_prefixes[i]
                 seqs.append(self.engine.add_request(
                     rid, p, sp, namespace=cache_salt, priority=prio, segments=seg,
-                    shared_prefix=shared))  # fmt: skip
+                    shared_prefix=shared, retention_priority=retention_priority))  # fmt: skip
         except BaseException:
             for s in seqs:  # nothing half-added stays behind
                 self.engine.abort(s.request_id)

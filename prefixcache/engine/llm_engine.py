@@ -35,6 +35,7 @@ from prefixcache.api.request import (
     CacheExplanation,
     RequestMetrics,
     RequestStatus,
+    RetentionPriority,
     SamplingParams,
     SharedPrefix,
 )
@@ -110,7 +111,8 @@ class LLMEngine:
             max_pinned_blocks=int(layout.num_blocks * config.pin_budget_fraction),
             eviction_policy=config.eviction_policy,
         )
-        self.kv = kv_cache_manager(pool, self.fingerprint, config.enable_prefix_caching)
+        self.kv = kv_cache_manager(pool, self.fingerprint, config.enable_prefix_caching, clock,
+                                   config.partial_block_reuse)  # fmt: skip
         self.scheduler = Scheduler(config, self.kv)
         # Segments, the persistent tiers, KV events: what the config asks for (connectors/build.py).
         self.connectors = build_connectors(config, self.fingerprint, self.kv, self.runner)
@@ -191,6 +193,12 @@ class LLMEngine:
         Pure: no lock needed."""
         self.validate(ids, request.params)
         check_shared_prefix(request.shared_prefix, len(ids))
+        if request.retention_priority is not None and not isinstance(
+            request.retention_priority, RetentionPriority
+        ):
+            raise InvalidRequestError(
+                "retention_priority must be a RetentionPriority", param="retention_priority"
+            )
         if request.retention not in (None, *RETENTIONS):
             raise InvalidRequestError(
                 f"retention must be one of {RETENTIONS}, got {request.retention!r}",
@@ -220,6 +228,7 @@ class LLMEngine:
             num_shared_blocks=scope.shared_blocks,
             tenant=r.tenant,
             priority=r.priority,
+            retention_priority=r.retention_priority,
             prompt=text,
             explain=r.explain,
             metrics=RequestMetrics(time.time() if r.arrival_time is None else r.arrival_time),
@@ -267,6 +276,9 @@ class LLMEngine:
                         seq.prompt_token_ids, self.kv.scope_of(seq), ()
                     )
             out = self.scheduler.schedule()
+            # Partial blocks reused token-exactly at admission: their tokens' K/V are copied
+            # before anything computes after them (cache/manager.py).
+            self.kv.copy_partial_blocks(self.runner.copy_kv)
             if not out.scheduled:
                 self.connectors.idle_wait(IDLE_WAIT)  # only connector work is left: briefly
                 return []
@@ -329,7 +341,7 @@ class LLMEngine:
         leases = self._leases.pop(seq.request_id, None)
         if leases:
             seq.lease_grants = grant_leases(
-                self.pool, seq, leases, now=self.clock(),
+                self.kv, seq, leases, now=self.clock(),
                 max_ttl=self.config.max_pin_ttl_seconds, caching=self.kv.enable_caching,
             )  # fmt: skip
 

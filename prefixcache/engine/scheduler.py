@@ -131,7 +131,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def live_block_tables(self) -> list[list[int]]:
-        return [s.block_table for s in self.running] + [s.block_table for s in self.waiting]
+        """Every reference held: the sequences' block tables and the copies' sources."""
+        tables = [s.block_table for s in self.running] + [s.block_table for s in self.waiting]
+        return tables + self.kv.copy_sources()
 
     # ---- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -126,6 +126,28 @@ class KVCache:
         if off != src.numel():
             raise ValueError(f"block payload of {len(data)} bytes, {off} expected")
 
+    def copy_tokens(self, copies) -> None:
+        """For each ``(src, dst, n)``: slots 0..n-1 of block ``src`` into block ``dst``, in
+        every layer, K, V and their scales, byte for byte; one gather and scatter per tensor.
+        ``dst`` must not be a source of the same call (the engine's never is: a fresh block)."""
+        bs = self.layout.block_size
+        src: list[int] = []
+        dst: list[int] = []
+        for s, d, n in copies:
+            if not 0 <= n <= bs:
+                raise ValueError(f"cannot copy {n} tokens of a block of {bs}")
+            src.extend(range(s * bs, s * bs + n))
+            dst.extend(range(d * bs, d * bs + n))
+        if not src:
+            return
+        dev = self.k.device
+        si = torch.tensor(src, dtype=torch.long, device=dev)
+        di = torch.tensor(dst, dtype=torch.long, device=dev)
+        for t in (self.k, self.v, self.k_scale, self.v_scale):
+            if t is not None:
+                raw = _raw(t)  # slots are dim 2 of K/V [L, H, slots, D] and scales [L, H, slots]
+                raw.index_copy_(2, di, raw.index_select(2, si))
+
     def layer(self, i: int, native: bool = False) -> LayerKV:
         ks = None if self.k_scale is None else self.k_scale[i]
         vs = None if self.v_scale is None else self.v_scale[i]

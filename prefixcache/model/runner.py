@@ -173,6 +173,13 @@ class ModelRunner:
             self.kv.layer(i, native).store(slots, kt, vt)
 
     @torch.inference_mode()
+    def copy_kv(self, copies) -> None:
+        """For each ``(src, dst, num_tokens)`` (``cache.manager.BlockCopy``), the K/V of block
+        ``src``'s first ``num_tokens`` tokens into block ``dst``'s, bytes as stored (token-exact
+        reuse of a partial block: the copied K/V are the bits a cold run computes)."""
+        self.kv.copy_tokens(copies)
+
+    @torch.inference_mode()
     def probe(self, token_ids: Seq[int], block_table: list[int], start: int, end: int,
               max_chunk: int) -> torch.Tensor:  # fmt: skip
         """The layer-1 V deviation of each token in ``[start, end)`` (float32 on the CPU,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, StrictInt
 
 from prefixcache.server.errors import APIError
 from prefixcache.server.protocol import _Body
@@ -196,6 +196,9 @@ class MessagesRequest(_MessagesPrompt):
     # Our extensions (docs/server.md): the hit/miss explanation, the caller's own queue order.
     return_cache_info: bool = False
     priority: int = 0
+    # How the blocks it uses rank for eviction among the tenant's own (as on the OpenAI routes).
+    retention_priority: StrictInt | None = None
+    retention_priority_seconds: float | None = None
     # Anthropic's: why the cache could not reuse an earlier response's prefix (comparison.py).
     diagnostics: Diagnostics | None = None
 

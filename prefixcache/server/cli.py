@@ -73,6 +73,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="reuse the KV cache of shared prompt prefixes",
     )
     m.add_argument(
+        "--partial-block-reuse",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse a cached block's leading tokens when a prompt diverges inside it, so a "
+        "hit is the whole common prefix, not its floor to a block (docs/design.md §4)",
+    )
+    m.add_argument(
         "--kv-cache-memory",
         default=None,
         help="KV cache size, e.g. 2GiB or 512MiB (default: the engine's)",
@@ -442,6 +449,7 @@ def _engine_config(args: argparse.Namespace):
         kv_cache_memory=args.kv_cache_memory,
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
+        partial_block_reuse=args.partial_block_reuse,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

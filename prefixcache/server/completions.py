@@ -65,7 +65,7 @@ async def completions(request: Request) -> Response:
     run = s.start(
         "cmpl", prompts, params, req.n, tenant, scope.namespace, req.priority,
         req.return_cache_info, retention=req.prompt_cache_retention,
-        prompt_cache_key=req.prompt_cache_key,
+        prompt_cache_key=req.prompt_cache_key, retention_priority=s.retention_priority(req),
     )  # fmt: skip
     fmt = _CompletionFormat(s, run, req.logprobs, texts)
     _keep(s, tenant, run, req, record, diagnosis, fmt)
@@ -101,6 +101,7 @@ async def chat_completions(request: Request) -> Response:
         "chatcmpl", [ids], [params], req.n, tenant, scope.namespace, req.priority,
         req.return_cache_info, segments, scope.prefix(chat.system_tokens),
         retention=req.prompt_cache_retention, prompt_cache_key=req.prompt_cache_key,
+        retention_priority=s.retention_priority(req),
     )  # fmt: skip
     fmt = _ChatFormat(s, run, k, texts)
     _keep(s, tenant, run, req, record, diagnosis, fmt)

@@ -75,6 +75,7 @@ async def messages(request: Request) -> Response:
         req.return_cache_info, shared_prefix=cache_breakpoints.shared_prefix(
             prompt.breakpoints, scope),
         leases=cache_breakpoints.leases(prompt.breakpoints),
+        retention_priority=s.retention_priority(req),
     )  # fmt: skip
     if record is not None:
         s.responses.put(tenant.name, run.id, record)

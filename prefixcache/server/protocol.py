@@ -15,7 +15,7 @@ import asyncio
 from typing import Literal, TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from prefixcache.server.body import parse_json, read_body
 from prefixcache.server.errors import APIError, validation_error
@@ -84,6 +84,11 @@ class _Generation(_Body):
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=256)
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: PromptCacheOptions | None = None
+    # Our extension, TensorRT-LLM's retention priority: how the blocks this request uses rank
+    # for eviction among the tenant's own (0-100, range checked by RetentionPriority), for
+    # retention_priority_seconds (None: while cached).
+    retention_priority: StrictInt | None = None
+    retention_priority_seconds: float | None = None
     # Segment caching (docs/segments.md): "segments" reuses each document message's KV wherever
     # it appears (approximate; chat only). Any other value is a 422.
     cache_mode: Literal["prefix", "segments"] = "prefix"

@@ -19,7 +19,7 @@ import jinja2
 
 from prefixcache.api.engine import EngineAPI, EngineRequest
 from prefixcache.api.errors import InvalidRequestError
-from prefixcache.api.request import CacheLease, SamplingParams, SharedPrefix
+from prefixcache.api.request import CacheLease, RetentionPriority, SamplingParams, SharedPrefix
 from prefixcache.segments.plan import DEFAULT_RECOMPUTE_TOKENS, SegmentOptions, SegmentRequest
 from prefixcache.server.activity import Activity
 from prefixcache.server.auth import CacheScope, Tenant, TenantDirectory
@@ -243,6 +243,20 @@ class Serving:
             raise as_api_error(e) from None
         return SegmentRequest(tuple(spans), opts)
 
+    @staticmethod
+    def retention_priority(req) -> RetentionPriority | None:
+        """The request's ``retention_priority`` (0-100) and ``retention_priority_seconds``
+        (400 naming the field when out of range, or seconds without a priority)."""
+        if req.retention_priority is None:
+            if req.retention_priority_seconds is not None:
+                raise APIError(400, "retention_priority_seconds needs retention_priority",
+                               param="retention_priority_seconds")  # fmt: skip
+            return None
+        try:
+            return RetentionPriority(req.retention_priority, req.retention_priority_seconds)
+        except InvalidRequestError as e:
+            raise as_api_error(e) from None
+
     async def cache_prompt(
         self, req: _CacheQuery, tenant: Tenant, scope: CacheScope
     ) -> tuple[list[int], SharedPrefix | None]:
@@ -374,13 +388,15 @@ class Serving:
         leases: tuple[CacheLease, ...] = (),
         retention: str | None = None,
         prompt_cache_key: str | None = None,
+        retention_priority: RetentionPriority | None = None,
     ) -> Run:
         """Add every choice to the engine; on any refusal abort those already added. The whole
         request is admitted or refused at once (429 for a tenant over its share).
         ``shared_prefix``: declared by every prompt (a chat's one prompt); ``leases``: asked
         by every prompt (a Messages request's cache breakpoints); ``retention``: how its blocks
         are kept beyond RAM (EngineRequest); ``prompt_cache_key``: the group its per-key
-        stats count in (cache_keys.py)."""
+        stats count in (cache_keys.py); ``retention_priority``: how the blocks it uses rank
+        for eviction among the tenant's own."""
         total = len(prompts) * n
         cfg = self.engine.config
         most = min(cfg.max_waiting_requests, cfg.tenant_waiting_limit)
@@ -408,7 +424,7 @@ class Serving:
                         choice.request_id, ids, choice_sp, namespace, priority, explain,
                         tenant=tenant.name, explain_across_namespaces=tenant.admin,
                         segments=segments, shared_prefix=shared_prefix, leases=leases,
-                        retention=retention,
+                        retention=retention, retention_priority=retention_priority,
                     ))  # fmt: skip
                     run.choices.append(choice)
         except BaseException as e:
