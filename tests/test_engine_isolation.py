@@ -290,7 +290,8 @@ def test_steps_are_short_while_another_tenant_is_active(llm_cold):
     eng.step()
     assert eng.scheduler.counters.batched_tokens == 256  # alone: the whole budget
     short = eng.tokenizer.encode(PROSE[:60])[:18]  # <= the step's 40
-    b = eng.add_request("b0", short, sp, tenant="b")
+    # b's own namespace: nothing of a's prompts (which start with the same prose) is a hit
+    b = eng.add_request("b0", short, sp, tenant="b", namespace="b")
     progress = {s.request_id: s.num_computed_tokens for s in a}
     before = eng.scheduler.counters.batched_tokens
     eng.step()

@@ -206,8 +206,8 @@ def test_miss_reasons(alice):
     info = alice.reason(b, **salt)
     assert info["reason"] == "diverged"
     assert (info["cached_tokens"], info["first_uncached_position"], info["diverged_at"]) == (
-        16, 16, 20,
-    )  # fmt: skip
+        20, 20, 20,
+    )  # fmt: skip  (token-exact: block 1's first 4 tokens are copied, the hit ends where b diverges)
     c = ids(7, 40)
     alice.complete(c, **salt)
     info = alice.reason(c, **salt)  # two blocks hit; the 7-token tail is never cached

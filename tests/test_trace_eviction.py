@@ -280,8 +280,9 @@ def test_engine_model_never_shares_a_partial_tail_and_stops_at_len_minus_one():
     """Hand-checked against the trace model: r1 repeats r0's ids [1, 2] (2 blocks, the last
     partial, then a new full block 3). Trace model: r1 hits both (1024 of 1536 trace tokens).
     Engine (8 tokens a block): r0 is 8 + 3 tokens, r1 8 + 8 + 8; r1 hits block 1 only (8 of
-    24): r0's partial block 2 was never cached. A repeat of r1 (r2) hits 16 of 24: its last
-    block is recomputed (len - 1)."""
+    24): r0's partial block 2 was never cached. A repeat of r1 (r2) hits 23 of 24 (len - 1:
+    the last token is recomputed), 7 of them copied token-exactly from the cached block 3;
+    without partial-block reuse it hits 16, its last block recomputed whole."""
     from prefixcache.analyze.engine_sim import simulate_engine
 
     rows = [{"timestamp": 0, "input_length": 700, "output_length": 1, "hash_ids": [1, 2]},
@@ -291,6 +292,8 @@ def test_engine_model_never_shares_a_partial_tail_and_stops_at_len_minus_one():
     assert simulate_trace(reqs, "lru", 10).ram_hit_tokens == 1024 + 1536
     for policy in ("lru", "lru-demote", "hit-density"):
         e = simulate_engine(reqs, policy, 10, block_tokens=8)
+        assert (e.query_tokens, e.hit_tokens) == (11 + 24 + 24, 8 + 23)
+        e = simulate_engine(reqs, policy, 10, block_tokens=8, partial_reuse=False)
         assert (e.query_tokens, e.hit_tokens) == (11 + 24 + 24, 8 + 16)
 
 
