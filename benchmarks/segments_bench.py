@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache import LLM, SamplingParams
+from prefixcache.segments.plan import SegmentRequest
 
 FILLER = [
     "The archive keeps letters, ledgers and maps from the old harbour office.",
@@ -97,14 +98,17 @@ def make_prompts(docs, n: int, per_prompt: int, rng: random.Random) -> list[dict
 
 
 def warm_docs(llm: LLM, docs, namespace: str) -> None:
-    """Every document into the segment store of ``namespace`` (and the tiers, if any)."""
+    """Every document into the segment store of ``namespace`` (and the tiers, if any): one
+    store-only segments request per document, as /v1/cache/warm sends it."""
     tok = llm.get_tokenizer()
     for d in docs:
         m = [{"role": "system", "content": SYSTEM},
              {"role": "document", "title": d["title"], "content": d["content"]},
              {"role": "user", "content": "?"}]  # fmt: skip
         sp = tok.encode_chat_segments(m)
-        llm.engine.warm_segments(sp.token_ids, list(sp.spans), namespace)
+        warm = SegmentRequest(tuple(sp.spans), store_only=True)
+        llm.generate([sp.token_ids], SamplingParams(max_tokens=1, temperature=0),
+                     cache_salt=namespace, segments=[warm])  # fmt: skip
 
 
 class FirstLogits:
