@@ -292,7 +292,9 @@ def test_prefix_routing_keeps_each_prefix_on_one_replica_and_tenants_apart(clust
             u = _post(cluster, "sk-bob", "/v1/completions", {"prompt": p, "max_tokens": 1})["usage"]
             hits.append(u["prompt_tokens_details"]["cached_tokens"])
     # Every repeat hits all of its prompt's full blocks: it went to the replica holding them.
-    assert hits[:4] == [0, 0, 0, 0] and all(h > 0 for h in hits[4:]), hits
+    # A first visit hits at most the prompts' common start ("Document "), copied token-exactly
+    # from another prompt on the same replica: less than a block.
+    assert all(h < 16 for h in hits[:4]) and all(h >= 16 for h in hits[4:]), hits
     info = _admin(cluster, "/v1/cluster")
     assert info["router_decisions"].get("affinity", 0) >= 8 and len(info["replicas"]) == 2
     stats = _admin(cluster, "/v1/cache/stats")
