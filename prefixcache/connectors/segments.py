@@ -68,9 +68,9 @@ class SegmentConnector(KVConnector):
     # ---- the step --------------------------------------------------------------------------------
     def take_scheduled(
         self, scheduled: list[ScheduledSeq]
-    ) -> tuple[list[ScheduledSeq], list[Sequence]]:
+    ) -> tuple[list[ScheduledSeq], list[Sequence], int]:
         if not self._plans:
-            return scheduled, []
+            return scheduled, [], 0
         return self.assembler.prepare(scheduled, self._plans)
 
     def before_step(self) -> list[Sequence]:
