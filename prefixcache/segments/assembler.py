@@ -225,7 +225,9 @@ class SegmentAssembler:
                 if not plan.store_only and not self.kv.allocate_slots(
                     seq, plan.end - seq.num_computed_tokens
                 ):
-                    # no room now: this chunk runs exactly; spans left are tried later
+                    # No room: not expected, the scheduler allocated up to plan.end when it
+                    # scheduled the sequence (Sequence.reserve_until, set by the connector).
+                    # This chunk then runs exactly, which a cold run would not do.
                     out.append(s)
                     continue
                 work = self._store_only if plan.store_only else self._assemble
