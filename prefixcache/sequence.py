@@ -59,6 +59,11 @@ class Sequence:
     # reused segment KV, which a cold run would not compute) and lowered by the KV cache
     # manager at a key collision (the rest of the chain stays private).
     max_registered_blocks: int | None = None
+    # A connector fills the slots of the first ``reserve_until`` tokens in one go (segments: an
+    # assembly places every document at once): while fewer are computed, the scheduler allocates
+    # them all whenever it schedules the sequence, preempting as for any allocation, so the
+    # connector never finds itself without room mid-assembly. Set at arrival (0: none).
+    reserve_until: int = 0
     # What the request is told it got, each written by one connector: tokens restored per
     # tier ("disk", "redis"; the tiers), segment tokens reused and not recomputed (segments).
     tier_tokens: dict[str, int] | None = None

@@ -221,11 +221,12 @@ def test_preempted_segments_requests_are_rebuilt_and_equal_running_alone(llm):
     small.check_integrity()
 
 
-@pytest.mark.xfail(strict=True, reason="known bug (2026-12-04): a segments request preempted "
-                   "between the chunks of its assembly is rebuilt with other numbers")
 def test_segments_requests_preempted_between_chunks_equal_running_alone(llm):
     """As above with 100-token steps: requests are preempted between the chunks of their
-    assembly (43 preemptions measured); the third conversation's output then differs."""
+    assembly. Readmitted with room for one chunk only, an assembly used to find no room for
+    its documents and compute that chunk exactly (the third conversation's output differed);
+    the scheduler now allocates up to the last document whenever it schedules a segments
+    request (Sequence.reserve_until), preempting as for any allocation."""
     g = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     convs = [_messages(o) for o in (["Alice", "Bruno", "Chen"], ["Dara", "Alice"],
                                     ["Chen", "Dara", "Bruno"], ["Bruno", "Chen", "Alice", "Dara"])]  # fmt: skip
@@ -235,4 +236,6 @@ def test_segments_requests_preempted_between_chunks_equal_running_alone(llm):
         small = LLM(kv_cache_memory=20 * 16 * 46080, seed=0, pin_budget_fraction=0.0,
                     busy_step_ms=0, max_num_batched_tokens=100)  # fmt: skip
     outs = small.chat(convs, g, **opts)
+    assert small.engine.scheduler.counters.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == alone
+    small.check_integrity()

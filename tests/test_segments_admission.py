@@ -18,6 +18,8 @@ from _helpers import PROSE, shared_default_weights
 from prefixcache.api.request import SamplingParams
 from prefixcache.config import EngineConfig
 from prefixcache.engine.async_engine import AsyncEngine
+from prefixcache.engine.fairness import StepPace
+from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.segments.plan import SegmentOptions, SegmentRequest
 from prefixcache.server.app import create_app
 
@@ -179,3 +181,76 @@ def test_a_short_request_sent_while_a_large_warm_runs_finishes_first(engine, llm
     assert [t for d in deltas for t in d.new_token_ids] == cold.outputs[0].token_ids
     assert [lp for d in deltas for lp in d.new_logprobs] == cold.outputs[0].logprobs
     engine.check_integrity()
+
+
+class _FixedPace(StepPace):
+    """A pace that ignores the wall clock (the budget does not depend on the host)."""
+
+    def __init__(self, seconds_per_token: float) -> None:
+        self.seconds_per_token = seconds_per_token
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pass
+
+
+def test_a_warms_steps_are_bounded_by_the_shared_budget_and_paced_by_the_work_done():
+    """While another tenant is active, a warm's documents are computed in steps of at most the
+    shared budget (40 tokens at the fixed pace), the other tenant's request runs between them,
+    and each step reports to the pace exactly the tokens it computed: a warm that ends early in
+    its grant does not count the rest (it did, and the next steps came out that much longer
+    than shared_step_ms, the victim waiting on them)."""
+    with shared_default_weights():
+        eng = LLMEngine(EngineConfig(
+            kv_cache_memory="32MiB", max_model_len=1024, max_num_batched_tokens=256, seed=0,
+            shared_step_ms=100, shared_window_s=30,
+        ))  # fmt: skip
+    eng.scheduler.pace = _FixedPace(0.1 / 40)  # shared steps: 40 tokens
+    eng.scheduler.clock = lambda: 0.0  # the other tenant stays active for the whole test
+    computed, observed, granted = [0], [], []
+    run, execute, observe = eng.runner.run, eng.runner.execute, eng.scheduler.observe_step
+    schedule = eng.scheduler.schedule
+
+    def counted_run(pieces, private=None):
+        computed[0] += sum(p.n for p in pieces)
+        return run(pieces, private)
+
+    def counted_execute(batch):
+        computed[0] += sum(s.num_new_tokens for s in batch)
+        return execute(batch)
+
+    def seen(tokens, seconds):
+        observed.append((tokens, computed[0]))
+        computed[0] = 0
+        observe(tokens, seconds)
+
+    def scheduled():
+        out = schedule()
+        if out.scheduled:  # a step that runs (and is observed)
+            granted.append(out.num_batched_tokens)
+        return out
+
+    eng.runner.run, eng.runner.execute = counted_run, counted_execute
+    eng.scheduler.observe_step, eng.scheduler.schedule = seen, scheduled
+    victim = eng.add_request("v", eng.tokenizer.encode(PROSE)[:24],
+                             SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+                             tenant="victim")  # fmt: skip
+    seg = eng.tokenizer.encode_chat_segments([SYSTEM, *_docs(3, "paced", PROSE[:150])])
+    warm = eng.add_request("w", seg.token_ids, SamplingParams(max_tokens=1, temperature=0),
+                           tenant="attacker", segments=SegmentRequest(seg.spans, store_only=True))
+    for _ in range(200):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+        eng.check_integrity()
+    assert victim.finished and warm.finished and not eng.has_unfinished()
+    assembler = eng.connectors.get("segments").assembler
+    assert assembler.num_stored(seg.token_ids, seg.spans, None) == 3
+    sink = len(assembler.sink_of(seg.token_ids, seg.spans))
+    work = sum(b - a + sink for a, b in seg.spans)  # each document computed after the sink
+    assert sum(c for _, c in observed) == work + len(victim.prompt_token_ids) + 1
+    assert len(observed) >= work // 40  # in pieces: no step over the shared budget
+    assert all(c <= 40 for _, c in observed)
+    # The pace sees what each step computed, not what it was granted ...
+    assert [t for t, _ in observed] == [c for _, c in observed]
+    # ... and the warm did end early in a grant (the case this guards).
+    assert any(c < g for (_, c), g in zip(observed, granted))

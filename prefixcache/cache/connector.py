@@ -12,7 +12,8 @@ only through these hooks, in this order within a request's life and a step:
 - per step, ``before_step()`` (install finished work; returns the sequences whose pending work
   changed), then the scheduler, then ``take_scheduled(scheduled)`` (a connector may spend the
   tokens granted to some sequences on its own work, inside the step's token budget; those leave
-  the forward), then the forward and ``after_forward(prefill_tokens, seconds)``, then per
+  the forward, and it says how many tokens of work it did: the step's pace counts those, not
+  what was granted), then the forward and ``after_forward(prefill_tokens, seconds)``, then per
   sequence ``after_commit(seq, first_block)`` (the blocks registered from ``first_block`` on),
   then ``on_events(events)`` with what the prefix index recorded during the step
   (kv_events.py; only connectors with ``wants_events``);
@@ -54,9 +55,11 @@ class KVConnector:
 
     def take_scheduled(
         self, scheduled: list[ScheduledSeq]
-    ) -> tuple[list[ScheduledSeq], list[Sequence]]:
-        """(the batch left for the forward, the sequences this connector finished)."""
-        return scheduled, []
+    ) -> tuple[list[ScheduledSeq], list[Sequence], int]:
+        """(the batch left for the forward, the sequences this connector finished, the tokens
+        of work it did for those it took: at most what they were granted, less when one's work
+        ended before its grant did)."""
+        return scheduled, [], 0
 
     def after_forward(self, prefill_tokens: int, seconds: float) -> None: ...
     def after_commit(self, seq: Sequence, first_block: int) -> None: ...
@@ -137,14 +140,16 @@ class ConnectorSet:
 
     def take_scheduled(
         self, scheduled: list[ScheduledSeq]
-    ) -> tuple[list[ScheduledSeq], list[Sequence]]:
+    ) -> tuple[list[ScheduledSeq], list[Sequence], int]:
         done: list[Sequence] = []
+        worked = 0
         for c in self.connectors:
             if not scheduled:
                 break
-            scheduled, finished = c.take_scheduled(scheduled)
+            scheduled, finished, tokens = c.take_scheduled(scheduled)
             done.extend(finished)
-        return scheduled, done
+            worked += tokens
+        return scheduled, done, worked
 
     def after_forward(self, prefill_tokens: int, seconds: float) -> None:
         for c in self.connectors:

@@ -52,6 +52,8 @@ class SegmentConnector(KVConnector):
         plan = self.assembler.plan(seq.prompt_token_ids, request.segments, seq.namespace)
         self._plans[seq.request_id] = plan
         seq.max_registered_blocks = self.assembler.register_limit(plan)
+        if not plan.store_only:  # a warm computes into private caches: no pool slots
+            seq.reserve_until = plan.end
         if self.storage is not None:
             self._restore(seq, plan)
 
@@ -68,9 +70,9 @@ class SegmentConnector(KVConnector):
     # ---- the step --------------------------------------------------------------------------------
     def take_scheduled(
         self, scheduled: list[ScheduledSeq]
-    ) -> tuple[list[ScheduledSeq], list[Sequence]]:
+    ) -> tuple[list[ScheduledSeq], list[Sequence], int]:
         if not self._plans:
-            return scheduled, []
+            return scheduled, [], 0
         return self.assembler.prepare(scheduled, self._plans)
 
     def before_step(self) -> list[Sequence]:

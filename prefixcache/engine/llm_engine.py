@@ -128,6 +128,7 @@ class LLMEngine:
         # prompt and are explained once. Only a step or an invalidation changes the index, so
         # both forget it.
         self._explained: tuple | None = None
+        self._step_tokens = 0  # tokens the step under way computed (its pace: step())
         self.generated = engine_stats.Generated()
         log.info(
             "KV cache: %s, %d bytes/token, %d blocks of %d tokens, capacity %d tokens (%.1f MiB)",
@@ -282,11 +283,13 @@ class LLMEngine:
             if not out.scheduled:
                 self.connectors.idle_wait(IDLE_WAIT)  # only connector work is left: briefly
                 return []
-            tokens = out.num_batched_tokens
+            # The pace that sizes steps while tenants share (fairness.py 4.) counts the tokens
+            # the step computed: the forward's, and what connectors spent of their grants.
+            self._step_tokens = out.num_batched_tokens
             try:
                 return self._run(out)
-            finally:  # the pace that sizes steps while tenants share (fairness.py 4.)
-                self.scheduler.observe_step(tokens, time.perf_counter() - t0)
+            finally:
+                self.scheduler.observe_step(self._step_tokens, time.perf_counter() - t0)
         finally:
             self.connectors.on_events(self.pool.index.take_events())
 
@@ -299,7 +302,8 @@ class LLMEngine:
         # A connector may spend the tokens granted to some sequences on its own work (segments
         # assembling their documents, in pieces over as many steps as it takes); those leave
         # this forward, and those it finished (warms that kept their documents) end.
-        out.scheduled[:], finished = self.connectors.take_scheduled(out.scheduled)
+        out.scheduled[:], finished, worked = self.connectors.take_scheduled(out.scheduled)
+        self._step_tokens = out.num_batched_tokens + worked
         for seq in finished:
             self._finish(seq, "stop")
         if not out.scheduled:

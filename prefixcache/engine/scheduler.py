@@ -197,7 +197,7 @@ class Scheduler:
                     i += 1
                     continue
             preempted_self = False
-            while not self.kv.allocate_slots(seq, n):
+            while not self.kv.allocate_slots(seq, _slots(seq, seq.num_computed_tokens, n)):
                 victim = memory_victim(self.running)
                 j = self.running.index(victim)
                 refund = next((x.num_new_tokens for x in out.scheduled if x.seq is victim), 0)
@@ -303,7 +303,7 @@ class Scheduler:
                 self.counters.deferred_for_sharing += 1
                 continue  # another request is computing this block right now
             n = min(seq.num_tokens - m.num_tokens, budget)
-            if not self.kv.admit(seq, m, n):
+            if not self.kv.admit(seq, m, _slots(seq, m.num_tokens, n)):
                 break  # no room: later arrivals must not overtake
             self.waiting.remove(seq)
             self.running.append(seq)
@@ -312,3 +312,9 @@ class Scheduler:
             budget -= n
             if self.kv.enable_caching:
                 pending.update(seq.block_keys[nb : seq.max_registered_blocks])
+
+
+def _slots(seq: Sequence, computed: int, n: int) -> int:
+    """Slots to allocate for ``n`` new tokens of ``seq`` with ``computed`` computed: also every
+    slot up to ``seq.reserve_until`` (a connector's work fills them in one go)."""
+    return max(n, seq.reserve_until - computed)

@@ -91,14 +91,16 @@ class _Job:
         self.steps = work(*args, self)
         return self
 
-    def run(self, tokens: int) -> bool:
-        """Work for up to ``tokens`` (the step's grant); True when the job is done."""
+    def run(self, tokens: int) -> tuple[bool, int]:
+        """Work for up to ``tokens`` (the step's grant): (whether the job is done, the tokens of
+        work it did). A job that ends leaves the rest of its grant unspent; the probe's
+        rounding may overrun it by a token or so (counted: it is work done)."""
         self.left = tokens
         try:
             next(self.steps)
         except StopIteration:
-            return True
-        return False
+            return True, tokens - self.left
+        return False, tokens - self.left
 
 
 def _finish(job: _Job):
@@ -203,12 +205,13 @@ class SegmentAssembler:
     @torch.inference_mode()
     def prepare(
         self, scheduled: list[ScheduledSeq], plans: dict[str, SegmentPlan]
-    ) -> tuple[list[ScheduledSeq], list[Sequence]]:
+    ) -> tuple[list[ScheduledSeq], list[Sequence], int]:
         """Spend the tokens granted to segments sequences that are at their spans on their jobs;
         those drop out of this step's batch (the step after a job ends computes what follows
         the last span). ``plans``: request id -> plan. Returns (the batch left, the store-only
-        sequences now done)."""
-        out, stored = [], []
+        sequences now done, the tokens of work the jobs did: what the step's pace counts, so a
+        job ending early in its grant does not make the step look faster than it was)."""
+        out, stored, worked = [], [], 0
         for s in scheduled:
             seq = s.seq
             plan = plans.get(seq.request_id)
@@ -222,17 +225,21 @@ class SegmentAssembler:
                 if not plan.store_only and not self.kv.allocate_slots(
                     seq, plan.end - seq.num_computed_tokens
                 ):
-                    # no room now: this chunk runs exactly; spans left are tried later
+                    # No room: not expected, the scheduler allocated up to plan.end when it
+                    # scheduled the sequence (Sequence.reserve_until, set by the connector).
+                    # This chunk then runs exactly, which a cold run would not do.
                     out.append(s)
                     continue
                 work = self._store_only if plan.store_only else self._assemble
                 job = _Job().start(work, seq, plan)
                 self.jobs[seq.request_id] = (job, seq.num_preemptions)
-            if job.run(s.num_new_tokens):
+            done, spent = job.run(s.num_new_tokens)
+            worked += spent
+            if done:
                 del self.jobs[seq.request_id]
                 if plan.store_only:
                     stored.append(seq)
-        return out, stored
+        return out, stored, worked
 
     def _job_of(self, seq: Sequence) -> _Job | None:
         """The sequence's assembly in progress; one begun before a preemption is void (it
