@@ -100,7 +100,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--shared-step-ms",
         type=float,
-        default=250.0,
+        default=150.0,
         metavar="MS",
         help="while several tenants are active, steps carry only the tokens that fit in about "
         "this long, so a short request never waits behind a long chunk (0: off)",
