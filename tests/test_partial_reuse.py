@@ -191,7 +191,7 @@ def crowded():
 
 
 def test_partial_reuse_under_preemption_and_eviction(llm, crowded, prose_ids):
-    cache, warm, shared = _cases(prose_ids[100:200], seed=3)
+    cache, warm, _shared = _cases(prose_ids[100:200], seed=3)
     picks = [0, 4, 8, 14]  # offsets 1, 5, 9, 15
     prompts = [warm[i] + prose_ids[300:340] for i in picks]
     params = dataclasses.replace(PARAMS, max_tokens=24)  # four grow past the 16 blocks
