@@ -15,6 +15,8 @@ from prefixcache.config import EngineConfig
 from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.server.app import create_app
 from prefixcache.server.auth import Tenant, TenantDirectory
+from prefixcache.server.cache_gate import CacheCallGate
+from prefixcache.server.errors import APIError
 from prefixcache.server.limits import ServerLimits
 from prefixcache.server.protocol import CompletionRequest
 
@@ -122,3 +124,41 @@ def test_a_tenant_whose_requests_keep_being_refused_is_refused_early_alone(engin
 
     asyncio.run(main())
     assert app.state.serving.refusals.refused_early == 2
+
+
+def test_a_tenant_gets_its_calls_a_second_and_no_more():
+    """The rate: a bucket of per_second calls refilled at per_second a second, per tenant; the
+    next call past it is a 429 with Retry-After before anything runs; another tenant and an
+    admin's calls (rated=False) are not touched. Fake clock: no sleeping, no timing."""
+    now = [100.0]
+    gate = CacheCallGate(threads=2, per_tenant=2, per_second=3, clock=lambda: now[0])
+    ran = []
+
+    async def call(tenant: str, rated: bool = True) -> None:
+        await gate.run(tenant, ran.append, tenant, rated=rated)
+
+    async def main():
+        for _ in range(3):  # a burst of one second's worth passes
+            await call("alice")
+        with pytest.raises(APIError) as e:
+            await call("alice")
+        assert e.value.status == 429 and e.value.headers["Retry-After"] == "1"
+        assert ran == ["alice"] * 3  # the refused call never ran
+        await call("bob")  # another tenant has its own bucket
+        for _ in range(10):
+            await call("admin", rated=False)  # operators' calls are not rated
+        now[0] += 0.34  # a third of a second (and a bit): one more call
+        await call("alice")
+        with pytest.raises(APIError):
+            await call("alice")
+        now[0] += 60  # idle: the bucket is full again, never more than one second's worth
+        for _ in range(3):
+            await call("alice")
+        with pytest.raises(APIError):
+            await call("alice")
+
+    try:
+        asyncio.run(main())
+    finally:
+        gate.close()
+    assert ran.count("alice") == 7 and ran.count("bob") == 1 and ran.count("admin") == 10

@@ -13,14 +13,22 @@ every tenant's completions. Decisions:
   ``rate_limit_error`` shape, ``Retry-After: 1``). With the cap at most half the threads, a
   flooding tenant never holds the whole pool. A call is released when its thread finishes, not
   when its client leaves: a disconnect cannot free a slot that is still working.
-- **A count, not a rate.** The cap bounds what a tenant holds now; there is no clock in it, so
-  an honest client issuing calls one after another is never refused.
+- **And a rate.** The count alone let one tenant answer ~300 calls a second two at a time;
+  their Python (hashing, stats) holds the GIL the engine's step needs between its kernels, so
+  another tenant's first token took 2.9-3.1x as long (benchmarks/tenant_isolation.py
+  ``routes``, Zen 4). A non-admin tenant also gets ``max_cache_calls_per_second`` calls a second
+  (a token bucket holding one second's worth, so a burst of that many passes at once); past
+  it, a 429 before anything runs. An honest client polling stats or looking up prompts stays far
+  under it; admins (operators' tooling) are not rated.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -31,21 +39,50 @@ T = TypeVar("T")
 
 
 class CacheCallGate:
-    def __init__(self, threads: int, per_tenant: int) -> None:
+    # Rate buckets remembered at most (least recently used forgotten first: a forgotten tenant
+    # starts again with a full bucket, which is what an idle one has anyway).
+    MAX_BUCKETS = 4096
+
+    def __init__(self, threads: int, per_tenant: int, per_second: float = math.inf,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.per_tenant = per_tenant
+        self.per_second = per_second
+        self.clock = clock
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="prefixcache-cache-route")
         self._lock = threading.Lock()  # released from worker threads
         # tenant -> calls admitted and not finished; a tenant leaves with its last call, so the
         # map is bounded by the calls in flight.
         self._admitted: dict[str, int] = {}
+        # tenant -> (calls it may still make now, when that was counted): a token bucket
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def _take(self, tenant: str) -> None:
+        """One call from ``tenant``'s bucket, or a 429 (under ``self._lock``)."""
+        now = self.clock()
+        tokens, then = self._buckets.pop(tenant, (self.per_second, now))
+        tokens = min(self.per_second, tokens + (now - then) * self.per_second)
+        if tokens < 1:
+            self._buckets[tenant] = (tokens, now)
+            raise APIError(
+                429,
+                f"too many cache control calls: at most {self.per_second:g} a second per tenant",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(max(1, math.ceil((1 - tokens) / self.per_second)))},
+            )  # fmt: skip
+        self._buckets[tenant] = (tokens - 1, now)
+        while len(self._buckets) > self.MAX_BUCKETS:
+            self._buckets.popitem(last=False)
 
     def admitted(self, tenant: str) -> int:
         with self._lock:
             return self._admitted.get(tenant, 0)
 
-    async def run(self, tenant: str, fn: Callable[..., T], *args) -> T:
-        """``fn(*args)`` on the cache routes' pool, charged to ``tenant``; 429 over its cap."""
+    async def run(self, tenant: str, fn: Callable[..., T], *args, rated: bool = True) -> T:
+        """``fn(*args)`` on the cache routes' pool, charged to ``tenant``; 429 over its cap or,
+        when ``rated`` (a non-admin), over its calls a second."""
         with self._lock:
+            if rated and math.isfinite(self.per_second):
+                self._take(tenant)
             n = self._admitted.get(tenant, 0)
             if n >= self.per_tenant:
                 raise APIError(

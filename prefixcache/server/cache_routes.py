@@ -102,7 +102,8 @@ async def lookup(request: Request) -> dict:
     ids, shared = await s.cache_prompt(req, tenant, scope)
     # Engine queries take its lock, which a running step holds: wait for it off the event loop,
     # on the cache routes' own threads (cache_gate.py), within the tenant's cap.
-    result = await s.cache_gate.run(tenant.name, s.engine.lookup, ids, scope.namespace, shared)
+    result = await s.cache_gate.run(tenant.name, s.engine.lookup, ids, scope.namespace, shared,
+                                    rated=not tenant.admin)  # fmt: skip
     return {**_as_dict(result), **_where(s, scope, shared)}
 
 
@@ -145,7 +146,8 @@ async def _invalidate(request: Request, s: Serving, tenant: Tenant, namespace: s
     """RAM blocks dropped; the namespace goes from the disk and Redis tiers too (503 when a
     tier cannot be reached: retry, the RAM part is done)."""
     try:
-        return await s.cache_gate.run(tenant.name, s.engine.invalidate, namespace)
+        return await s.cache_gate.run(tenant.name, s.engine.invalidate, namespace,
+                                      rated=not tenant.admin)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - typed errors map to 4xx/503, the rest is a 500
         rid = request_id_of(request.scope)
         raise (from_engine_error(e, rid) or internal_error(rid, e)) from None
@@ -163,12 +165,12 @@ async def stats(request: Request) -> dict:
 async def stats_for(s: Serving, tenant: Tenant) -> dict:
     """The body of ``/v1/cache/stats`` for ``tenant`` (the dashboard's data shows the same)."""
     if tenant.admin:
-        out = await s.cache_gate.run(tenant.name, _stats, s.engine)
+        out = await s.cache_gate.run(tenant.name, _stats, s.engine, rated=False)  # an admin
         out["prompt_cache_keys"] = s.cache_keys.of(tenant.name)  # its own keys only
         return out
     own = await s.cache_gate.run(
         tenant.name, s.engine.tenant_stats, tenant.name,
-        lambda ns: ns is not None and s.tenants.owns(tenant, ns),
+        lambda ns: ns is not None and s.tenants.owns(tenant, ns), rated=True,
     )  # fmt: skip
     out = _as_dict(own)
     out["hit_rate"] = own.hit_rate

@@ -32,6 +32,8 @@ _LIMIT_HELP = {
     "second; past it, 429 for --refusal-penalty seconds",
     "refusal_penalty": "seconds a tenant over --max-refusals-per-second is refused early",
     "max_tools": "tool definitions per /v1/messages request",
+    "max_cache_calls_per_second": "cache control calls (lookup, invalidate, stats) a non-admin "
+    "tenant may make a second; past it, 429",
 }
 
 

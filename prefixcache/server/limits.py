@@ -38,6 +38,8 @@ class ServerLimits:
     # threads, at most this many admitted per tenant at once (429 above).
     cache_route_threads: int = 4
     max_cache_calls_per_tenant: int = 2
+    # ... and at most this many a second per non-admin tenant (a token bucket; 429 above).
+    max_cache_calls_per_second: float = 20.0
     # A non-admin tenant with more refused requests (400, 413, 422) than this in a second gets
     # 429s for refusal_penalty seconds before its bodies are read (server/refusals.py).
     max_refusals_per_second: int = 8

@@ -85,8 +85,9 @@ class Serving:
         self.request_log = request_log  # a BackgroundRequestLog, or None
         self.limits = limits or ServerLimits()
         self.cache_gate = CacheCallGate(
-            self.limits.cache_route_threads, self.limits.max_cache_calls_per_tenant
-        )
+            self.limits.cache_route_threads, self.limits.max_cache_calls_per_tenant,
+            self.limits.max_cache_calls_per_second,
+        )  # fmt: skip
         self.refusals = RefusalLimiter(
             self.limits.max_refusals_per_second, self.limits.refusal_penalty
         )
