@@ -36,7 +36,7 @@ _SOURCES = [_HERE / n for n in (
 _HEADERS = [
     _HERE / n
     for n in ("vec.h", "group_gemv.h", "attention.h", "rowwise.h", "kv_codec.h", "parallel.h",
-              "int_gemm.h", "exact_attention.h")
+              "int_gemm.h", "exact_attention.h", "team.h")
 ]
 # -fopenmp: at::parallel_for is a header template that compiles to `#pragma omp parallel` in
 # our library; without the flag it runs on one thread. The library then needs libgomp.so.1,

@@ -26,52 +26,17 @@
 #include <atomic>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "attention.h"
 #include "group_gemv.h"
 #include "rowwise.h"
+#include "team.h"
 
 namespace {
 
 using prefixcache::Q4;
 using prefixcache::Q8;
-
-// Sense-reversing barrier that spins (with pause, yielding after a while): the threads of a
-// step are all busy on it, so a futex sleep per layer step would cost more than it saves.
-class SpinBarrier {
- public:
-  explicit SpinBarrier(int n) : n_(n) {}
-  void wait() {
-    const int gen = gen_.load(std::memory_order_acquire);
-    if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
-      count_.store(0, std::memory_order_relaxed);
-      gen_.fetch_add(1, std::memory_order_release);
-      return;
-    }
-    int spins = 0;
-    while (gen_.load(std::memory_order_acquire) == gen) {
-      _mm_pause();
-      if (++spins > (1 << 14)) {
-        std::this_thread::yield();  // a descheduled sibling: let it run
-        spins = 0;
-      }
-    }
-  }
-
- private:
-  const int n_;
-  std::atomic<int> count_{0};
-  std::atomic<int> gen_{0};
-};
-
-// [begin, end) of n items for thread t of nt, boundaries on multiples of `align`.
-inline std::pair<int64_t, int64_t> share(int64_t n, int t, int nt, int64_t align) {
-  const int64_t units = (n + align - 1) / align;
-  const int64_t b = units * t / nt * align, e = units * (t + 1) / nt * align;
-  return {std::min(b, n), std::min(e, n)};
-}
 
 // y[:, n0:n1] = x W^T for weight records of kind 0 (q4) or 1 (q8).
 inline void gemv(int64_t kind, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n0,
@@ -205,22 +170,11 @@ at::Tensor decode_forward(const at::Tensor& x_in, const at::Tensor& cos, const a
   float* vsbase = scaled ? kv_v_scale->data_ptr<float>() : nullptr;
   std::atomic<bool> merged_ok{true};
 
-  int team = 1;
-  SpinBarrier* barrier = nullptr;
-  std::vector<std::unique_ptr<SpinBarrier>> keep;
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp single
-    {
-      team = omp_get_num_threads();
-      keep.emplace_back(new SpinBarrier(team));
-      barrier = keep.back().get();
-    }  // implicit barrier: every thread sees team and barrier
-    const int t = omp_get_thread_num(), nt = team;
+  prefixcache::run_team(threads, [&](const int t, const int nt, prefixcache::SpinBarrier* barrier) {
     prefixcache::Scratch scratch;
     std::vector<float> seen(static_cast<size_t>(d));
     float unused_scale;
-    const auto [r0, r1] = share(b, t, nt, 1);
+    const auto [r0, r1] = prefixcache::share(b, t, nt);
     for (int64_t l = 0; l < layers; ++l) {
       const int64_t* kind = kinds.data() + 4 * l;
       uint8_t* kl = kbase + l * layer_stride * d * es;
@@ -234,7 +188,7 @@ at::Tensor decode_forward(const at::Tensor& x_in, const at::Tensor& cos, const a
       for (int64_t r = r0; r < r1; ++r) prefixcache::rms_norm_row(xp + r * hid, in_norm, eps, hid, xnp + r * hid);
       barrier->wait();
       {  // qkv = xn Wqkv + bias
-        const auto [c0, c1] = share(width, t, nt, 16);
+        const auto [c0, c1] = prefixcache::share(width, t, nt, 16);
         gemv(kind[0], xnp, b, hid, qkv_w[l].data_ptr<uint8_t>(), c0, c1, qkvp, width);
         if (!qkv_bias.empty()) {
           const float* bias = qkv_bias[l].data_ptr<float>();
@@ -265,7 +219,7 @@ at::Tensor decode_forward(const at::Tensor& x_in, const at::Tensor& cos, const a
       if (!prefixcache::merge_rows(plan, r0, r1, pmp, plp, pop, attnp)) merged_ok = false;
       barrier->wait();
       {  // x = attn Wo + x
-        const auto [c0, c1] = share(hid, t, nt, 16);
+        const auto [c0, c1] = prefixcache::share(hid, t, nt, 16);
         gemv(kind[1], attnp, b, h * d, o_w[l].data_ptr<uint8_t>(), c0, c1, projp, hid);
         for (int64_t r = 0; r < b; ++r)
           for (int64_t c = c0; c < c1; ++c) xp[r * hid + c] = projp[r * hid + c] + xp[r * hid + c];
@@ -274,21 +228,21 @@ at::Tensor decode_forward(const at::Tensor& x_in, const at::Tensor& cos, const a
       for (int64_t r = r0; r < r1; ++r) prefixcache::rms_norm_row(xp + r * hid, post_norm, eps, hid, xnp + r * hid);
       barrier->wait();
       {  // gu = xn Wgu
-        const auto [c0, c1] = share(inter2, t, nt, 16);
+        const auto [c0, c1] = prefixcache::share(inter2, t, nt, 16);
         gemv(kind[2], xnp, b, hid, gate_up_w[l].data_ptr<uint8_t>(), c0, c1, gup, inter2);
       }
       barrier->wait();
       for (int64_t r = r0; r < r1; ++r) prefixcache::silu_mul_row(gup + r * inter2, inter, actp + r * inter);
       barrier->wait();
       {  // x = act Wdown + x
-        const auto [c0, c1] = share(hid, t, nt, 16);
+        const auto [c0, c1] = prefixcache::share(hid, t, nt, 16);
         gemv(kind[3], actp, b, inter, down_w[l].data_ptr<uint8_t>(), c0, c1, projp, hid);
         for (int64_t r = 0; r < b; ++r)
           for (int64_t c = c0; c < c1; ++c) xp[r * hid + c] = projp[r * hid + c] + xp[r * hid + c];
       }
       barrier->wait();
     }
-  }
+  });
   TORCH_CHECK(merged_ok.load(), "a decode row attended no slot");
   return x;
 }

@@ -29,13 +29,13 @@
 
 #include <atomic>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "exact_attention.h"
 #include "int_gemm.h"
 #include "kv_codec.h"
 #include "rowwise.h"
+#include "team.h"
 
 namespace {
 
@@ -43,32 +43,6 @@ using prefixcache::IntScheme;
 using prefixcache::IntWeights;
 using prefixcache::Quantized;
 
-// Sense-reversing barrier that spins (with pause, yielding after a while).
-class SpinBarrier {
- public:
-  explicit SpinBarrier(int n) : n_(n) {}
-  void wait() {
-    const int gen = gen_.load(std::memory_order_acquire);
-    if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
-      count_.store(0, std::memory_order_relaxed);
-      gen_.fetch_add(1, std::memory_order_release);
-      return;
-    }
-    int spins = 0;
-    while (gen_.load(std::memory_order_acquire) == gen) {
-      _mm_pause();
-      if (++spins > (1 << 14)) {
-        std::this_thread::yield();  // a descheduled sibling: let it run
-        spins = 0;
-      }
-    }
-  }
-
- private:
-  const int n_;
-  std::atomic<int> count_{0};
-  std::atomic<int> gen_{0};
-};
 
 // One linear layer's arguments: packed weights and how its activations are quantized.
 struct Linear {
@@ -100,11 +74,6 @@ Linear make_linear(const at::Tensor& wq, const at::Tensor& wd, const at::Tensor&
 
 void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.is_cpu(), name, ": float32 contiguous on CPU");
-}
-
-// [begin, end) of n items for thread t of nt.
-inline std::pair<int64_t, int64_t> share(int64_t n, int t, int nt) {
-  return {n * t / nt, n * (t + 1) / nt};
 }
 
 at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
@@ -235,21 +204,10 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
     prefixcache::quantize_rows(src, k, r0, r1, L.sc.bits, L.w.w8, L.sc.mixed, qa);
   };
 
-  int team = 1;
-  SpinBarrier* barrier = nullptr;
-  std::vector<std::unique_ptr<SpinBarrier>> keep;
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp single
-    {
-      team = omp_get_num_threads();
-      keep.emplace_back(new SpinBarrier(team));
-      barrier = keep.back().get();
-    }  // implicit barrier: every thread sees team and barrier
-    const int t = omp_get_thread_num(), nt = team;
+  prefixcache::run_team(threads, [&](const int t, const int nt, prefixcache::SpinBarrier* barrier) {
     std::vector<float> kt, vbuf, seen(static_cast<size_t>(d));
     float unused_scale;
-    const auto [r0, r1] = share(b, t, nt);
+    const auto [r0, r1] = prefixcache::share(b, t, nt);
     for (int64_t l = 0; l < layers; ++l) {
       const Linear& Lqkv = lin[4 * l];
       const Linear& Lo = lin[4 * l + 1];
@@ -307,7 +265,7 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
       gemm_cols(Ldown, next[5 * l + 3], projp, nullptr, xp);
       barrier->wait();
     }
-  }
+  });
   return x;
 }
 

@@ -183,6 +183,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512(
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r]);
 }
 
+// The R rows of an AVX2 tile's half block (8 columns from `col`; fewer at the layer's edge).
+template <int R>
+inline void store_half(const __m256* acc, float* y, int64_t ldy, int64_t col, int64_t n) {
+  const int64_t nv = std::min<int64_t>(8, n - col);
+  if (nv <= 0) return;
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, acc[r]);
+    std::memcpy(y + r * ldy + col, tmp, static_cast<size_t>(nv) * sizeof(float));
+  }
+}
+
 // ---- AVX2: the same tile in two halves of 8 columns; vpmaddubsw (u8 weight x s8 activation)
 // gives 16-bit pair sums, |pair| <= 2 * 15 * 128 = 3840, that never saturate; a group's eight
 // of them per lane are summed in 16 bits (|sum| <= 8 * 3840 = 30720 < 2^15: exact, no
@@ -231,14 +243,7 @@ inline void tile256(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* w
       acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(vm, _mm256_set1_ps(qa.ssum[rg])));
     }
   }
-  const int64_t col = b * kCols + half * 8;
-  const int64_t nv = std::min<int64_t>(8, n - col);
-  if (nv <= 0) return;
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float tmp[8];
-    _mm256_store_ps(tmp, acc[r]);
-    std::memcpy(y + (r0 + r) * ldy + col, tmp, static_cast<size_t>(nv) * sizeof(float));
-  }
+  store_half<R>(acc, y + r0 * ldy, ldy, b * kCols + half * 8, n);
 }
 
 // ---- AVX512-VNNI, narrow calls (1-3 rows: decode): R rows x C blocks. With one block a row's
@@ -467,14 +472,7 @@ inline void tile256_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t*
       if (OFF) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(vm, _mm256_set1_ps(qa.ssum[rg])));
     }
   }
-  const int64_t col = b * kCols + half * 8;
-  const int64_t nv = std::min<int64_t>(8, n - col);
-  if (nv <= 0) return;
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float tmp[8];
-    _mm256_store_ps(tmp, acc[r]);
-    std::memcpy(y + (r0 + r) * ldy + col, tmp, static_cast<size_t>(nv) * sizeof(float));
-  }
+  store_half<R>(acc, y + r0 * ldy, ldy, b * kCols + half * 8, n);
 }
 
 template <bool OFF>
