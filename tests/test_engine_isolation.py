@@ -224,11 +224,10 @@ def test_busy_steps_are_paced_by_prefill_steps_only():
     third of its throughput that way): the busy pace counts only steps whose tokens are at least
     4x their rows; the shared pace counts every step."""
     sched = Scheduler(EngineConfig(kv_cache_memory="4MiB", seed=0), kv=None)
-    sched._last_rows = 8
-    sched.observe_step(12, 0.1)  # 8 decode rows and a few prompt tokens: not a prefill step
+    sched.observe_step(12, 0.1, rows=8)  # 8 decode rows and a few prompt tokens: not prefill
     assert sched.prefill_pace.seconds_per_token is None
     assert sched.pace.seconds_per_token == pytest.approx(0.1 / 12)
-    sched.observe_step(256, 0.128)  # a prefill chunk beside the decodes
+    sched.observe_step(256, 0.128, rows=8)  # a prefill chunk beside the decodes
     assert sched.prefill_pace.seconds_per_token == pytest.approx(0.0005)
 
 

@@ -202,31 +202,15 @@ def test_pieces_in_one_forward_equal_pieces_one_by_one(llm, monkeypatch):
         assert all(abs(a[t] - b[t]) < 1e-4 for t in a.keys() & b.keys())
 
 
-def test_preempted_segments_requests_are_rebuilt_and_equal_running_alone(llm):
+@pytest.mark.parametrize("step_tokens", [2048, 100], ids=["full-steps", "between-chunks"])
+def test_preempted_segments_requests_are_rebuilt_and_equal_running_alone(llm, step_tokens):
     """Four segments requests in a pool of 20 blocks: some are preempted (their blocks freed,
     the segment KV gone with them) and re-assembled on readmission; each output equals the same
-    request run alone in a roomy pool."""
-    g = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    convs = [_messages(o) for o in (["Alice", "Bruno", "Chen"], ["Dara", "Alice"],
-                                    ["Chen", "Dara", "Bruno"], ["Bruno", "Chen", "Alice", "Dara"])]  # fmt: skip
-    opts = {"cache_mode": "segments", "segment_recompute_tokens": 3}
-    alone = [llm.chat(c, g, cache_salt="preempt-alone", **opts)[0].outputs[0].token_ids for c in convs]
-    with shared_default_weights():
-        # full steps: preemption between the chunks of one assembly is the next test's case
-        small = LLM(kv_cache_memory=20 * 16 * 46080, seed=0, pin_budget_fraction=0.0,
-                    busy_step_ms=0)  # fmt: skip
-    outs = small.chat(convs, g, **opts)
-    assert small.engine.scheduler.counters.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in outs] == alone
-    small.check_integrity()
-
-
-def test_segments_requests_preempted_between_chunks_equal_running_alone(llm):
-    """As above with 100-token steps: requests are preempted between the chunks of their
-    assembly. Readmitted with room for one chunk only, an assembly used to find no room for
-    its documents and compute that chunk exactly (the third conversation's output differed);
-    the scheduler now allocates up to the last document whenever it schedules a segments
-    request (Sequence.reserve_until), preempting as for any allocation."""
+    request run alone in a roomy pool. With 100-token steps they are preempted between the
+    chunks of their assembly: readmitted with room for one chunk only, an assembly used to find
+    no room for its documents and compute that chunk exactly (the third conversation's output
+    differed); the scheduler now allocates up to the last document whenever it schedules a
+    segments request (Sequence.reserve_until), preempting as for any allocation."""
     g = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     convs = [_messages(o) for o in (["Alice", "Bruno", "Chen"], ["Dara", "Alice"],
                                     ["Chen", "Dara", "Bruno"], ["Bruno", "Chen", "Alice", "Dara"])]  # fmt: skip
@@ -234,7 +218,7 @@ def test_segments_requests_preempted_between_chunks_equal_running_alone(llm):
     alone = [llm.chat(c, g, cache_salt="preempt-alone", **opts)[0].outputs[0].token_ids for c in convs]
     with shared_default_weights():
         small = LLM(kv_cache_memory=20 * 16 * 46080, seed=0, pin_budget_fraction=0.0,
-                    busy_step_ms=0, max_num_batched_tokens=100)  # fmt: skip
+                    busy_step_ms=0, max_num_batched_tokens=step_tokens)  # fmt: skip
     outs = small.chat(convs, g, **opts)
     assert small.engine.scheduler.counters.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == alone

@@ -218,10 +218,10 @@ def test_a_warms_steps_are_bounded_by_the_shared_budget_and_paced_by_the_work_do
         computed[0] += sum(s.num_new_tokens for s in batch)
         return execute(batch)
 
-    def seen(tokens, seconds):
+    def seen(tokens, seconds, rows):
         observed.append((tokens, computed[0]))
         computed[0] = 0
-        observe(tokens, seconds)
+        observe(tokens, seconds, rows)
 
     def scheduled():
         out = schedule()

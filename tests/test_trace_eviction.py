@@ -204,6 +204,33 @@ OPS = st.lists(st.tuples(st.sampled_from(["access", "acquire", "release", "evict
                          st.integers(0, 10**6)), max_size=120)
 
 
+def _shared_op(p, op: str, x: int, cached: list[int], refs: dict[int, int]) -> bool:
+    """The operations the random policy runs share, on policy ``p``: access a path down a small
+    tree (ids name prefixes, so a child id implies its parent), acquire a cached block, release
+    a held one (``refs`` counts what the run holds). True when ``op`` is one of them."""
+    if op == "access":
+        depth, branch = 1 + x % 4, x // 4
+        path = [0] if x % 5 else [1]
+        for d in range(depth):
+            path.append(path[-1] * 3 + 2 + (branch >> d) % 2)
+        p.access(path)
+    elif op == "acquire":
+        if cached:
+            b = cached[x % len(cached)]
+            p.acquire(b)
+            refs[b] = refs.get(b, 0) + 1
+    elif op == "release":
+        if refs:
+            b = sorted(refs)[x % len(refs)]
+            p.release(b)
+            refs[b] -= 1
+            if not refs[b]:
+                del refs[b]
+    else:
+        return False
+    return True
+
+
 @settings(max_examples=60, deadline=None)
 @given(ops=OPS)
 def test_hit_density_invariants_under_random_operations(ops):
@@ -214,23 +241,8 @@ def test_hit_density_invariants_under_random_operations(ops):
     refs: dict[int, int] = {}
     for op, x in ops:
         cached = sorted(p._meta)
-        if op == "access":
-            # a path down a small tree: ids name prefixes, so a child id implies its parent
-            depth, branch = 1 + x % 4, x // 4
-            path = [0] if x % 5 else [1]
-            for d in range(depth):
-                path.append(path[-1] * 3 + 2 + (branch >> d) % 2)
-            p.access(path)
-        elif op == "acquire" and cached:
-            b = cached[x % len(cached)]
-            p.acquire(b)
-            refs[b] = refs.get(b, 0) + 1
-        elif op == "release" and refs:
-            b = sorted(refs)[x % len(refs)]
-            p.release(b)
-            refs[b] -= 1
-            if not refs[b]:
-                del refs[b]
+        if _shared_op(p, op, x, cached, refs):
+            pass
         elif op == "evict":
             has_children = {m.parent for m in p._meta.values()}
             try:
@@ -364,22 +376,8 @@ def test_adaptive_members_agree_under_random_operations(ops):
     refs: dict[int, int] = {}
     for op, x in ops:
         cached = sorted(p.members[0]._meta)
-        if op == "access":
-            depth, branch = 1 + x % 4, x // 4
-            path = [0] if x % 5 else [1]
-            for d in range(depth):
-                path.append(path[-1] * 3 + 2 + (branch >> d) % 2)
-            p.access(path)
-        elif op == "acquire" and cached:
-            b = cached[x % len(cached)]
-            p.acquire(b)
-            refs[b] = refs.get(b, 0) + 1
-        elif op == "release" and refs:
-            b = sorted(refs)[x % len(refs)]
-            p.release(b)
-            refs[b] -= 1
-            if not refs[b]:
-                del refs[b]
+        if _shared_op(p, op, x, cached, refs):
+            pass
         elif op == "evict":
             try:
                 v = p.evict()

@@ -285,11 +285,11 @@ class LLMEngine:
                 return []
             # The pace that sizes steps while tenants share (fairness.py 4.) counts the tokens
             # the step computed: the forward's, and what connectors spent of their grants.
-            self._step_tokens = out.num_batched_tokens
+            self._step_tokens, rows = out.num_batched_tokens, len(out.scheduled)
             try:
                 return self._run(out)
             finally:
-                self.scheduler.observe_step(self._step_tokens, time.perf_counter() - t0)
+                self.scheduler.observe_step(self._step_tokens, time.perf_counter() - t0, rows)
         finally:
             self.connectors.on_events(self.pool.index.take_events())
 

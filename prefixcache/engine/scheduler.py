@@ -83,7 +83,6 @@ class Scheduler:
         # costs several times a prefill token, so mixing them in would shrink busy steps to
         # their floor when decodes dominate).
         self.prefill_pace = StepPace()
-        self._last_rows = 0  # sequences in the last scheduled step
         self.recent = RecentTenants(config.shared_window_s)
         self.clock = clock
         self._last_first_step = -2
@@ -102,10 +101,11 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free(seq)
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """The engine reports each step's batched tokens and its wall time (schedule to end)."""
+    def observe_step(self, tokens: int, seconds: float, rows: int) -> None:
+        """The engine reports each step's batched tokens, its wall time (schedule to end) and
+        how many sequences it scheduled."""
         self.pace.observe(tokens, seconds)
-        if tokens >= 4 * self._last_rows:
+        if tokens >= 4 * rows:
             self.prefill_pace.observe(tokens, seconds)
 
     def step_budget(self) -> int:
@@ -159,7 +159,6 @@ class Scheduler:
         return self._finish(out)
 
     def _finish(self, out: SchedulerOutput) -> SchedulerOutput:
-        self._last_rows = len(out.scheduled)
         self.counters.num_steps += 1
         self.counters.batched_tokens += out.num_batched_tokens
         for s in out.scheduled:
