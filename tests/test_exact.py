@@ -27,12 +27,14 @@ from prefixcache import LLM, SamplingParams, kernels
 from prefixcache.model.int_linear import (
     WIDE_ROWS,
     IntLinear,
+    pack8,
     quantize_activations,
     reference,
+    w8_quads,
     wide_groups,
 )
 from prefixcache.model.linear import quantize_int4, quantize_int8
-from prefixcache.model.loader import Int4Groups
+from prefixcache.model.loader import Int4Groups, Int8Groups
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the exact path needs the CPU kernels")
 
@@ -204,6 +206,31 @@ def test_kernel_is_exact_at_the_largest_partial_sums(bits):
         assert torch.equal(IntLinear(groups, None, bits, isa)(x), ref), isa
 
 
+@pytest.mark.parametrize(("bits", "mixed"), [(8, False), (16, True), (16, False)])
+@pytest.mark.parametrize("q", [127, -128])
+def test_8bit_weights_are_exact_at_their_extremes(bits, mixed, q):
+    """8-bit quads (u = q + 128 as vpdpbusd's unsigned operand, the offset taken back as
+    128 sum(a)): weights at 127 (u = 255) and -128 (u = 0) against activations at both ends,
+    where 256 dpbusd(u, hi) is largest (|.| <= 256 x 32 x 255 x 128 < 2^31); equal to the int64
+    reference on every path and layout."""
+    n, k = 32, 96
+    groups = Int8Groups(torch.full((n, k), q, dtype=torch.int8), torch.ones(n, k // 32))
+    x = torch.full((6, k), -1.0)
+    x[1] = 1.0
+    x[2, ::2] = -1.0  # alternating signs
+    x[2, 1::2] = 1.0
+    x[3, :32] *= 50.0  # a wide group beside narrow ones (mixed)
+    x[4] = -(256 * 100 - 128) / 32639.0  # low parts at -128 (16 bits)
+    x[4, ::32] = -1.0
+    x[5] = -x[4]
+    ref = reference(x, groups, bits, mixed)
+    for isa in kernels.supported_isas():
+        lin = IntLinear(groups, None, bits, isa, mixed)
+        assert lin.wq.dtype == (torch.uint8 if w8_quads(isa, bits, mixed) else torch.int8)
+        assert torch.equal(lin(x), ref), isa
+        assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(6)]), ref), isa  # narrow tiles
+
+
 def test_4bit_groups_held_as_int8_give_the_nibble_kernels_bits():
     """On AVX2 a wide call with 16-bit activations runs 4-bit groups through int8_linear
     (WIDE_ROWS rows or more) and a narrow one through the nibble kernel: every row is the same
@@ -220,8 +247,10 @@ def test_4bit_groups_held_as_int8_give_the_nibble_kernels_bits():
     one_by_one = torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])])
     assert torch.equal(wide, one_by_one)
     assert torch.equal(wide, reference(x, groups, 16))
+    as8 = Int8Groups(groups.q.to(torch.int8), groups.scale)
     for isa in kernels.supported_isas():  # the offset epilogue on every ISA path of int8_linear
-        y = kernels.int8_linear(x, lin.wq8, lin.wd, lin.out_features, 16, isa, lin.wm)
+        wq8, _ = pack8(as8, quads=w8_quads(isa, 16, False))
+        y = kernels.int8_linear(x, wq8, lin.wd, lin.out_features, 16, isa, lin.wm)
         assert torch.equal(y, wide), isa
 
 
@@ -374,27 +403,41 @@ def test_the_same_bits_under_preemption_eviction_and_disk_restore(llm, small_llm
     small_llm.check_integrity()
 
 
+def _exact_within(llm, tag: str) -> None:
+    """Alone vs batched and chunked, decoded vs prefilled: bit for bit."""
+    ids = llm.get_tokenizer().encode(PROSE)[:50]
+    with Recorder(llm.engine) as alone:
+        out = llm.generate([ids], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    sched = llm.engine.scheduler
+    config = sched.config
+    sched.config = dataclasses.replace(config, max_num_batched_tokens=23)
+    try:
+        batched = run(llm, [ids[:17], ids, ids[3:40]], salt=_salt(tag))
+    finally:
+        sched.config = config
+    assert_same(alone, batched, min_kv=50, min_logits=4)
+    prefilled = run(llm, [ids + out[0].outputs[0].token_ids[:4]], max_tokens=1, salt=_salt(tag))
+    assert_same(alone, prefilled, min_kv=54, min_logits=1)
+
+
 def test_int16_activations_are_exact_within_themselves():
     """int16 (float32-like quality, no longer auto's choice on 4-bit layers) keeps the bitwise
     contract: alone vs batched and chunked, decoded vs prefilled; its fingerprint is not
     mixed's."""
     a16 = LLM(kv_cache_memory="32MiB", activations="int16", seed=0)
     assert a16.engine.runner.model.arithmetic == "w4a16"
-    ids = a16.get_tokenizer().encode(PROSE)[:50]
-    with Recorder(a16.engine) as alone:
-        out = a16.generate([ids], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
-    sched = a16.engine.scheduler
-    config = sched.config
-    sched.config = dataclasses.replace(config, max_num_batched_tokens=23)
-    try:
-        batched = run(a16, [ids[:17], ids, ids[3:40]], salt=_salt("a16"))
-    finally:
-        sched.config = config
-    assert_same(alone, batched, min_kv=50, min_logits=4)
-    prefilled = run(a16, [ids + out[0].outputs[0].token_ids[:4]], max_tokens=1, salt=_salt("a16"))
-    assert_same(alone, prefilled, min_kv=54, min_logits=1)
+    _exact_within(a16, "a16")
     mixed = LLM(kv_cache_memory="32MiB", activations="mixed", seed=0)
     assert a16.engine.fingerprint != mixed.engine.fingerprint
+
+
+def test_8bit_groups_with_mixed_activations_are_exact_within_themselves():
+    """8-bit groups with mixed activations run the quads (vpdpbusd, one pass for the narrow
+    groups) on AVX512-VNNI, prefill and decode-only steps alike: the same contract, and the
+    same bits as the AVX2 pairs path (the kernel tests compare both with the reference)."""
+    w8 = LLM(kv_cache_memory="32MiB", quantization="int8", activations="mixed", seed=0)
+    assert w8.engine.runner.model.arithmetic == "w8a8x16"
+    _exact_within(w8, "w8m")
 
 
 def test_int8_activations_and_int8_kv_are_exact_too():

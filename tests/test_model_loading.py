@@ -180,6 +180,28 @@ def test_a_float_checkpoint_runs_exact_8_bit_groups_by_default(tmp_path_factory,
     llm.check_integrity()
 
 
+def test_auto_runs_mixed_activations_on_a_files_own_8bit_groups(tmp_path_factory, tokenizer):
+    """auto: a file's own 8-bit groups (GGUF Q8_0) get mixed activations, whose rounding is the
+    only one against the file's weights (KL 4.3e-4 on the default model's weights in 8-bit
+    groups, docs/design.md section 2); 8-bit groups made at load from a float checkpoint keep
+    16 bits (the test above)."""
+    from prefixcache.model.linear import quantize_int8
+    from prefixcache.model.llama import LlamaModel
+    from prefixcache.model.loader import load_weights
+
+    directory, _ = make_hf_dir(tmp_path_factory, tokenizer, "LlamaForCausalLM", seed=3)
+    weights = load_weights(directory)
+    stored = {n: quantize_int8(t) for n, t in weights.tensors.items()
+              if n.startswith("model.layers.") and n.endswith("proj.weight")}  # fmt: skip
+    weights.int8.update(stored)  # as if the file held them as Q8_0
+    for n, g in stored.items():  # the float copies equal the groups, as the loader keeps them
+        weights.tensors[n] = (g.q.float().view(g.q.shape[0], -1, 32) * g.scale.unsqueeze(-1)).view(g.q.shape)
+    cpu = torch.device("cpu")
+    model = LlamaModel(weights, 64, torch.float32, cpu, "file", "auto")
+    assert model.exact and model.arithmetic == "w8a8x16"
+    assert LlamaModel(weights, 64, torch.float32, cpu, "file", "int16").arithmetic == "w8a16"
+
+
 # ---- the default GGUF, dtypes, fingerprints --------------------------------------------------
 def test_default_gguf_config(llm):
     cfg = llm.engine.model_config

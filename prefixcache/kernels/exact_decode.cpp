@@ -50,14 +50,18 @@ struct Linear {
   IntScheme sc;
 };
 
-// code per linear: bit 0 = 8-bit weights (int8_linear's layout), bit 1 = mixed activations,
+// code per linear: bit 0 = 8-bit weights (int8_linear's layout for the scheme), bit 1 = mixed activations,
 // bit 2 = 16-bit activations (else 8).
 Linear make_linear(const at::Tensor& wq, const at::Tensor& wd, const at::Tensor& wm, int64_t code,
                    int64_t n, int64_t k, int64_t isa) {
   const bool w8 = code & 1;
+  const int bits = (code & 4) ? 16 : 8;
+  const bool mixed = code & 2;
+  TORCH_CHECK(!mixed || bits == 16, "mixed activations with 16 bits");
+  const IntScheme sc{bits, mixed, isa};
   const int64_t groups = k / prefixcache::kGroup, blocks = (n + prefixcache::kCols - 1) / prefixcache::kCols;
   TORCH_CHECK(wq.is_contiguous() && wq.numel() == blocks * groups * (w8 ? prefixcache::kBlockBytes8 : prefixcache::kBlockBytes) &&
-                  wq.scalar_type() == (w8 ? at::kChar : at::kByte),
+                  wq.scalar_type() == (w8 && !prefixcache::w8_quads(sc) ? at::kChar : at::kByte),
               "packed weights of the wrong size or type");
   TORCH_CHECK(wd.is_contiguous() && wd.scalar_type() == at::kFloat && wd.numel() == blocks * groups * prefixcache::kCols,
               "weight scales [blocks, groups, 16] float32");
@@ -65,11 +69,7 @@ Linear make_linear(const at::Tensor& wq, const at::Tensor& wd, const at::Tensor&
   TORCH_CHECK(off || w8, "4-bit groups need their offsets");
   TORCH_CHECK(!off || (wm.is_contiguous() && wm.scalar_type() == at::kFloat && wm.numel() == wd.numel()),
               "weight offsets [blocks, groups, 16] float32");
-  const int bits = (code & 4) ? 16 : 8;
-  const bool mixed = code & 2;
-  TORCH_CHECK(!mixed || bits == 16, "mixed activations with 16 bits");
-  return Linear{IntWeights{w8, wq.data_ptr(), wd.data_ptr<float>(), off ? wm.data_ptr<float>() : nullptr, n, k},
-                IntScheme{bits, mixed, isa}};
+  return Linear{IntWeights{w8, wq.data_ptr(), wd.data_ptr<float>(), off ? wm.data_ptr<float>() : nullptr, n, k}, sc};
 }
 
 void check_f32(const at::Tensor& t, const char* name) {
@@ -174,6 +174,7 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
     qa.hi.resize(b * widest), qa.lo.resize(b * widest), qa.a16.resize(b * widest);
     qa.wide.resize(b * widest / prefixcache::kGroup);
     qa.s.resize(b * widest / prefixcache::kGroup), qa.ssum.resize(b * widest / prefixcache::kGroup);
+    qa.isum.resize(b * widest / prefixcache::kGroup);
   }
   // Work counters of the dynamic phases: per layer, qkv / o / gate_up / down / attention.
   std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[5 * layers]);
@@ -201,7 +202,7 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
     }
   };
   const auto quantize = [&](const Linear& L, const float* src, int64_t k, int64_t r0, int64_t r1) {
-    prefixcache::quantize_rows(src, k, r0, r1, L.sc.bits, L.w.w8, L.sc.mixed, qa);
+    prefixcache::quantize_rows(src, k, r0, r1, L.sc.bits, prefixcache::whole_activations(L.w.w8, L.sc), L.sc.mixed, qa);
   };
 
   prefixcache::run_team(threads, [&](const int t, const int nt, prefixcache::SpinBarrier* barrier) {

@@ -19,14 +19,16 @@ constexpr int64_t kCols = 16;              // columns per weight block
 constexpr int64_t kBlockBytes = 256;       // nibbles of one block and group
 constexpr int64_t kBlockBytes8 = 512;      // int8 weights of one block and group (int8_linear)
 constexpr int64_t kRowChunk = 64;          // rows per work item
+constexpr int kQ8Rows = 4;                 // rows per 8-bit weight quad tile (tile512_q8)
 
 // Activations of a call, quantized once: per row, hi and lo int8 parts (16-bit) or lo alone
 // (8-bit), and per (row, group) the scale s and s * float(sum of a).
 struct Quantized {
   std::vector<int8_t> hi, lo;
   std::vector<uint8_t> wide;  // per (row, group), mixed activations: 1 where the group has 16 bits
-  std::vector<int16_t> a16;  // the integers whole (int8_linear) instead of hi/lo
+  std::vector<int16_t> a16;  // the integers whole (8-bit weight pairs) instead of hi/lo
   std::vector<float> s, ssum;
+  std::vector<int32_t> isum;  // per (row, group): sum of a (8-bit weight quads' offset term)
 };
 
 // The group maxima of row xr (|x|, 8 lanes at a time) into amax[0 .. groups).
@@ -110,6 +112,7 @@ inline void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int
       const float se = narrow ? s8 / 256.f : s;  // the scale of a (exact: a power of two)
       qa.s[r * groups + g] = se;
       qa.ssum[r * groups + g] = se * static_cast<float>(sum);
+      if (!qa.isum.empty()) qa.isum[r * groups + g] = sum;
     }
   }
 }
@@ -444,6 +447,142 @@ inline void narrow512_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_
   for (; b < b1; ++b) tile512n_w8<R, 1, OFF>(qa, r0, k, wq, wd, wm, b, y, n, n);
 }
 
+// ---- 8-bit weights, AVX512-VNNI: quads. The weights are stored as u8 = q + 128 (four
+// consecutive k of a column per 32-bit lane), so vpdpbusd takes them as its unsigned operand and
+// the activation parts (hi, lo: int8, as for 4-bit weights) as the signed one, and
+//   dot(a, q) = 256 dpbusd(u, hi) + dpbusd(u, lo) - 128 sum(a)
+// exactly (a = 256 hi + lo; |256 dpbusd(u, hi)| <= 256 * 32 * 255 * 128 < 2^31). One pass of
+// 64 multiply-adds an instruction for 8-bit activations and for a mixed row's narrow groups
+// (lo = 0, skipped): the same integers as the pairs path, so the same bits. Only 8-bit and
+// mixed activations run here: with 16 bits everywhere (two passes) the pairs were faster
+// (docs/benchmarks.md). R rows x one block: a group's 8 weight operands serve every row.
+template <int R, bool MIXED, bool OFF>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512_q8(
+    const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd, const float* wm,
+    int64_t b, float* y, int64_t ldy, int64_t n) {
+  const int64_t groups = k / kGroup;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* blk = wq + (b * groups + g) * kBlockBytes8;
+    __m512i w[8];
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(blk + j * 64);  // k = 4 j .. 4 j + 3
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    // mixed: the high pass of every row, then the low pass of the rows whose group is wide (the
+    // others' low bytes are 0); 8-bit: the one pass
+    const int8_t* first = MIXED ? qa.hi.data() : qa.lo.data();
+    for (int j = 0; j < 8; ++j)
+      for (int r = 0; r < R; ++r)
+        dot[r] = _mm512_dpbusd_epi32(dot[r], w[j], _mm512_set1_epi32(load_i32(first + (r0 + r) * k + g * kGroup + 4 * j)));
+    if (MIXED) {
+      for (int r = 0; r < R; ++r) {
+        dot[r] = _mm512_slli_epi32(dot[r], 8);
+        if (!qa.wide[(r0 + r) * groups + g]) continue;
+        const int8_t* l = qa.lo.data() + (r0 + r) * k + g * kGroup;
+        for (int j = 0; j < 8; ++j) dot[r] = _mm512_dpbusd_epi32(dot[r], w[j], _mm512_set1_epi32(load_i32(l + 4 * j)));
+      }
+    }
+    const __m512 vd = _mm512_loadu_ps(wd + (b * groups + g) * kCols);
+    const __m512 vm = OFF ? _mm512_loadu_ps(wm + (b * groups + g) * kCols) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const int64_t rg = (r0 + r) * groups + g;
+      const __m512i d = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * qa.isum[rg]));
+      const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(qa.s[rg]), vd);
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(d), sd));
+      if (OFF) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
+    }
+  }
+  const int64_t col = b * kCols;
+  const int64_t nv = std::min<int64_t>(kCols, n - col);
+  const __mmask16 mk = static_cast<__mmask16>((1u << nv) - 1u);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r]);
+}
+
+// ---- 8-bit weight quads, narrow calls (1-3 rows: decode): R rows x C blocks, R C independent
+// vpdpbusd chains (one block's dependent ones are latency-bound); tile512_q8's integers and
+// epilogue, so its bits.
+template <int R, int C, bool MIXED, bool OFF>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512n_q8(
+    const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd, const float* wm,
+    int64_t b, float* y, int64_t ldy, int64_t n) {
+  const int64_t groups = k / kGroup;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_si512();
+    bool lo_rows[R];
+    for (int r = 0; r < R; ++r) lo_rows[r] = !MIXED || qa.wide[(r0 + r) * groups + g];
+    for (int pass = MIXED ? 0 : 1; pass < 2; ++pass) {
+      if (pass == 1 && MIXED)
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) dot[r][c] = _mm512_slli_epi32(dot[r][c], 8);
+      const int8_t* a = pass == 0 ? qa.hi.data() : qa.lo.data();
+      for (int j = 0; j < 8; ++j) {
+        __m512i w[C];
+        for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(wq + ((b + c) * groups + g) * kBlockBytes8 + j * 64);
+        for (int r = 0; r < R; ++r) {
+          if (pass == 1 && !lo_rows[r]) continue;  // a narrow group's low bytes are 0
+          const __m512i av = _mm512_set1_epi32(load_i32(a + (r0 + r) * k + g * kGroup + 4 * j));
+          for (int c = 0; c < C; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], w[c], av);
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512 vd = _mm512_loadu_ps(wd + ((b + c) * groups + g) * kCols);
+      const __m512 vm = OFF ? _mm512_loadu_ps(wm + ((b + c) * groups + g) * kCols) : _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        const int64_t rg = (r0 + r) * groups + g;
+        const __m512i d = _mm512_sub_epi32(dot[r][c], _mm512_set1_epi32(128 * qa.isum[rg]));
+        const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(qa.s[rg]), vd);
+        acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(_mm512_cvtepi32_ps(d), sd));
+        if (OFF) acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const int64_t col = (b + c) * kCols;
+    const int64_t nv = std::min<int64_t>(kCols, n - col);
+    if (nv <= 0) break;
+    const __mmask16 mk = static_cast<__mmask16>((1u << nv) - 1u);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r][c]);
+  }
+}
+
+template <int R, bool MIXED, bool OFF>
+inline void narrow512_q8(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd,
+                         const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
+  constexpr int kC = R == 1 ? 4 : 2;
+  int64_t b = b0;
+  for (; b + kC <= b1; b += kC) tile512n_q8<R, kC, MIXED, OFF>(qa, r0, k, wq, wd, wm, b, y, n, n);
+  for (; b < b1; ++b) tile512n_q8<R, 1, MIXED, OFF>(qa, r0, k, wq, wd, wm, b, y, n, n);
+}
+
+template <bool MIXED, bool OFF>
+inline void rows_q8(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const uint8_t* wq, const float* wd,
+                    const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
+  switch (r1 - r0) {  // narrow calls: several blocks per tile
+    case 1: narrow512_q8<1, MIXED, OFF>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
+    case 2: narrow512_q8<2, MIXED, OFF>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
+    case 3: narrow512_q8<3, MIXED, OFF>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
+    default: break;
+  }
+  for (int64_t b = b0; b < b1; ++b) {
+    int64_t r = r0;
+    for (; r + kQ8Rows <= r1; r += kQ8Rows) tile512_q8<kQ8Rows, MIXED, OFF>(qa, r, k, wq, wd, wm, b, y, n, n);
+    for (; r + 4 <= r1; r += 4) tile512_q8<4, MIXED, OFF>(qa, r, k, wq, wd, wm, b, y, n, n);
+    switch (r1 - r) {
+      case 3: tile512_q8<3, MIXED, OFF>(qa, r, k, wq, wd, wm, b, y, n, n); break;
+      case 2: tile512_q8<2, MIXED, OFF>(qa, r, k, wq, wd, wm, b, y, n, n); break;
+      case 1: tile512_q8<1, MIXED, OFF>(qa, r, k, wq, wd, wm, b, y, n, n); break;
+      default: break;
+    }
+  }
+}
+
 // ---- 8-bit weights, AVX2: half a block (8 columns), vpmaddwd on the widened pairs.
 template <int R, bool OFF>
 inline void tile256_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t* wq, const float* wd,
@@ -523,8 +662,9 @@ inline bool cpu_has_vnni512() {
 }
 
 
-// One layer's packed weights (model/int_linear.py): 4-bit nibble blocks (w4) or int8 pairs (w8,
-// with ``wm`` when they are 4-bit values held as int8).
+// One layer's packed weights (model/int_linear.py): 4-bit nibble blocks (w4), or 8-bit quads
+// or pairs (w8, the layout by scheme: w8_quads; with ``wm`` when they are 4-bit values held
+// as 8-bit).
 struct IntWeights {
   bool w8;
   const void* wq;
@@ -541,15 +681,26 @@ struct IntScheme {
   int64_t isa;  // 2 = AVX512-VNNI, 1 = AVX2
 };
 
+// How 8-bit weights are packed for a scheme (model/int_linear.py pack8, the same rule): quads
+// (vpdpbusd operands, activations in hi/lo int8 parts) on AVX512-VNNI with 8-bit or mixed
+// activations, where they run one pass; pairs (vpdpwssd / vpmaddwd on the integers whole,
+// a16) otherwise.
+inline bool w8_quads(const IntScheme& sc) { return sc.isa == 2 && (sc.bits == 8 || sc.mixed); }
+
+// Whether a layer's activations are quantized as whole 16-bit integers (8-bit weight pairs)
+// rather than hi/lo int8 parts.
+inline bool whole_activations(bool w8, const IntScheme& sc) { return w8 && !w8_quads(sc); }
+
 // Buffers of m rows for a layer of input width k.
 inline void size_quantized(Quantized& qa, int64_t m, int64_t k, const IntScheme& sc, bool w8) {
   const int64_t groups = k / kGroup;
-  if (w8) {
+  if (whole_activations(w8, sc)) {
     qa.a16.resize(static_cast<size_t>(m * k));
   } else {
     qa.lo.resize(static_cast<size_t>(m * k));
     if (sc.bits == 16) qa.hi.resize(static_cast<size_t>(m * k));
   }
+  if (w8 && w8_quads(sc)) qa.isum.resize(static_cast<size_t>(m * groups));
   if (sc.mixed) qa.wide.resize(static_cast<size_t>(m * groups));
   qa.s.resize(static_cast<size_t>(m * groups));
   qa.ssum.resize(static_cast<size_t>(m * groups));
@@ -558,6 +709,18 @@ inline void size_quantized(Quantized& qa, int64_t m, int64_t k, const IntScheme&
 // Rows [r0, r1) x column blocks [b0, b1) of y [m, n] = x W^T, from the quantized rows.
 inline void gemm_item(const Quantized& qa, const IntWeights& w, const IntScheme& sc, int64_t r0,
                       int64_t r1, int64_t b0, int64_t b1, float* y) {
+  if (w.w8 && w8_quads(sc)) {
+    const auto* wq = static_cast<const uint8_t*>(w.wq);
+    const bool off = w.wm != nullptr;
+    if (sc.mixed) {
+      if (off) rows_q8<true, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
+      else rows_q8<true, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
+    } else {
+      if (off) rows_q8<false, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
+      else rows_q8<false, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
+    }
+    return;
+  }
   if (w.w8) {
     const auto* wq = static_cast<const int8_t*>(w.wq);
     if (w.wm != nullptr) rows_w8<true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n, sc.isa);

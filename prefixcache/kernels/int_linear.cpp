@@ -79,7 +79,7 @@ at::Tensor run(const at::Tensor& x, const IntWeights& w, const IntScheme& sc) {
   Quantized qa;
   size_quantized(qa, m, k, sc, w.w8);
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    quantize_rows(xp, k, r0, r1, sc.bits, w.w8, sc.mixed, qa);
+    quantize_rows(xp, k, r0, r1, sc.bits, whole_activations(w.w8, sc), sc.mixed, qa);
   });
   float* yp = y.data_ptr<float>();
   const int64_t row_chunks = (m + kRowChunk - 1) / kRowChunk;
@@ -116,15 +116,18 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
                        const std::optional<at::Tensor>& wm, int64_t n, int64_t bits, int64_t isa, bool mixed) {
   check_scheme(x, bits, isa, mixed);
   const int64_t k = x.size(1), groups = k / kGroup, blocks = (n + kCols - 1) / kCols;
-  TORCH_CHECK(wq.is_contiguous() && wq.scalar_type() == at::kChar && wq.numel() == blocks * groups * kBlockBytes8,
-              "wq: packed int8 weights [blocks * groups * 512]");
+  const IntScheme sc{static_cast<int>(bits), mixed, isa};
+  TORCH_CHECK(wq.is_contiguous() && wq.scalar_type() == (w8_quads(sc) ? at::kByte : at::kChar) &&
+                  wq.numel() == blocks * groups * kBlockBytes8,
+              "wq: packed 8-bit weights [blocks * groups * 512]: uint8 quads (avx512-vnni with 8-bit or mixed "
+              "activations) or int8 pairs");
   TORCH_CHECK(wd.is_contiguous() && wd.scalar_type() == at::kFloat && wd.numel() == blocks * groups * kCols,
               "wd: [blocks, groups, 16] float32");
   const bool off = wm.has_value();
   TORCH_CHECK(!off || (wm->is_contiguous() && wm->scalar_type() == at::kFloat && wm->numel() == wd.numel()),
               "wm: [blocks, groups, 16] float32");
-  const IntWeights w{true, wq.data_ptr<int8_t>(), wd.data_ptr<float>(), off ? wm->data_ptr<float>() : nullptr, n, k};
-  return run(x, w, IntScheme{static_cast<int>(bits), mixed, isa});
+  const IntWeights w{true, wq.data_ptr(), wd.data_ptr<float>(), off ? wm->data_ptr<float>() : nullptr, n, k};
+  return run(x, w, sc);
 }
 
 }  // namespace

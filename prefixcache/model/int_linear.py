@@ -61,7 +61,7 @@ class IntLinear:
         self.out_features, self.in_features = groups.q.shape
         self.wq8 = None  # 4-bit groups as int8, for wide calls on AVX2
         if self.wide:
-            self.wq, self.wd = pack8(groups)
+            self.wq, self.wd = pack8(groups, quads=w8_quads(isa, bits, mixed))
             self.wm = None
         else:
             self.wq, self.wd, self.wm = pack(groups)
@@ -118,16 +118,29 @@ def pack(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return nibbles, _block_scales(groups.scale, blocks, pad), _block_scales(groups.offset, blocks, pad)
 
 
-def pack8(groups: Int8Groups) -> tuple[torch.Tensor, torch.Tensor]:
-    """``int8_linear``'s layout: per block of 16 output columns and group of 32 inputs, 512 int8
-    ordered [p 0..15][column 0..15][2]: weights 2 p and 2 p + 1 of the group; then d as
-    [blocks, groups, 16] float32. Columns past the layer's end are zero weights, zero scales."""
+def w8_quads(isa: str, bits: int, mixed: bool) -> bool:
+    """Whether 8-bit weights are packed as quads (int_gemm.h ``w8_quads``, the same rule): on
+    AVX512-VNNI with 8-bit or mixed activations, where vpdpbusd runs them in one pass; with
+    16 bits everywhere the pairs' vpdpwssd was faster (docs/benchmarks.md)."""
+    return isa == "avx512-vnni" and (bits == 8 or mixed)
+
+
+def pack8(groups: Int8Groups, quads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``int8_linear``'s layout: per block of 16 output columns and group of 32 inputs, 512
+    bytes; then d as [blocks, groups, 16] float32. Columns past the layer's end are zero
+    weights, zero scales. ``quads`` (``w8_quads``): uint8 ``q + 128`` ordered
+    [j 0..7][column 0..15][4], weights 4 j .. 4 j + 3 of the group (a vpdpbusd operand per j);
+    else int8 pairs ordered [p 0..15][column 0..15][2], weights 2 p and 2 p + 1."""
     out, n = groups.q.shape
     g = n // GROUP
     blocks = -(-out // COLS)
     pad = blocks * COLS - out
-    q = torch.nn.functional.pad(groups.q, (0, 0, 0, pad)).view(blocks, COLS, g, GROUP // 2, 2)
-    q = q.permute(0, 2, 3, 1, 4).contiguous().view(-1)  # [block, group, p, col, 2]
+    q = torch.nn.functional.pad(groups.q, (0, 0, 0, pad))
+    if quads:
+        q = (q.to(torch.int16) + 128).to(torch.uint8).view(blocks, COLS, g, GROUP // 4, 4)
+        q = q.permute(0, 2, 3, 1, 4).contiguous().view(-1)  # [block, group, j, col, 4]
+    else:
+        q = q.view(blocks, COLS, g, GROUP // 2, 2).permute(0, 2, 3, 1, 4).contiguous().view(-1)
     return q, _block_scales(groups.scale, blocks, pad)
 
 
