@@ -1,10 +1,11 @@
-"""Integer kernel rates (GOP/s) on the default model's linear shapes, per ISA path this CPU has,
-at several batch sizes M: what ``IntLinear`` runs for w4a8x16 (mixed activations: the default
-model's layers), w4a16, w4a8 and w8a16 (a bf16 checkpoint's default), next to ``torch._int_mm``
-and float32 ``F.linear``. The activations are Gaussian, so mixed rows have few wide groups here
+"""Integer kernel rates (GOP/s) on the default model's linear shapes (or, ``--shapes 1b``,
+Llama-3.2-1B's), per ISA path this CPU has, at several batch sizes M: what ``IntLinear`` runs
+for w4a8x16 (mixed activations: the default model's layers), w4a16, w4a8, w8a16 (a bf16
+checkpoint's default) and w8a8x16 (8-bit groups with mixed activations: a GGUF Q8_0's default,
+opt-in on a bf16 checkpoint), next to ``torch._int_mm`` and float32 ``F.linear``. The activations are Gaussian, so mixed rows have few wide groups here
 (real activations' outlier groups are wider: docs/design.md "Mixed activations").
 
-    .venv/bin/python benchmarks/kernel_rates.py [--json results/kernel_rates.json]
+    .venv/bin/python benchmarks/kernel_rates.py [--shapes 135m|1b] [--json results/kernel_rates.json]
 
 On AVX2 a w4a16 call of ``WIDE_ROWS`` rows or more runs the 4-bit weights held as int8
 (model/int_linear.py), so its figure at M >= 8 is that path's.
@@ -27,19 +28,24 @@ from prefixcache import kernels
 from prefixcache.model.int_linear import IntLinear
 from prefixcache.model.linear import quantize_int4, quantize_int8
 
+# (K, N): the default model's MLP up (one half of gate_up) and down; Llama-3.2-1B's fused qkv, gate_up, down.
+SHAPES = {"135m": [(576, 1536), (1536, 576)], "1b": [(2048, 3072), (2048, 16384), (8192, 2048)]}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="results/kernel_rates.json")
     ap.add_argument("--rows", default="1,16,128,512")
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="135m")
     args = ap.parse_args()
     rows = [int(m) for m in args.rows.split(",")]
-    res: dict = {"cpu": platform.processor() or "unknown", "threads": torch.get_num_threads(), "gops": {}}
+    res: dict = {"cpu": platform.processor() or "unknown", "threads": torch.get_num_threads(), "shapes": args.shapes,
+                 "gops": {}}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
             res["cpu"] = line.split(":", 1)[1].strip()
             break
-    for k, n in [(576, 1536), (1536, 576)]:
+    for k, n in SHAPES[args.shapes]:
         w = torch.randn(n, k)
         g4, g8 = quantize_int4(w), quantize_int8(w)
         for m in rows:
@@ -47,7 +53,8 @@ def main() -> None:
             flops = 2 * m * k * n
             for isa in kernels.supported_isas():
                 for name, g, bits, mixed in [("w4a16", g4, 16, False), ("w4a8x16", g4, 16, True),
-                                             ("w4a8", g4, 8, False), ("w8a16", g8, 16, False)]:
+                                             ("w4a8", g4, 8, False), ("w8a16", g8, 16, False),
+                                             ("w8a8x16", g8, 16, True)]:
                     lin = IntLinear(g, None, bits, isa, mixed)
                     res["gops"][f"{name} {isa} K={k} N={n} M={m}"] = round(flops / median_time(lambda lin=lin, x=x: lin(x), 15) / 1e9, 1)
             res["gops"][f"F.linear float32 K={k} N={n} M={m}"] = round(

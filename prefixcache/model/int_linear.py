@@ -8,7 +8,9 @@ decoded or prefilled. ``reference`` is the same arithmetic in plain PyTorch (int
 same float32 epilogue), which the kernel is tested equal to with ``torch.equal``.
 
 8-bit groups (GGUF Q8_0, or a float checkpoint quantized at load: ``linear.quantize_int8``) run
-``kernels.int8_linear``: the integers whole in one pass of 16 x 16-bit pair products, then the
+``kernels.int8_linear``: with 16-bit activations the integers whole in one pass of 16 x 16-bit
+pair products; with 8-bit or mixed activations on AVX512-VNNI as ``q + 128`` quads against the
+activations' int8 parts (one vpdpbusd pass, the offset taken back exactly: ``pack8``); then the
 same epilogue without the offset term.
 
 On AVX2 (no VNNI) with 16-bit activations, 4-bit groups are also held as int8 (``q`` in 0..15,
