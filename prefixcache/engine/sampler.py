@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from prefixcache.api.request import SamplingParams
@@ -41,8 +42,11 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator],
 ) -> list[Sampled | SampleFailure]:
-    logits = logits.cpu()
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    logits = logits.cpu().float()
+    # numpy's vectorized isfinite and argmax: torch's took 0.79 ms and 0.08-0.12 ms a row on a
+    # [8, 49k] step (Zen 4, 2 threads), numpy's 0.04 ms and 0.005 ms, ~10% of a batch-8 decode
+    # step; both return the first maximum, so greedy tokens are the same.
+    finite = np.isfinite(logits.numpy()).all(axis=-1).tolist()
     logprobs_all = None
     if any(p.logprobs is not None for p in params):
         logprobs_all = torch.log_softmax(logits, dim=-1)  # row-wise: a bad row spoils only itself
@@ -82,7 +86,7 @@ def _sample_row(
     row: torch.Tensor, p: SamplingParams, g: torch.Generator, lrow: torch.Tensor | None
 ) -> Sampled:
     if p.greedy:
-        tok = int(torch.argmax(row))
+        tok = int(row.numpy().argmax())
     else:
         row = row / p.temperature
         if p.top_k > 0:
