@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace prefixcache {
@@ -19,7 +20,6 @@ constexpr int64_t kCols = 16;              // columns per weight block
 constexpr int64_t kBlockBytes = 256;       // nibbles of one block and group
 constexpr int64_t kBlockBytes8 = 512;      // int8 weights of one block and group (int8_linear)
 constexpr int64_t kRowChunk = 64;          // rows per work item
-constexpr int kQ8Rows = 4;                 // rows per 8-bit weight quad tile (tile512_q8)
 
 // Activations of a call, quantized once: per row, hi and lo int8 parts (16-bit) or lo alone
 // (8-bit), and per (row, group) the scale s and s * float(sum of a).
@@ -123,67 +123,187 @@ inline int32_t load_i32(const int8_t* p) {
   return v;
 }
 
-// ---- AVX512-VNNI: R rows x one block of 16 columns. A group's 8 weight operands stay in
-// registers and serve every row, each row's integer sum is one accumulator (the high pass, a
-// shift by 8, then the low pass onto it: 256 dot(hi) + dot(lo)), rows interleaved so R chains of
+// Rows [r0, r0 + R) of y at one block of 16 columns from `col` (fewer at the layer's edge,
+// none past it).
+template <int R>
+__attribute__((target("avx512f"))) inline void store_block(const __m512* acc, float* y, int64_t ldy, int64_t r0,
+                                                         int64_t col, int64_t n) {
+  const int64_t nv = std::min<int64_t>(kCols, n - col);
+  if (nv <= 0) return;
+  const __mmask16 mk = static_cast<__mmask16>((1u << nv) - 1u);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r]);
+}
+
+// Column blocks [b0, b1) of a narrow call in runs of kC (then one at a time): tile(b, C) with C
+// a std::integral_constant, the narrow tiles' block count.
+template <int R, typename Tile>
+inline void over_blocks(int64_t b0, int64_t b1, Tile&& tile) {
+  constexpr int kC = R == 1 ? 4 : 2;  // R kC independent chains
+  int64_t b = b0;
+  for (; b + kC <= b1; b += kC) tile(b, std::integral_constant<int, kC>{});
+  for (; b < b1; ++b) tile(b, std::integral_constant<int, 1>{});
+}
+
+// ---- AVX512-VNNI tiles of vpdpbusd operands (unsigned weights x signed activation bytes),
+// for two weight formats (QUADS): 4-bit nibble blocks, or 8-bit quads (u = q + 128, model/
+// int_linear.py pack8). Per group a block has 8 operands of 16 columns x 4 consecutive k:
+// nibbles: one 64-byte row j gives two (the low nibbles, k = 4 j.., and the high, k = 16 + 4 j..);
+// quads: row o is operand o (k = 4 o..). Activations: hi and lo int8 parts (16 bits: the high
+// pass, a shift by 8, then the low pass onto it: 256 dot(hi) + dot(lo)); the lo part alone for
+// 8 bits; mixed rows skip the low pass of their narrow groups (lo = 0). Quads take the weights'
+// offset back in integers (dot(a, q) = dot(a, u) - 128 sum(a): |256 dot(hi, u)| <= 256 * 32 *
+// 255 * 128 < 2^31); nibbles keep theirs in the float epilogue (OFF: + m (s sum(a))).
+template <bool QUADS>
+constexpr int kSteps = QUADS ? 8 : 4;  // 64-byte weight rows per block and group
+
+// Operands of weight row `step` of a block and group: 1 (quads) or 2 (nibbles), and the k offset
+// within the group of operand i.
+template <bool QUADS>
+__attribute__((target("avx512f,avx512bw"))) inline void step_operands(const uint8_t* blk, int step, __m512i* w) {
+  const __m512i p = _mm512_loadu_si512(blk + step * 64);
+  if constexpr (QUADS) {
+    w[0] = p;
+  } else {
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    w[0] = _mm512_and_si512(p, mask);                            // k = 4 j .. 4 j + 3
+    w[1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);  // k = 16 + 4 j ..
+  }
+}
+template <bool QUADS>
+constexpr int64_t operand_k(int step, int i) { return QUADS ? 4 * step : 4 * step + 16 * i; }
+template <bool QUADS>
+constexpr int kPerStep = QUADS ? 1 : 2;
+
+// One output block's group epilogue for R rows: acc += float(dot) (s d) [+ m (s sum(a))].
+template <int R, bool QUADS, bool OFF>
+__attribute__((target("avx512f"))) inline void group_epilogue(const Quantized& qa, int64_t r0, int64_t groups,
+                                                           int64_t g, const float* d, const float* m,
+                                                           const __m512i* dot, __m512* acc) {
+  const __m512 vd = _mm512_loadu_ps(d);
+  const __m512 vm = OFF ? _mm512_loadu_ps(m) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    const int64_t rg = (r0 + r) * groups + g;
+    __m512i di = dot[r];
+    if constexpr (QUADS) di = _mm512_sub_epi32(di, _mm512_set1_epi32(128 * qa.isum[rg]));
+    const __m512 p = _mm512_mul_ps(_mm512_set1_ps(qa.s[rg]), vd);
+    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(di), p));
+    if (OFF) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
+  }
+}
+
+// R rows x one block of 16 columns: a group's 8 weight operands stay in registers and serve
+// every row, each row's integer sum is one accumulator, rows interleaved so R chains of
 // vpdpbusd are in flight. (Two blocks with separate hi/lo accumulators spilled to the stack.)
-template <int R, bool TWO, bool MIXED>
+template <int R, bool TWO, bool MIXED, bool OFF, bool QUADS>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512(
     const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd, const float* wm,
     int64_t b, float* y, int64_t ldy, int64_t n) {
+  constexpr int64_t bytes = QUADS ? kBlockBytes8 : kBlockBytes;
   const int64_t groups = k / kGroup;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i mask = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     __m512i w[8];
-    const uint8_t* blk = wq + (b * groups + g) * kBlockBytes;
-    for (int j = 0; j < 4; ++j) {
-      const __m512i p = _mm512_loadu_si512(blk + j * 64);
-      w[2 * j] = _mm512_and_si512(p, mask);                            // k = 4 j .. 4 j + 3
-      w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);  // k = 16 + 4 j ..
+    int64_t koff[8];
+    for (int st = 0; st < kSteps<QUADS>; ++st) {
+      step_operands<QUADS>(wq + (b * groups + g) * bytes, st, w + kPerStep<QUADS> * st);
+      for (int i = 0; i < kPerStep<QUADS>; ++i) koff[kPerStep<QUADS> * st + i] = operand_k<QUADS>(st, i);
     }
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    const int64_t base = r0 * k + g * kGroup;
     if (TWO) {
-      for (int j = 0; j < 4; ++j)
-        for (int r = 0; r < R; ++r) {
-          const int8_t* h = qa.hi.data() + (r0 + r) * k + g * kGroup + 4 * j;
-          dot[r] = _mm512_dpbusd_epi32(dot[r], w[2 * j], _mm512_set1_epi32(load_i32(h)));
-          dot[r] = _mm512_dpbusd_epi32(dot[r], w[2 * j + 1], _mm512_set1_epi32(load_i32(h + 16)));
-        }
+      for (int o = 0; o < 8; ++o)
+        for (int r = 0; r < R; ++r)
+          dot[r] = _mm512_dpbusd_epi32(dot[r], w[o], _mm512_set1_epi32(load_i32(qa.hi.data() + base + r * k + koff[o])));
       for (int r = 0; r < R; ++r) dot[r] = _mm512_slli_epi32(dot[r], 8);
     }
     if (MIXED) {  // the low pass of the rows whose group is wide (the others' low bytes are 0)
       for (int r = 0; r < R; ++r) {
         if (!qa.wide[(r0 + r) * groups + g]) continue;
-        const int8_t* l = qa.lo.data() + (r0 + r) * k + g * kGroup;
-        for (int j = 0; j < 4; ++j) {
-          dot[r] = _mm512_dpbusd_epi32(dot[r], w[2 * j], _mm512_set1_epi32(load_i32(l + 4 * j)));
-          dot[r] = _mm512_dpbusd_epi32(dot[r], w[2 * j + 1], _mm512_set1_epi32(load_i32(l + 4 * j + 16)));
-        }
+        for (int o = 0; o < 8; ++o)
+          dot[r] = _mm512_dpbusd_epi32(dot[r], w[o], _mm512_set1_epi32(load_i32(qa.lo.data() + base + r * k + koff[o])));
       }
     } else {
-      for (int j = 0; j < 4; ++j)
-        for (int r = 0; r < R; ++r) {
-          const int8_t* l = qa.lo.data() + (r0 + r) * k + g * kGroup + 4 * j;
-          dot[r] = _mm512_dpbusd_epi32(dot[r], w[2 * j], _mm512_set1_epi32(load_i32(l)));
-          dot[r] = _mm512_dpbusd_epi32(dot[r], w[2 * j + 1], _mm512_set1_epi32(load_i32(l + 16)));
-        }
+      for (int o = 0; o < 8; ++o)
+        for (int r = 0; r < R; ++r)
+          dot[r] = _mm512_dpbusd_epi32(dot[r], w[o], _mm512_set1_epi32(load_i32(qa.lo.data() + base + r * k + koff[o])));
     }
-    const __m512 vd = _mm512_loadu_ps(wd + (b * groups + g) * kCols);
-    const __m512 vm = _mm512_loadu_ps(wm + (b * groups + g) * kCols);
-    for (int r = 0; r < R; ++r) {
-      const int64_t rg = (r0 + r) * groups + g;
-      const __m512 p = _mm512_mul_ps(_mm512_set1_ps(qa.s[rg]), vd);
-      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), p));
-      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
+    group_epilogue<R, QUADS, OFF>(qa, r0, groups, g, wd + (b * groups + g) * kCols, OFF ? wm + (b * groups + g) * kCols : nullptr, dot, acc);
+  }
+  store_block<R>(acc, y, ldy, r0, b * kCols, n);
+}
+
+// Narrow calls (1-3 rows: decode): R rows x C blocks. With one block a row's group is one chain
+// of dependent vpdpbusd, bound by their latency (a single-sequence decode step spent ~2.8 ms
+// there); C blocks give R C independent chains. A block's weight row is loaded (and unpacked)
+// per step, once per pass. Each output's integers and epilogue are tile512's: the same bits.
+template <int R, int C, bool TWO, bool MIXED, bool OFF, bool QUADS>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512n(
+    const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd, const float* wm,
+    int64_t b, float* y, int64_t ldy, int64_t n) {
+  constexpr int64_t bytes = QUADS ? kBlockBytes8 : kBlockBytes;
+  constexpr int per = kPerStep<QUADS>;
+  const int64_t groups = k / kGroup;
+  __m512 acc[C][R];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[C][R];
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r) dot[c][r] = _mm512_setzero_si512();
+    bool lo_rows[R];
+    for (int r = 0; r < R; ++r) lo_rows[r] = !MIXED || qa.wide[(r0 + r) * groups + g];
+    for (int pass = TWO ? 0 : 1; pass < 2; ++pass) {
+      if (pass == 1 && TWO)
+        for (int c = 0; c < C; ++c)
+          for (int r = 0; r < R; ++r) dot[c][r] = _mm512_slli_epi32(dot[c][r], 8);
+      const int8_t* a = (pass == 0 ? qa.hi.data() : qa.lo.data()) + r0 * k + g * kGroup;
+      for (int st = 0; st < kSteps<QUADS>; ++st) {
+        __m512i w[C][per];
+        for (int c = 0; c < C; ++c) step_operands<QUADS>(wq + ((b + c) * groups + g) * bytes, st, w[c]);
+        for (int r = 0; r < R; ++r) {
+          if (pass == 1 && !lo_rows[r]) continue;  // a narrow group's low bytes are 0
+          for (int i = 0; i < per; ++i) {
+            const __m512i av = _mm512_set1_epi32(load_i32(a + r * k + operand_k<QUADS>(st, i)));
+            for (int c = 0; c < C; ++c) dot[c][r] = _mm512_dpbusd_epi32(dot[c][r], w[c][i], av);
+          }
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c)
+      group_epilogue<R, QUADS, OFF>(qa, r0, groups, g, wd + ((b + c) * groups + g) * kCols,
+                                    OFF ? wm + ((b + c) * groups + g) * kCols : nullptr, dot[c], acc[c]);
+  }
+  for (int c = 0; c < C; ++c) store_block<R>(acc[c], y, ldy, r0, (b + c) * kCols, n);
+}
+
+// Rows [r0, r1) x column blocks [b0, b1) through the tiles above.
+template <bool TWO, bool MIXED, bool OFF, bool QUADS>
+inline void rows512(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const uint8_t* wq,
+                    const float* wd, const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
+  const auto narrow = [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    over_blocks<R>(b0, b1, [&](int64_t b, auto c) {
+      tile512n<R, decltype(c)::value, TWO, MIXED, OFF, QUADS>(qa, r0, k, wq, wd, wm, b, y, n, n);
+    });
+  };
+  switch (r1 - r0) {  // narrow calls: several blocks per tile
+    case 1: narrow(std::integral_constant<int, 1>{}); return;
+    case 2: narrow(std::integral_constant<int, 2>{}); return;
+    case 3: narrow(std::integral_constant<int, 3>{}); return;
+    default: break;
+  }
+  for (int64_t b = b0; b < b1; ++b) {
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) tile512<4, TWO, MIXED, OFF, QUADS>(qa, r, k, wq, wd, wm, b, y, n, n);
+    switch (r1 - r) {
+      case 3: tile512<3, TWO, MIXED, OFF, QUADS>(qa, r, k, wq, wd, wm, b, y, n, n); break;
+      case 2: tile512<2, TWO, MIXED, OFF, QUADS>(qa, r, k, wq, wd, wm, b, y, n, n); break;
+      case 1: tile512<1, TWO, MIXED, OFF, QUADS>(qa, r, k, wq, wd, wm, b, y, n, n); break;
+      default: break;
     }
   }
-  const int64_t col = b * kCols;
-  const int64_t nv = std::min<int64_t>(kCols, n - col);
-  const __mmask16 mk = static_cast<__mmask16>((1u << nv) - 1u);
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r]);
 }
 
 // The R rows of an AVX2 tile's half block (8 columns from `col`; fewer at the layer's edge).
@@ -249,99 +369,6 @@ inline void tile256(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* w
   store_half<R>(acc, y + r0 * ldy, ldy, b * kCols + half * 8, n);
 }
 
-// ---- AVX512-VNNI, narrow calls (1-3 rows: decode): R rows x C blocks. With one block a row's
-// group is one chain of 16 dependent vpdpbusd, bound by their latency (a single-sequence decode
-// step spent ~2.8 ms there); C blocks give R C independent chains. A block's weights are
-// unpacked per j (two registers per block live), once per pass. Each output's integers and
-// epilogue are tile512's: the same bits.
-template <int R, int C, bool TWO, bool MIXED>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512n(
-    const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd, const float* wm,
-    int64_t b, float* y, int64_t ldy, int64_t n) {
-  const int64_t groups = k / kGroup;
-  const __m512i mask = _mm512_set1_epi8(0x0F);
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512i dot[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_si512();
-    bool lo_rows[R];
-    for (int r = 0; r < R; ++r) lo_rows[r] = !MIXED || qa.wide[(r0 + r) * groups + g];
-    for (int pass = TWO ? 0 : 1; pass < 2; ++pass) {
-      if (pass == 1 && TWO)
-        for (int r = 0; r < R; ++r)
-          for (int c = 0; c < C; ++c) dot[r][c] = _mm512_slli_epi32(dot[r][c], 8);
-      const int8_t* a = pass == 0 ? qa.hi.data() : qa.lo.data();
-      for (int j = 0; j < 4; ++j) {
-        __m512i w0[C], w1[C];
-        for (int c = 0; c < C; ++c) {
-          const __m512i p = _mm512_loadu_si512(wq + ((b + c) * groups + g) * kBlockBytes + j * 64);
-          w0[c] = _mm512_and_si512(p, mask);
-          w1[c] = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);
-        }
-        for (int r = 0; r < R; ++r) {
-          if (pass == 1 && !lo_rows[r]) continue;  // a narrow group's low bytes are 0
-          const int8_t* ar = a + (r0 + r) * k + g * kGroup + 4 * j;
-          const __m512i a0 = _mm512_set1_epi32(load_i32(ar)), a1 = _mm512_set1_epi32(load_i32(ar + 16));
-          for (int c = 0; c < C; ++c) {
-            dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], w0[c], a0);
-            dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], w1[c], a1);
-          }
-        }
-      }
-    }
-    for (int c = 0; c < C; ++c) {
-      const __m512 vd = _mm512_loadu_ps(wd + ((b + c) * groups + g) * kCols);
-      const __m512 vm = _mm512_loadu_ps(wm + ((b + c) * groups + g) * kCols);
-      for (int r = 0; r < R; ++r) {
-        const int64_t rg = (r0 + r) * groups + g;
-        const __m512 p = _mm512_mul_ps(_mm512_set1_ps(qa.s[rg]), vd);
-        acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][c]), p));
-        acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
-      }
-    }
-  }
-  for (int c = 0; c < C; ++c) {
-    const int64_t col = (b + c) * kCols;
-    const int64_t nv = std::min<int64_t>(kCols, n - col);
-    if (nv <= 0) break;
-    const __mmask16 mk = static_cast<__mmask16>((1u << nv) - 1u);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r][c]);
-  }
-}
-
-template <int R, bool TWO, bool MIXED>
-inline void narrow512(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd,
-                      const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
-  constexpr int kC = R == 1 ? 4 : 2;
-  int64_t b = b0;
-  for (; b + kC <= b1; b += kC) tile512n<R, kC, TWO, MIXED>(qa, r0, k, wq, wd, wm, b, y, n, n);
-  for (; b < b1; ++b) tile512n<R, 1, TWO, MIXED>(qa, r0, k, wq, wd, wm, b, y, n, n);
-}
-
-template <bool TWO, bool MIXED>
-inline void rows_avx512(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const uint8_t* wq,
-                 const float* wd, const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
-  switch (r1 - r0) {  // narrow calls: several blocks per tile (tile512n)
-    case 1: narrow512<1, TWO, MIXED>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
-    case 2: narrow512<2, TWO, MIXED>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
-    case 3: narrow512<3, TWO, MIXED>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
-    default: break;
-  }
-  for (int64_t b = b0; b < b1; ++b) {
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) tile512<4, TWO, MIXED>(qa, r, k, wq, wd, wm, b, y, n, n);
-    switch (r1 - r) {
-      case 3: tile512<3, TWO, MIXED>(qa, r, k, wq, wd, wm, b, y, n, n); break;
-      case 2: tile512<2, TWO, MIXED>(qa, r, k, wq, wd, wm, b, y, n, n); break;
-      case 1: tile512<1, TWO, MIXED>(qa, r, k, wq, wd, wm, b, y, n, n); break;
-      default: break;
-    }
-  }
-}
-
 template <bool TWO, bool MIXED>
 inline void rows_avx2(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const uint8_t* wq,
                const float* wd, const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
@@ -385,10 +412,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512_w8(
       if (OFF) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
     }
   }
-  const int64_t col = b * kCols;
-  const int64_t nv = std::min<int64_t>(kCols, n - col);
-  const __mmask16 mk = static_cast<__mmask16>((1u << nv) - 1u);
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r]);
+  store_block<R>(acc, y, ldy, r0, b * kCols, n);
 }
 
 // ---- 8-bit weights, AVX512-VNNI, narrow calls (1-3 rows): R rows x C blocks, R C independent
@@ -399,9 +423,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512n_w8(
     const Quantized& qa, int64_t r0, int64_t k, const int8_t* wq, const float* wd, const float* wm,
     int64_t b, float* y, int64_t ldy, int64_t n) {
   const int64_t groups = k / kGroup;
-  __m512 acc[R][C];
+  __m512 acc[C][R];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[c][r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512i dot[R][C];
     for (int r = 0; r < R; ++r)
@@ -424,163 +448,20 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512n_w8(
       for (int r = 0; r < R; ++r) {
         const int64_t rg = (r0 + r) * groups + g;
         const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(qa.s[rg]), vd);
-        acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][c]), sd));
-        if (OFF) acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
+        acc[c][r] = _mm512_add_ps(acc[c][r], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][c]), sd));
+        if (OFF) acc[c][r] = _mm512_add_ps(acc[c][r], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
       }
     }
   }
-  for (int c = 0; c < C; ++c) {
-    const int64_t col = (b + c) * kCols;
-    const int64_t nv = std::min<int64_t>(kCols, n - col);
-    if (nv <= 0) break;
-    const __mmask16 mk = static_cast<__mmask16>((1u << nv) - 1u);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r][c]);
-  }
+  for (int c = 0; c < C; ++c) store_block<R>(acc[c], y, ldy, r0, (b + c) * kCols, n);
 }
 
 template <int R, bool OFF>
 inline void narrow512_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t* wq, const float* wd,
                          const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
-  constexpr int kC = R == 1 ? 4 : 2;
-  int64_t b = b0;
-  for (; b + kC <= b1; b += kC) tile512n_w8<R, kC, OFF>(qa, r0, k, wq, wd, wm, b, y, n, n);
-  for (; b < b1; ++b) tile512n_w8<R, 1, OFF>(qa, r0, k, wq, wd, wm, b, y, n, n);
-}
-
-// ---- 8-bit weights, AVX512-VNNI: quads. The weights are stored as u8 = q + 128 (four
-// consecutive k of a column per 32-bit lane), so vpdpbusd takes them as its unsigned operand and
-// the activation parts (hi, lo: int8, as for 4-bit weights) as the signed one, and
-//   dot(a, q) = 256 dpbusd(u, hi) + dpbusd(u, lo) - 128 sum(a)
-// exactly (a = 256 hi + lo; |256 dpbusd(u, hi)| <= 256 * 32 * 255 * 128 < 2^31). One pass of
-// 64 multiply-adds an instruction for 8-bit activations and for a mixed row's narrow groups
-// (lo = 0, skipped): the same integers as the pairs path, so the same bits. Only 8-bit and
-// mixed activations run here: with 16 bits everywhere (two passes) the pairs were faster
-// (docs/benchmarks.md). R rows x one block: a group's 8 weight operands serve every row.
-template <int R, bool MIXED, bool OFF>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512_q8(
-    const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd, const float* wm,
-    int64_t b, float* y, int64_t ldy, int64_t n) {
-  const int64_t groups = k / kGroup;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* blk = wq + (b * groups + g) * kBlockBytes8;
-    __m512i w[8];
-    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(blk + j * 64);  // k = 4 j .. 4 j + 3
-    __m512i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-    // mixed: the high pass of every row, then the low pass of the rows whose group is wide (the
-    // others' low bytes are 0); 8-bit: the one pass
-    const int8_t* first = MIXED ? qa.hi.data() : qa.lo.data();
-    for (int j = 0; j < 8; ++j)
-      for (int r = 0; r < R; ++r)
-        dot[r] = _mm512_dpbusd_epi32(dot[r], w[j], _mm512_set1_epi32(load_i32(first + (r0 + r) * k + g * kGroup + 4 * j)));
-    if (MIXED) {
-      for (int r = 0; r < R; ++r) {
-        dot[r] = _mm512_slli_epi32(dot[r], 8);
-        if (!qa.wide[(r0 + r) * groups + g]) continue;
-        const int8_t* l = qa.lo.data() + (r0 + r) * k + g * kGroup;
-        for (int j = 0; j < 8; ++j) dot[r] = _mm512_dpbusd_epi32(dot[r], w[j], _mm512_set1_epi32(load_i32(l + 4 * j)));
-      }
-    }
-    const __m512 vd = _mm512_loadu_ps(wd + (b * groups + g) * kCols);
-    const __m512 vm = OFF ? _mm512_loadu_ps(wm + (b * groups + g) * kCols) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      const int64_t rg = (r0 + r) * groups + g;
-      const __m512i d = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * qa.isum[rg]));
-      const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(qa.s[rg]), vd);
-      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(d), sd));
-      if (OFF) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
-    }
-  }
-  const int64_t col = b * kCols;
-  const int64_t nv = std::min<int64_t>(kCols, n - col);
-  const __mmask16 mk = static_cast<__mmask16>((1u << nv) - 1u);
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r]);
-}
-
-// ---- 8-bit weight quads, narrow calls (1-3 rows: decode): R rows x C blocks, R C independent
-// vpdpbusd chains (one block's dependent ones are latency-bound); tile512_q8's integers and
-// epilogue, so its bits.
-template <int R, int C, bool MIXED, bool OFF>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512n_q8(
-    const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd, const float* wm,
-    int64_t b, float* y, int64_t ldy, int64_t n) {
-  const int64_t groups = k / kGroup;
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512i dot[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_si512();
-    bool lo_rows[R];
-    for (int r = 0; r < R; ++r) lo_rows[r] = !MIXED || qa.wide[(r0 + r) * groups + g];
-    for (int pass = MIXED ? 0 : 1; pass < 2; ++pass) {
-      if (pass == 1 && MIXED)
-        for (int r = 0; r < R; ++r)
-          for (int c = 0; c < C; ++c) dot[r][c] = _mm512_slli_epi32(dot[r][c], 8);
-      const int8_t* a = pass == 0 ? qa.hi.data() : qa.lo.data();
-      for (int j = 0; j < 8; ++j) {
-        __m512i w[C];
-        for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_si512(wq + ((b + c) * groups + g) * kBlockBytes8 + j * 64);
-        for (int r = 0; r < R; ++r) {
-          if (pass == 1 && !lo_rows[r]) continue;  // a narrow group's low bytes are 0
-          const __m512i av = _mm512_set1_epi32(load_i32(a + (r0 + r) * k + g * kGroup + 4 * j));
-          for (int c = 0; c < C; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], w[c], av);
-        }
-      }
-    }
-    for (int c = 0; c < C; ++c) {
-      const __m512 vd = _mm512_loadu_ps(wd + ((b + c) * groups + g) * kCols);
-      const __m512 vm = OFF ? _mm512_loadu_ps(wm + ((b + c) * groups + g) * kCols) : _mm512_setzero_ps();
-      for (int r = 0; r < R; ++r) {
-        const int64_t rg = (r0 + r) * groups + g;
-        const __m512i d = _mm512_sub_epi32(dot[r][c], _mm512_set1_epi32(128 * qa.isum[rg]));
-        const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(qa.s[rg]), vd);
-        acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(_mm512_cvtepi32_ps(d), sd));
-        if (OFF) acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
-      }
-    }
-  }
-  for (int c = 0; c < C; ++c) {
-    const int64_t col = (b + c) * kCols;
-    const int64_t nv = std::min<int64_t>(kCols, n - col);
-    if (nv <= 0) break;
-    const __mmask16 mk = static_cast<__mmask16>((1u << nv) - 1u);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r][c]);
-  }
-}
-
-template <int R, bool MIXED, bool OFF>
-inline void narrow512_q8(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd,
-                         const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
-  constexpr int kC = R == 1 ? 4 : 2;
-  int64_t b = b0;
-  for (; b + kC <= b1; b += kC) tile512n_q8<R, kC, MIXED, OFF>(qa, r0, k, wq, wd, wm, b, y, n, n);
-  for (; b < b1; ++b) tile512n_q8<R, 1, MIXED, OFF>(qa, r0, k, wq, wd, wm, b, y, n, n);
-}
-
-template <bool MIXED, bool OFF>
-inline void rows_q8(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const uint8_t* wq, const float* wd,
-                    const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
-  switch (r1 - r0) {  // narrow calls: several blocks per tile
-    case 1: narrow512_q8<1, MIXED, OFF>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
-    case 2: narrow512_q8<2, MIXED, OFF>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
-    case 3: narrow512_q8<3, MIXED, OFF>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
-    default: break;
-  }
-  for (int64_t b = b0; b < b1; ++b) {
-    int64_t r = r0;
-    for (; r + kQ8Rows <= r1; r += kQ8Rows) tile512_q8<kQ8Rows, MIXED, OFF>(qa, r, k, wq, wd, wm, b, y, n, n);
-    for (; r + 4 <= r1; r += 4) tile512_q8<4, MIXED, OFF>(qa, r, k, wq, wd, wm, b, y, n, n);
-    switch (r1 - r) {
-      case 3: tile512_q8<3, MIXED, OFF>(qa, r, k, wq, wd, wm, b, y, n, n); break;
-      case 2: tile512_q8<2, MIXED, OFF>(qa, r, k, wq, wd, wm, b, y, n, n); break;
-      case 1: tile512_q8<1, MIXED, OFF>(qa, r, k, wq, wd, wm, b, y, n, n); break;
-      default: break;
-    }
-  }
+  over_blocks<R>(b0, b1, [&](int64_t b, auto c) {
+    tile512n_w8<R, decltype(c)::value, OFF>(qa, r0, k, wq, wd, wm, b, y, n, n);
+  });
 }
 
 // ---- 8-bit weights, AVX2: half a block (8 columns), vpmaddwd on the widened pairs.
@@ -709,15 +590,15 @@ inline void size_quantized(Quantized& qa, int64_t m, int64_t k, const IntScheme&
 // Rows [r0, r1) x column blocks [b0, b1) of y [m, n] = x W^T, from the quantized rows.
 inline void gemm_item(const Quantized& qa, const IntWeights& w, const IntScheme& sc, int64_t r0,
                       int64_t r1, int64_t b0, int64_t b1, float* y) {
-  if (w.w8 && w8_quads(sc)) {
+  if (w.w8 && w8_quads(sc)) {  // quads: 8-bit or mixed activations
     const auto* wq = static_cast<const uint8_t*>(w.wq);
     const bool off = w.wm != nullptr;
     if (sc.mixed) {
-      if (off) rows_q8<true, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
-      else rows_q8<true, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
+      if (off) rows512<true, true, true, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
+      else rows512<true, true, false, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
     } else {
-      if (off) rows_q8<false, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
-      else rows_q8<false, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
+      if (off) rows512<false, false, true, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
+      else rows512<false, false, false, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
     }
     return;
   }
@@ -729,9 +610,9 @@ inline void gemm_item(const Quantized& qa, const IntWeights& w, const IntScheme&
   }
   const auto* wq = static_cast<const uint8_t*>(w.wq);
   if (sc.isa == 2) {
-    if (sc.mixed) rows_avx512<true, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
-    else if (sc.bits == 16) rows_avx512<true, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
-    else rows_avx512<false, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
+    if (sc.mixed) rows512<true, true, true, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
+    else if (sc.bits == 16) rows512<true, false, true, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
+    else rows512<false, false, true, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
   } else {
     if (sc.mixed) rows_avx2<true, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
     else if (sc.bits == 16) rows_avx2<true, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
