@@ -1,0 +1,60 @@
+"""Where a prefix-cache hit's time goes: TTFT of 50 new tokens over a cached prefix, and the
+kernels' self time in it (torch.profiler): attention vs the linear layers. Default model,
+offline, one run per prefix length (docs/benchmarks.md "Where a hit's time goes now").
+
+Usage: .venv/bin/python benchmarks/hit_time_split.py [--contexts 2000,8000] [--json results/hit_time_split.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from pathlib import Path
+
+from torch.profiler import ProfilerActivity, profile
+
+from prefixcache import LLM, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="2000,8000")
+    ap.add_argument("--json", default="results/hit_time_split.json")
+    args = ap.parse_args()
+    llm = LLM(kv_cache_memory="1GiB")
+    rng = random.Random(0)
+    one = SamplingParams(max_tokens=1, temperature=0)
+    rows = []
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        salt = f"split-{ctx}-{os.urandom(4).hex()}"
+        prefix = [rng.randrange(100, 40000) for _ in range(ctx)]
+        q = [rng.randrange(100, 40000) for _ in range(50)]
+        llm.generate([prefix + [7]], one, cache_salt=salt)  # the prefix cached
+        llm.generate([prefix + q[:10]], one, cache_salt=salt)  # warm-up of a hit
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = llm.generate([prefix + q], one, cache_salt=salt)[0]
+        self_ms = {e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()}
+        row = {
+            "cached_prefix": ctx,
+            "num_cached_tokens": out.num_cached_tokens,
+            "ttft_ms": (out.metrics.first_token_time - out.metrics.arrival_time) * 1e3,
+            "attention_ms": sum(v for k, v in self_ms.items() if "paged_attention" in k),
+            "linear_ms": sum(
+                v for k, v in self_ms.items() if "int4_linear" in k or "int8_linear" in k
+            ),
+        }
+        rows.append(row)
+        print(
+            json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}),
+            flush=True,
+        )
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(
+        json.dumps({"load_average_at_end": os.getloadavg(), "rows": rows}, indent=2)
+    )
+
+
+if __name__ == "__main__":
+    main()
