@@ -80,31 +80,24 @@ class Workload:
     seed: int
 
 
-WORKLOADS = [
-    Workload("prefix_rep", "prefix_repetition 4 × (512 + 64) → 32, c8",
-             ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
-              "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
-              "--prefix-repetition-output-len", "32"], 64, 8, 8, 1),
-    Workload("random_256", "random 256 → 32, c8",
-             ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len",
-              "32"], 32, 8, 8, 2),
-    Workload("random_64_c1", "random 64 → 128, c1",
-             ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len",
-              "128"], 4, 2, 1, 3),
-]
+def _prefix_rep(prefixes: int, out: int, prompts: int, quick: int, conc: int) -> Workload:
+    return Workload("prefix_rep", f"prefix_repetition {prefixes} × (512 + 64) → {out}, c{conc}",
+                    ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
+                     "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes",
+                     str(prefixes), "--prefix-repetition-output-len", str(out)], prompts, quick, conc, 1)
+
+
+def _random(key: str, inp: int, out: int, prompts: int, quick: int, conc: int, seed: int) -> Workload:
+    return Workload(key, f"random {inp} → {out}, c{conc}",
+                    ["--dataset-name", "random", "--random-input-len", str(inp), "--random-output-len",
+                     str(out)], prompts, quick, conc, seed)
+
+
+WORKLOADS = [_prefix_rep(4, 32, 64, 8, 8), _random("random_256", 256, 32, 32, 8, 8, 2),
+             _random("random_64_c1", 64, 128, 4, 2, 1, 3)]
 # --light: the same three, lighter, for a larger model (the 1B-shaped one runs ~10x slower).
-LIGHT_WORKLOADS = [
-    Workload("prefix_rep", "prefix_repetition 2 × (512 + 64) → 16, c4",
-             ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
-              "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "2",
-              "--prefix-repetition-output-len", "16"], 16, 4, 4, 1),
-    Workload("random_256", "random 256 → 16, c4",
-             ["--dataset-name", "random", "--random-input-len", "256", "--random-output-len",
-              "16"], 16, 4, 4, 2),
-    Workload("random_64_c1", "random 64 → 32, c1",
-             ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len",
-              "32"], 4, 2, 1, 3),
-]
+LIGHT_WORKLOADS = [_prefix_rep(2, 16, 16, 4, 4), _random("random_256", 256, 16, 16, 4, 4, 2),
+                   _random("random_64_c1", 64, 32, 4, 2, 1, 3)]
 METRICS = [("output_throughput", "Output tok/s", "higher is better"),
            ("median_ttft_ms", "Median TTFT (ms)", "lower is better"),
            ("median_tpot_ms", "Median TPOT (ms)", "lower is better")]

@@ -8,6 +8,7 @@ import re
 from collections import OrderedDict
 
 import pytest
+from _pool import compute_missing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -689,19 +690,10 @@ def test_pool_invariants_under_random_operations(policy, ops):
                 pool.acquire(m.block_ids)
                 live.append(list(m.block_ids))
             else:
-                pool.acquire(m.block_ids)
-                new = pool.allocate(len(keys) - len(m.block_ids))
-                if new is None:
-                    pool.release(m.block_ids)
-                else:
-                    table = list(m.block_ids)
-                    for i in range(len(m.block_ids), len(keys)):
-                        b = new[i - len(m.block_ids)]
-                        parent = keys[i - 1] if i else root
-                        holder = pool.register(b, keys[i], parent, p[i * B:(i + 1) * B], ns,
-                                               parent_block=table[-1] if table else None)
-                        assert holder == b
-                        table.append(b)
+                done = compute_missing(pool, m.block_ids, keys, p, root, ns, B)
+                if done is not None:
+                    table, holders = done
+                    assert holders == table[len(m.block_ids):]  # each block holds its key
                     live.append(table)
         elif op == "release" and live:
             pool.release(live.pop(x % len(live)))

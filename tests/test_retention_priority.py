@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from _pool import compute_missing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -233,18 +234,9 @@ def test_pool_invariants_with_ranks_under_random_operations(policy, ops):
         keys = hash_blocks(p, B, root)
         m = pool.match(keys, p, root)
         if op == "cache" and len(m.block_ids) < len(keys):
-            pool.acquire(m.block_ids)
-            new = pool.allocate(len(keys) - len(m.block_ids))
-            if new is None:
-                pool.release(m.block_ids)
-            else:
-                table = list(m.block_ids)
-                for i in range(len(table), len(keys)):
-                    b = new[i - len(m.block_ids)]
-                    pool.register(b, keys[i], keys[i - 1] if i else root, p[i * B : (i + 1) * B],
-                                  ns, parent_block=table[-1] if table else None, group=ns)
-                    table.append(b)
-                live.append(table)
+            done = compute_missing(pool, m.block_ids, keys, p, root, ns, B, group=ns)
+            if done is not None:
+                live.append(done[0])
         elif op == "hit":
             pool.acquire(m.block_ids)
             live.append(list(m.block_ids))

@@ -403,14 +403,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512_w8(
         dot[r] = _mm512_dpwssd_epi32(dot[r], _mm512_set1_epi32(pair), w);
       }
     }
-    const __m512 vd = _mm512_loadu_ps(wd + (b * groups + g) * kCols);
-    const __m512 vm = OFF ? _mm512_loadu_ps(wm + (b * groups + g) * kCols) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      const int64_t rg = (r0 + r) * groups + g;
-      const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(qa.s[rg]), vd);
-      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), sd));
-      if (OFF) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
-    }
+    group_epilogue<R, false, OFF>(qa, r0, groups, g, wd + (b * groups + g) * kCols,
+                                  OFF ? wm + (b * groups + g) * kCols : nullptr, dot, acc);
   }
   store_block<R>(acc, y, ldy, r0, b * kCols, n);
 }
@@ -424,12 +418,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512n_w8(
     int64_t b, float* y, int64_t ldy, int64_t n) {
   const int64_t groups = k / kGroup;
   __m512 acc[C][R];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[c][r] = _mm512_setzero_ps();
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i dot[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) dot[r][c] = _mm512_setzero_si512();
+    __m512i dot[C][R];
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r) dot[c][r] = _mm512_setzero_si512();
     for (int p = 0; p < kGroup / 2; ++p) {
       __m512i w[C];
       for (int c = 0; c < C; ++c)
@@ -439,19 +433,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512n_w8(
         int32_t pair;
         std::memcpy(&pair, qa.a16.data() + (r0 + r) * k + g * kGroup + 2 * p, 4);
         const __m512i a = _mm512_set1_epi32(pair);
-        for (int c = 0; c < C; ++c) dot[r][c] = _mm512_dpwssd_epi32(dot[r][c], a, w[c]);
+        for (int c = 0; c < C; ++c) dot[c][r] = _mm512_dpwssd_epi32(dot[c][r], a, w[c]);
       }
     }
-    for (int c = 0; c < C; ++c) {
-      const __m512 vd = _mm512_loadu_ps(wd + ((b + c) * groups + g) * kCols);
-      const __m512 vm = OFF ? _mm512_loadu_ps(wm + ((b + c) * groups + g) * kCols) : _mm512_setzero_ps();
-      for (int r = 0; r < R; ++r) {
-        const int64_t rg = (r0 + r) * groups + g;
-        const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(qa.s[rg]), vd);
-        acc[c][r] = _mm512_add_ps(acc[c][r], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][c]), sd));
-        if (OFF) acc[c][r] = _mm512_add_ps(acc[c][r], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
-      }
-    }
+    for (int c = 0; c < C; ++c)
+      group_epilogue<R, false, OFF>(qa, r0, groups, g, wd + ((b + c) * groups + g) * kCols,
+                                    OFF ? wm + ((b + c) * groups + g) * kCols : nullptr, dot[c], acc[c]);
   }
   for (int c = 0; c < C; ++c) store_block<R>(acc[c], y, ldy, r0, (b + c) * kCols, n);
 }
