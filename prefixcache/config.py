@@ -119,7 +119,7 @@ class EngineConfig:
     # Which cached block the pool evicts (docs/design.md §4 "Eviction policy"): lru (least
     # recently released first), lru-demote or hit-density; the trace simulator runs the same code.
     eviction_policy: str = "lru"
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: float32 (CPU and CUDA: the cold == warm contract)
     quantization: str = "auto"
     activations: str = "auto"  # ACTIVATIONS
     # How K/V are stored (kv/formats.py): auto = the model's dtype; bfloat16, int8, fp8_e4m3.

@@ -19,6 +19,7 @@ import random
 
 import pytest
 import torch
+from _exact import Recorder, assert_same, key, run
 from _helpers import PROSE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -39,66 +40,6 @@ from prefixcache.model.loader import Int4Groups, Int8Groups
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the exact path needs the CPU kernels")
 
 B = 16
-
-
-class Recorder:
-    """Wraps an engine's runner: the stored K/V of every computed token and the logits of every
-    sampled row, keyed by the token ids they are a function of."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.kv: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.logits: dict[bytes, torch.Tensor] = {}
-        self._execute = engine.runner.execute
-
-    def __enter__(self):
-        runner, bs = self.engine.runner, self.engine.runner.block_size
-
-        def execute(batch):
-            seen = [(s.seq, s.seq.num_computed_tokens, s.num_new_tokens, s.samples) for s in batch]
-            out = self._execute(batch)
-            row = 0
-            for seq, start, n, samples in seen:
-                ids = seq.all_token_ids
-                table = seq.block_table
-                slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start, start + n)])
-                k = runner.kv.k.index_select(2, slots)  # [L, KVH, n, D] as stored
-                v = runner.kv.v.index_select(2, slots)
-                for j in range(n):
-                    self.kv[_key(ids[: start + j + 1])] = (k[:, :, j].clone(), v[:, :, j].clone())
-                if samples:
-                    self.logits[_key(ids[: start + n])] = out[row].clone()
-                    row += 1
-            return out
-
-        self.engine.runner.execute = execute
-        return self
-
-    def __exit__(self, *exc):
-        self.engine.runner.execute = self._execute
-
-
-def _key(ids) -> bytes:
-    return torch.tensor(list(ids), dtype=torch.int32).numpy().tobytes()
-
-
-def assert_same(ref: Recorder, other: Recorder, min_kv: int = 1, min_logits: int = 1) -> None:
-    """Every record both runs made is bit-for-bit equal; at least this many were compared."""
-    kv = ref.kv.keys() & other.kv.keys()
-    lg = ref.logits.keys() & other.logits.keys()
-    assert len(kv) >= min_kv and len(lg) >= min_logits, (len(kv), len(lg))
-    for key in kv:
-        assert torch.equal(ref.kv[key][0], other.kv[key][0]), "K differs"
-        assert torch.equal(ref.kv[key][1], other.kv[key][1]), "V differs"
-    for key in lg:
-        assert torch.equal(ref.logits[key], other.logits[key]), "logits differ"
-
-
-def run(llm, prompts, max_tokens=4, salt=None) -> Recorder:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    with Recorder(llm.engine) as rec:
-        llm.generate(prompts, params, cache_salt=salt)
-    return rec
 
 
 def _salt(tag: str) -> str:
@@ -203,7 +144,9 @@ def test_kernel_is_exact_at_the_largest_partial_sums(bits):
         assert (lo[0] == -128).sum() >= k - 3  # the bound is reached
     ref = reference(x, groups, bits)
     for isa in kernels.supported_isas():
-        assert torch.equal(IntLinear(groups, None, bits, isa)(x), ref), isa
+        lin = IntLinear(groups, None, bits, isa)
+        assert torch.equal(lin(x), ref), isa
+        assert torch.equal(lin(x.repeat(9, 1)), ref.repeat(9, 1)), isa  # 16-row tiles (AMX)
 
 
 @pytest.mark.parametrize(("bits", "mixed"), [(8, False), (16, True), (16, False)])
@@ -229,6 +172,7 @@ def test_8bit_weights_are_exact_at_their_extremes(bits, mixed, q):
         assert lin.wq.dtype == (torch.uint8 if w8_quads(isa, bits, mixed) else torch.int8)
         assert torch.equal(lin(x), ref), isa
         assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(6)]), ref), isa  # narrow tiles
+        assert torch.equal(lin(x.repeat(6, 1)), ref.repeat(6, 1)), isa  # 16-row tiles (AMX)
 
 
 def test_4bit_groups_held_as_int8_give_the_nibble_kernels_bits():
@@ -263,10 +207,15 @@ def test_isa_switch(monkeypatch):
         kernels.isa()
     monkeypatch.delenv("PREFIXCACHE_ISA")
     assert kernels.isa() == have[0]
-    if "avx512-vnni" not in have:
-        monkeypatch.setenv("PREFIXCACHE_ISA", "avx512-vnni")
-        with pytest.raises(ValueError, match="lacks"):
-            kernels.isa()
+    for name in ("amx", "avx512-vnni"):
+        if name not in have:
+            monkeypatch.setenv("PREFIXCACHE_ISA", name)
+            with pytest.raises(ValueError, match="lacks"):
+                kernels.isa()
+    if "amx" not in have:  # the kernel refuses the path itself, not only the Python side
+        lin = IntLinear(quantize_int4(torch.randn(16, 64)), None, 16, have[-1])
+        with pytest.raises(RuntimeError, match="AMX"):
+            kernels.int4_linear(torch.randn(16, 64), lin.wq, lin.wd, lin.wm, 16, 16, "amx")
 
 
 def test_the_model_gives_the_same_bits_on_every_isa_path(llm, prose_ids):
@@ -370,7 +319,7 @@ def test_decoded_kv_equals_prefilled_kv(llm, prose_ids):
     full = prompt + generated[:8]
     every = llm.engine.runner.all_logits(full)
     for p in range(len(prompt) - 1, len(full)):
-        assert torch.equal(decoded.logits[_key(full[: p + 1])], every[p]), p
+        assert torch.equal(decoded.logits[key(full[: p + 1])], every[p]), p
 
 
 @pytest.fixture(scope="module")

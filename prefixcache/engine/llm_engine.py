@@ -60,6 +60,14 @@ from prefixcache.sequence import ScheduledSeq, Sequence
 log = logging.getLogger(__name__)
 
 
+def _float_kernels(device: torch.device) -> str:
+    """Whose float GEMMs compute the numbers: the host's best ISA, or the GPU model."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda:{torch.cuda.get_device_name(device)}:sm{major}{minor}"
+    return (kernels.supported_isas() or ["generic"])[0]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic):
         """``clock``: the time pins and cache leases expire by (seconds; tests inject one)."""
@@ -97,10 +105,12 @@ class LLMEngine:
         # And the arithmetic: the exact integer path gives the same bits on every ISA path and
         # thread count (tested), so its blocks are exchangeable between hosts; float32 GEMMs
         # round differently per ISA (oneDNN picks kernels by host), so their blocks carry the
-        # host's ISA and a tier never mixes them.
+        # host's ISA and a tier never mixes them. On CUDA cuBLAS picks kernels per GPU model
+        # (measured on an H200: float32 K/V differ by ~2e-5 between batch shapes), so those
+        # blocks carry the GPU's name and compute capability: no CPU or other GPU reads them.
         arith = self.runner.model.arithmetic
         if arith == "float32":
-            arith = f"float32:{(kernels.supported_isas() or ['generic'])[0]}"
+            arith = f"float32:{_float_kernels(device)}"
         self.fingerprint = hashlib.sha256(
             f"{weights.weights_digest}|{self.tokenizer.fingerprint()}|{dtype}|{numbers}|"
             f"kv:{kv_fmt.name}|arith:{arith}".encode()
