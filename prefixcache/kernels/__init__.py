@@ -207,15 +207,22 @@ def q8_linear(x, records):
 
 # The integer paths of the exact linear kernel (int_linear.cpp), best first. Every path gives the
 # same bits; PREFIXCACHE_ISA names a lower one to force it on a higher host (tests, comparisons).
-ISAS = ("avx512-vnni", "avx2")
-_ISA_CODE = {"avx512-vnni": 2, "avx2": 1}
-_ISA_FLAGS = {"avx512-vnni": {"avx512f", "avx512bw", "avx512_vnni"}, "avx2": {"avx2", "fma"}}
+ISAS = ("amx", "avx512-vnni", "avx2")
+_ISA_CODE = {"amx": 3, "avx512-vnni": 2, "avx2": 1}
+_VNNI512 = {"avx512f", "avx512bw", "avx512_vnni"}
+# amx: wide calls through AMX-INT8 tiles, the rest (decode, remainder rows, 8-bit weight pairs)
+# through the AVX512-VNNI tiles; the same bits (int_gemm.h rows_amx).
+_ISA_FLAGS = {"amx": {"amx_tile", "amx_int8"} | _VNNI512, "avx512-vnni": _VNNI512, "avx2": {"avx2", "fma"}}
 
 
 def supported_isas() -> list[str]:
-    """The integer paths this CPU can run, best first."""
+    """The integer paths this CPU can run, best first (amx only where the OS also grants this
+    process the tile state: asked of the built kernels)."""
     flags = _cpu_flags()
-    return [name for name in ISAS if _ISA_FLAGS[name] <= flags]
+    have = [name for name in ISAS if _ISA_FLAGS[name] <= flags]
+    if "amx" in have and not (available() and torch.ops.prefixcache.has_amx()):
+        have.remove("amx")
+    return have
 
 
 def isa() -> str:

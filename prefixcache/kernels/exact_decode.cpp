@@ -88,8 +88,7 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
   check_f32(x_in, "x");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
-  TORCH_CHECK(isa == 1 || isa == 2, "isa: 1 (avx2) or 2 (avx512-vnni)");
-  TORCH_CHECK(isa == 1 || prefixcache::cpu_has_vnni512(), "this CPU lacks AVX512-VNNI");
+  prefixcache::check_isa(isa);
   const int64_t layers = static_cast<int64_t>(input_norms.size());
   TORCH_CHECK(layers > 0 && post_norms.size() == input_norms.size() && wq.size() == 4 * input_norms.size() &&
                   wd.size() == wq.size() && wm.size() == wq.size() && static_cast<int64_t>(codes.size()) == 4 * layers,

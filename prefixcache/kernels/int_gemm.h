@@ -4,7 +4,11 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -306,6 +310,163 @@ inline void rows512(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, cons
   }
 }
 
+inline bool cpu_has_vnni512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return has;
+}
+
+// ---- AMX-INT8 (Intel Sapphire Rapids and later): the same integers from tile products. One
+// tile product per group (A: 16 rows x the group's 32 activation bytes; B: the group's 8 weight
+// quad rows x 16 columns, which is the layout of the 8-bit quads and of the nibbles unpacked),
+// so each int32 sum is a group's dot exactly as vpdpbusd computes it: tdpbsud takes signed
+// activation bytes against unsigned weight bytes, as vpdpbusd does with the operands swapped.
+// 16 bits: a high pass and a low pass into separate tiles, combined as (hi << 8) + lo (the VNNI
+// tiles' integers: shift then add). The sums are stored and run through group_epilogue eight
+// rows at a time: the same float operations in the same order as every other path, so the same
+// bits (tests/test_exact.py passed on an AMX host, Intel Xeon family 6 model 207). Full 16-row
+// blocks only; an item's remaining rows take the AVX512-VNNI tiles.
+// Measured (docs/benchmarks.md "A GPU machine's CPU"; benchmarks/probes/amx_groups.cpp): one
+// group per tile product stores and converts every group's sums, which caps AMX at ~1/3 of its
+// whole-K rate; per layer shape it ran int16 activations 1.1-1.4x and int8 1.1-1.3x the VNNI
+// tiles.
+inline bool cpu_has_amx() {
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 24) & 1u) || !((d >> 25) & 1u)) return false;  // AMX-TILE, AMX-INT8
+    if (!cpu_has_vnni512()) return false;                       // the remainder rows' tiles
+    // Linux hands a process the tile data state only on request (ARCH_REQ_XCOMP_PERM for
+    // XFEATURE_XTILEDATA); it holds for every thread of the process.
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return has;
+}
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+template <bool TWO, bool OFF, bool QUADS>
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni"))) inline void rows_amx(
+    const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const uint8_t* wq, const float* wd,
+    const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
+  const int64_t full = r0 + (r1 - r0) / 16 * 16;
+  if (full > r0) {
+    // Tiles: 0, 1 high sums of blocks b, b + 1; 2, 3 low sums; 4 high and 5 low activation
+    // bytes; 6, 7 the two blocks' weights. Loaded per item: other code on this thread (oneDNN)
+    // configures the tiles for itself.
+    AmxTileConfig cfg;
+    for (int t = 0; t < 4; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    for (int t = 4; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = kGroup;
+    for (int t = 6; t < 8; ++t) cfg.rows[t] = kGroup / 4, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+    constexpr int64_t bytes = QUADS ? kBlockBytes8 : kBlockBytes;
+    const int64_t groups = k / kGroup;
+    alignas(64) float acc[kRowChunk / 16][16][32];
+    alignas(64) int32_t sums[2][16][32];  // [high, low][row][two blocks' columns]
+    alignas(64) uint8_t unpacked[2][512];  // a group's nibbles as quad rows
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    // up to kRowChunk rows at a time (exact_decode passes a whole batch as one item)
+    for (int64_t c0 = r0; c0 < full; c0 += kRowChunk)
+    for (int64_t b = b0; b < b1; b += 2) {
+      const int64_t row_blocks = std::min<int64_t>(kRowChunk, full - c0) / 16;
+      const int nb = b + 1 < b1 ? 2 : 1;
+      std::memset(acc, 0, sizeof acc);
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* wt[2];
+        for (int c = 0; c < nb; ++c) {
+          const uint8_t* blk = wq + ((b + c) * groups + g) * bytes;
+          if constexpr (QUADS) {
+            wt[c] = blk;
+          } else {  // row j's low nibbles are quads k = 4 j.., its high ones k = 16 + 4 j..
+            for (int j = 0; j < 4; ++j) {
+              const __m512i v = _mm512_loadu_si512(blk + j * 64);
+              _mm512_store_si512(unpacked[c] + j * 64, _mm512_and_si512(v, mask));
+              _mm512_store_si512(unpacked[c] + (4 + j) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+            }
+            wt[c] = unpacked[c];
+          }
+        }
+        _tile_loadd(6, wt[0], 64);
+        if (nb == 2) _tile_loadd(7, wt[1], 64);
+        for (int64_t rb = 0; rb < row_blocks; ++rb) {
+          const int64_t rr = c0 + rb * 16, base = rr * k + g * kGroup;
+          if (TWO) {
+            _tile_zero(0);
+            _tile_loadd(4, qa.hi.data() + base, k);
+            _tile_dpbsud(0, 4, 6);
+            _tile_stored(0, &sums[0][0][0], 128);
+            if (nb == 2) {
+              _tile_zero(1);
+              _tile_dpbsud(1, 4, 7);
+              _tile_stored(1, &sums[0][0][16], 128);
+            }
+          }
+          _tile_zero(2);
+          _tile_loadd(5, qa.lo.data() + base, k);
+          _tile_dpbsud(2, 5, 6);
+          _tile_stored(2, &sums[1][0][0], 128);
+          if (nb == 2) {
+            _tile_zero(3);
+            _tile_dpbsud(3, 5, 7);
+            _tile_stored(3, &sums[1][0][16], 128);
+          }
+          // the epilogue eight rows at a time (group_epilogue's operations, so its bits)
+          for (int c = 0; c < nb; ++c)
+            for (int h = 0; h < 16; h += 8) {
+              __m512i dot[8];
+              __m512 a[8];
+              for (int r = 0; r < 8; ++r) {
+                dot[r] = _mm512_load_si512(&sums[1][h + r][16 * c]);
+                if (TWO) dot[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(&sums[0][h + r][16 * c]), 8), dot[r]);
+                a[r] = _mm512_load_ps(&acc[rb][h + r][16 * c]);
+              }
+              group_epilogue<8, QUADS, OFF>(qa, rr + h, groups, g, wd + ((b + c) * groups + g) * kCols,
+                                            OFF ? wm + ((b + c) * groups + g) * kCols : nullptr, dot, a);
+              for (int r = 0; r < 8; ++r) _mm512_store_ps(&acc[rb][h + r][16 * c], a[r]);
+            }
+        }
+      }
+      for (int64_t rb = 0; rb < row_blocks; ++rb)
+        for (int c = 0; c < nb; ++c) {
+          __m512 out[16];
+          for (int r = 0; r < 16; ++r) out[r] = _mm512_load_ps(&acc[rb][r][16 * c]);
+          store_block<16>(out, y, n, c0 + rb * 16, (b + c) * kCols, n);
+        }
+    }
+    _tile_release();
+  }
+  if (full < r1) rows512<TWO, false, OFF, QUADS>(qa, full, r1, k, wq, wd, wm, b0, b1, y, n);
+}
+
+// The ISA code a caller passed (the Python side chooses; PREFIXCACHE_ISA forces a lower one).
+inline void check_isa(int64_t isa) {
+  TORCH_CHECK(isa >= 1 && isa <= 3, "isa: 1 (avx2), 2 (avx512-vnni) or 3 (amx)");
+  TORCH_CHECK(isa == 1 || cpu_has_vnni512(), "this CPU lacks AVX512-VNNI");
+  TORCH_CHECK(isa != 3 || cpu_has_amx(), "this CPU or its OS does not provide AMX-INT8");
+}
+
+// rows512 or, on AMX (isa 3), rows_amx: the same bits. Mixed activations stay on the VNNI
+// tiles: they skip a narrow group's low pass row by row, which a 16-row tile product cannot,
+// and measured no faster through AMX (equal end to end, -17% to +6% per layer shape; docs/
+// benchmarks.md "A GPU machine's CPU"; the AMX variant, with the pass skipped where all 16 rows
+// were narrow, passed tests/test_exact.py there before it was set aside).
+template <bool TWO, bool MIXED, bool OFF, bool QUADS>
+inline void rows_vnni(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const uint8_t* wq,
+                      const float* wd, const float* wm, int64_t b0, int64_t b1, float* y, int64_t n,
+                      int64_t isa) {
+  if constexpr (!MIXED) {
+    if (isa == 3 && r1 - r0 >= 16) {
+      rows_amx<TWO, OFF, QUADS>(qa, r0, r1, k, wq, wd, wm, b0, b1, y, n);
+      return;
+    }
+  }
+  rows512<TWO, MIXED, OFF, QUADS>(qa, r0, r1, k, wq, wd, wm, b0, b1, y, n);
+}
+
 // The R rows of an AVX2 tile's half block (8 columns from `col`; fewer at the layer's edge).
 template <int R>
 inline void store_half(const __m256* acc, float* y, int64_t ldy, int64_t col, int64_t n) {
@@ -485,7 +646,7 @@ inline void tile256_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t*
 template <bool OFF>
 inline void rows_w8(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const int8_t* wq, const float* wd,
              const float* wm, int64_t b0, int64_t b1, float* y, int64_t n, int64_t isa) {
-  if (isa == 2 && r1 - r0 < 4) {  // narrow calls: several blocks per tile (tile512n_w8)
+  if (isa >= 2 && r1 - r0 < 4) {  // narrow calls: several blocks per tile (tile512n_w8)
     switch (r1 - r0) {
       case 1: narrow512_w8<1, OFF>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
       case 2: narrow512_w8<2, OFF>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
@@ -494,7 +655,7 @@ inline void rows_w8(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, cons
     }
   }
   for (int64_t b = b0; b < b1; ++b) {
-    if (isa == 2) {
+    if (isa >= 2) {  // pairs: AMX has no 16-bit products, the VNNI tiles run them
       int64_t r = r0;
       for (; r + 4 <= r1; r += 4) tile512_w8<4, OFF>(qa, r, k, wq, wd, wm, b, y, n, n);
       switch (r1 - r) {
@@ -523,12 +684,6 @@ inline int64_t blocks_per_item(int64_t row_chunks, int64_t blocks) {
   return std::clamp<int64_t>(blocks * row_chunks / (4 * threads), 1, 8);
 }
 
-inline bool cpu_has_vnni512() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vnni");
-  return has;
-}
-
 
 // One layer's packed weights (model/int_linear.py): 4-bit nibble blocks (w4), or 8-bit quads
 // or pairs (w8, the layout by scheme: w8_quads; with ``wm`` when they are 4-bit values held
@@ -546,14 +701,14 @@ struct IntWeights {
 struct IntScheme {
   int bits;  // 8 or 16
   bool mixed;
-  int64_t isa;  // 2 = AVX512-VNNI, 1 = AVX2
+  int64_t isa;  // 3 = AMX-INT8 (wide calls; AVX512-VNNI for the rest), 2 = AVX512-VNNI, 1 = AVX2
 };
 
 // How 8-bit weights are packed for a scheme (model/int_linear.py pack8, the same rule): quads
 // (vpdpbusd operands, activations in hi/lo int8 parts) on AVX512-VNNI with 8-bit or mixed
 // activations, where they run one pass; pairs (vpdpwssd / vpmaddwd on the integers whole,
 // a16) otherwise.
-inline bool w8_quads(const IntScheme& sc) { return sc.isa == 2 && (sc.bits == 8 || sc.mixed); }
+inline bool w8_quads(const IntScheme& sc) { return sc.isa >= 2 && (sc.bits == 8 || sc.mixed); }
 
 // Whether a layer's activations are quantized as whole 16-bit integers (8-bit weight pairs)
 // rather than hi/lo int8 parts.
@@ -581,11 +736,11 @@ inline void gemm_item(const Quantized& qa, const IntWeights& w, const IntScheme&
     const auto* wq = static_cast<const uint8_t*>(w.wq);
     const bool off = w.wm != nullptr;
     if (sc.mixed) {
-      if (off) rows512<true, true, true, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
-      else rows512<true, true, false, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
+      if (off) rows_vnni<true, true, true, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n, sc.isa);
+      else rows_vnni<true, true, false, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n, sc.isa);
     } else {
-      if (off) rows512<false, false, true, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
-      else rows512<false, false, false, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
+      if (off) rows_vnni<false, false, true, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n, sc.isa);
+      else rows_vnni<false, false, false, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n, sc.isa);
     }
     return;
   }
@@ -596,10 +751,10 @@ inline void gemm_item(const Quantized& qa, const IntWeights& w, const IntScheme&
     return;
   }
   const auto* wq = static_cast<const uint8_t*>(w.wq);
-  if (sc.isa == 2) {
-    if (sc.mixed) rows512<true, true, true, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
-    else if (sc.bits == 16) rows512<true, false, true, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
-    else rows512<false, false, true, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
+  if (sc.isa >= 2) {
+    if (sc.mixed) rows_vnni<true, true, true, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n, sc.isa);
+    else if (sc.bits == 16) rows_vnni<true, false, true, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n, sc.isa);
+    else rows_vnni<false, false, true, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n, sc.isa);
   } else {
     if (sc.mixed) rows_avx2<true, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);
     else if (sc.bits == 16) rows_avx2<true, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n);

@@ -68,8 +68,7 @@ void check_scheme(const at::Tensor& x, int64_t bits, int64_t isa, bool mixed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_cpu(), "x: [M, K] float32 on CPU");
   TORCH_CHECK(bits == 8 || bits == 16, "activation bits: 8 or 16");
   TORCH_CHECK(!mixed || bits == 16, "mixed activations are 8 or 16 bits per group: bits 16");
-  TORCH_CHECK(isa == 1 || isa == 2, "isa: 1 (avx2) or 2 (avx512-vnni)");
-  TORCH_CHECK(isa == 1 || cpu_has_vnni512(), "this CPU lacks AVX512-VNNI");
+  check_isa(isa);
   TORCH_CHECK(x.size(1) % kGroup == 0, "K must be a multiple of 32");
 }
 
@@ -100,7 +99,7 @@ at::Tensor run(const at::Tensor& x, const IntWeights& w, const IntScheme& sc) {
   return y;
 }
 
-// isa: 2 = AVX512-VNNI, 1 = AVX2 (the Python side chooses; PREFIXCACHE_ISA forces a lower one).
+// isa: 3 = AMX-INT8, 2 = AVX512-VNNI, 1 = AVX2 (int_gemm.h check_isa).
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wd, const at::Tensor& wm,
                        int64_t n, int64_t bits, int64_t isa, bool mixed) {
   check_scheme(x, bits, isa, mixed);
@@ -136,9 +135,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
   return run(x, w, sc);
 }
 
+// Whether AMX-INT8 runs here: the CPU has it and the OS granted this process the tile state.
+bool has_amx() { return cpu_has_amx(); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(prefixcache, lib) {
+  lib.def("has_amx", &has_amx);
   lib.def("int4_linear(Tensor x, Tensor wq, Tensor wd, Tensor wm, int n, int bits, int isa, bool mixed=False) -> Tensor");
   lib.def("int8_linear(Tensor x, Tensor wq, Tensor wd, Tensor? wm, int n, int bits, int isa, bool mixed=False) -> Tensor");
 }
