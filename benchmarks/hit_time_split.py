@@ -2,7 +2,8 @@
 kernels' self time in it (torch.profiler): attention vs the linear layers. Default model,
 offline, one run per prefix length (docs/benchmarks.md "Where a hit's time goes now").
 
-Usage: .venv/bin/python benchmarks/hit_time_split.py [--contexts 2000,8000] [--json results/hit_time_split.json]
+Usage: .venv/bin/python benchmarks/hit_time_split.py [--contexts 2000,8000] [--new 50] [--json results/hit_time_split.json]
+       (--contexts 0 --new 1000: a cold prefill of 1,000 tokens)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from prefixcache import LLM, SamplingParams
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="2000,8000")
+    ap.add_argument("--new", type=int, default=50, help="new tokens after the cached prefix")
     ap.add_argument("--json", default="results/hit_time_split.json")
     args = ap.parse_args()
     llm = LLM(kv_cache_memory="1GiB")
@@ -30,14 +32,17 @@ def main() -> None:
     for ctx in (int(c) for c in args.contexts.split(",")):
         salt = f"split-{ctx}-{os.urandom(4).hex()}"
         prefix = [rng.randrange(100, 40000) for _ in range(ctx)]
-        q = [rng.randrange(100, 40000) for _ in range(50)]
-        llm.generate([prefix + [7]], one, cache_salt=salt)  # the prefix cached
-        llm.generate([prefix + q[:10]], one, cache_salt=salt)  # warm-up of a hit
+        q = [rng.randrange(100, 40000) for _ in range(args.new)]
+        if ctx:
+            llm.generate([prefix + [7]], one, cache_salt=salt)  # the prefix cached
+        # warm-up: a hit on the cached prefix, or (cold) a short prompt in another namespace
+        llm.generate([prefix + q[:10]], one, cache_salt=salt if ctx else salt + "-warm-up")
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             out = llm.generate([prefix + q], one, cache_salt=salt)[0]
         self_ms = {e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()}
         row = {
             "cached_prefix": ctx,
+            "new_tokens": args.new,
             "num_cached_tokens": out.num_cached_tokens,
             "ttft_ms": (out.metrics.first_token_time - out.metrics.arrival_time) * 1e3,
             "attention_ms": sum(v for k, v in self_ms.items() if "paged_attention" in k),
@@ -45,6 +50,7 @@ def main() -> None:
                 v for k, v in self_ms.items() if "int4_linear" in k or "int8_linear" in k
             ),
         }
+        row["other_ms"] = row["ttft_ms"] - row["attention_ms"] - row["linear_ms"]
         rows.append(row)
         print(
             json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}),
