@@ -26,12 +26,14 @@ orig = {(id(l), n): getattr(l, n) for l, n in lins}
 print("weights kept:", all(getattr(l, n).weight is not None for l, n in lins))
 
 class Fake:
-    def __init__(self, w, bits_a, bits_w=8, group_a=None):
+    def __init__(self, w, bits_a, bits_w=8, group_a=None, group_w=None):
         qmax = 2 ** (bits_w - 1) - 1
-        s = w.abs().amax(1, keepdim=True) / qmax
-        self.w = torch.round(w / s).clamp(-qmax, qmax) * s
+        ws = w.view(w.shape[0], -1, group_w or w.shape[1])
+        s = ws.abs().amax(-1, keepdim=True) / qmax
+        self.w = (torch.round(ws / s.clamp_min(1e-30)).clamp(-qmax, qmax) * s).view_as(w)
         self.qa = 2 ** (bits_a - 1) - 1 - (128 if bits_a == 16 else 0)  # 32639 as ours
         self.group_a = group_a
+
     def __call__(self, x):
         if self.group_a:
             xs = x.view(x.shape[0], -1, self.group_a)
@@ -42,6 +44,7 @@ class Fake:
             xq = torch.round(x / s.clamp_min(1e-30)) * s
         return xq @ self.w.T
 
+
 def kl_of(tag):
     kls, top = [], []
     for t, r in zip(ts, refl):
@@ -49,10 +52,14 @@ def kl_of(tag):
         kls.append((r.exp() * (r - lp)).sum(-1)); top.append((r.argmax(-1) == lp.argmax(-1)).float())
     print(tag, f"KL {torch.cat(kls).mean().item():.3e}", f"top1 {torch.cat(top).mean().item():.4f}", flush=True)
 
-for tag, kw in [("w8 per-channel, a16 per-token", {"bits_a": 16}),
-                ("w8 per-channel, a8 per-token", {"bits_a": 8}),
-                ("w8 per-channel, a16 per-192", {"bits_a": 16, "group_a": 192}),
-                ("w8 per-channel, a8 per-32 (reference point)", {"bits_a": 8, "group_a": 32})]:
+for tag, kw in [
+    ("w8 per-channel, a16 per-token", {"bits_a": 16}),
+    ("w8 per-channel, a8 per-token", {"bits_a": 8}),
+    ("w8 per-channel, a16 per-192", {"bits_a": 16, "group_a": 192}),
+    ("w8 per-channel, a8 per-32 (reference point)", {"bits_a": 8, "group_a": 32}),
+    ("w8 per-192, a16 per-192", {"bits_a": 16, "group_a": 192, "group_w": 192}),
+    ("w8 per-64, a16 per-64", {"bits_a": 16, "group_a": 64, "group_w": 64}),
+]:
     for l, n in lins:
         setattr(l, n, Fake(orig[(id(l), n)].weight.float(), **kw))
     kl_of(tag)
