@@ -305,6 +305,17 @@ def test_decode_steps_run_in_one_native_call(llm, prose_ids, monkeypatch):
     assert len(calls) >= 5  # two prefills, then decode-only steps
 
 
+def test_a_wide_decode_batch_equals_its_rows_alone(llm, prose_ids):
+    """70 sequences decoding together: one exact_decode call per step takes them all as one
+    item, 64 rows and more, the 16-row tiles (AMX) and the row remainder (VNNI) included. Each
+    row's K/V and logits are the bits it gets alone."""
+    prompts = [prose_ids[i : i + 12 + i % 5] for i in range(70)]
+    together = run(llm, prompts, max_tokens=3, salt=_salt("wide"))
+    for i in (0, 33, 69):
+        alone = run(llm, [prompts[i]], max_tokens=3, salt=_salt("wide-alone"))
+        assert_same(alone, together, min_kv=len(prompts[i]) + 2, min_logits=3)
+
+
 def test_decoded_kv_equals_prefilled_kv(llm, prose_ids):
     prompt = prose_ids[10:60]
     params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
