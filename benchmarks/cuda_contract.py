@@ -10,7 +10,6 @@ Usage: python benchmarks/cuda_contract.py [--dtypes bfloat16,float32] [--json re
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import random
@@ -22,8 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from _exact import Recorder, compare, run
-from _helpers import PROSE
+from _exact import Recorder, cold_and_warm, compare, run
+from _helpers import PROSE, token_budget
 
 from prefixcache import LLM, SamplingParams
 
@@ -39,20 +38,6 @@ def _tokens(llm, prompts, n=16, salt=None) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, cache_salt=salt)]
 
 
-def _chunked(llm, budget):
-    sched = llm.engine.scheduler
-
-    class Ctx:
-        def __enter__(self):
-            self.config = sched.config
-            sched.config = dataclasses.replace(self.config, max_num_batched_tokens=budget)
-
-        def __exit__(self, *exc):
-            sched.config = self.config
-
-    return Ctx()
-
-
 def bits(llm, ids) -> dict:
     """The four comparisons of tests/test_exact.py, reported instead of asserted."""
     rng = random.Random(0)
@@ -61,16 +46,10 @@ def bits(llm, ids) -> dict:
     alone = run(llm, [target], salt=_salt())
     others = [[rng.randrange(100, 40000) for _ in range(n)] for n in (5, 33, 120, 64)]
     out["alone_vs_batched"] = compare(alone, run(llm, others[:2] + [target] + others[2:], salt=_salt()))
-    with _chunked(llm, 23):
+    with token_budget(llm, 23):
         out["whole_vs_chunked_23"] = compare(alone, run(llm, [target], salt=_salt()))
     for shared in (B - 1, B, B + 1, 3 * B - 1, 3 * B, 3 * B + 1):
-        prompt = ids[:shared] + ids[200:230]
-        cold = run(llm, [prompt], salt=_salt())
-        salt = _salt()
-        run(llm, [ids[:shared] + ids[300:320]], salt=salt)
-        with Recorder(llm.engine) as warm:
-            llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
-                         cache_salt=salt)  # fmt: skip
+        cold, warm, _ = cold_and_warm(llm, ids, shared, (_salt(), _salt()))
         out[f"cold_vs_warm_{shared}"] = compare(cold, warm)
     prompt = ids[10:60]
     params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
@@ -96,7 +75,7 @@ def greedy(llm, ids, n_prompts=24) -> dict:
         _tokens(llm, [p + [11, 12]], n=1, salt=salt)
         warm.append(_tokens(llm, [p + s], salt=salt)[0])
     batched = _tokens(llm, [p + s for p, s in prompts], salt=_salt())
-    with _chunked(llm, 29):
+    with token_budget(llm, 29):
         chunked = _tokens(llm, [p + s for p, s in prompts], salt=_salt())
 
     def same(xs):

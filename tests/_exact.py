@@ -93,3 +93,16 @@ def run(llm, prompts, max_tokens=4, salt=None) -> Recorder:
     with Recorder(llm.engine) as rec:
         llm.generate(prompts, params, cache_salt=salt)
     return rec
+
+
+def cold_and_warm(llm, ids, shared: int, salts: tuple[str, str]):
+    """The prompt ids[:shared] + ids[200:230] computed cold (namespace salts[0]) and warm: its
+    prefix first cached with another suffix in namespace salts[1]. Returns both records and the
+    warm request's output."""
+    prompt = ids[:shared] + ids[200:230]
+    cold = run(llm, [prompt], salt=salts[0])
+    run(llm, [ids[:shared] + ids[300:320]], salt=salts[1])  # caches the prefix
+    with Recorder(llm.engine) as warm:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        out = llm.generate([prompt], params, cache_salt=salts[1])[0]
+    return cold, warm, out

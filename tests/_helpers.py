@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import json
 import re
@@ -65,3 +67,17 @@ def served_series(exposition: str) -> set[str]:
         elif line and not line.startswith("#"):
             names.add(re.match(r"[^{\s]+", line).group(0))
     return names
+
+
+@contextlib.contextmanager
+def token_budget(llm, budget: int | None):
+    """Chunked prefill for the block: the scheduler's token budget per step set to ``budget``
+    (None leaves it), restored after."""
+    sched = llm.engine.scheduler
+    config = sched.config
+    if budget is not None:
+        sched.config = dataclasses.replace(config, max_num_batched_tokens=budget)
+    try:
+        yield
+    finally:
+        sched.config = config

@@ -6,12 +6,11 @@ GPU, as in CI; the first two run everywhere."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
 import torch
-from _helpers import PROSE
+from _helpers import PROSE, token_budget
 
 from prefixcache import LLM, SamplingParams, kernels
 from prefixcache.engine.llm_engine import _float_kernels
@@ -79,11 +78,6 @@ def test_greedy_cold_equals_warm_batched_and_chunked(gpu_llm, k):
         _tokens(gpu_llm, [p[: len(p) - 20] + [11, 12]], salt=salt, n=1)
     warm = _tokens(gpu_llm, prompts, salt=salt)
     assert warm == cold
-    sched = gpu_llm.engine.scheduler
-    config = sched.config
-    sched.config = dataclasses.replace(config, max_num_batched_tokens=23)
-    try:
+    with token_budget(gpu_llm, 23):
         assert _tokens(gpu_llm, prompts, salt=_salt()) == cold
-    finally:
-        sched.config = config
     gpu_llm.check_integrity()

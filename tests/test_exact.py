@@ -13,14 +13,13 @@ directly.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 
 import pytest
 import torch
-from _exact import Recorder, assert_same, key, run
-from _helpers import PROSE
+from _exact import Recorder, assert_same, cold_and_warm, key, run
+from _helpers import PROSE, token_budget
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -265,31 +264,19 @@ def test_a_prompt_alone_equals_it_in_any_batch_and_chunking(llm, prose_ids, comp
     alone = run(llm, [target], salt=_salt("alone"))
     others = [[rng.randrange(100, 40000) for _ in range(n)] for n in companions]
     prompts = others[: len(others) // 2] + [target] + others[len(others) // 2 :]
-    sched = llm.engine.scheduler
-    config = sched.config
-    if budget is not None:  # chunked prefill at this token budget
-        sched.config = dataclasses.replace(config, max_num_batched_tokens=budget)
-    try:
+    with token_budget(llm, budget):  # chunked prefill at this token budget
         batched = run(llm, prompts, salt=_salt("batch"))
-    finally:
-        sched.config = config
     assert_same(alone, batched, min_kv=len(target) + 3, min_logits=4)
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_cold_equals_warm_bit_for_bit_around_block_boundaries(llm, prose_ids, k):
     for shared in (k * B - 1, k * B, k * B + 1):
-        prompt = prose_ids[:shared] + prose_ids[200:230]
-        cold = run(llm, [prompt], salt=_salt("cold"))
-        salt = _salt("warm")
-        run(llm, [prose_ids[:shared] + prose_ids[300:320]], salt=salt)  # caches the prefix
-        with Recorder(llm.engine) as warm:
-            out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0,
-                                                        ignore_eos=True), cache_salt=salt)  # fmt: skip
+        cold, warm, out = cold_and_warm(llm, prose_ids, shared, (_salt("cold"), _salt("warm")))
         # the whole shared part: its full blocks, then the next block's first tokens, copied
-        assert out[0].num_cached_tokens == shared
+        assert out.num_cached_tokens == shared
         # the warm run computed only the suffix, and every number it computed equals cold's
-        assert_same(cold, warm, min_kv=len(prompt) - shared, min_logits=4)
+        assert_same(cold, warm, min_kv=30, min_logits=4)
         llm.check_integrity()
 
 
@@ -368,13 +355,8 @@ def _exact_within(llm, tag: str) -> None:
     ids = llm.get_tokenizer().encode(PROSE)[:50]
     with Recorder(llm.engine) as alone:
         out = llm.generate([ids], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
-    sched = llm.engine.scheduler
-    config = sched.config
-    sched.config = dataclasses.replace(config, max_num_batched_tokens=23)
-    try:
+    with token_budget(llm, 23):
         batched = run(llm, [ids[:17], ids, ids[3:40]], salt=_salt(tag))
-    finally:
-        sched.config = config
     assert_same(alone, batched, min_kv=50, min_logits=4)
     prefilled = run(llm, [ids + out[0].outputs[0].token_ids[:4]], max_tokens=1, salt=_salt(tag))
     assert_same(alone, prefilled, min_kv=54, min_logits=1)

@@ -19,7 +19,7 @@ import random
 
 import pytest
 import torch
-from _helpers import PROSE, shared_default_weights
+from _helpers import PROSE, shared_default_weights, token_budget
 
 from prefixcache import LLM, SamplingParams, kernels
 
@@ -154,16 +154,9 @@ def test_partial_block_reuse_equals_cold_at_every_offset_with_companions(llm, pr
     rng = random.Random(5)
     companions = [[rng.randrange(100, 40000) for _ in range(n)] for n in (7, 40, 23)]
     batch = companions[:2] + warm + companions[2:]
-    sched = llm.engine.scheduler
-    config = sched.config
     copied = llm.engine.kv.partial_hit_tokens
-    if budget is not None:
-        sched.config = dataclasses.replace(config, max_num_batched_tokens=budget)
-    try:
-        with Recorder(llm.engine) as rec:
-            outs = llm.generate(batch, PARAMS, cache_salt=salt)[2:-1]
-    finally:
-        sched.config = config
+    with token_budget(llm, budget), Recorder(llm.engine) as rec:
+        outs = llm.generate(batch, PARAMS, cache_salt=salt)[2:-1]
     assert [o.num_cached_tokens for o in outs] == shared  # not their floor to a block
     assert llm.engine.kv.partial_hit_tokens - copied == sum(OFFSETS)
     assert rec.copies == len(OFFSETS)

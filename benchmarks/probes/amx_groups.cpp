@@ -95,6 +95,25 @@ void reference(const Problem& p, std::vector<float>& out) {
     }
 }
 
+// One group's four tile products of a 32 x 32 block into C tiles 0-3 (A tiles 4, 5; B 6, 7).
+void group_products(const Problem& p, int r0, int c0, int g) {
+  _tile_loadd(4, &p.a[size_t(r0) * p.k + g * G], p.k);
+  _tile_loadd(5, &p.a[size_t(r0 + 16) * p.k + g * G], p.k);
+  _tile_loadd(6, &p.packed[(size_t(c0 / 16) * p.groups + g) * 512], 64);
+  _tile_loadd(7, &p.packed[(size_t(c0 / 16 + 1) * p.groups + g) * 512], 64);
+  _tile_dpbssd(0, 4, 6);
+  _tile_dpbssd(1, 4, 7);
+  _tile_dpbssd(2, 5, 6);
+  _tile_dpbssd(3, 5, 7);
+}
+
+void store_sums(int32_t (&sums)[32][32]) {
+  _tile_stored(0, &sums[0][0], 128);
+  _tile_stored(1, &sums[0][16], 128);
+  _tile_stored(2, &sums[16][0], 128);
+  _tile_stored(3, &sums[16][16], 128);
+}
+
 // 32 x 32 output blocks: two A tiles (rows), two B tiles (columns), four C tiles; per group the
 // four products, a store of the sums, and the epilogue from the stored block.
 void amx(const Problem& p, std::vector<float>& out) {
@@ -114,18 +133,8 @@ void amx(const Problem& p, std::vector<float>& out) {
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        _tile_loadd(4, &p.a[size_t(r0) * p.k + g * G], p.k);
-        _tile_loadd(5, &p.a[size_t(r0 + 16) * p.k + g * G], p.k);
-        _tile_loadd(6, &p.packed[(size_t(c0 / 16) * p.groups + g) * 512], 64);
-        _tile_loadd(7, &p.packed[(size_t(c0 / 16 + 1) * p.groups + g) * 512], 64);
-        _tile_dpbssd(0, 4, 6);
-        _tile_dpbssd(1, 4, 7);
-        _tile_dpbssd(2, 5, 6);
-        _tile_dpbssd(3, 5, 7);
-        _tile_stored(0, &sums[0][0], 128);
-        _tile_stored(1, &sums[0][16], 128);
-        _tile_stored(2, &sums[16][0], 128);
-        _tile_stored(3, &sums[16][16], 128);
+        group_products(p, r0, c0, g);
+        store_sums(sums);
         const __m512 w0 = _mm512_loadu_ps(&p.sw[size_t(g) * p.n + c0]);
         const __m512 w1 = _mm512_loadu_ps(&p.sw[size_t(g) * p.n + c0 + 16]);
         for (int r = 0; r < 32; r++) {
@@ -159,19 +168,9 @@ void amx_whole_k(const Problem& p, std::vector<float>& out) {
       _tile_zero(2);
       _tile_zero(3);
       for (int g = 0; g < p.groups; g++) {
-        _tile_loadd(4, &p.a[size_t(r0) * p.k + g * G], p.k);
-        _tile_loadd(5, &p.a[size_t(r0 + 16) * p.k + g * G], p.k);
-        _tile_loadd(6, &p.packed[(size_t(c0 / 16) * p.groups + g) * 512], 64);
-        _tile_loadd(7, &p.packed[(size_t(c0 / 16 + 1) * p.groups + g) * 512], 64);
-        _tile_dpbssd(0, 4, 6);
-        _tile_dpbssd(1, 4, 7);
-        _tile_dpbssd(2, 5, 6);
-        _tile_dpbssd(3, 5, 7);
+        group_products(p, r0, c0, g);
       }
-      _tile_stored(0, &sums[0][0], 128);
-      _tile_stored(1, &sums[0][16], 128);
-      _tile_stored(2, &sums[16][0], 128);
-      _tile_stored(3, &sums[16][16], 128);
+      store_sums(sums);
       for (int r = 0; r < 32; r++)
         for (int c = 0; c < 32; c++)
           out[size_t(r0 + r) * p.n + c0 + c] = float(sums[r][c]) * p.sw[c0 + c] * p.sa[size_t(r0 + r) * p.groups];

@@ -138,6 +138,13 @@ __attribute__((target("avx512f"))) inline void store_block(const __m512* acc, fl
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + (r0 + r) * ldy + col, mk, acc[r]);
 }
 
+// Every element of a narrow tile's C x R registers set to v.
+template <int C, int R, typename V>
+__attribute__((target("avx512f"))) inline void fill(V (&a)[C][R], V v) {
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) a[c][r] = v;
+}
+
 // Column blocks [b0, b1) of a narrow call in runs of kC (then one at a time): tile(b, C) with C
 // a std::integral_constant, the narrow tiles' block count.
 template <int R, typename Tile>
@@ -250,12 +257,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512n(
   constexpr int per = kPerStep<QUADS>;
   const int64_t groups = k / kGroup;
   __m512 acc[C][R];
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+  fill(acc, _mm512_setzero_ps());
   for (int64_t g = 0; g < groups; ++g) {
     __m512i dot[C][R];
-    for (int c = 0; c < C; ++c)
-      for (int r = 0; r < R; ++r) dot[c][r] = _mm512_setzero_si512();
+    fill(dot, _mm512_setzero_si512());
     bool lo_rows[R];
     for (int r = 0; r < R; ++r) lo_rows[r] = !MIXED || qa.wide[(r0 + r) * groups + g];
     for (int pass = TWO ? 0 : 1; pass < 2; ++pass) {
@@ -579,12 +584,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512n_w8(
     int64_t b, float* y, int64_t ldy, int64_t n) {
   const int64_t groups = k / kGroup;
   __m512 acc[C][R];
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+  fill(acc, _mm512_setzero_ps());
   for (int64_t g = 0; g < groups; ++g) {
     __m512i dot[C][R];
-    for (int c = 0; c < C; ++c)
-      for (int r = 0; r < R; ++r) dot[c][r] = _mm512_setzero_si512();
+    fill(dot, _mm512_setzero_si512());
     for (int p = 0; p < kGroup / 2; ++p) {
       __m512i w[C];
       for (int c = 0; c < C; ++c)
