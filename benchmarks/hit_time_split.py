@@ -24,8 +24,9 @@ def main() -> None:
     ap.add_argument("--contexts", default="2000,8000")
     ap.add_argument("--new", type=int, default=50, help="new tokens after the cached prefix")
     ap.add_argument("--json", default="results/hit_time_split.json")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     args = ap.parse_args()
-    llm = LLM(kv_cache_memory="1GiB")
+    llm = LLM(kv_cache_memory="1GiB", kv_cache_dtype=args.kv_cache_dtype)
     rng = random.Random(0)
     one = SamplingParams(max_tokens=1, temperature=0)
     rows = []

@@ -36,7 +36,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 # is none, mixed for 4-bit groups and int16 for 8-bit groups (a GGUF's groups as stored, a
 # float checkpoint's quantized to 8 bits); else float32.
 ACTIVATIONS = ("auto", "int16", "mixed", "int8", "float32")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8_e4m3")  # kv/formats.py
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int16", "int8", "fp8_e4m3")  # kv/formats.py
 TIER_COMPRESSIONS = ("none", "lz4", "zstd")  # tiers/codec.py
 REMOTE_CACHE_SCHEMES = ("redis", "rediss")
 

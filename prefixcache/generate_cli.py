@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from prefixcache.config import KV_CACHE_DTYPES
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for a prompt with the offline engine")
@@ -24,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"))
     p.add_argument("--activations", default="auto", choices=("auto", "int16", "int8", "float32"))
     p.add_argument(
-        "--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "int8", "fp8_e4m3")
+        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES
     )
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-enable-prefix-caching", action="store_true")

@@ -37,8 +37,7 @@ class Recorder:
                     [table[p // bs] * bs + p % bs for p in range(start, start + n)],
                     device=runner.kv.k.device,
                 )
-                k = runner.kv.k.index_select(2, slots)  # [L, KVH, n, D] as stored
-                v = runner.kv.v.index_select(2, slots)
+                k, v = runner.kv.stored(slots)  # [L, KVH, n, D] as stored
                 for j in range(n):
                     self.kv[key(ids[: start + j + 1])] = (k[:, :, j].clone(), v[:, :, j].clone())
                 if samples:

@@ -12,7 +12,13 @@ from unittest import mock
 
 import torch
 
+from prefixcache import kernels
+from prefixcache.kv.formats import kv_format
 from prefixcache.model.loader import load_weights
+
+# The default model's KV bytes per token in the default KV dtype (``auto``: int16 where the exact
+# integer path runs, float32 where it does not): tests size pools in tokens with it.
+BYTES_PER_TOKEN = kv_format("auto", torch.float32, exact=kernels.available()).bytes_per_token(30, 3, 64)
 
 
 @functools.cache

@@ -10,7 +10,7 @@ import asyncio
 import time
 
 import pytest
-from _helpers import shared_default_weights
+from _helpers import BYTES_PER_TOKEN, shared_default_weights
 
 from prefixcache.api.errors import SlowConsumerError, TenantQuotaError
 from prefixcache.api.request import SamplingParams
@@ -18,7 +18,6 @@ from prefixcache.config import EngineConfig
 from prefixcache.engine.async_engine import AsyncEngine, EngineShutDownError, QueueFullError
 
 B = 16
-BYTES_PER_TOKEN = 46080  # default model, float32
 MAX_WAITING = 8  # a tenant's share: half, 4
 MAX_PENDING = 16  # deltas a reader may leave unread
 STALL_S = 0.5

@@ -6,7 +6,7 @@ Each test uses its own cache_salt so that tests sharing the session engine stay 
 from __future__ import annotations
 
 import pytest
-from _helpers import PROSE
+from _helpers import BYTES_PER_TOKEN, PROSE
 
 from prefixcache import LLM, SamplingParams
 
@@ -155,7 +155,7 @@ def test_decodes_sharing_a_prefix_attend_it_once_and_equal_cold(llm, llm_f32, mo
 def tiny_pool_llm(request):
     # 24 blocks of 16 tokens: a few prompts of ~100 tokens force eviction. Every eviction
     # policy (a policy that evicted a block in use would hand a running request's KV to another).
-    return LLM(kv_cache_memory=24 * B * 46080, seed=0, eviction_policy=request.param)
+    return LLM(kv_cache_memory=24 * B * BYTES_PER_TOKEN, seed=0, eviction_policy=request.param)
 
 
 def test_cold_equals_warm_under_eviction(tiny_pool_llm, llm_cold):

@@ -19,7 +19,7 @@ import random
 import pytest
 import torch
 from _exact import Recorder, assert_same, cold_and_warm, key, run
-from _helpers import PROSE, token_budget
+from _helpers import BYTES_PER_TOKEN, PROSE, token_budget
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -224,15 +224,19 @@ def test_the_model_gives_the_same_bits_on_every_isa_path(llm, prose_ids):
     lins = [lin for layer in llm.engine.runner.model.layers
             for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]  # fmt: skip
     assert all(isinstance(lin, IntLinear) for lin in lins)
+    model = llm.engine.runner.model
     prompt = prose_ids[:70]
     ref = run(llm, [prompt], salt=_salt("isa"))
+
+    def use(isa):  # the linears, attention (int16 K/V: integer products) and the decode step's
+        for obj in [*lins, *model.layers, model]:
+            obj.isa = isa
+
     try:
-        for lin in lins:
-            lin.isa = isas[-1]  # the lowest: AVX2
+        use(isas[-1])  # the lowest: AVX2
         low = run(llm, [prompt], salt=_salt("isa"))
     finally:
-        for lin in lins:
-            lin.isa = isas[0]
+        use(isas[0])
     assert_same(ref, low, min_kv=70, min_logits=4)
 
 
@@ -324,7 +328,7 @@ def test_decoded_kv_equals_prefilled_kv(llm, prose_ids):
 def small_llm(tmp_path_factory):
     """A pool of 20 blocks (16 unpinnable: 256 tokens) and a disk tier: requests preempt each other, blocks are
     evicted and come back from disk."""
-    return LLM(kv_cache_memory=20 * B * 46080, disk_cache_dir=str(tmp_path_factory.mktemp("kv")),
+    return LLM(kv_cache_memory=20 * B * BYTES_PER_TOKEN, disk_cache_dir=str(tmp_path_factory.mktemp("kv")),
                seed=0)  # fmt: skip
 
 

@@ -12,6 +12,7 @@ import time
 import msgpack
 import pytest
 import zmq
+from _helpers import BYTES_PER_TOKEN
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.cache.block_pool import BlockPool
@@ -97,7 +98,7 @@ def test_subscriber_block_set_equals_the_index():
     pub, replay = _free_port(), _free_port()
     # 24 blocks of 16 tokens: eight ~100-token prompts force evictions.
     llm = LLM(
-        kv_cache_memory=24 * 16 * 46080, seed=0,
+        kv_cache_memory=24 * 16 * BYTES_PER_TOKEN, seed=0,
         kv_events_endpoint=f"tcp://127.0.0.1:{pub}",
         kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay}",
         kv_events_rank=1,

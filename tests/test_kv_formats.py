@@ -20,7 +20,7 @@ from prefixcache.kv.formats import kv_format
 from prefixcache.kv.pool import LayerKV
 from prefixcache.model.attention import build_metadata, paged_attention
 
-FORMATS = ["float32", "bfloat16", "int8", "fp8_e4m3"]
+FORMATS = ["float32", "bfloat16", "int16", "int8", "fp8_e4m3"]
 QUANTIZED = ["bfloat16", "int8", "fp8_e4m3"]
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
 
@@ -37,7 +37,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_stored_values_are_what_attention_sees(name):
-    fmt = kv_format(name, torch.float32)
+    fmt = kv_format(name, torch.float32, exact=True)
     kv = _layer(fmt)
     gen = torch.Generator().manual_seed(1)
     k_new, v_new = torch.randn(10, 3, 64, generator=gen) * 4, torch.randn(10, 3, 64, generator=gen)
@@ -52,16 +52,16 @@ def test_stored_values_are_what_attention_sees(name):
         assert torch.equal(k_seen, k_new)
     elif name == "bfloat16":
         assert bool((err <= k_new.abs() * 2**-8).all())
-    else:  # half a step of the row's scale (int8), an e4m3 mantissa step (fp8)
+    else:  # half a step of the row's scale (int8, int16), an e4m3 mantissa step (fp8)
         step = kv.k_scale.index_select(1, slots).transpose(0, 1).unsqueeze(-1)
-        bound = step * 0.5 if name == "int8" else k_new.abs() * 2**-4 + step * 2**-9
+        bound = step * 0.5 if name in ("int8", "int16") else k_new.abs() * 2**-4 + step * 2**-9
         assert bool((err <= bound * (1 + 1e-6)).all())
 
 
 @needs_kernels
 @pytest.mark.parametrize("name", FORMATS)
 def test_native_store_writes_the_references_bytes(name):
-    fmt = kv_format(name, torch.float32)
+    fmt = kv_format(name, torch.float32, exact=True)
     ref, nat = _layer(fmt), _layer(fmt, native=True)
     gen = torch.Generator().manual_seed(2)
     k_new, v_new = torch.randn(17, 3, 64, generator=gen) * 3, torch.randn(17, 3, 64, generator=gen)
@@ -189,9 +189,9 @@ def test_cold_equals_warm_under_preemption_int8(engines):
 
 @pytest.mark.slow
 def test_sizes_keys_and_reports_follow_the_kv_dtype(engines, llm):
-    fp32 = llm.cache_stats()
+    auto = llm.cache_stats()  # the exact path's default: int16
     int8 = engines["int8"][0].cache_stats()
-    assert fp32["kv_cache_dtype"] == "float32" and fp32["bytes_per_token"] == 46080
+    assert auto["kv_cache_dtype"] == "int16" and auto["bytes_per_token"] == 23760
     assert int8["kv_cache_dtype"] == "int8" and int8["bytes_per_token"] == 12240
     assert engines["bfloat16"][1].cache_stats()["bytes_per_token"] == 23040
     assert int8["capacity_tokens"] == int8["total_blocks"] * B

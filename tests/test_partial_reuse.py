@@ -19,7 +19,7 @@ import random
 
 import pytest
 import torch
-from _helpers import PROSE, shared_default_weights, token_budget
+from _helpers import BYTES_PER_TOKEN, PROSE, shared_default_weights, token_budget
 
 from prefixcache import LLM, SamplingParams, kernels
 
@@ -180,7 +180,7 @@ def test_partial_reuse_off_recomputes_the_block(prose_ids):
 def crowded():
     """20 blocks (16 unpinnable): requests preempt each other and blocks are evicted."""
     with shared_default_weights():
-        return LLM(kv_cache_memory=20 * B * 46080, seed=0)
+        return LLM(kv_cache_memory=20 * B * BYTES_PER_TOKEN, seed=0)
 
 
 def test_partial_reuse_under_preemption_and_eviction(llm, crowded, prose_ids):

@@ -7,7 +7,7 @@ Engines are small (a few blocks) and built per test; the weights are read once p
 from __future__ import annotations
 
 import pytest
-from _helpers import PROSE, shared_default_weights
+from _helpers import BYTES_PER_TOKEN, PROSE, shared_default_weights
 
 from prefixcache.api.request import RequestStatus, SamplingParams
 from prefixcache.cache.manager import blocks_needed
@@ -17,7 +17,6 @@ from prefixcache.model.paths import resolve_model_path
 from prefixcache.model.tokenizer import load_tokenizer
 
 B = 16
-BYTES_PER_TOKEN = 46080  # default model, float32
 GREEDY4 = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 GREEDY8 = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

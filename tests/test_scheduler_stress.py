@@ -14,6 +14,7 @@ import random
 from unittest import mock
 
 import pytest
+from _helpers import BYTES_PER_TOKEN
 
 from prefixcache.api.request import SamplingParams
 from prefixcache.config import EngineConfig
@@ -21,7 +22,6 @@ from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.model.loader import load_weights
 
 B = 16
-BYTES_PER_TOKEN = 46080  # default model, float32
 MAX_TOKENS = 8
 
 TEXT = (

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import shared_default_weights
+from _helpers import BYTES_PER_TOKEN, shared_default_weights
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.api.errors import InvalidRequestError
@@ -217,7 +217,7 @@ def test_preempted_segments_requests_are_rebuilt_and_equal_running_alone(llm, st
     opts = {"cache_mode": "segments", "segment_recompute_tokens": 3}
     alone = [llm.chat(c, g, cache_salt="preempt-alone", **opts)[0].outputs[0].token_ids for c in convs]
     with shared_default_weights():
-        small = LLM(kv_cache_memory=20 * 16 * 46080, seed=0, pin_budget_fraction=0.0,
+        small = LLM(kv_cache_memory=20 * 16 * BYTES_PER_TOKEN, seed=0, pin_budget_fraction=0.0,
                     busy_step_ms=0, max_num_batched_tokens=step_tokens)  # fmt: skip
     outs = small.chat(convs, g, **opts)
     assert small.engine.scheduler.counters.num_preemptions > 0

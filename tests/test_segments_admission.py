@@ -13,7 +13,7 @@ import asyncio
 
 import httpx
 import pytest
-from _helpers import PROSE, shared_default_weights
+from _helpers import BYTES_PER_TOKEN, PROSE, shared_default_weights
 
 from prefixcache.api.request import SamplingParams
 from prefixcache.config import EngineConfig
@@ -23,7 +23,6 @@ from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.segments.plan import SegmentOptions, SegmentRequest
 from prefixcache.server.app import create_app
 
-BYTES_PER_TOKEN = 46080  # default model, float32: a segment record's bytes per token
 MAX_DOCS = 6
 MAX_RECORD_TOKENS = 200  # the record limit, in tokens of the default model
 SHARE = 2  # the tenant's share of the queue: half of max_waiting_requests

@@ -15,6 +15,7 @@ import time
 import httpx
 import openai
 import pytest
+from _helpers import BYTES_PER_TOKEN
 
 from prefixcache.server.launcher import ServerProcess
 
@@ -120,7 +121,7 @@ def test_warm_then_lookup_shows_the_hit(alice):
     before = alice.stats()
     # The KV dtype and its size per token are reported (the default is the model dtype).
     assert before["kv"]["kv_cache_dtype"] == "float32"
-    assert before["kv"]["bytes_per_token"] == 46080
+    assert before["kv"]["bytes_per_token"] == BYTES_PER_TOKEN
     assert alice.lookup(p) == 0  # a lookup changes nothing
     assert alice.stats()["namespace_blocks"] == before["namespace_blocks"]
     w = alice.warm(p)

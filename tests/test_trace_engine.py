@@ -8,6 +8,7 @@ import json
 import random
 
 import pytest
+from _helpers import BYTES_PER_TOKEN
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.analyze.engine_sim import simulate_engine, trace_prompts
@@ -15,7 +16,6 @@ from prefixcache.analyze.mooncake import parse_request
 from prefixcache.analyze.trace_sim import simulate_trace
 
 BT = 4  # tokens per hash block, and the engine's block size
-BYTES_PER_TOKEN = 46080  # default model, float32 KV
 
 
 def _trace(seed: int, n: int) -> list:

@@ -89,13 +89,12 @@ class LLMEngine:
                 f"max_model_len {config.max_model_len} exceeds the model's context length {model_max}"
             )
         self.max_model_len = config.max_model_len or model_max
-        kv_fmt = kv_format(config.kv_cache_dtype, dtype)
+        fmt = weight_format(config.quantization, device)
+        self.runner = ModelRunner(weights, dtype, device, self.max_model_len, fmt, config.activations)
+        kv_fmt = kv_format(config.kv_cache_dtype, dtype, self.runner.model.exact, config.block_size)
         layout = plan_kv_layout(weights.config, kv_fmt, config.block_size, config.kv_cache_memory, device)
         self.layout = layout
-        fmt = weight_format(config.quantization, device)
-        self.runner = ModelRunner(
-            weights, dtype, device, self.max_model_len, layout, fmt, config.activations
-        )
+        self.runner.allocate_kv(layout)
         self.weights_format = self.runner.model.describe()
         # The model fingerprint enters every cache key: weights, tokenizer, dtype, and the
         # quantization when it changed the file's numbers (the group kernels running the file's

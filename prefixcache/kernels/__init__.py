@@ -36,7 +36,7 @@ _SOURCES = [_HERE / n for n in (
 _HEADERS = [
     _HERE / n
     for n in ("vec.h", "group_gemv.h", "attention.h", "rowwise.h", "kv_codec.h", "parallel.h",
-              "int_gemm.h", "exact_attention.h", "team.h")
+              "int_gemm.h", "exact_attention.h", "int_attention.h", "team.h")
 ]
 # -fopenmp: at::parallel_for is a header template that compiles to `#pragma omp parallel` in
 # our library; without the flag it runs on one thread. The library then needs libgomp.so.1,
@@ -148,13 +148,14 @@ def prefill_attention(q, k, v, scale: float):
     return torch.ops.prefixcache.prefill_attention(q, k, v, scale)
 
 
-def paged_attention(q, kv, paged, scale: float):
+def paged_attention(q, kv, paged, scale: float, isa_name: str = "avx2"):
     """Causal attention of every sequence of a step (q [T, H, D]) over one layer's pool ``kv``
     (a LayerKV) read in place, for a model.attention.PagedBatch: the per-query arithmetic of
-    prefill_attention for prefill chunks and decodes alike."""
+    prefill_attention for prefill chunks and decodes alike. Over an int16 pool the products run
+    on the integer units of ``isa_name`` (int_attention.h; every path gives the same bits)."""
     return torch.ops.prefixcache.paged_attention(
         q, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.fmt.code, paged.q_start, paged.q_len, paged.ctx,
-        paged.slots_off, paged.slots, scale,
+        paged.slots_off, paged.slots, scale, _ISA_CODE[isa_name],
     )  # fmt: skip
 
 

@@ -53,8 +53,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
                   k_cache.element_size() == prefixcache::kv_elem_size(code),
               "k_cache, v_cache: [KVH, N, D] contiguous, in the storage of `code`");
-  const bool scaled = code == prefixcache::kI8 || code == prefixcache::kFP8;
-  TORCH_CHECK(code >= 0 && code <= 3, "code 0..3");
+  const bool scaled = prefixcache::kv_scaled(code);
+  TORCH_CHECK(prefixcache::kv_code_known(code) && code != prefixcache::kI16,
+              "unknown kv code (int16 K/V run on the exact path only)");
   TORCH_CHECK(k_scale.has_value() == scaled && v_scale.has_value() == scaled, "scales iff int8/fp8");
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
   const int64_t kvh = k_cache.size(0), n = k_cache.size(1);

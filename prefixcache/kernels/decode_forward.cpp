@@ -67,8 +67,9 @@ at::Tensor decode_forward(const at::Tensor& x_in, const at::Tensor& cos, const a
   check_f32(x_in, "x");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
-  TORCH_CHECK(kv_code >= 0 && kv_code <= 3, "kv code 0..3");
-  const bool scaled = kv_code == prefixcache::kI8 || kv_code == prefixcache::kFP8;
+  TORCH_CHECK(prefixcache::kv_code_known(kv_code) && kv_code != prefixcache::kI16,
+              "unknown kv code (int16 K/V run on the exact path only)");
+  const bool scaled = prefixcache::kv_scaled(kv_code);
   TORCH_CHECK(kv_k.is_contiguous() && kv_v.is_contiguous() && kv_v.scalar_type() == kv_k.scalar_type() &&
                   kv_k.element_size() == prefixcache::kv_elem_size(kv_code),
               "kv_k, kv_v: contiguous, in the storage of kv_code");

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "exact_attention.h"
+#include "int_attention.h"
 #include "int_gemm.h"
 #include "kv_codec.h"
 #include "rowwise.h"
@@ -94,8 +95,8 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
                   wd.size() == wq.size() && wm.size() == wq.size() && static_cast<int64_t>(codes.size()) == 4 * layers,
               "four linears per layer, each with weights, scales, offsets and a code");
   TORCH_CHECK(qkv_bias.empty() || static_cast<int64_t>(qkv_bias.size()) == layers, "qkv bias per layer or none");
-  const bool scaled = kv_code == prefixcache::kI8 || kv_code == prefixcache::kFP8;
-  TORCH_CHECK(kv_code >= 0 && kv_code <= 3, "kv code 0..3");
+  const bool scaled = prefixcache::kv_scaled(kv_code);
+  TORCH_CHECK(prefixcache::kv_code_known(kv_code), "unknown kv code");
   TORCH_CHECK(kv_k.is_contiguous() && kv_v.is_contiguous() && kv_v.sizes() == kv_k.sizes() && kv_k.dim() == 4 &&
                   kv_k.size(0) >= layers && kv_k.element_size() == prefixcache::kv_elem_size(kv_code),
               "kv: [L, KVH, N, D] contiguous, in the storage of kv_code");
@@ -103,6 +104,9 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
   const int64_t b = x_in.size(0), hid = x_in.size(1);
   const int64_t h = num_heads, kvh = num_kv_heads, d = kv_k.size(3), n_slots = kv_k.size(2);
   TORCH_CHECK(kv_k.size(1) == kvh && h % kvh == 0 && d % 16 == 0 && d <= prefixcache::exact::kMaxD, "head shapes");
+  const bool integer = kv_code == prefixcache::kI16;  // int16 K/V: the integer units (int_attention.h)
+  TORCH_CHECK(!integer || n_slots % prefixcache::kUnit == 0, "int16 K/V: a pool of whole units");
+  const int64_t attn_isa = std::min<int64_t>(isa, prefixcache::exact::kIsaVnni);
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == b && cos.size(1) == d && sin.sizes() == cos.sizes(), "cos, sin: [B, D]");
   const int64_t width = (h + 2 * kvh) * d;
   TORCH_CHECK(ffn > 0 && ffn % prefixcache::kGroup == 0 && hid % prefixcache::kGroup == 0 &&
@@ -135,7 +139,12 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
     TORCH_CHECK(slot[r] >= 0 && slot[r] < n_slots, "slot out of range");
     TORCH_CHECK(cx[r] >= 1 && so[r] >= 0 && so[r] + cx[r] <= slots.numel(), "context slots");
     TORCH_CHECK(sl[so[r] + cx[r] - 1] == slot[r], "a row's last context slot is its new token's");
-    for (int64_t j = 0; j < cx[r]; ++j) TORCH_CHECK(sl[so[r] + j] >= 0 && sl[so[r] + j] < n_slots, "slot out of range");
+    for (int64_t j = 0; j < cx[r]; ++j) {
+      TORCH_CHECK(sl[so[r] + j] >= 0 && sl[so[r] + j] < n_slots, "slot out of range");
+      TORCH_CHECK(kv_code != prefixcache::kI16 || (sl[so[r] + j] % prefixcache::kUnit == j % prefixcache::kUnit &&
+                                                   (j % prefixcache::kUnit == 0 || sl[so[r] + j] == sl[so[r] + j - 1] + 1)),
+                  "int16 K/V: a context's slots in whole units of 16");
+    }
   }
   const int64_t layer_stride = kvh * n_slots;  // elements per layer of the scales; x d for K/V
   const int64_t es = prefixcache::kv_elem_size(kv_code);
@@ -206,6 +215,7 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
 
   prefixcache::run_team(threads, [&](const int t, const int nt, prefixcache::SpinBarrier* barrier) {
     std::vector<float> kt, vbuf, seen(static_cast<size_t>(d));
+    std::unique_ptr<prefixcache::exact::IntScratch> z(integer ? new prefixcache::exact::IntScratch : nullptr);
     float unused_scale;
     const auto [r0, r1] = prefixcache::share(b, t, nt);
     for (int64_t l = 0; l < layers; ++l) {
@@ -230,10 +240,10 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
         prefixcache::rope_row(row, h + kvh, cp + r * d, snp + r * d, d);
         for (int64_t kh = 0; kh < kvh; ++kh) {
           const int64_t at_ = kh * n_slots + slot[r];
-          prefixcache::store_row(kv_code, row + (h + kh) * d, d, kl + at_ * d * es,
-                                 scaled ? ksl + at_ : &unused_scale, seen.data());
-          prefixcache::store_row(kv_code, row + (h + kvh + kh) * d, d, vl + at_ * d * es,
-                                 scaled ? vsl + at_ : &unused_scale, seen.data());
+          prefixcache::store_token(kv_code, row + (h + kh) * d, d, kl + kh * n_slots * d * es, slot[r], false,
+                                   scaled ? ksl + at_ : &unused_scale, seen.data());
+          prefixcache::store_token(kv_code, row + (h + kvh + kh) * d, d, vl + kh * n_slots * d * es, slot[r], true,
+                                   scaled ? vsl + at_ : &unused_scale, seen.data());
         }
         std::memcpy(qp + r * h * d, row, h * d * sizeof(float));
       }
@@ -244,6 +254,14 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
         for (int64_t it = counter.fetch_add(1, std::memory_order_relaxed); it < items;
              it = counter.fetch_add(1, std::memory_order_relaxed)) {
           const int64_t r = it / kvh, kh = it % kvh;
+          if (integer) {
+            const prefixcache::exact::PagedInt16Keys keys{reinterpret_cast<const int16_t*>(kl),
+                                                          reinterpret_cast<const int16_t*>(vl), ksl, vsl,
+                                                          n_slots, d, sl + so[r]};
+            prefixcache::exact::attend_rows_int(qp + r * h * d, keys, attnp + r * h * d, 1, cx[r], h, kvh, d, kh,
+                                                0, 1, scale, attn_isa, *z);
+            continue;
+          }
           const prefixcache::exact::PagedKeys keys{kl, vl, ksl, vsl, kv_code, n_slots, d, sl + so[r]};
           prefixcache::exact::attend_rows(qp + r * h * d, keys, attnp + r * h * d, 1, cx[r], h, kvh, d, kh, 0,
                                           1, scale, kt, vbuf);

@@ -3,6 +3,15 @@
 // the float32 values attention computes with.
 //
 //   code 0 float32 | 1 bfloat16 | 2 int8, scale = absmax / 127 | 3 fp8 e4m3, scale = absmax / 448
+//   | 5 int16, scale = absmax / 4095 (13 bits in 16: int_attention.h's integer sums stay in int32)
+//
+// Rows of every format but int16 are stored whole at their slot: [KVH, N, D]. int16 K/V are
+// stored in units of 16 slots in the layouts the integer products read (no transposing copy at
+// attention time; int_attention.h): in each KV head's plane, the unit at slots [u, u + 16) holds
+//   K: [D / 2][16] int32, dimensions (2p, 2p + 1) of slot u + j at int32 p * 16 + j
+//   V: [8][D] int32, dimension e of slots (u + 2i, u + 2i + 1) at int32 i * D + e
+// so a unit is still the same 16 * D values (a block of 16 or a multiple of 16 slots keeps its
+// bytes together, for the tiers), only permuted inside. Python's mirror: kv/formats.py.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -17,9 +26,17 @@
 
 namespace prefixcache {
 
-enum KVCode : int64_t { kF32 = 0, kBF16 = 1, kI8 = 2, kFP8 = 3 };
+enum KVCode : int64_t { kF32 = 0, kBF16 = 1, kI8 = 2, kFP8 = 3, kI16 = 5 };
 
-inline int64_t kv_elem_size(int64_t code) { return code == kF32 ? 4 : code == kBF16 ? 2 : 1; }
+constexpr int64_t kUnit = 16;  // slots per int16 unit
+
+// Offsets, in int16 elements from the start of a slot's unit, of its dimension e.
+inline int64_t unit_k_index(int64_t off, int64_t e) { return ((e >> 1) * kUnit + off) * 2 + (e & 1); }
+inline int64_t unit_v_index(int64_t off, int64_t e, int64_t d) { return ((off >> 1) * d + e) * 2 + (off & 1); }
+
+inline bool kv_code_known(int64_t code) { return (code >= kF32 && code <= kFP8) || code == kI16; }
+inline bool kv_scaled(int64_t code) { return code == kI8 || code == kFP8 || code == kI16; }
+inline int64_t kv_elem_size(int64_t code) { return code == kF32 ? 4 : (code == kBF16 || code == kI16) ? 2 : 1; }
 
 // One row: x [d] float32 -> dst (storage), *scale (scaled codes), seen [d] (what is stored, as
 // float32). Mirrors KVFormat.quantize/dequantize op for op (float32 division, round half to
@@ -40,10 +57,17 @@ inline void store_row(int64_t code, const float* x, int64_t d, void* dst, float*
   }
   float amax = 0.f;
   for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float qmax = code == kI8 ? 127.f : 448.f;
+  const float qmax = code == kI8 ? 127.f : code == kI16 ? 4095.f : 448.f;
   const float s = std::max(amax / qmax, FLT_MIN);
   *scale = s;
-  if (code == kI8) {
+  if (code == kI16) {
+    auto* o = static_cast<int16_t*>(dst);
+    for (int64_t i = 0; i < d; ++i) {
+      const float r = std::min(std::max(std::nearbyint(x[i] / s), -4095.f), 4095.f);
+      o[i] = static_cast<int16_t>(r);
+      seen[i] = static_cast<float>(o[i]) * s;
+    }
+  } else if (code == kI8) {
     auto* o = static_cast<int8_t*>(dst);
     for (int64_t i = 0; i < d; ++i) {
       const float r = std::min(std::max(std::nearbyint(x[i] / s), -127.f), 127.f);
@@ -56,6 +80,25 @@ inline void store_row(int64_t code, const float* x, int64_t d, void* dst, float*
       o[i] = c10::Float8_e4m3fn(x[i] / s);
       seen[i] = static_cast<float>(o[i]) * s;
     }
+  }
+}
+
+// One token's K or V row of one KV head into its slot of a plane ([N, D] in the storage format):
+// store_row's numbers, placed whole at the slot, or for int16 scattered into the slot's unit.
+inline void store_token(int64_t code, const float* x, int64_t d, uint8_t* plane, int64_t slot, bool is_v,
+                        float* scale, float* seen) {
+  if (code != kI16) {
+    store_row(code, x, d, plane + slot * d * kv_elem_size(code), scale, seen);
+    return;
+  }
+  int16_t row[256];
+  store_row(code, x, d, row, scale, seen);
+  auto* unit = reinterpret_cast<int16_t*>(plane) + (slot - slot % kUnit) * d;
+  const int64_t off = slot % kUnit;
+  if (is_v) {
+    for (int64_t e = 0; e < d; ++e) unit[unit_v_index(off, e, d)] = row[e];
+  } else {
+    for (int64_t e = 0; e < d; ++e) unit[unit_k_index(off, e)] = row[e];
   }
 }
 

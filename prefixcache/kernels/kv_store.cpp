@@ -18,8 +18,8 @@ std::tuple<at::Tensor, at::Tensor> kv_store(const at::Tensor& k_cache, const at:
                                             const c10::optional<at::Tensor>& v_scale, int64_t code,
                                             const at::Tensor& slots, const at::Tensor& k_new,
                                             const at::Tensor& v_new) {
-  TORCH_CHECK(code >= 0 && code <= 3, "code 0..3");
-  const bool scaled = code == prefixcache::kI8 || code == prefixcache::kFP8;
+  TORCH_CHECK(prefixcache::kv_code_known(code), "unknown kv code");
+  const bool scaled = prefixcache::kv_scaled(code);
   TORCH_CHECK(k_new.dim() == 3 && k_new.scalar_type() == at::kFloat && v_new.sizes() == k_new.sizes() &&
                   v_new.scalar_type() == at::kFloat, "k_new, v_new: [T, KVH, D] float32");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -27,6 +27,7 @@ std::tuple<at::Tensor, at::Tensor> kv_store(const at::Tensor& k_cache, const at:
               "caches: [KVH, N, D] contiguous in the storage of `code`");
   const int64_t t = k_new.size(0), kvh = k_new.size(1), d = k_new.size(2), n = k_cache.size(1);
   TORCH_CHECK(k_cache.size(0) == kvh && k_cache.size(2) == d && d % 8 == 0, "shapes");
+  TORCH_CHECK(code != prefixcache::kI16 || (d <= 256 && n % prefixcache::kUnit == 0), "int16: D <= 256, whole units");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == t && slots.is_contiguous(), "slots: [T] int64");
   TORCH_CHECK(k_scale.has_value() == scaled && v_scale.has_value() == scaled, "scales iff int8/fp8");
   if (scaled) {
@@ -51,8 +52,10 @@ std::tuple<at::Tensor, at::Tensor> kv_store(const at::Tensor& k_cache, const at:
     float unused;
     for (int64_t i = b0; i < b1; ++i) {
       const int64_t tok = i / kvh, h = i % kvh, at_ = h * n + sp[tok];
-      prefixcache::store_row(code, kx + i * d, d, kd + at_ * d * es, scaled ? ksc + at_ : &unused, ko + i * d);
-      prefixcache::store_row(code, vx + i * d, d, vd + at_ * d * es, scaled ? vsc + at_ : &unused, vo + i * d);
+      prefixcache::store_token(code, kx + i * d, d, kd + h * n * d * es, sp[tok], false, scaled ? ksc + at_ : &unused,
+                               ko + i * d);
+      prefixcache::store_token(code, vx + i * d, d, vd + h * n * d * es, sp[tok], true, scaled ? vsc + at_ : &unused,
+                               vo + i * d);
     }
   });
   return {k_seen, v_seen};

@@ -21,6 +21,8 @@
 #include <array>
 
 #include "exact_attention.h"
+#include "int_attention.h"
+#include "int_gemm.h"
 #include "kv_codec.h"
 #include "parallel.h"
 
@@ -62,12 +64,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kc, const at::
                            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                            int64_t code, const at::Tensor& q_start, const at::Tensor& q_len,
                            const at::Tensor& ctx, const at::Tensor& slots_off, const at::Tensor& slots,
-                           double scale) {
+                           double scale, int64_t isa) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [T, H, D] float32 contiguous");
   TORCH_CHECK(kc.dim() == 3 && kc.is_contiguous() && vc.is_contiguous() && vc.sizes() == kc.sizes(),
               "k, v cache: [KVH, N, D] contiguous");
   const int64_t h = q.size(1), d = q.size(2), kvh = kc.size(0), n_slots = kc.size(1);
   TORCH_CHECK(kc.size(2) == d && d % 8 == 0 && d <= kMaxD && h % kvh == 0, "head shapes");
+  const bool integer = code == prefixcache::kI16;  // int16 K/V: the integer units (int_attention.h)
+  TORCH_CHECK(!integer || d % 16 == 0, "int16 K/V: head_dim a multiple of 16");
+  prefixcache::check_isa(isa);
   TORCH_CHECK(kc.element_size() == prefixcache::kv_elem_size(code), "cache element size vs format");
   for (const auto* t : {&q_start, &q_len, &ctx, &slots_off, &slots})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "index tensors: int64 contiguous");
@@ -86,7 +91,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kc, const at::
   }
   const float* ksp = k_scale.has_value() ? k_scale->data_ptr<float>() : nullptr;
   const float* vsp = v_scale.has_value() ? v_scale->data_ptr<float>() : nullptr;
-  TORCH_CHECK((ksp == nullptr) == (code == prefixcache::kF32 || code == prefixcache::kBF16), "scales iff scaled format");
+  TORCH_CHECK((ksp == nullptr) == !prefixcache::kv_scaled(code), "scales iff scaled format");
   // items: (sequence, block of kRows query rows, KV head), the most keys first, each taken by
   // whichever thread is free (parallel.h)
   std::vector<std::array<int64_t, 3>> items;
@@ -105,6 +110,28 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kc, const at::
   float* op = out.data_ptr<float>();
   const auto* kp = static_cast<const uint8_t*>(kc.data_ptr());
   const auto* vp = static_cast<const uint8_t*>(vc.data_ptr());
+  if (integer) {
+    // int16 pools are read in units of 16 slots (kv_codec.h): every context must come in them
+    TORCH_CHECK(n_slots % prefixcache::kUnit == 0, "int16 K/V: a pool of whole units");
+    for (int64_t s = 0; s < ns; ++s)
+      for (int64_t j = 0; j < cx[s]; ++j)
+        TORCH_CHECK(sl[so[s] + j] % prefixcache::kUnit == j % prefixcache::kUnit &&
+                        (j % prefixcache::kUnit == 0 || sl[so[s] + j] == sl[so[s] + j - 1] + 1),
+                    "int16 K/V: a context's slots in whole units of 16 (block_size a multiple of 16)");
+    const int64_t path = std::min<int64_t>(isa, kIsaVnni);  // AMX hosts: the VNNI products
+    const auto* k16 = static_cast<const int16_t*>(kc.data_ptr());
+    const auto* v16 = static_cast<const int16_t*>(vc.data_ptr());
+    prefixcache::parallel_items(static_cast<int64_t>(items.size()), [&](int64_t i) {
+      thread_local IntScratch z;
+      const auto [s, b, kh] = items[order[i]];
+      const PagedInt16Keys keys{k16, v16, ksp, vsp, n_slots, d, sl + so[s]};
+      const int64_t i0 = b * kRows, i1 = std::min(ql[s], i0 + kRows);
+      const int64_t base = qs[s] * h * d;
+      attend_rows_int(qp + base, keys, op + base, ql[s], cx[s], h, kvh, d, kh, i0, i1,
+                      static_cast<float>(scale), path, z);
+    });
+    return out;
+  }
   prefixcache::parallel_items(static_cast<int64_t>(items.size()), [&](int64_t i) {
     thread_local std::vector<float> kt, vbuf;
     const auto [s, b, kh] = items[order[i]];
@@ -122,7 +149,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kc, const at::
 TORCH_LIBRARY_FRAGMENT(prefixcache, lib) {
   lib.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
   lib.def("paged_attention(Tensor q, Tensor kc, Tensor vc, Tensor? k_scale, Tensor? v_scale, int code, "
-          "Tensor q_start, Tensor q_len, Tensor ctx, Tensor slots_off, Tensor slots, float scale) -> Tensor");
+          "Tensor q_start, Tensor q_len, Tensor ctx, Tensor slots_off, Tensor slots, float scale, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, lib) {

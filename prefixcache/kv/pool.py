@@ -82,6 +82,8 @@ class KVCache:
     def __init__(self, config: ModelConfig, layout: KVLayout, device: torch.device):
         self.layout = layout
         self.fmt = fmt = layout.kv_format
+        if fmt.unit and layout.block_size % fmt.unit:
+            raise ValueError(f"{fmt.name} K/V need blocks of a multiple of {fmt.unit} tokens")
         shape = (config.num_layers, config.num_kv_heads, layout.capacity_tokens, config.head_dim)
         # Never read before written (attention reads only slots of computed tokens). empty, not
         # zeros: zeroing 4 GiB took 2-3 s of every start, and on CPU an allocation this size is
@@ -143,10 +145,28 @@ class KVCache:
         dev = self.k.device
         si = torch.tensor(src, dtype=torch.long, device=dev)
         di = torch.tensor(dst, dtype=torch.long, device=dev)
-        for t in (self.k, self.v, self.k_scale, self.v_scale):
-            if t is not None:
-                raw = _raw(t)  # slots are dim 2 of K/V [L, H, slots, D] and scales [L, H, slots]
-                raw.index_copy_(2, di, raw.index_select(2, si))
+        for t in (self.k_scale, self.v_scale):
+            if t is not None:  # scales [L, H, slots]
+                t.index_copy_(2, di, t.index_select(2, si))
+        d = self.k.shape[-1]
+        for t, value in ((self.k, False), (self.v, True)):
+            # each dimension of each slot where the layout puts it: [L, H, slots * D] flat
+            raw = _raw(t).flatten(2)
+            src_e = self.fmt.element_index(si, d, value).flatten()
+            raw.index_copy_(2, self.fmt.element_index(di, d, value).flatten(), raw.index_select(2, src_e))
+
+    def stored(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of ``slots`` as stored (storage dtype, not dequantized), ``[layers, kv_heads, n,
+        head_dim]`` in row order whatever the layout: what a token's cache entry holds."""
+        d = self.k.shape[-1]
+        out = []
+        for t, value in ((self.k, False), (self.v, True)):
+            if not self.fmt.unit:
+                out.append(t.index_select(2, slots))
+                continue
+            idx = self.fmt.element_index(slots, d, value).flatten()
+            out.append(_raw(t).flatten(2).index_select(2, idx).view(*t.shape[:2], -1, d).view(t.dtype))
+        return out[0], out[1]
 
     def layer(self, i: int, native: bool = False) -> LayerKV:
         ks = None if self.k_scale is None else self.k_scale[i]
@@ -172,9 +192,14 @@ class LayerKV:
         if self.native:
             return kernels.kv_store(self, slots, k_new, v_new)
         seen = []
-        for cache, scales, x in ((self.k, self.k_scale, k_new), (self.v, self.v_scale, v_new)):
+        d = self.k.shape[-1]
+        for cache, scales, x, value in ((self.k, self.k_scale, k_new, False), (self.v, self.v_scale, v_new, True)):
             q, s = self.fmt.quantize(x)
-            _raw(cache).index_copy_(1, slots, _raw(q).transpose(0, 1))
+            if self.fmt.unit:  # each dimension where the layout puts it, in the head's plane
+                idx = self.fmt.element_index(slots, d, value).flatten()
+                _raw(cache).flatten(1).index_copy_(1, idx, _raw(q).transpose(0, 1).flatten(1))
+            else:
+                _raw(cache).index_copy_(1, slots, _raw(q).transpose(0, 1))
             if s is not None:
                 scales.index_copy_(1, slots, s.transpose(0, 1))
             seen.append(x if q.dtype == x.dtype else self.fmt.dequantize(q, s).to(x.dtype))
@@ -183,8 +208,13 @@ class LayerKV:
     def gather(self, slots: torch.Tensor, dtype: torch.dtype):
         """K, V of ``slots`` as ``[kv_heads, n, head_dim]`` in ``dtype`` (dequantized)."""
         out = []
-        for cache, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            q = _raw(cache).index_select(1, slots).view(cache.dtype)
+        d = self.k.shape[-1]
+        for cache, scales, value in ((self.k, self.k_scale, False), (self.v, self.v_scale, True)):
+            if self.fmt.unit:
+                idx = self.fmt.element_index(slots, d, value).flatten()
+                q = _raw(cache).flatten(1).index_select(1, idx).view(cache.shape[0], -1, d).view(cache.dtype)
+            else:
+                q = _raw(cache).index_select(1, slots).view(cache.dtype)
             if q.dtype == dtype and scales is None:
                 out.append(q)
                 continue

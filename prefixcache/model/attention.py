@@ -129,11 +129,12 @@ def paged_attention(
     kv: LayerKV,  # one layer's cache
     meta: AttentionMetadata,
     scale: float,
+    isa: str = "avx2",  # the exact path's integer ISA (int16 K/V attend on the integer units)
 ) -> torch.Tensor:  # [T, H, D]
     # Stored first, in the KV format; attention sees the stored values, new tokens included.
     k_seen, v_seen = kv.store(meta.slot_mapping, k_new, v_new)
     if meta.paged is not None:
-        return kernels.paged_attention(q.contiguous(), kv, meta.paged, scale)
+        return kernels.paged_attention(q.contiguous(), kv, meta.paged, scale, isa)
     out = torch.empty_like(q)
     for s in meta.seqs:
         qs = q[s.q_start : s.q_start + s.q_len]  # [q, H, D]

@@ -109,6 +109,7 @@ class DecoderLayer:
         self.eps = config.rms_norm_eps
         self.scale = self.d**-0.5
         self.native = native  # the fused C++ element-wise ops (float32 on CPU)
+        self.isa = "avx2"  # the exact path's integer ISA for attention (LlamaModel sets it)
 
     def qkv(self, x, cos, sin):
         """q [T, H, D], k [T, KVH, D] (both rotated) and v [T, KVH, D] of the layer input x: what
@@ -126,7 +127,7 @@ class DecoderLayer:
     def __call__(self, x, cos, sin, kv: LayerKV, meta: AttentionMetadata):
         t, h, d, native = x.shape[0], self.h, self.d, self.native
         q, k, v = self.qkv(x, cos, sin)
-        o = paged_attention(q, k, v, kv, meta, self.scale)  # [T, H, D]
+        o = paged_attention(q, k, v, kv, meta, self.scale, self.isa)  # [T, H, D]
         x = self.o_proj(o.reshape(t, h * d)).add_(x)
         gate_up = self.gate_up_proj(rms_norm(x, self.post_norm, self.eps, native))
         if native:
@@ -246,6 +247,7 @@ class LlamaModel:
                 fused("mlp.down_proj", (hid, inter)),
                 self.native,
             ))  # fmt: skip
+            self.layers[-1].isa = isa or "avx2"
         self.embed_weight = tensor("model.embed_tokens.weight").to(device=device, dtype=dtype)
         self.norm = tensor("model.norm.weight").to(device=device, dtype=dtype)
         if self.exact:

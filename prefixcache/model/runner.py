@@ -85,16 +85,19 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         max_model_len: int,
-        layout: KVLayout,
         weight_format: str = "dense",
         activations: str = "float32",
     ):
+        """The model; its KV pool comes with ``allocate_kv`` (its format can depend on the model:
+        ``auto`` is int16 on the exact path)."""
         self.config = weights.config
         self.device = device
         self.dtype = dtype
-        self.block_size = layout.block_size
         self.model = LlamaModel(weights, max_model_len, dtype, device, weight_format, activations)
-        self.kv = KVCache(weights.config, layout, device)
+
+    def allocate_kv(self, layout: KVLayout) -> None:
+        self.block_size = layout.block_size
+        self.kv = KVCache(self.config, layout, self.device)
 
     def _forward(self, tables, starts, counts, ids, pos, cache: KVCache, rows: list[int]) -> torch.Tensor:
         meta = build_metadata(tables, starts, counts, self.block_size, self.device,
@@ -207,10 +210,12 @@ class ModelRunner:
         return torch.cat(out) if out else torch.empty(0)
 
     @torch.inference_mode()
-    def all_logits(self, ids: list[int]) -> torch.Tensor:
-        """Next-token logits at every position of one prompt, [len(ids), vocab] float32, from a
-        single prefill on a private KV cache (the engine's pool is not touched): for quality
-        measurements (perplexity, KL between weight formats) and parity tests."""
+    def all_logits(self, ids: list[int], last: int | None = None) -> torch.Tensor:
+        """Next-token logits at every position of one prompt, [len(ids), vocab] float32 (the
+        ``last`` positions only when given: [last, vocab]), from a single prefill on a private
+        KV cache (the engine's pool is not touched): for quality measurements (perplexity, KL
+        between weight formats) and parity tests."""
         n = len(ids)
         private = self.private_kv(n)
-        return self._forward([private.block_table], [0], [n], ids, range(n), private.cache, list(range(n)))
+        rows = list(range(0 if last is None else max(0, n - last), n))
+        return self._forward([private.block_table], [0], [n], ids, range(n), private.cache, rows)

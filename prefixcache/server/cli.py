@@ -7,7 +7,7 @@ import logging
 import sys
 from dataclasses import fields
 
-from prefixcache.config import EVICTION_POLICIES, SCHEDULING_POLICIES, parse_bytes
+from prefixcache.config import EVICTION_POLICIES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, parse_bytes
 from prefixcache.server.limits import ServerLimits
 
 DEFAULT_HOST = "127.0.0.1"
@@ -189,9 +189,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=("auto", "float32", "bfloat16", "int8", "fp8_e4m3"),
-        help="how K/V are stored in the cache; auto: the model's dtype. int8/fp8_e4m3 hold "
-        "~3.8x the tokens of float32 in the same memory",
+        choices=KV_CACHE_DTYPES,
+        help="how K/V are stored in the cache; auto: int16 on the exact integer path (CPU: half "
+        "of float32's bytes, attention on the integer units), else the model's dtype. int8/fp8_e4m3 "
+        "hold ~3.8x the tokens of float32 but cost more quality than the floor at long contexts",
     )
     m.add_argument(
         "--weights-cache-dir",

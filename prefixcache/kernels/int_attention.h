@@ -1,0 +1,427 @@
+// Attention on the integer units, over K/V stored as 16-bit integers (the int16 KV dtype):
+// the exact path's attention when the cache holds int16 (the default there since 2026-12-05).
+//
+// Every query keeps the float path's structure (exact_attention.h): keys in blocks of 32 from
+// position 0, one online softmax per query, the block's weights folded into a running output.
+// What moves to the integer units are the two products:
+//
+//   scores  dot_j = sum_d q_d k_jd in int32: q rounded per (token, head) to |q| <= Q(D), K as
+//           stored (|k| <= 4095), with Q(D) the widest that keeps D * Q * 4095 < 2^31 (8191 for
+//           head_dim 64, 4095 for 128, 2047 for 256); then s_j = (float(dot_j) * sk_j) *
+//           (sq * scale), one fixed float sequence.
+//   values  per (query, block), w_j = p_j sv_j (the softmax weight times V's scale) rounded to
+//           u_j in [0, 16383] against the block's largest w, acc_d = sum_j u_j v_jd in int32
+//           (32 * 16383 * 4095 < 2^31), and o_d = o_d * w_old + float(acc_d) * (max w / 16383).
+//
+// The pool stores int16 K/V in units of 16 slots already in the layouts these products read
+// (kv_codec.h), so attention reads them in place: no copy or transposition per block, which
+// matters most for decodes (a block of keys serves only a KV head's few queries there).
+//
+// Integer sums are exact, so they do not depend on the ISA, the blocking or which queries share
+// a pass: the AVX512-VNNI path (vpdpwssd, 32 multiply-adds an instruction) and the AVX2 path
+// (vpmaddwd + vpaddd) give the same int32, and every float operation around them is the same
+// AVX2 code on both. So a token's output is the same bits in any chunk, batch, decode, thread
+// count or ISA path: the exact path's contract (docs/design.md section 2).
+//
+// Quality (benchmarks/probes/attention_quant_quality.py): 13-bit K/V, 12-bit q and 14-bit weights
+// are each far finer than int8's 8 bits, which missed the 1e-3 KL floor at 2k-token contexts.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "exact_attention.h"
+#include "kv_codec.h"
+
+namespace prefixcache::exact {
+
+// |q| after rounding: the widest that keeps d * |q| * 4095 < 2^31 (the scores' int32 sums)
+inline float query_max(int64_t d) { return d <= 64 ? 8191.f : d <= 128 ? 4095.f : 2047.f; }
+constexpr float kUMax = 16383.f;  // value weights u in [0, kUMax]
+constexpr int64_t kIsaAvx2 = 1, kIsaVnni = 2;  // int_gemm.h's codes (3, AMX, runs the VNNI path here)
+
+// One block of 32 keys as the integer products read it: two 16-slot units of the int16 pool
+// (kv_codec.h), keys 0-15 and 16-31, in place. K: [D / 2][16] int32 pairs; V: [8][D] int32
+// pairs; the scales 16 floats each. A block of 16 keys or fewer reads zeros for its second unit.
+struct Units {
+  const int32_t* k[2];
+  const int32_t* v[2];
+  const float* sk[2];
+  const float* sv[2];
+};
+
+// A query rounded for the integer scores: pairs of int16 as int32 (d / 2 of them) and the float
+// that turns float(dot) * sk into a score.
+inline float quantize_query(const float* q, int64_t d, float scale, int32_t* pairs) {
+  const float qmax = query_max(d);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 vmax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(q + i)));
+  const float sq = std::max(hmax(vmax) / qmax, FLT_MIN);
+  const __m256 vs = _mm256_set1_ps(sq), hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
+  auto* out = reinterpret_cast<int16_t*>(pairs);
+  for (int64_t i = 0; i < d; i += 16) {
+    __m256 a = _mm256_div_ps(_mm256_loadu_ps(q + i), vs), b = _mm256_div_ps(_mm256_loadu_ps(q + i + 8), vs);
+    a = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi);
+    b = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi);
+    const __m256i p = _mm256_packs_epi32(_mm256_cvttps_epi32(a), _mm256_cvttps_epi32(b));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_permute4x64_epi64(p, 0xD8));
+  }
+  return sq * scale;
+}
+
+// ---- the integer products, per ISA; NQ queries share each load ---------------------------------
+
+// dot[i][j] for NQ queries and the block's 32 keys (AVX2: vpmaddwd pairs summed by vpaddd).
+template <int NQ>
+inline void scores_avx2(const Units& u, int64_t pairs, const int32_t* const* q, int32_t* const* dot) {
+  __m256i a[NQ][4];
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < 4; ++c) a[i][c] = _mm256_setzero_si256();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m256i* ra = reinterpret_cast<const __m256i*>(u.k[0] + p * kUnit);
+    const __m256i* rb = reinterpret_cast<const __m256i*>(u.k[1] + p * kUnit);
+    const __m256i k0 = _mm256_loadu_si256(ra), k1 = _mm256_loadu_si256(ra + 1);
+    const __m256i k2 = _mm256_loadu_si256(rb), k3 = _mm256_loadu_si256(rb + 1);
+    for (int i = 0; i < NQ; ++i) {
+      const __m256i b = _mm256_set1_epi32(q[i][p]);
+      a[i][0] = _mm256_add_epi32(a[i][0], _mm256_madd_epi16(k0, b));
+      a[i][1] = _mm256_add_epi32(a[i][1], _mm256_madd_epi16(k1, b));
+      a[i][2] = _mm256_add_epi32(a[i][2], _mm256_madd_epi16(k2, b));
+      a[i][3] = _mm256_add_epi32(a[i][3], _mm256_madd_epi16(k3, b));
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < 4; ++c) _mm256_store_si256(reinterpret_cast<__m256i*>(dot[i]) + c, a[i][c]);
+}
+
+template <int NQ>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void scores_vnni(const Units& u, int64_t pairs,
+                                                                                const int32_t* const* q,
+                                                                                int32_t* const* dot) {
+  __m512i a[NQ][2];
+  for (int i = 0; i < NQ; ++i) a[i][0] = a[i][1] = _mm512_setzero_si512();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512i k0 = _mm512_loadu_si512(u.k[0] + p * kUnit), k1 = _mm512_loadu_si512(u.k[1] + p * kUnit);
+    for (int i = 0; i < NQ; ++i) {
+      const __m512i b = _mm512_set1_epi32(q[i][p]);
+      a[i][0] = _mm512_dpwssd_epi32(a[i][0], k0, b);
+      a[i][1] = _mm512_dpwssd_epi32(a[i][1], k1, b);
+    }
+  }
+  for (int i = 0; i < NQ; ++i) {
+    _mm512_store_si512(dot[i], a[i][0]);
+    _mm512_store_si512(dot[i] + 16, a[i][1]);
+  }
+}
+
+// acc[i][c0 .. c0 + 8 NV) = sum over key pairs jp < npairs of u[i][jp] . vp[jp][..] (AVX2).
+template <int NQ, int NV>
+inline void values_avx2(const Units& un, int64_t d, int64_t c0, int64_t npairs, const int32_t* const* u,
+                        int32_t* const* acc) {
+  __m256i a[NQ][NV];
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < NV; ++c) a[i][c] = _mm256_setzero_si256();
+  for (int64_t jp = 0; jp < npairs; ++jp) {
+    const __m256i* row = reinterpret_cast<const __m256i*>(un.v[jp >> 3] + (jp & 7) * d + c0);
+    __m256i v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = _mm256_loadu_si256(row + c);
+    for (int i = 0; i < NQ; ++i) {
+      const __m256i b = _mm256_set1_epi32(u[i][jp]);
+      for (int c = 0; c < NV; ++c) a[i][c] = _mm256_add_epi32(a[i][c], _mm256_madd_epi16(v[c], b));
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < NV; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc[i] + c0) + c, a[i][c]);
+}
+
+template <int NQ, int NV>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void values_vnni(const Units& un, int64_t d,
+                                                                                int64_t c0, int64_t npairs,
+                                                                                const int32_t* const* u,
+                                                                                int32_t* const* acc) {
+  __m512i a[NQ][NV];
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < NV; ++c) a[i][c] = _mm512_setzero_si512();
+  for (int64_t jp = 0; jp < npairs; ++jp) {
+    const int32_t* row = un.v[jp >> 3] + (jp & 7) * d + c0;
+    __m512i v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_si512(row + 16 * c);
+    for (int i = 0; i < NQ; ++i) {
+      const __m512i b = _mm512_set1_epi32(u[i][jp]);
+      for (int c = 0; c < NV; ++c) a[i][c] = _mm512_dpwssd_epi32(a[i][c], v[c], b);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_si512(acc[i] + c0 + 16 * c, a[i][c]);
+}
+
+// The products of up to kGroupQ queries (n of them) on the ISA's path. The queries' pointers
+// past n are never read.
+constexpr int kGroupQ = 4;
+
+template <int NQ>
+inline void scores_n(int64_t isa, const Units& un, int64_t pairs, const int32_t* const* q, int32_t* const* dot) {
+  if (isa >= kIsaVnni) {
+    scores_vnni<NQ>(un, pairs, q, dot);
+  } else {  // 16 ymm registers: two queries at a time
+    scores_avx2<(NQ >= 2 ? 2 : 1)>(un, pairs, q, dot);
+    if constexpr (NQ == 3) scores_avx2<1>(un, pairs, q + 2, dot + 2);
+    if constexpr (NQ == 4) scores_avx2<2>(un, pairs, q + 2, dot + 2);
+  }
+}
+
+inline void block_scores_int(int64_t isa, const Units& un, int64_t pairs, int n, const int32_t* const* q,
+                             int32_t* const* dot) {
+  switch (n) {
+    case 4: scores_n<4>(isa, un, pairs, q, dot); break;
+    case 3: scores_n<3>(isa, un, pairs, q, dot); break;
+    case 2: scores_n<2>(isa, un, pairs, q, dot); break;
+    default: scores_n<1>(isa, un, pairs, q, dot); break;
+  }
+}
+
+template <int NQ>
+inline void values_n(int64_t isa, const Units& vp, int64_t d, int64_t npairs, const int32_t* const* u,
+                     int32_t* const* acc) {
+  if (isa >= kIsaVnni) {
+    for (int64_t c0 = 0; c0 < d; c0 += 64) {
+      switch (std::min<int64_t>(4, (d - c0) / 16)) {
+        case 4: values_vnni<NQ, 4>(vp, d, c0, npairs, u, acc); break;
+        case 3: values_vnni<NQ, 3>(vp, d, c0, npairs, u, acc); break;
+        case 2: values_vnni<NQ, 2>(vp, d, c0, npairs, u, acc); break;
+        default: values_vnni<NQ, 1>(vp, d, c0, npairs, u, acc); break;
+      }
+    }
+  } else {
+    for (int q0 = 0; q0 < NQ; q0 += 2) {
+      const int m = std::min(2, NQ - q0);
+      for (int64_t c0 = 0; c0 < d; c0 += 32) {
+        const int64_t nv = std::min<int64_t>(4, (d - c0) / 8);
+        if (m == 2) {
+          switch (nv) {
+            case 4: values_avx2<2, 4>(vp, d, c0, npairs, u + q0, acc + q0); break;
+            case 3: values_avx2<2, 3>(vp, d, c0, npairs, u + q0, acc + q0); break;
+            case 2: values_avx2<2, 2>(vp, d, c0, npairs, u + q0, acc + q0); break;
+            default: values_avx2<2, 1>(vp, d, c0, npairs, u + q0, acc + q0); break;
+          }
+        } else {
+          switch (nv) {
+            case 4: values_avx2<1, 4>(vp, d, c0, npairs, u + q0, acc + q0); break;
+            case 3: values_avx2<1, 3>(vp, d, c0, npairs, u + q0, acc + q0); break;
+            case 2: values_avx2<1, 2>(vp, d, c0, npairs, u + q0, acc + q0); break;
+            default: values_avx2<1, 1>(vp, d, c0, npairs, u + q0, acc + q0); break;
+          }
+        }
+      }
+    }
+  }
+}
+
+inline void block_values_int(int64_t isa, const Units& vp, int64_t d, int64_t npairs, int n,
+                             const int32_t* const* u, int32_t* const* acc) {
+  switch (n) {
+    case 4: values_n<4>(isa, vp, d, npairs, u, acc); break;
+    case 3: values_n<3>(isa, vp, d, npairs, u, acc); break;
+    case 2: values_n<2>(isa, vp, d, npairs, u, acc); break;
+    default: values_n<1>(isa, vp, d, npairs, u, acc); break;
+  }
+}
+
+// ---- the float steps around them (one AVX2 build for every path) --------------------------------
+
+// 2^x for lanes x <= 0, relative error ~2e-6 (far below the value weights' 14 bits): x = n + f
+// with n = round(x) and |f| <= 1/2 exact, 2^f by its Taylor polynomial of degree 5, 2^n put into
+// the exponent bits. x is clamped to -126 first (2^n stays a normal float; -inf gives 2^-126, a
+// weight the callers mask to 0 where it matters).
+inline __m256 exp2_neg(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.3333558e-3f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// One query's step over one block, from its integer scores: the online softmax in base 2 and the
+// block's value weights.
+//   z_j = (float(dot_j) * sk_j) * qa2 for keys j < visible (qa2 = sq * scale * log2 e), -inf after
+//   m' = max(m, max_j z_j); p_j = 2^(z_j - m') (0 past visible); l = l * 2^(m - m') + sum_j p_j
+//   w_j = p_j sv_j; u_j = round(w_j * (16383 / max w)) as pairs (keys 2jp, 2jp + 1) in u32[jp]
+// Returns 2^(m - m'), the factor the running output is rescaled by; us = max w / 16383, the float
+// one unit of u stands for (0, with u all 0, when every weight is 0).
+inline float softmax_weights(const int32_t* dot, const Units& un, float qa2, int64_t visible, float& m, float& l,
+                             int32_t* u32, float& us) {
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), va = _mm256_set1_ps(qa2);
+  const __m256i vis = _mm256_set1_epi32(static_cast<int32_t>(visible));
+  __m256 z[4], keep[4];
+  __m256 bm = ninf;
+  for (int c = 0; c < 4; ++c) {
+    const __m256 t = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dot + 8 * c)));
+    const __m256i j = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * c));
+    keep[c] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(vis, j));
+    const __m256 sk = _mm256_loadu_ps(un.sk[c >> 1] + 8 * (c & 1));
+    z[c] = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_mul_ps(t, sk), va), keep[c]);
+    bm = _mm256_max_ps(bm, z[c]);
+  }
+  const float m_new = std::max(m, hmax(bm));
+  const float w_old = _mm256_cvtss_f32(exp2_neg(_mm256_set1_ps(m - m_new)));
+  const __m256 vm = _mm256_set1_ps(m_new);
+  __m256 p[4], w[4];
+  __m256 sum = _mm256_setzero_ps(), wm = _mm256_setzero_ps();
+  for (int c = 0; c < 4; ++c) {
+    p[c] = _mm256_and_ps(exp2_neg(_mm256_sub_ps(z[c], vm)), keep[c]);
+    // masked again: a slot past the context may hold any bytes, its scale a NaN (0 * NaN)
+    w[c] = _mm256_and_ps(_mm256_mul_ps(p[c], _mm256_loadu_ps(un.sv[c >> 1] + 8 * (c & 1))), keep[c]);
+    wm = _mm256_max_ps(wm, w[c]);
+  }
+  sum = _mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3]));
+  l = l * w_old + hsum(sum);
+  m = m_new;
+  const float mx = hmax(wm);
+  if (!(mx > 0.f)) {
+    std::memset(u32, 0, kKeys / 2 * sizeof(int32_t));
+    us = 0.f;
+    return w_old;
+  }
+  const __m256 r = _mm256_set1_ps(kUMax / mx);
+  __m256i q[4];
+  for (int c = 0; c < 4; ++c)
+    q[c] = _mm256_cvttps_epi32(_mm256_round_ps(_mm256_mul_ps(w[c], r), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  // int32 -> int16 in key order: packs interleaves the 128-bit lanes, permute4x64 restores them
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(u32), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(u32 + 8), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+  us = mx * (1.f / kUMax);
+  return w_old;
+}
+
+// o = o * w_old + float(acc) * us, d values.
+inline void fold_values(float* o, const int32_t* acc, int64_t d, float w_old, float us) {
+  const __m256 vw = _mm256_set1_ps(w_old), vu = _mm256_set1_ps(us);
+  for (int64_t c = 0; c < d; c += 8) {
+    const __m256 a = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + c)));
+    _mm256_storeu_ps(o + c, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(o + c), vw), _mm256_mul_ps(a, vu)));
+  }
+}
+
+// Zeros standing for the missing second unit of a block of 16 keys or fewer.
+struct ZeroUnit {
+  alignas(64) int32_t kv[kMaxD / 2 * kUnit] = {};
+  alignas(64) float s[kUnit] = {};
+};
+inline const ZeroUnit& zero_unit() {
+  static const ZeroUnit z;
+  return z;
+}
+
+// The keys of one sequence in an int16 pool, read in place: its context's slots come in whole
+// units (16 consecutive slots from a multiple of 16; the callers check), so a block of 32 keys
+// is two units found through the slots of its first and 17th keys.
+struct PagedInt16Keys {
+  const int16_t* k;  // [KVH, N, D] in units
+  const int16_t* v;
+  const float* k_scale;  // [KVH, N]
+  const float* v_scale;
+  int64_t n_slots, d;
+  const int64_t* slots;  // the sequence's context, in position order
+  Units block(int64_t kh, int64_t k0, int64_t nk) const {
+    Units u;
+    const ZeroUnit& zero = zero_unit();
+    for (int i = 0; i < 2; ++i) {
+      if (i * kUnit >= nk) {
+        u.k[i] = u.v[i] = zero.kv;
+        u.sk[i] = u.sv[i] = zero.s;
+        continue;
+      }
+      const int64_t at = kh * n_slots + slots[k0 + i * kUnit];
+      u.k[i] = reinterpret_cast<const int32_t*>(k + at * d);
+      u.v[i] = reinterpret_cast<const int32_t*>(v + at * d);
+      u.sk[i] = k_scale + at;
+      u.sv[i] = v_scale + at;
+    }
+    return u;
+  }
+};
+
+// Per-thread buffers of attend_rows_int, reused across items.
+struct IntScratch {
+  std::vector<int32_t> qpairs, dots, upairs, acc;
+  std::vector<float> qa, m, l, w, o;
+};
+
+// attend_rows (exact_attention.h) on the integer units: query rows [i0, i1) of KV head kh (all G
+// query heads of it) over an int16 cache. Same item shapes, causal limits and output layout.
+inline void attend_rows_int(const float* q, const PagedInt16Keys& keys, float* out, int64_t t, int64_t c,
+                            int64_t h, int64_t kvh_count, int64_t d, int64_t kh, int64_t i0, int64_t i1,
+                            float scale, int64_t isa, IntScratch& z) {
+  const int64_t g = h / kvh_count, first = c - t, pairs = d / 2;
+  const int64_t nq = (i1 - i0) * g;
+  z.qpairs.resize(static_cast<size_t>(nq * pairs));
+  z.dots.resize(static_cast<size_t>(nq * kKeys) + 16);
+  z.upairs.resize(static_cast<size_t>(nq * kKeys / 2));
+  z.acc.resize(static_cast<size_t>(nq * d));
+  z.qa.resize(nq);
+  z.w.resize(nq);
+  z.m.assign(nq, -std::numeric_limits<float>::infinity());
+  z.l.assign(nq, 0.f);
+  z.o.assign(static_cast<size_t>(nq * d), 0.f);
+  int32_t* dots = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(z.dots.data()) + 63) & ~uintptr_t{63});
+  auto qptr = [&](int64_t qi) { return q + ((i0 + qi / g) * h + kh * g + qi % g) * d; };
+  auto qpos = [&](int64_t qi) { return first + i0 + qi / g; };
+  // the scores' float factor per query, in base 2 (softmax_weights): (sq * scale) * log2 e
+  for (int64_t qi = 0; qi < nq; ++qi)
+    z.qa[qi] = quantize_query(qptr(qi), d, scale, z.qpairs.data() + qi * pairs) * 1.44269504088896341f;
+  // dots are 64-byte aligned per query only when kKeys * 4 is a multiple of 64 (it is: 128)
+  const int64_t last_key = first + i1 - 1;
+  for (int64_t k0 = 0; k0 <= last_key; k0 += kKeys) {
+    const int64_t nk = std::min(kKeys, last_key + 1 - k0);
+    const Units un = keys.block(kh, k0, nk);
+    int64_t q0 = 0;
+    while (q0 < nq && qpos(q0) < k0) ++q0;  // rows whose whole future this block is
+    const auto visible = [&](int64_t qi) { return std::min(nk, qpos(qi) - k0 + 1); };
+    for (int64_t qs = q0; qs < nq; qs += kGroupQ) {
+      const int n = static_cast<int>(std::min<int64_t>(kGroupQ, nq - qs));
+      const int32_t* qp[kGroupQ];
+      int32_t* dp[kGroupQ];
+      for (int i = 0; i < n; ++i) {
+        qp[i] = z.qpairs.data() + (qs + i) * pairs;
+        dp[i] = dots + (qs + i - q0) % kGroupQ * kKeys;
+      }
+      block_scores_int(isa, un, pairs, n, qp, dp);
+      int64_t vmax = 0;
+      const int32_t* up[kGroupQ];
+      int32_t* ap[kGroupQ];
+      float us[kGroupQ];
+      for (int i = 0; i < n; ++i) {
+        const int64_t qi = qs + i;
+        z.w[qi] = softmax_weights(dp[i], un, z.qa[qi], visible(qi), z.m[qi], z.l[qi],
+                                  z.upairs.data() + qi * (kKeys / 2), us[i]);
+        vmax = std::max(vmax, visible(qi));
+        up[i] = z.upairs.data() + qi * (kKeys / 2);
+        ap[i] = z.acc.data() + qi * d;
+      }
+      block_values_int(isa, un, d, (vmax + 1) / 2, n, up, ap);
+      for (int i = 0; i < n; ++i) fold_values(z.o.data() + (qs + i) * d, ap[i], d, z.w[qs + i], us[i]);
+    }
+  }
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const float inv = 1.f / z.l[qi];
+    const float* o = z.o.data() + qi * d;
+    float* dst = out + ((i0 + qi / g) * h + kh * g + qi % g) * d;
+    for (int64_t cc = 0; cc < d; ++cc) dst[cc] = o[cc] * inv;
+  }
+}
+
+}  // namespace prefixcache::exact
