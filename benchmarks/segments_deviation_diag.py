@@ -51,7 +51,8 @@ def main() -> None:
         nb = -(-n // bs)
         lay = runner.kv.layout
         cold = KVCache(runner.config, KVLayout(nb, bs, lay.bytes_per_token, lay.kv_format), runner.device)
-        meta = build_metadata([list(range(nb))], [0], [n], bs, runner.device, native=runner.model.native)
+        meta = build_metadata([list(range(nb))], [0], [n], bs, runner.device, native=runner.model.native,
+                              exact=runner.model.exact)  # fmt: skip
         pos = torch.arange(n, device=runner.device)
         runner.model(torch.tensor(ids, device=runner.device), pos, cold, meta, pos[-1:])
         for a, b in seg.spans:

@@ -18,7 +18,9 @@ from prefixcache.model.loader import load_weights
 
 # The default model's KV bytes per token in the default KV dtype (``auto``: int16 where the exact
 # integer path runs, float32 where it does not): tests size pools in tokens with it.
-BYTES_PER_TOKEN = kv_format("auto", torch.float32, exact=kernels.available()).bytes_per_token(30, 3, 64)
+_DEFAULT_KV = kv_format("auto", torch.float32, exact=kernels.available())
+BYTES_PER_TOKEN = _DEFAULT_KV.bytes_per_token(30, 3, 64)
+KV_DTYPE = _DEFAULT_KV.name  # int16, or float32 where the kernels are not built
 
 
 @functools.cache

@@ -16,7 +16,7 @@ import random
 
 import httpx
 import pytest
-from _helpers import shared_default_weights
+from _helpers import BYTES_PER_TOKEN, shared_default_weights
 
 from prefixcache.api.request import CacheLease, SamplingParams
 from prefixcache.cache.block_pool import BlockPool
@@ -111,7 +111,7 @@ def served():
 
     clock = Clock()
     # 34 blocks of 16 tokens, 8 of them pinnable: alice and bob 4 each.
-    config = EngineConfig(kv_cache_memory="24MiB", max_model_len=1024, seed=0)
+    config = EngineConfig(kv_cache_memory=34 * 16 * BYTES_PER_TOKEN, max_model_len=1024, seed=0)
     with shared_default_weights():
         engine = AsyncEngine(config, clock=clock)
     keys = {k: Tenant(*v) if isinstance(v, tuple) else Tenant(v) for k, v in KEYS.items()}

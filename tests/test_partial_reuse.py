@@ -53,8 +53,8 @@ class Recorder:
         cache, bs = self.engine.runner.kv, self.engine.runner.block_size
         ids, table = seq.all_token_ids, seq.block_table
         slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start, start + n)])
-        parts = [t.index_select(2, slots) for t in (cache.k, cache.v, cache.k_scale, cache.v_scale)
-                 if t is not None]  # fmt: skip
+        parts = [*cache.stored(slots), *(t.index_select(2, slots) for t in (cache.k_scale, cache.v_scale)
+                                         if t is not None)]  # fmt: skip
         return [(_key(ids[: start + j + 1]), tuple(p[:, :, j].clone() for p in parts))
                 for j in range(n)]  # fmt: skip
 

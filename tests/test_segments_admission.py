@@ -13,7 +13,7 @@ import asyncio
 
 import httpx
 import pytest
-from _helpers import BYTES_PER_TOKEN, PROSE, shared_default_weights
+from _helpers import PROSE, shared_default_weights
 
 from prefixcache.api.request import SamplingParams
 from prefixcache.config import EngineConfig
@@ -21,6 +21,7 @@ from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.engine.fairness import StepPace
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.segments.plan import SegmentOptions, SegmentRequest
+from prefixcache.segments.record import payload_bytes
 from prefixcache.server.app import create_app
 
 MAX_DOCS = 6
@@ -44,7 +45,8 @@ def engine():
         max_num_batched_tokens=64,  # a 6-document warm needs ~12 steps alone, ~24 when shared
         max_waiting_requests=2 * SHARE,
         max_segments_per_request=MAX_DOCS,
-        max_segment_record=MAX_RECORD_TOKENS * BYTES_PER_TOKEN,
+        # records hold float32 K/V whatever the pool's KV dtype (segments/record.py)
+        max_segment_record=payload_bytes(MAX_RECORD_TOKENS, 30, 3, 64),
         seed=0,
     )
     with shared_default_weights():
@@ -152,7 +154,7 @@ def test_a_short_request_sent_while_a_large_warm_runs_finishes_first(engine, llm
             done.append("victim")
 
         task = asyncio.create_task(warm())
-        while store.misses == misses:  # the warm has begun on its first document
+        while store.misses == misses and not task.done():  # the warm began its first document
             await asyncio.sleep(0.005)
         await asyncio.gather(victim(), task)
 

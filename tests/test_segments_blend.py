@@ -87,7 +87,8 @@ def _cold_layer1_v(llm, ids: list[int]) -> torch.Tensor:
     nb = -(-n // bs)
     lay = eng.runner.kv.layout
     private = KVCache(eng.runner.config, KVLayout(nb, bs, lay.bytes_per_token, lay.kv_format), dev)
-    meta = build_metadata([list(range(nb))], [0], [n], bs, dev, native=eng.runner.model.native)
+    meta = build_metadata([list(range(nb))], [0], [n], bs, dev, native=eng.runner.model.native,
+                          exact=eng.runner.model.exact)  # fmt: skip
     rows = torch.arange(n, device=dev)
     eng.runner.model(torch.tensor(ids, device=dev), rows, private, meta, rows[-1:])
     return private.layer(1).gather(rows, torch.float32)[1].cpu()

@@ -15,7 +15,7 @@ import time
 import httpx
 import openai
 import pytest
-from _helpers import BYTES_PER_TOKEN
+from _helpers import BYTES_PER_TOKEN, KV_DTYPE
 
 from prefixcache.server.launcher import ServerProcess
 
@@ -37,7 +37,7 @@ def server(tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps(KEYS))
     args = ["--api-keys-file", str(keys), "--shared-namespace", "handbook",
-            "--kv-cache-memory", "24MiB", "--max-model-len", "1024",
+            "--kv-cache-memory", str(34 * BLOCK * BYTES_PER_TOKEN), "--max-model-len", "1024",
             "--pin-quota-fraction", "1"]  # fmt: skip  (pin quotas: test_server_tenants.py)
     with ServerProcess(args) as srv:
         yield srv
@@ -119,8 +119,8 @@ def test_warm_then_lookup_shows_the_hit(alice):
     p = ids(1, 50)  # 3 full blocks; the last token is always recomputed
     assert alice.lookup(p) == 0
     before = alice.stats()
-    # The KV dtype and its size per token are reported (the default is the model dtype).
-    assert before["kv"]["kv_cache_dtype"] == "float32"
+    # The KV dtype and its size per token are reported (auto: int16 on the exact path).
+    assert before["kv"]["kv_cache_dtype"] == KV_DTYPE
     assert before["kv"]["bytes_per_token"] == BYTES_PER_TOKEN
     assert alice.lookup(p) == 0  # a lookup changes nothing
     assert alice.stats()["namespace_blocks"] == before["namespace_blocks"]

@@ -17,6 +17,7 @@ import time
 
 import httpx
 import pytest
+from _helpers import BYTES_PER_TOKEN
 
 from prefixcache.server.launcher import ServerProcess
 
@@ -33,8 +34,8 @@ BLOCK = 16
 def server(tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps(KEYS))
-    args = ["--api-keys-file", str(keys), "--kv-cache-memory", "32MiB", "--max-model-len", "512",
-            "--max-num-seqs", "4", "--max-waiting-requests", "8", "--metrics-key", "scrape",
+    args = ["--api-keys-file", str(keys), "--kv-cache-memory", str(45 * 16 * BYTES_PER_TOKEN),
+            "--max-model-len", "512", "--max-num-seqs", "4", "--max-waiting-requests", "8", "--metrics-key", "scrape",
             "--max-pin-ttl", str(MAX_PIN_TTL), "--refusal-penalty", str(REFUSAL_PENALTY)]  # fmt: skip
     with ServerProcess(args) as srv:
         srv.keys_file = keys

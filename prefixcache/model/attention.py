@@ -135,6 +135,8 @@ def paged_attention(
     k_seen, v_seen = kv.store(meta.slot_mapping, k_new, v_new)
     if meta.paged is not None:
         return kernels.paged_attention(q.contiguous(), kv, meta.paged, scale, isa)
+    if kv.fmt.unit:  # its numbers come from the integer kernel only: never a float stand-in
+        raise ValueError(f"{kv.fmt.name} K/V attend on the exact path only (build_metadata(exact=True))")
     out = torch.empty_like(q)
     for s in meta.seqs:
         qs = q[s.q_start : s.q_start + s.q_len]  # [q, H, D]
