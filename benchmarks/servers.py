@@ -18,6 +18,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+# Peers (venvs, builds, converted models) live here; BENCH_DIR lets several worktrees share one,
+# e.g. BENCH_DIR=/work/main/.bench. benchmarks/peers/*.sh read the same variable.
+BENCH = Path(os.environ.get("BENCH_DIR") or ROOT / ".bench")
 
 
 def free_port() -> int:
