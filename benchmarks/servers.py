@@ -131,6 +131,26 @@ def memory(pid: int) -> dict:
             "processes": procs}
 
 
+def cpu_ticks(pid: int, tree: bool = True) -> int:
+    """CPU time (user + system, clock ticks) of ``pid`` and (``tree``) its live descendants,
+    including the children each has reaped."""
+    total = 0
+    for p in descendants(pid) if tree else [pid]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    return total
+
+
+def machine_busy_ticks() -> int:
+    """Busy CPU time of the whole machine (clock ticks, all cores): /proc/stat's first line less
+    idle and iowait."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields[:8]) - fields[3] - fields[4]  # user..steal, less idle and iowait
+
+
 def _in_group(pid: int, pgid: int) -> bool:
     """Whether ``pid`` is alive (not a zombie) and in process group ``pgid``."""
     try:

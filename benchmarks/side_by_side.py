@@ -228,12 +228,17 @@ def client_command(client: str, wl: Workload, n: int, url: str, model: str, out:
 
 
 def run_client(client: str, wl: Workload, n: int, url: str, model: str, out: Path, stem: str,
-               timeout: float, tokenizer: Path) -> dict:
+               timeout: float, tokenizer: Path, server_pid: int | None = None) -> dict:
     name = f"{stem}-{client}-client-{wl.key}.json"
     load = os.getloadavg()[0]
     cmd = client_command(client, wl, n, url, model, out, name, load, tokenizer)
     row: dict = {"command": shlex.join(cmd), "load_avg_before": list(os.getloadavg()),
                  "file": str(out / name)}
+    # The machine's busy time less the server's, the client's and this script's: the cores
+    # something else took during the run (the machine is shared; a figure measured beside other
+    # work says so here instead of silently).
+    ticks0 = (servers.machine_busy_ticks(), servers.cpu_ticks(server_pid) if server_pid else 0,
+              servers.cpu_ticks(os.getpid(), tree=False))
     t0 = time.monotonic()
     with (out / f"{stem}-{client}-client-{wl.key}.log").open("w") as log:
         try:
@@ -242,6 +247,13 @@ def run_client(client: str, wl: Workload, n: int, url: str, model: str, out: Pat
         except subprocess.TimeoutExpired:
             row["rc"] = "timeout"
     row["wall_s"] = round(time.monotonic() - t0, 1)
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = servers.machine_busy_ticks() - ticks0[0]
+    mine = servers.cpu_ticks(server_pid) - ticks0[1] if server_pid else 0
+    own = servers.cpu_ticks(os.getpid(), tree=False) - ticks0[2]  # this script and the reaped client
+    row["server_cores"] = round(mine / hz / max(row["wall_s"], 1e-9), 2)
+    row["other_cores"] = round(max(busy - mine - own, 0) / hz / max(row["wall_s"], 1e-9), 2)
+    row["load_avg_after"] = list(os.getloadavg())
     result = json.loads((out / name).read_text()) if (out / name).exists() else {}
     for key in ("completed", "failed", "num_prompts", "total_input_tokens", "total_output_tokens",
                 "duration", "output_throughput", "median_ttft_ms", "median_tpot_ms",
@@ -306,14 +318,15 @@ def serve_and_measure(spec: Spec, rep: int, args, out: Path) -> dict:
             for wl in args.workloads:
                 n = wl.quick_prompts if args.quick else wl.num_prompts
                 row = run_client(client, wl, n, url, ready["model"], out, stem, args.run_timeout,
-                                 args.tokenizer)
+                                 args.tokenizer, server.proc.pid)
                 record["clients"][client][wl.key] = row
                 after = servers.memory(server.proc.pid)
                 row["rss_after_mib"], row["pss_after_mib"] = after["rss_mib"], after["pss_mib"]
                 print(f"  {client} client, {wl.key}: " + (row.get("error") or (
                     f"{row['output_throughput']:.1f} tok/s, TTFT {row['median_ttft_ms']:.0f} ms"
                     f" (p99 {row['p99_ttft_ms']:.0f}), TPOT {row['median_tpot_ms']:.1f} ms")) +
-                    f" ({row['wall_s']:.0f} s; RSS after {after['rss_mib']:.0f} MiB)", flush=True)
+                    f" ({row['wall_s']:.0f} s; RSS after {after['rss_mib']:.0f} MiB; cores: server "
+                    f"{row['server_cores']:.2f}, others {row['other_cores']:.2f})", flush=True)
         # After the last workload: what the server holds once its cache is full of long prompts.
         after = servers.memory(server.proc.pid)
         record["startup"]["rss_after_mib"] = after["rss_mib"]
@@ -436,24 +449,31 @@ def report(data: dict, specs: list[Spec], args) -> str:
                         0 if "ttft" in metric else 1) + [""]
     md += ["## Startup (spawn to serving) and memory", ""]
     md += table(summary["startup"], dict(STARTUP), specs, args.repeats, 1) + [""]
-    md += ["## Wall time (s), to budget a rerun", ""] + wall_table(data["runs"], specs, titles,
-                                                                  args) + [""]
+    md += ["## Wall time (s), to budget a rerun", ""]
+    md += run_table(data["runs"], specs, titles, args, "wall_s", 0, "server, spawn to stopped "
+                    "(all of the above)") + [""]
+    md += ["## Cores taken by other processes during each run (the machine is shared; 0 = alone)",
+           ""] + run_table(data["runs"], specs, titles, args, "other_cores", 2) + [""]
     return "\n".join(md)
 
 
-def wall_table(runs: list[dict], specs: list[Spec], titles: dict[str, str], args) -> list[str]:
-    """Seconds each client run took, and each server from spawn to stopped (the median over the
-    repetitions): what a rerun of the same servers and workloads costs."""
+def run_table(runs: list[dict], specs: list[Spec], titles: dict[str, str], args, key: str,
+              digits: int, server_row: str | None = None) -> list[str]:
+    """One figure of each client run (``key`` of its row; with ``server_row``, also of the
+    server's record), the median over the repetitions: e.g. the seconds each took, what a rerun
+    of the same servers and workloads costs."""
     md = ["| | " + " | ".join(s.label for s in specs) + " |", "|---|" + "--:|" * len(specs)]
     rows = [(f"{CLIENTS[c].split(' (')[0]}: {titles[wl.key]}", c, wl.key)
             for c in args.clients for wl in args.workloads]
-    for title, client, key in [*rows, ("server, spawn to stopped (all of the above)", None, None)]:
+    if server_row:
+        rows.append((server_row, None, None))
+    for title, client, wl_key in rows:
         cols = []
         for s in specs:
             mine = [r for r in runs if r["server"] == s.label]
-            vals = [r.get("wall_s") if client is None else
-                    r["clients"].get(client, {}).get(key, {}).get("wall_s") for r in mine]
-            cols.append(fmt(median(vals), 0))
+            vals = [r.get(key) if client is None else
+                    r["clients"].get(client, {}).get(wl_key, {}).get(key) for r in mine]
+            cols.append(fmt(median(vals), digits))
         md.append(f"| {title} | " + " | ".join(cols) + " |")
     return md
 

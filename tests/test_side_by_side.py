@@ -85,7 +85,7 @@ def test_report_has_p99_memory_after_and_wall_time():
 
     def run(label, tput, ttft, p99, tpot, rss_after, wall):
         row = {"output_throughput": tput, "median_ttft_ms": ttft, "p99_ttft_ms": p99,
-               "median_tpot_ms": tpot, "wall_s": wall - 10}
+               "median_tpot_ms": tpot, "wall_s": wall - 10, "other_cores": 0.25}
         return {"rep": 0, "server": label, "wall_s": wall, "clients": {"vllm": {"random_4k": row}},
                 "startup": {"models_s": 1.0, "ready_s": 2.0, "rss_mib": 500.0, "pss_mib": 400.0,
                             "rss_after_mib": rss_after, "pss_after_mib": rss_after - 50}}
@@ -101,6 +101,7 @@ def test_report_has_p99_memory_after_and_wall_time():
     assert "| random 4096 → 32, c2, 6 prompts | 9,000 | 18,000 | 2.00x |" in md
     assert "| RSS after the last workload, all processes (MiB) | 800.0 | 3,000.0 |" in md
     assert "| server, spawn to stopped (all of the above) | 90 | 120 |" in md
+    assert "| vLLM's client: random 4096 → 32, c2, 6 prompts | 0.25 | 0.25 |" in md
 
 
 def test_default_shape_is_the_default_model_with_a_longer_context():
@@ -148,3 +149,21 @@ def test_lock_is_held_only_inside_the_block(tmp_path):
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
     with open(path) as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again
+
+
+def test_cpu_time_of_a_busy_child_is_counted():
+    import os
+    import time
+
+    import servers
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        t0, m0 = servers.cpu_ticks(busy.pid), servers.machine_busy_ticks()
+        time.sleep(0.5)
+        spent, machine = servers.cpu_ticks(busy.pid) - t0, servers.machine_busy_ticks() - m0
+    finally:
+        busy.kill()
+        busy.wait()
+    assert spent > 0 and machine > 0  # a spinning child shows in both
+    assert servers.cpu_ticks(os.getpid(), tree=False) > 0
