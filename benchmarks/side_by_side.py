@@ -254,16 +254,30 @@ def run_client(client: str, wl: Workload, n: int, url: str, model: str, out: Pat
     row["server_cores"] = round(mine / hz / max(row["wall_s"], 1e-9), 2)
     row["other_cores"] = round(max(busy - mine - own, 0) / hz / max(row["wall_s"], 1e-9), 2)
     row["load_avg_after"] = list(os.getloadavg())
-    result = json.loads((out / name).read_text()) if (out / name).exists() else {}
+    return read_result(row, n)
+
+
+def read_result(row: dict, n: int) -> dict:
+    """Fill ``row`` (a client run: ``rc``, ``file``) with the figures of the client's JSON."""
+    path = Path(row["file"])
+    log = path.with_suffix(".log")
+    result = json.loads(path.read_text()) if path.exists() else {}
+    for key in ("error", "partial"):
+        row.pop(key, None)
     for key in ("completed", "failed", "num_prompts", "total_input_tokens", "total_output_tokens",
                 "duration", "output_throughput", "median_ttft_ms", "median_tpot_ms",
                 "p99_ttft_ms", "p99_tpot_ms", "total_cached_tokens", "prefix_cache_hit_rate"):
         if key in result:
             row[key] = result[key]
-    if row["rc"] != 0 or not result.get("completed") or result.get("failed"):
+    if row["rc"] != 0 or not result.get("completed"):
         row["error"] = f"exit {row['rc']}, {result.get('failed')} failed: see {log.name}"
         for key, _, _ in METRICS:
             row[key] = None
+    elif result.get("failed"):
+        # The figures stand for the completed requests only; the report lists the failures
+        # beside them (llama-server drops some streams of long prompts: docs/bench.md).
+        row["error"] = f"{result['failed']} of {n} failed: see {log.name}"
+        row["partial"] = True
     return row
 
 
@@ -322,9 +336,11 @@ def serve_and_measure(spec: Spec, rep: int, args, out: Path) -> dict:
                 record["clients"][client][wl.key] = row
                 after = servers.memory(server.proc.pid)
                 row["rss_after_mib"], row["pss_after_mib"] = after["rss_mib"], after["pss_mib"]
-                print(f"  {client} client, {wl.key}: " + (row.get("error") or (
+                figures = "" if row["output_throughput"] is None else (
                     f"{row['output_throughput']:.1f} tok/s, TTFT {row['median_ttft_ms']:.0f} ms"
-                    f" (p99 {row['p99_ttft_ms']:.0f}), TPOT {row['median_tpot_ms']:.1f} ms")) +
+                    f" (p99 {row['p99_ttft_ms']:.0f}), TPOT {row['median_tpot_ms']:.1f} ms")
+                print(f"  {client} client, {wl.key}: " + "; ".join(
+                    x for x in (row.get("error"), figures) if x) +
                     f" ({row['wall_s']:.0f} s; RSS after {after['rss_mib']:.0f} MiB; cores: server "
                     f"{row['server_cores']:.2f}, others {row['other_cores']:.2f})", flush=True)
         # After the last workload: what the server holds once its cache is full of long prompts.
@@ -452,6 +468,15 @@ def report(data: dict, specs: list[Spec], args) -> str:
     md += ["## Wall time (s), to budget a rerun", ""]
     md += run_table(data["runs"], specs, titles, args, "wall_s", 0, "server, spawn to stopped "
                     "(all of the above)") + [""]
+    failures = [f"- {r['server']}, repetition {r['rep'] + 1}, {CLIENTS[c].split(' (')[0]}, "
+                f"{titles[k]}: {row['error']}" + (" (figures above: the completed requests)"
+                                                  if row.get("partial") else "")
+                for r in data["runs"] for c, rows in r["clients"].items()
+                for k, row in rows.items() if row.get("error")]
+    failures += [f"- {r['server']}, repetition {r['rep'] + 1}: {r['error']}"
+                 for r in data["runs"] if r.get("error")]
+    if failures:
+        md += ["## Failed requests", ""] + failures + [""]
     md += ["## Cores taken by other processes during each run (the machine is shared; 0 = alone)",
            ""] + run_table(data["runs"], specs, titles, args, "other_cores", 2) + [""]
     return "\n".join(md)
@@ -552,6 +577,9 @@ def main() -> int:
     ap.add_argument("--name", default=None,
                     help="results/NAME.json, .md and folder (default side_by_side[_quick])")
     ap.add_argument("--results", default=str(ROOT / "results"))
+    ap.add_argument("--rebuild", action="store_true",
+                    help="no runs: re-read RESULTS/NAME.json's client files and write its tables "
+                         "again (e.g. after a change to how figures are read)")
     ap.add_argument("--lock", default=None, metavar="FILE",
                     help="hold FILE's lock (flock(1)'s, e.g. /tmp/cpu.lock) while each server "
                          "runs, released between servers: long sets measure each server alone "
@@ -609,6 +637,18 @@ def main() -> int:
                                "max_concurrency": wl.concurrency, "seed": wl.seed}
                       for wl in args.workloads},
         "runs": []}
+    if args.rebuild:
+        old = json.loads(args.json_path.read_text())
+        for r in old["runs"]:
+            for rows in r["clients"].values():
+                for key, row in rows.items():
+                    read_result(row, old["workloads"][key]["num_prompts"])
+        data |= {k: old[k] for k in ("machine", "argv", "runs")}
+        data["summary"] = summarize(data["runs"], specs, args)
+        args.json_path.write_text(json.dumps(data, indent=1, default=str))
+        md_path.write_text(report(data, specs, args) + "\n")
+        print(f"rebuilt {args.json_path} and {md_path}")
+        return 0
     print(json.dumps(data["machine"]), flush=True)
     # Repetitions go round the servers, so that a slow spell of the machine hits every server
     # instead of one; each repetition starts every server anew (cold cache, cold start).

@@ -167,3 +167,21 @@ def test_cpu_time_of_a_busy_child_is_counted():
         busy.wait()
     assert spent > 0 and machine > 0  # a spinning child shows in both
     assert servers.cpu_ticks(os.getpid(), tree=False) > 0
+
+
+def test_partly_failed_run_keeps_its_figures_and_says_so(tmp_path):
+    import json
+
+    path = tmp_path / "x-vllm-client-random_4k.json"
+    path.write_text(json.dumps({"completed": 24, "failed": 8, "output_throughput": 1.8,
+                                "median_ttft_ms": 2791.0, "p99_ttft_ms": 124852.0,
+                                "median_tpot_ms": 216.3}))
+    row = sbs.read_result({"rc": 0, "file": str(path)}, 32)
+    assert row["partial"] and row["error"].startswith("8 of 32 failed")
+    assert row["median_ttft_ms"] == 2791.0
+    path.write_text(json.dumps({"completed": 0, "failed": 6}))
+    row = sbs.read_result(row, 6)
+    assert "partial" not in row and row["output_throughput"] is None
+    path.write_text(json.dumps({"completed": 6, "failed": 0, "output_throughput": 2.0,
+                                "median_ttft_ms": 1.0, "p99_ttft_ms": 1.0, "median_tpot_ms": 1.0}))
+    assert "error" not in sbs.read_result(row, 6)
