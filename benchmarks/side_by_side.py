@@ -269,7 +269,9 @@ def read_result(row: dict, n: int) -> dict:
                 "p99_ttft_ms", "p99_tpot_ms", "total_cached_tokens", "prefix_cache_hit_rate"):
         if key in result:
             row[key] = result[key]
-    if row["rc"] != 0 or not result.get("completed"):
+    # "Completed" requests that streamed no token (llama-server's lost streams) give 0 tok/s and
+    # a TPOT of 0: no figure at all.
+    if row["rc"] != 0 or not result.get("completed") or result.get("total_output_tokens") == 0:
         row["error"] = f"exit {row['rc']}, {result.get('failed')} failed: see {log.name}"
         for key, _, _ in METRICS:
             row[key] = None

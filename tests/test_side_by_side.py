@@ -185,3 +185,7 @@ def test_partly_failed_run_keeps_its_figures_and_says_so(tmp_path):
     path.write_text(json.dumps({"completed": 6, "failed": 0, "output_throughput": 2.0,
                                 "median_ttft_ms": 1.0, "p99_ttft_ms": 1.0, "median_tpot_ms": 1.0}))
     assert "error" not in sbs.read_result(row, 6)
+    path.write_text(json.dumps({"completed": 2, "failed": 4, "total_output_tokens": 0,
+                                "output_throughput": 0.0, "median_tpot_ms": 0.0}))
+    row = sbs.read_result(row, 6)
+    assert row["output_throughput"] is None and row["median_tpot_ms"] is None
