@@ -1,19 +1,27 @@
 """A benchmark model with Llama-3.2-1B's shapes and random bf16 weights, as a Hugging Face
 directory (config.json, tokenizer files, model.safetensors), written here: nothing is downloaded.
 
-Shapes: hidden 2048, 16 layers, 32 query / 8 KV heads (head_dim 64), intermediate 8192, tied
-embeddings, rope theta 500,000; the default model's tokenizer (vocabulary 49,152, so the
-embedding is smaller than Llama's 128k). Its text is noise: use it for speed and memory figures
-only (docs/benchmarks.md), quality comes from the default model.
+Shapes (``--shape 1b``, the default): hidden 2048, 16 layers, 32 query / 8 KV heads (head_dim
+64), intermediate 8192, tied embeddings, rope theta 500,000; the default model's tokenizer
+(vocabulary 49,152, so the embedding is smaller than Llama's 128k). ``--shape default``: the
+default model's own shapes (SmolLM2-135M: hidden 576, 30 layers, 9 / 3 heads, intermediate
+1536, rope theta 100,000) with random weights, so that long contexts run in minutes on 2 cores.
+``--context N`` sets the context (``max_position_embeddings``; default 8192, the default
+model's), e.g. 16384 for 16k-token prefixes (benchmarks/side_by_side.py --workloads long16k).
+Its text is noise: use it for speed and memory figures only (docs/benchmarks.md), quality comes
+from the default model.
 
-Usage: .venv/bin/python benchmarks/make_1b_model.py [--out .bench/models/llama-1b-shaped]
-then e.g. .venv/bin/prefixcache serve --model .bench/models/llama-1b-shaped
+Usage: .venv/bin/python benchmarks/make_1b_model.py [--shape 1b|default] [--context N] [--out DIR]
+(default DIR: $BENCH_DIR/models/llama-1b-shaped for the 1B shape at 8192, else
+$BENCH_DIR/models/SHAPE-shaped-ctxN; BENCH_DIR defaults to .bench), then e.g.
+.venv/bin/prefixcache serve --model .bench/models/llama-1b-shaped
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -30,15 +38,36 @@ SHAPES = {
     "max_position_embeddings": 8192,
     "tie_word_embeddings": True,
 }
+# The default model's shapes (read from its GGUF: llama.block_count 30, embedding_length 576, ...).
+DEFAULT_SHAPES = {**SHAPES, "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+                  "num_key_value_heads": 3, "intermediate_size": 1536, "rope_theta": 100000.0}
+ALL_SHAPES = {"1b": SHAPES, "default": DEFAULT_SHAPES}
+
+
+def default_out(shape: str, context: int) -> Path:
+    bench = Path(os.environ.get("BENCH_DIR") or Path(__file__).resolve().parents[1] / ".bench")
+    if shape == "1b" and context == SHAPES["max_position_embeddings"]:
+        return bench / "models/llama-1b-shaped"  # the name docs/benchmarks.md has used
+    return bench / f"models/{shape}-shaped-ctx{context}"
+
+
+def shapes_for(shape: str, context: int) -> dict:
+    return {**ALL_SHAPES[shape], "max_position_embeddings": context}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=".bench/models/llama-1b-shaped")
+    ap.add_argument("--shape", choices=sorted(ALL_SHAPES), default="1b")
+    ap.add_argument("--context", type=int, default=SHAPES["max_position_embeddings"],
+                    help="max_position_embeddings (default %(default)s)")
+    ap.add_argument("--out", default=None, help="directory (default: see above)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    out = Path(args.out)
+    if args.context < 16:
+        raise SystemExit("--context: at least 16 tokens")
+    out = Path(args.out) if args.out else default_out(args.shape, args.context)
     out.mkdir(parents=True, exist_ok=True)
+    shapes = shapes_for(args.shape, args.context)
 
     from transformers import AutoTokenizer
 
@@ -49,13 +78,13 @@ def main() -> None:
     tok.save_pretrained(str(out))
     vocab = len(tok)
 
-    h, n_layers = SHAPES["hidden_size"], SHAPES["num_hidden_layers"]
-    heads, kv_heads, inter = SHAPES["num_attention_heads"], SHAPES["num_key_value_heads"], SHAPES["intermediate_size"]
+    h, n_layers = shapes["hidden_size"], shapes["num_hidden_layers"]
+    heads, kv_heads, inter = shapes["num_attention_heads"], shapes["num_key_value_heads"], shapes["intermediate_size"]
     d = h // heads
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
         "head_dim": d, "hidden_act": "silu", "torch_dtype": "bfloat16",
-        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, **SHAPES,
+        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, **shapes,
     }  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2))
 

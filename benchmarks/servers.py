@@ -18,6 +18,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+# Peers (venvs, builds, converted models) live here; BENCH_DIR lets several worktrees share one,
+# e.g. BENCH_DIR=/work/main/.bench. benchmarks/peers/*.sh read the same variable.
+BENCH = Path(os.environ.get("BENCH_DIR") or ROOT / ".bench")
 
 
 def free_port() -> int:
@@ -126,6 +129,26 @@ def memory(pid: int) -> dict:
     total = {k: round(sum(r.get(k, 0) for r in procs) / 1024, 1) for k in ("VmRSS", "VmHWM", "Pss")}
     return {"rss_mib": total["VmRSS"], "hwm_mib": total["VmHWM"], "pss_mib": total["Pss"],
             "processes": procs}
+
+
+def cpu_ticks(pid: int, tree: bool = True) -> int:
+    """CPU time (user + system, clock ticks) of ``pid`` and (``tree``) its live descendants,
+    including the children each has reaped."""
+    total = 0
+    for p in descendants(pid) if tree else [pid]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    return total
+
+
+def machine_busy_ticks() -> int:
+    """Busy CPU time of the whole machine (clock ticks, all cores): /proc/stat's first line less
+    idle and iowait."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields[:8]) - fields[3] - fields[4]  # user..steal, less idle and iowait
 
 
 def _in_group(pid: int, pgid: int) -> bool:

