@@ -60,7 +60,7 @@ def test_a_flooding_tenant_gets_429_while_others_and_tokenization_go_on(engine):
             try:
                 flood = [asyncio.create_task(c.post("/v1/cache/invalidate", json={}, headers=ALICE))
                          for _ in range(CAP)]  # fmt: skip
-                await _until(lambda: gate.admitted("alice") == CAP)
+                await _until(lambda: gate.num_admitted("alice") == CAP)
                 over = await c.post("/v1/cache/lookup", json={"prompt": [1, 2, 3]}, headers=ALICE)
                 assert over.status_code == 429, over.text
                 err = over.json()["error"]
@@ -72,7 +72,7 @@ def test_a_flooding_tenant_gets_429_while_others_and_tokenization_go_on(engine):
                 bob = asyncio.create_task(
                     c.post("/v1/cache/lookup", json={"prompt": [1, 2, 3]}, headers=BOB)
                 )
-                await _until(lambda: gate.admitted("bob") == 1)
+                await _until(lambda: gate.num_admitted("bob") == 1)
                 # ... and tokenization runs while every cache call waits for the engine.
                 req = CompletionRequest(prompt="The capital of France is", max_tokens=1)
                 prompts = await asyncio.wait_for(serving.completion_prompts(req), LIVENESS_S)
@@ -85,7 +85,7 @@ def test_a_flooding_tenant_gets_429_while_others_and_tokenization_go_on(engine):
             # Released when they finished: alice is served again.
             again = await c.post("/v1/cache/lookup", json={"prompt": [1, 2, 3]}, headers=ALICE)
             assert again.status_code == 200
-        assert gate.admitted("alice") == gate.admitted("bob") == 0
+        assert gate.num_admitted("alice") == gate.num_admitted("bob") == 0
 
     asyncio.run(main())
     gate.close()

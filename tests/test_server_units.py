@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from prefixcache.api.request import SharedPrefix
 from prefixcache.cli import build_parser
 from prefixcache.server.auth import CacheScope, Tenant, TenantDirectory, load_keys_file
-from prefixcache.server.body import parse_json
+from prefixcache.server.body import json_containers, parse_json
 from prefixcache.server.cli import _engine_config, _limits, origin_policy
 from prefixcache.server.errors import APIError, validation_error
 from prefixcache.server.limits import ServerLimits
@@ -284,8 +284,9 @@ def test_engine_errors_map_to_openai_statuses_by_type():
     [
         (b'{"temperature": NaN}', "invalid_json", None),
         (b'{"max_tokens": ' + b"9" * 5000 + b"}", "invalid_json", None),
-        (b"[" * 100_000 + b"]" * 100_000, "invalid_json", None),
+        (b"[" * 100_000 + b"]" * 100_000, "json_too_complex", None),  # counted before parsing
         (b'{"a":' * 40 + b"1" + b"}" * 40, "invalid_json", None),  # deeper than 32
+        (b'{"messages": [' + b'{"a": []},' * 5000 + b"{}]}", "json_too_complex", None),
         (b'{"prompt": "ok \\ud800"}', "invalid_text", "prompt"),
         (b'{"messages": [{"content": "\\udfff"}]}', "invalid_text", "messages.0.content"),
         (b'{"\\ud800": 1}', "invalid_text", None),
@@ -298,6 +299,16 @@ def test_malformed_bodies_are_400s_naming_the_problem(raw, code, param):
     with pytest.raises(APIError) as e:
         parse_json(raw, ServerLimits())
     assert (e.value.status, e.value.code, e.value.param) == (400, code, param)
+
+
+def test_brackets_inside_strings_are_not_counted_as_containers():
+    """The container bound counts the body's objects and arrays exactly (body.json_containers):
+    brackets in a text, escaped quotes and backslashes included, are not containers."""
+    text = '{[' * 20000 + '"{\\' + '\\"[' + "x\\"
+    raw = json.dumps({"prompt": text, "messages": [{"a": [[], {}]}]}).encode()
+    assert json_containers(raw, ServerLimits().max_json_containers) == 6
+    assert json_containers(raw, -1) == 6  # the exact count (the quick one is over any limit)
+    assert parse_json(raw, ServerLimits())["prompt"] == text
 
 
 def test_valid_text_and_paired_surrogates_pass():

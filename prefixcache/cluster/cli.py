@@ -72,7 +72,7 @@ def _specs(args: argparse.Namespace, secrets_path: str | None):
         engine=config, tenant_options=tenant_options, secrets_file=secrets_path,
         served_model_names=args.served_model_name, limits=limits,
         drain_timeout=args.graceful_shutdown_timeout, log_requests=args.log_requests,
-        threads=threads, origin=origin,
+        threads=threads, origin=origin, public_metrics=args.public_metrics,
     )  # fmt: skip
     ingress = IngressSpec(model=config.model and str(config.model), tenant_options=tenant_options,
                           secrets_file=secrets_path, limits=limits, routing=args.routing,

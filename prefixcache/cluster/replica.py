@@ -40,6 +40,7 @@ class ReplicaSpec:
     log_requests: str | None = None  # each replica writes PATH.<rank>
     threads: int = 1
     origin: OriginPolicy | None = None  # the cluster's --host/--allowed-hosts (Host forwarded)
+    public_metrics: bool = False  # --public-metrics
 
 
 def _rank() -> tuple[int, int]:
@@ -93,6 +94,7 @@ class EngineReplica:
             metrics_key=read_secrets(spec.secrets_file).get("metrics_key"),
             drain_timeout=spec.drain_timeout,
             origin=spec.origin,
+            public_metrics=spec.public_metrics,
         )
         self._lifespan = None
         self._start_lock = None

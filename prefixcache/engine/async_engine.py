@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from prefixcache.api.engine import (
@@ -370,32 +370,42 @@ class AsyncEngine:
         tenant: str | None = None,
         quota: bool = True,
         shared_prefix: SharedPrefix | None = None,
+        offload: Callable[..., Awaitable] | None = None,
     ) -> WarmResult:
         """Prefill a prompt (one token is generated and dropped) and optionally pin its blocks,
         charged to ``tenant``'s pin quota (``quota=False``: the pool's budget only). A pin over
         the budget or the quota is a ``PinQuotaError`` after the prefill (the prompt stays
         cached, unpinned): which blocks are new to the pin is known only once they exist.
-        ``shared_prefix``: as for a request (a whole prompt may be one)."""
-        before = await asyncio.to_thread(self.lookup, prompt_token_ids, namespace, shared_prefix)
-        if pin and quota and tenant is not None and tenant not in self._pin_tenants:
-            self.set_pin_tenants(self._pin_tenants | {tenant})  # one nobody named: its share too
-        if pin:
-            self.engine.check_pin_ttl(ttl_seconds)  # before the prefill: a bad TTL costs nothing
+        ``shared_prefix``: as for a request (a whole prompt may be one).
+
+        Refused before any work as a request would be (the tenant's share of the queue first).
+        ``offload(fn, *args)`` runs each call that takes the engine lock (the lookup, the pin)
+        and is awaited (default ``asyncio.to_thread``; the server passes its cache routes'
+        threads): never the event loop, which a running step would block."""
+        call = offload or asyncio.to_thread
         self._warm_ids += 1
         rid = f"warm-{self._warm_ids}-{time.monotonic_ns()}"
-        stream = self.add_request(
-            rid, prompt_token_ids, _WARM_PARAMS, namespace, tenant=tenant, shared_prefix=shared_prefix
-        )
-        async for _ in stream:
+        request = EngineRequest(rid, list(prompt_token_ids), _WARM_PARAMS, namespace,
+                                tenant=tenant, shared_prefix=shared_prefix)  # fmt: skip
+        self._check_request(request)
+        if pin:
+            self.engine.check_pin_ttl(ttl_seconds)  # before the prefill: a bad TTL costs nothing
+        before = await call(self.lookup, prompt_token_ids, namespace, shared_prefix)
+        if pin and quota and tenant is not None and tenant not in self._pin_tenants:
+            # One nobody named: its share too.
+            await call(self.set_pin_tenants, self._pin_tenants | {tenant})
+        async for _ in self.add(request):
             pass
         pinned = 0
         if pin:
-            with self._lock:
-                pinned = self.engine.pin_prefix(
-                    prompt_token_ids, namespace, ttl_seconds, owner=tenant,
-                    shared_prefix=shared_prefix,
-                )  # fmt: skip
+            pinned = await call(self._pin_prefix, prompt_token_ids, namespace, ttl_seconds,
+                                tenant, shared_prefix)  # fmt: skip
         return WarmResult(len(prompt_token_ids), before.num_cached_tokens, pinned)
+
+    def _pin_prefix(self, ids, namespace, ttl_seconds, owner, shared_prefix) -> int:
+        with self._lock:
+            return self.engine.pin_prefix(ids, namespace, ttl_seconds, owner=owner,
+                                          shared_prefix=shared_prefix)  # fmt: skip
 
     async def warm_segments(
         self,
@@ -404,17 +414,19 @@ class AsyncEngine:
         namespace: str | None,
         *,
         tenant: str | None = None,
+        offload: Callable[..., Awaitable] | None = None,
     ) -> int:
         """Compute and keep each span of ``token_ids`` as a segment (cache_mode="segments" of
         /v1/cache/warm). Returns how many the store held already. A request of ``tenant`` like
         any: refused over its share of the queue (before anything is computed), its documents
-        computed alone in pieces within each step's token budget and the tenant's share."""
+        computed alone in pieces within each step's token budget and the tenant's share.
+        ``offload``: as for ``warm``."""
         if not spans:
             return 0
         request = EngineRequest("warm", list(token_ids), _WARM_PARAMS, namespace, tenant=tenant,
                                 segments=SegmentRequest(tuple(spans), store_only=True))  # fmt: skip
         self._check_request(request)
-        before = (await asyncio.to_thread(self._held, request)).get("segments", 0)
+        before = (await (offload or asyncio.to_thread)(self._held, request)).get("segments", 0)
         self._warm_ids += 1
         rid = f"warm-{self._warm_ids}-{time.monotonic_ns()}"
         stream = self.add(dataclasses.replace(request, request_id=rid))

@@ -28,7 +28,7 @@ _LIMIT_HELP = {
     "keep_alive_timeout": "seconds an idle keep-alive connection stays open",
     "send_timeout": "seconds a client may take to accept a streamed chunk (cancelled after)",
     "max_connections": "open connections; more are closed at once",
-    "max_refusals_per_second": "refused requests (400/413/422) a non-admin tenant may have in a "
+    "max_refusals_per_second": "refused requests (400/404/413/422/429) a non-admin tenant may have in a "
     "second; past it, 429 for --refusal-penalty seconds",
     "refusal_penalty": "seconds a tenant over --max-refusals-per-second is refused early",
     "max_tools": "tool definitions per /v1/messages request",
@@ -345,8 +345,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--metrics-key",
         default=None,
-        help="require this key (or an admin key) as a bearer token on /metrics "
-        "(default: /metrics is open, as in vLLM)",
+        help="a key (besides admin keys) that reads /metrics as a bearer token; with API keys "
+        "configured /metrics needs one of them (an open server's is public)",
+    )
+    s.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="serve /metrics without a key even with API keys (vLLM's default): its counts "
+        "are every tenant's traffic",
     )
     lim = p.add_argument_group("limits (see docs/server.md)")
     for f in fields(ServerLimits):
@@ -421,6 +427,7 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics_key=args.metrics_key,
         drain_timeout=args.graceful_shutdown_timeout,
         origin=origin,
+        public_metrics=args.public_metrics,
     )
     server = uvicorn.Server(
         uvicorn.Config(

@@ -60,6 +60,7 @@ async def messages(request: Request) -> Response:
     _check_version(request)
     req.check_unsupported()
     _check_limits(s, req)
+    s.check_admission(tenant, 1)  # 429 before the request is rendered
     prompt = await messages_prompt(s, req)
     params = _sampling(s, req, len(prompt.ids))
     record = diagnosis = None
@@ -109,11 +110,14 @@ async def messages(request: Request) -> Response:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> dict:
     """The prompt's tokens as ``/v1/messages`` would render it (breakpoints checked too)."""
-    s, _tenant, req, _scope = await accept(request, CountTokensRequest)
+    # Up to five renders (the prompt and each breakpoint's cut) and no queue to wait in: a
+    # call of the tenant's cache-call rate, charged before the body is read, and rendered on
+    # the cache routes' threads within the tenant's cap (cache_gate.py).
+    s, tenant, req, _scope = await accept(request, CountTokensRequest, charge=True)
     _check_version(request)
     req.check_unsupported()
     _check_limits(s, req)
-    prompt = await messages_prompt(s, req)
+    prompt = await s.cache_gate.run(tenant.name, _render, s, req, rated=False)
     return {"input_tokens": len(prompt.ids)}
 
 
@@ -144,18 +148,19 @@ def _check_limits(s: Serving, req: _MessagesPrompt) -> None:
 
 
 async def messages_prompt(s: Serving, req: _MessagesPrompt) -> MessagesPrompt:
-    """Rendered in a worker thread, after the length pre-check (a text that cannot fit the
-    context is refused untokenized); the ids checked like any prompt's."""
+    """Rendered in a worker thread (``_render``)."""
+    return await asyncio.to_thread(_render, s, req)
 
-    def render() -> MessagesPrompt:
-        s._check_text_fits(text_chars(req), "messages")
-        prompt = s.messages_renderer.prompt(req)
-        if not prompt.ids:
-            raise APIError(400, "messages render to an empty prompt", param="messages")
-        s._ids(prompt.ids, "messages")
-        return prompt
 
-    return await asyncio.to_thread(render)
+def _render(s: Serving, req: _MessagesPrompt) -> MessagesPrompt:
+    """After the length pre-check (a text that cannot fit the context is refused untokenized);
+    the ids checked like any prompt's."""
+    s._check_text_fits(text_chars(req), "messages")
+    prompt = s.messages_renderer.prompt(req)
+    if not prompt.ids:
+        raise APIError(400, "messages render to an empty prompt", param="messages")
+    s._ids(prompt.ids, "messages")
+    return prompt
 
 
 def _sampling(s: Serving, req: MessagesRequest, prompt_len: int) -> SamplingParams:

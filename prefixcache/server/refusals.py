@@ -8,9 +8,13 @@ tenant sending over-long segments chats raised another tenant's time to first to
 every one of their requests was a 400 (docs/benchmarks.md "Tenant isolation"). Decisions:
 
 - **Count refusals, not requests.** A tenant may have ``max_refusals_per_second`` answers of
-  400, 413 or 422 in any second; past that, for ``refusal_penalty`` seconds, its generation and
-  cache requests are a 429 ``too_many_refusals`` (``Retry-After``) before their body is read.
-  An honest client's requests are accepted, so it never meets this.
+  400, 404, 413, 422 or 429 in any second; past that, for ``refusal_penalty`` seconds, its
+  generation and cache requests are a 429 ``too_many_refusals`` (``Retry-After``) before their
+  body is read. A 404 (a model that is not served) and a 429 (over its share of the queue or
+  its cache-call rate) come after the body was read and parsed too (issue #37: a wrong model
+  name made every parse free), so they count; the early 429 of this limiter itself does not.
+  An honest client's requests are accepted, or it waits out a 429's ``Retry-After`` (at most
+  a few a second), so it never meets this.
 - **Per tenant, non-admins only.** The count is the tenant's own: another tenant's refusals
   never refuse you. Admins (the operator, and every caller of an open server, where there are
   no tenants to protect from each other) are not counted.
@@ -28,7 +32,7 @@ from collections.abc import Callable
 
 from prefixcache.server.errors import APIError
 
-REFUSED = frozenset({400, 413, 422})
+REFUSED = frozenset({400, 404, 413, 422, 429})
 
 
 class RefusalLimiter:
