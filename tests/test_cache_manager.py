@@ -462,6 +462,27 @@ def test_no_partial_match_inside_a_shared_prefix_or_into_anothers_suffix():
     assert (m.num_tokens, m.partial_block) == (2 * B, None)
 
 
+def test_an_explanation_inside_a_shared_prefix_tells_whole_blocks_only():
+    """Issue #37: ``diverged_at`` counted the tokens a guess shared with a cached shared block,
+    a token-by-token oracle for every tenant of the salt (partial reuse is kept out of shared
+    prefixes for the same reason). Inside the shared run it is now a block's start."""
+    sim = Sim(16)
+    p = _tokens(64, seed=1)
+    a = _shared_seq(sim, p, "alice", "pub", 2)
+    assert sim.admit(a)
+    sim.free(a)
+    share = SharedPrefix("pub", 2 * B)
+    answers = set()
+    for cut in (B + 1, B + 4, 2 * B - 1):  # guesses right up to different tokens of block 1
+        guess = p[:cut] + [999] * (50 - cut)
+        e = sim.mgr.explain(guess, "bob", [], share)
+        answers.add((e.reason, e.diverged_at, e.cached_tokens))
+    assert answers == {("diverged", B, B)}
+    # A miss at the shared run's first block is no divergence at all (nothing to count).
+    e = sim.mgr.explain(p[:3] + [999] * 47, "bob", [], share)
+    assert (e.reason, e.diverged_at, e.cached_tokens) == ("no_prior_request", None, 0)
+
+
 # ---- caching disabled --------------------------------------------------------------------------
 def test_caching_disabled_never_hits_and_registers_nothing():
     sim = Sim(16, enable_caching=False)

@@ -61,7 +61,7 @@ async def messages(request: Request) -> Response:
     req.check_unsupported()
     _check_limits(s, req)
     s.check_admission(tenant, 1)  # 429 before the request is rendered
-    prompt = await messages_prompt(s, req)
+    prompt = await messages_prompt(s, req, system_prefix=scope.shared is not None)
     params = _sampling(s, req, len(prompt.ids))
     record = diagnosis = None
     if req.diagnostics is not None:  # Anthropic's: compare with an earlier response
@@ -73,8 +73,7 @@ async def messages(request: Request) -> Response:
                 tenant, previous, record, lambda k: s.messages_renderer.prefix_ids(req, k)),)
     run = s.start(
         "msg_", [prompt.ids], [params], 1, tenant, scope.namespace, req.priority,
-        req.return_cache_info, shared_prefix=cache_breakpoints.shared_prefix(
-            prompt.breakpoints, scope),
+        req.return_cache_info, shared_prefix=cache_breakpoints.shared_prefix(prompt, scope),
         leases=cache_breakpoints.leases(prompt.breakpoints),
         retention_priority=s.retention_priority(req),
     )  # fmt: skip
@@ -147,16 +146,17 @@ def _check_limits(s: Serving, req: _MessagesPrompt) -> None:
         raise APIError(400, "priority must be a 32-bit integer", param="priority")
 
 
-async def messages_prompt(s: Serving, req: _MessagesPrompt) -> MessagesPrompt:
+async def messages_prompt(s: Serving, req: _MessagesPrompt, system_prefix: bool = False) -> MessagesPrompt:
     """Rendered in a worker thread (``_render``)."""
-    return await asyncio.to_thread(_render, s, req)
+    return await asyncio.to_thread(_render, s, req, system_prefix)
 
 
-def _render(s: Serving, req: _MessagesPrompt) -> MessagesPrompt:
+def _render(s: Serving, req: _MessagesPrompt, system_prefix: bool = False) -> MessagesPrompt:
     """After the length pre-check (a text that cannot fit the context is refused untokenized);
-    the ids checked like any prompt's."""
+    the ids checked like any prompt's. ``system_prefix``: count the tools and system's tokens
+    too (a shared salt's declared prefix, cache_breakpoints.py)."""
     s._check_text_fits(text_chars(req), "messages")
-    prompt = s.messages_renderer.prompt(req)
+    prompt = s.messages_renderer.prompt(req, system_prefix)
     if not prompt.ids:
         raise APIError(400, "messages render to an empty prompt", param="messages")
     s._ids(prompt.ids, "messages")
