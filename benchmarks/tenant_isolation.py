@@ -243,10 +243,10 @@ async def count_tokens(client, rng, args, stop, codes) -> None:
         await attack_call(client, "POST", "/v1/messages/count_tokens", _breakpoints_body(rng), codes)
 
 
-def _chat(rng: random.Random, turns: int) -> list[dict]:
+def _chat(rng: random.Random, turns: int, chars: int = 60) -> list[dict]:
     msgs = [{"role": "system", "content": "You are terse."}]
     for i in range(turns):
-        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": document(rng)[:300]})
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": document(rng)[:chars]})
     return msgs
 
 
@@ -262,7 +262,7 @@ async def comparison(client, rng, args, stop, codes) -> None:
     previous = args.comparison_id
     while not stop.is_set():
         msgs = _chat(random.Random(3), 21)
-        msgs[-1]["content"] = document(rng)[:300]  # the last turn differs: a search over the parts
+        msgs[-1]["content"] = document(rng)[:60]  # the last turn differs: a search over the parts
         body = {"messages": msgs, "max_tokens": 1,
                 "prompt_cache_options": {"comparison_response_id": previous}}  # fmt: skip
         await attack_call(client, "POST", "/v1/chat/completions", body, codes)
@@ -270,7 +270,7 @@ async def comparison(client, rng, args, stop, codes) -> None:
 
 async def wrong_model(client, rng, args, stop, codes) -> None:
     while not stop.is_set():
-        body = {"model": "not-served", "messages": _chat(rng, 600), "max_tokens": 1}
+        body = {"model": "not-served", "messages": _chat(rng, 600, 300), "max_tokens": 1}
         await attack_call(client, "POST", "/v1/chat/completions", body, codes)
 
 
@@ -367,9 +367,11 @@ async def victim_phase(client, rng, samples: int, pause: float, lost: list | Non
     return out
 
 
-async def health_probe(base_url: str, stop: asyncio.Event, out: list[float]) -> None:
-    """``GET /health`` every 0.1 s on a connection of its own; latencies in seconds."""
-    async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+async def health_probe(base_url: str, stop: asyncio.Event, out: list[float], fresh: bool = False) -> None:
+    """``GET /health`` every 0.1 s on a connection of its own (``fresh``: a new connection for
+    each probe); latencies in seconds, a failed probe as infinity."""
+    limits = httpx.Limits(max_keepalive_connections=0) if fresh else httpx.Limits()
+    async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as client:
         while not stop.is_set():
             t0 = time.perf_counter()
             try:
@@ -380,15 +382,23 @@ async def health_probe(base_url: str, stop: asyncio.Event, out: list[float]) -> 
             await asyncio.sleep(0.1)
 
 
-async def background(base_url: str, stop: asyncio.Event, tokens: list[int]) -> None:
-    """A third tenant's steady load: 8 prompts x 32 tokens per request, one at a time."""
+async def background(base_url: str, stop: asyncio.Event, tokens: list[float]) -> None:
+    """A third tenant's steady load: 8 prompts x 32 tokens per request, one at a time, streamed;
+    ``tokens`` gets the arrival time of each token (its throughput in any window)."""
     rng = random.Random(99)
     async with httpx.AsyncClient(base_url=base_url, timeout=3600) as client:
         while not stop.is_set():
-            body = {"prompt": [prompt_ids(rng, 64) for _ in range(8)], "max_tokens": 32, "ignore_eos": True}
-            r = await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-bg"})
-            if r.status_code == 200:
-                tokens.append(r.json()["usage"]["completion_tokens"])
+            body = {"prompt": [prompt_ids(rng, 64) for _ in range(8)], "max_tokens": 32,
+                    "ignore_eos": True, "stream": True}  # fmt: skip
+            async with client.stream("POST", "/v1/completions", json=body,
+                                     headers={"Authorization": "Bearer sk-bg"}) as r:  # fmt: skip
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"text":""' not in line:
+                        tokens.append(time.perf_counter())
+
+
+def rate_between(times: list[float], t0: float, t1: float) -> float:
+    return sum(t0 <= t < t1 for t in times) / max(1e-9, t1 - t0)
 
 
 async def measure(base_url: str, attack: str, args) -> dict:
@@ -400,7 +410,10 @@ async def measure(base_url: str, attack: str, args) -> dict:
     limits = httpx.Limits(max_connections=clients + 4)
     # The attack loops come from another loopback address (another peer) in the new attacks.
     transport = httpx.AsyncHTTPTransport(local_address=ATTACKER_ADDRESS, limits=limits) if new else None
-    async with (httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as client,
+    # The new attacks' victim opens a connection per request, as many clients do (a
+    # keep-alive connection would hide an attack on connections).
+    victim_limits = httpx.Limits(max_keepalive_connections=0) if new else limits
+    async with (httpx.AsyncClient(base_url=base_url, timeout=3600, limits=victim_limits) as client,
                 httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits,
                                   transport=transport) as attacker):  # fmt: skip
         if attack in SETUPS:
@@ -413,10 +426,10 @@ async def measure(base_url: str, attack: str, args) -> dict:
             await asyncio.sleep(2.0)
         await victim_ttft(client, rng)  # warm-up
         health_stop, health_alone = asyncio.Event(), []
-        probe = asyncio.create_task(health_probe(base_url, health_stop, health_alone))
-        bg0, t_alone = len(bg_tokens), time.perf_counter()
+        probe = asyncio.create_task(health_probe(base_url, health_stop, health_alone, new))
+        t_alone = time.perf_counter()
         alone = await victim_phase(client, rng, args.samples, args.pause)
-        bg_alone = (sum(bg_tokens[bg0:]), time.perf_counter() - t_alone)
+        bg_alone = rate_between(bg_tokens, t_alone, time.perf_counter())
         health_stop.set()
         await probe
         stop, codes = asyncio.Event(), []
@@ -430,12 +443,11 @@ async def measure(base_url: str, attack: str, args) -> dict:
                 await asyncio.sleep(0.2)
             await asyncio.sleep(args.pause)
         health_stop, health_attack = asyncio.Event(), []
-        probe = asyncio.create_task(health_probe(base_url, health_stop, health_attack))
+        probe = asyncio.create_task(health_probe(base_url, health_stop, health_attack, new))
         lost: list[str] = []
         tokens0, t0 = await generated(client), time.perf_counter()
-        bg0 = len(bg_tokens)
         during = await victim_phase(client, rng, args.samples, args.pause, lost if new else None)
-        bg_attack = (sum(bg_tokens[bg0:]), time.perf_counter() - t0)
+        bg_attack = rate_between(bg_tokens, t0, time.perf_counter())
         rate = (await generated(client) - tokens0) / (time.perf_counter() - t0)
         health_stop.set()
         await probe
@@ -450,7 +462,7 @@ async def measure(base_url: str, attack: str, args) -> dict:
     return {"alone": alone, "attack": during, "codes": codes, "attacker_errors": errors,
             "generated_tokens_per_s": rate, "health_alone": health_alone, "health_attack": health_attack,
             "victim_lost": lost,
-            "background_tokens_per_s": [n / t for n, t in (bg_alone, bg_attack)] if args.background else None}  # fmt: skip
+            "background_tokens_per_s": [bg_alone, bg_attack] if args.background else None}  # fmt: skip
 
 
 def p90(xs: list[float]) -> float:
