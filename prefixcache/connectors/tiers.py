@@ -39,6 +39,7 @@ from prefixcache.api.errors import TierUnavailableError
 from prefixcache.cache.connector import KVConnector
 from prefixcache.cache.hashing import KEY_BYTES, block_chunks
 from prefixcache.cache.manager import KVCacheManager
+from prefixcache.cache.shares import owner_of
 from prefixcache.config import EngineConfig, parse_bytes
 from prefixcache.kv.pool import KVCache
 from prefixcache.model.loader import ModelConfig
@@ -48,7 +49,6 @@ from prefixcache.tiers.keys import StoreLayout
 from prefixcache.tiers.manager import TierManager
 from prefixcache.tiers.records import BLOCKS, BlockRef
 from prefixcache.tiers.secret import load_keys
-from prefixcache.tiers.shares import owner_of
 
 log = logging.getLogger(__name__)
 
