@@ -281,3 +281,31 @@ def test_a_disk_tier_restores_both_parts_of_a_crossing_chain(tmp_path, llm_cold)
     expect = llm_cold.generate([prompt], sp)[0].outputs[0].token_ids
     assert bob.outputs[0].token_ids == alice.outputs[0].token_ids == expect
     second.check_integrity()
+
+
+def test_a_shared_prefix_is_written_to_the_tiers_with_the_default_retention(tmp_path):
+    """Issue #37: a block's retention is that of the request that registered it first, so the
+    first tenant to cache a shared prefix decided for everyone whether it reached the tiers
+    ("in_memory") or expired there after a day ("24h"). A request's retention now applies to
+    its own blocks: the shared run is written without a deadline, whoever asks what."""
+    from prefixcache.tiers.disk import SUBDIR
+
+    eng = LLM(kv_cache_memory="24MiB", disk_cache_dir=tmp_path, seed=0).engine
+    prompt = ids(31, 3 * B) + ids(32, B + 4)  # 3 shared blocks, then one of the tenant's own
+    sp = SamplingParams(max_tokens=1, temperature=0)
+
+    def run(rid: str, tenant: str, retention: str, own: list[int]) -> None:
+        eng.add_request(rid, prompt[: 3 * B] + own, sp, f"{tenant}/public", tenant=tenant,
+                        shared_prefix=SharedPrefix("public", 3 * B), retention=retention)
+        while eng.has_unfinished():
+            eng.step()
+        assert eng.connectors.flush()
+
+    def files() -> list[list[str]]:  # per record: its name's parts (a deadline makes three)
+        return sorted(p.name.split(".") for p in (tmp_path / SUBDIR).glob("*/*.blk"))
+
+    run("a", "alice", "in_memory", prompt[3 * B :])
+    assert [len(f) for f in files()] == [2, 2, 2]  # the shared run: written, no deadline
+    run("b", "bob", "24h", ids(33, B + 4))
+    assert sorted(len(f) for f in files()) == [2, 2, 2, 3]  # + bob's own block, with its day
+    eng.check_integrity()
