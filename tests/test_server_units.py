@@ -206,6 +206,33 @@ def test_serve_command_line():
         ServerLimits(send_timeout=0)
 
 
+def test_an_open_server_on_a_non_loopback_address_needs_an_explicit_flag(tmp_path, capsys):
+    """Issue #37: with no API key every caller is the admin; bound beyond loopback that was
+    served without a word. Now it is refused (exit 2, before the model loads) unless
+    --allow-open-remote says so, as the KV events stream's --kv-events-allow-remote."""
+    from prefixcache.cli import main
+    from prefixcache.server.auth import TenantDirectory
+    from prefixcache.server.cli import check_open_bind
+
+    assert main(["serve", "--host", "0.0.0.0", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--allow-open-remote" in err and "admin" in err
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"sk-a": "alice"}')
+
+    def ok(*argv: str, tenants=TenantDirectory()) -> bool:
+        try:
+            check_open_bind(tenants, build_parser().parse_args(["serve", *argv]))
+        except ValueError:
+            return False
+        return True
+
+    assert not ok("--host", "10.0.0.5") and not ok("--host", "::")
+    assert ok() and ok("--host", "localhost") and ok("--host", "::1")
+    assert ok("--host", "0.0.0.0", "--allow-open-remote")
+    assert ok("--host", "0.0.0.0", tenants=TenantDirectory.from_options(api_keys_file=keys))
+
+
 def test_origin_policy_follows_the_bind_address():
     """The Host check is on for a loopback bind or with --allowed-hosts; off for a wildcard
     bind (reached by names we cannot know). The Origin and Content-Type checks are always on."""

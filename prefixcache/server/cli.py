@@ -349,6 +349,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "configured /metrics needs one of them (an open server's is public)",
     )
     s.add_argument(
+        "--allow-open-remote",
+        action="store_true",
+        help="serve without any API key on a non-loopback --host (refused without this flag: "
+        "every caller who reaches the port is the admin)",
+    )
+    s.add_argument(
         "--public-metrics",
         action="store_true",
         help="serve /metrics without a key even with API keys (vLLM's default): its counts "
@@ -400,6 +406,7 @@ def run_serve(args: argparse.Namespace) -> int:
             admin_key=args.admin_key,
             shared_namespaces=args.shared_namespace,
         )
+        check_open_bind(tenants, args)
         config = _engine_config(args)
         limits = _limits(args)
         origin = origin_policy(args)
@@ -502,6 +509,21 @@ def _engine_config(args: argparse.Namespace):
 
 def _limits(args: argparse.Namespace) -> ServerLimits:
     return ServerLimits(**{f.name: getattr(args, f.name) for f in fields(ServerLimits)})
+
+
+def check_open_bind(tenants, args: argparse.Namespace) -> None:
+    """An open server (no API key) makes every caller the admin: on a non-loopback address only
+    with ``--allow-open-remote`` (as the KV events stream needs ``--kv-events-allow-remote``).
+    With ``--fd``, --host names the address of the inherited socket."""
+    from prefixcache.server.origin import is_loopback
+
+    if tenants.auth_required or is_loopback(args.host) or args.allow_open_remote:
+        return
+    raise ValueError(
+        f"--host {args.host} is not a loopback address and no API key is configured: every "
+        "caller reaching it would be the admin. Give --api-key / --api-keys-file, bind "
+        "127.0.0.1, or pass --allow-open-remote to serve it open anyway"
+    )
 
 
 def origin_policy(args: argparse.Namespace):
