@@ -8,7 +8,9 @@ between steps. Read-only cache queries (lookup, stats) take the lock briefly; ca
 loop with ``call_soon_threadsafe``.
 
 Isolation rules kept here:
-- a sequence that fails inside a step fails its own stream only (``SequenceFailedError``);
+- a sequence that fails inside a step fails its own stream only (``SequenceFailedError``); a
+  step whose batch fails (the shared forward) fails that batch's streams only
+  (``BatchFailedError``), and only a failure before any batch existed fails every stream;
 - a stream whose reader leaves more than ``max_pending_deltas`` deltas unread is cancelled
   (``SlowConsumerError``) and its blocks freed, so output queues are bounded;
 - a tenant may hold at most ``tenant_waiting_limit`` waiting sequences (``TenantQuotaError``),
@@ -46,7 +48,7 @@ from prefixcache.api.errors import (
 )
 from prefixcache.api.request import CacheExplanation, SamplingParams, SharedPrefix, StreamDelta
 from prefixcache.config import EngineConfig
-from prefixcache.engine.llm_engine import LLMEngine
+from prefixcache.engine.llm_engine import BatchFailedError, LLMEngine
 from prefixcache.segments.plan import SegmentRequest
 
 log = logging.getLogger(__name__)
@@ -311,12 +313,18 @@ class AsyncEngine:
                 if busy:
                     try:
                         updated = self.engine.step()
+                    except BatchFailedError as e:
+                        # The forward pass is shared by the batch: every sequence in it fails,
+                        # and nobody else (another tenant's waiting request goes on).
+                        log.exception("engine step failed; its batch of %d is failed",
+                                      len(e.request_ids))  # fmt: skip
+                        self._fail_all([r for r in e.request_ids if r in self.engine.seqs], e.cause)
+                        updated = []
                     except Exception as e:
-                        # The forward pass is shared by the batch: every sequence in it fails.
+                        # Before a batch existed (scheduling, a connector): whom it concerns
+                        # is not known, so every sequence fails.
                         log.exception("engine step failed")
-                        for rid in list(self.engine.seqs):
-                            self.engine.abort(rid)
-                            self._fail(rid, SequenceFailedError(rid, e))
+                        self._fail_all(list(self.engine.seqs), e)
                         updated = []
                     items = [
                         (s.request_id, s.error or self.engine.output.stream_delta(s))
@@ -328,6 +336,11 @@ class AsyncEngine:
                 continue
             for rid, item in items:
                 self._deliver(rid, item)
+
+    def _fail_all(self, request_ids: list[str], err: BaseException) -> None:
+        for rid in request_ids:
+            self.engine.abort(rid)
+            self._fail(rid, SequenceFailedError(rid, err))
 
     def _deliver(self, rid: str, item: StreamDelta | BaseException) -> None:
         s = self._streams.get(rid)
