@@ -327,7 +327,12 @@ SETUPS = {"explain": explain_setup}
 
 
 async def metric(client: httpx.AsyncClient, name: str) -> float:
-    text = (await client.get("/metrics", headers=ADMIN)).text
+    """A counter of the server's (NaN when the server cannot be reached: an attack on
+    connections may refuse even this reader's)."""
+    try:
+        text = (await client.get("/metrics", headers=ADMIN)).text
+    except httpx.HTTPError:
+        return float("nan")
     for line in text.splitlines():
         if line.startswith((name + "{", name + " ")):
             return float(line.rpartition(" ")[2])
@@ -413,7 +418,8 @@ async def measure(base_url: str, attack: str, args) -> dict:
     # The new attacks' victim opens a connection per request, as many clients do (a
     # keep-alive connection would hide an attack on connections).
     victim_limits = httpx.Limits(max_keepalive_connections=0) if new else limits
-    async with (httpx.AsyncClient(base_url=base_url, timeout=3600, limits=victim_limits) as client,
+    async with (httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as observer,
+                httpx.AsyncClient(base_url=base_url, timeout=3600, limits=victim_limits) as client,
                 httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits,
                                   transport=transport) as attacker):  # fmt: skip
         if attack in SETUPS:
@@ -436,7 +442,7 @@ async def measure(base_url: str, attack: str, args) -> dict:
         tasks = [asyncio.create_task(ATTACKS[attack](attacker, random.Random(i + 1), args, stop, codes))
                  for i in range(clients)]  # fmt: skip
         if attack in ("flood", "logprobs", "logprobs-stream"):
-            await wait_busy(client, minimum=64)
+            await wait_busy(observer, minimum=64)
         else:  # under way: the first calls are in (or refused)
             deadline = time.monotonic() + 120
             while len(codes) < 1 and time.monotonic() < deadline and not any(t.done() for t in tasks):
@@ -445,10 +451,10 @@ async def measure(base_url: str, attack: str, args) -> dict:
         health_stop, health_attack = asyncio.Event(), []
         probe = asyncio.create_task(health_probe(base_url, health_stop, health_attack, new))
         lost: list[str] = []
-        tokens0, t0 = await generated(client), time.perf_counter()
+        tokens0, t0 = await generated(observer), time.perf_counter()
         during = await victim_phase(client, rng, args.samples, args.pause, lost if new else None)
         bg_attack = rate_between(bg_tokens, t0, time.perf_counter())
-        rate = (await generated(client) - tokens0) / (time.perf_counter() - t0)
+        rate = (await generated(observer) - tokens0) / (time.perf_counter() - t0)
         health_stop.set()
         await probe
         stop.set()
@@ -509,7 +515,9 @@ def main() -> None:
                 result = asyncio.run(measure(srv.base_url, attack, args))
                 log_tail = srv.output()[-3000:]
         load_after = os.getloadavg()
-        alone, during = statistics.median(result["alone"]), statistics.median(result["attack"])
+        alone = statistics.median(result["alone"])
+        # Every victim request lost to the attack (refused connections): no time to report.
+        during = statistics.median(result["attack"]) if result["attack"] else float("nan")
         codes = result["codes"]
         summary["attacks"][attack] = {
             "load_average_before": [round(x, 2) for x in load_before],
@@ -517,7 +525,7 @@ def main() -> None:
             "victim_ttft_alone_median_s": round(alone, 4),
             "victim_ttft_alone_p90_s": round(p90(result["alone"]), 4),
             "victim_ttft_attack_median_s": round(during, 4),
-            "victim_ttft_attack_p90_s": round(p90(result["attack"]), 4),
+            "victim_ttft_attack_p90_s": round(p90(result["attack"]), 4) if result["attack"] else None,
             "ratio_of_medians": round(during / alone, 2),
             "generated_tokens_per_s_during_attack": round(result["generated_tokens_per_s"], 1),
             "attacker_status": {str(c): codes.count(c) for c in sorted(set(codes))},
@@ -531,14 +539,14 @@ def main() -> None:
             row["health_alone_median_s"] = round(statistics.median(health[0]), 4)
             row["health_attack_median_s"] = round(statistics.median(health[1]), 4)
             row["health_ratio_of_medians"] = round(row["health_attack_median_s"] / row["health_alone_median_s"], 2)
-            row["health_failed"] = sum(x == float("inf") for x in result["health_attack"])
+        row["health_failed"] = sum(x == float("inf") for x in result["health_attack"])
         row["victim_lost"] = result["victim_lost"]
         if result["background_tokens_per_s"] is not None:
             row["background_tokens_per_s_alone_attack"] = [round(x, 1) for x in result["background_tokens_per_s"]]
         print(attack, json.dumps({k: v for k, v in summary["attacks"][attack].items() if k != "samples"}), flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=2))
+        out = Path(args.out)  # after every attack: a later one that fails loses nothing
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":
