@@ -251,3 +251,9 @@ def test_the_segment_store_is_shared_by_tenants_as_the_tiers_are():
         assert store.put((100 + i).to_bytes(16, "big"), entry("bob", i))
     assert sum(store.contains((100 + i).to_bytes(16, "big")) for i in range(6)) == 3
     store.check_integrity()
+    # The offline API's namespace (None) is an owner like any: its entries give way too.
+    offline = SegmentStore(2 * size)
+    for i in range(5):
+        assert offline.put((200 + i).to_bytes(16, "big"), entry(None, i))
+    assert len(offline) == 2 and offline.evicted == 3
+    offline.check_integrity()

@@ -22,6 +22,9 @@ def share(capacity: int, owners: int) -> int:
     return capacity // max(1, owners)
 
 
+_ABSENT = object()
+
+
 class OwnerLRU:
     """Records by owner, each owner's in least-recently-used order, and bytes per owner.
     Not thread-safe: the caller holds its lock."""
@@ -47,13 +50,13 @@ class OwnerLRU:
         self.total += size
 
     def touch(self, key: Hashable) -> None:
-        owner = self._owner.get(key)
-        if owner is not None:
+        owner = self._owner.get(key, _ABSENT)
+        if owner is not _ABSENT:
             self._lru[owner].move_to_end(key)
 
     def pop(self, key: Hashable) -> int | None:
-        owner = self._owner.pop(key, None)
-        if owner is None:
+        owner = self._owner.pop(key, _ABSENT)  # None is an owner too (the offline API's)
+        if owner is _ABSENT:
             return None
         size = self._lru[owner].pop(key)
         self._bytes[owner] -= size
