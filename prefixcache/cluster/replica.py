@@ -122,9 +122,10 @@ class EngineReplica:
                 self._lifespan = lifespan
 
     async def forward(self, method: str, path: str, query: str, headers: list, body: bytes,
-                      route: list | None = None, target: str | None = None):  # fmt: skip
-        """Messages of the response (asgi_bridge.stream_asgi). ``route``/``target`` are read by
-        the router, not here."""
+                      route: list | None = None, target: str | None = None,
+                      route_ticket: str | None = None, route_owner: str | None = None):  # fmt: skip
+        """Messages of the response (asgi_bridge.stream_asgi). ``route``, ``target``,
+        ``route_ticket`` and ``route_owner`` are read by the router, not here."""
         from prefixcache.cluster.asgi_bridge import http_scope, stream_asgi
 
         await self._started()

@@ -30,7 +30,9 @@ from prefixcache.cache.hashing import hash_blocks, hash_blocks_after_shared, key
 from prefixcache.model.tokenizer import Tokenizer
 from prefixcache.server.anthropic_protocol import MessagesRequest
 from prefixcache.server.auth import TenantDirectory
+from prefixcache.server.body import check_containers
 from prefixcache.server.cache_breakpoints import shared_tokens
+from prefixcache.server.limits import ServerLimits
 from prefixcache.server.messages_prompt import MessagesRenderer, text_chars
 from prefixcache.server.protocol import ChatMessage, template_text_chars
 
@@ -53,8 +55,10 @@ class RouteKeys:
         fingerprint: str,
         block_size: int,
         max_tokens: int = 32768,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.tokenizer, self.tenants = tokenizer, tenants
+        self.limits = limits or ServerLimits()
         self.fingerprint, self.block_size, self.max_tokens = fingerprint, block_size, max_tokens
         self.messages = MessagesRenderer(tokenizer)
 
@@ -95,6 +99,7 @@ class RouteKeys:
         if path not in PROMPT_ROUTES:
             return []
         try:
+            check_containers(raw_body, self.limits)  # a body the replica refuses unparsed
             body = json.loads(raw_body)
             if not isinstance(body, dict):
                 return []
