@@ -220,9 +220,9 @@ def test_an_open_server_on_a_non_loopback_address_needs_an_explicit_flag(tmp_pat
     keys = tmp_path / "keys.json"
     keys.write_text('{"sk-a": "alice"}')
 
-    def ok(*argv: str, tenants=TenantDirectory()) -> bool:
+    def ok(*argv: str, tenants=None) -> bool:
         try:
-            check_open_bind(tenants, build_parser().parse_args(["serve", *argv]))
+            check_open_bind(tenants or TenantDirectory(), build_parser().parse_args(["serve", *argv]))
         except ValueError:
             return False
         return True
