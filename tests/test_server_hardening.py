@@ -40,7 +40,8 @@ pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 ATTACKERS = [f"a{i}" for i in range(10)]
 KEYS = {"keys": {"sk-victim": "victim", "sk-ops": {"tenant": "ops", "admin": True},
-                 **{f"sk-{a}": a for a in ATTACKERS}}}  # fmt: skip
+                 **{f"sk-{a}": a for a in ATTACKERS}},
+        "shared_namespaces": ["public"]}  # fmt: skip
 MAX_CONNECTIONS = 100
 ENGINE_THREADS = ("prefixcache-engine", "prefixcache-cache-route", "prefixcache-snapshot")
 SERVER_THREAD = "test-uvicorn"  # the event loop's thread
@@ -92,8 +93,7 @@ def live(tmp_path_factory):
         engine = AsyncEngine(config)
     lock = RecordingLock()
     engine._lock = lock  # before the engine thread starts (lifespan)
-    limits = ServerLimits(max_connections=MAX_CONNECTIONS, header_timeout=30, metrics_max_age=30,
-                          refusal_penalty=30)  # fmt: skip
+    limits = ServerLimits(max_connections=MAX_CONNECTIONS, header_timeout=30, refusal_penalty=30)
     app = create_app(engine, tenants=TenantDirectory.from_options(api_keys_file=keys),
                      limits=limits)  # fmt: skip
     sock = socket.socket()
@@ -191,10 +191,11 @@ def test_miss_explanations_bisect_the_siblings(live, monkeypatch):
 
 
 # -- 2. metrics and integrity --------------------------------------------------------------------
-def test_metrics_scrapes_share_one_engine_read_off_the_default_pool(live):
+def test_metrics_scrapes_read_the_engine_off_the_default_pool(live):
     """64 concurrent keyless scrapes: 401 (with keys, /metrics needs an admin key or the
-    metrics key), untouched engine; 64 concurrent admin scrapes: one read of the engine, on the
-    snapshot thread; the integrity check likewise never on the default executor."""
+    metrics key), the engine untouched; 64 concurrent admin scrapes: read on the snapshot
+    thread, one at a time (the lock never taken on the loop or the default executor, checked
+    by ``run``); the integrity check likewise. (Sharing reads: test_server_units.)"""
     reader = live.serving.snapshot_reader
 
     async def attack(c):
@@ -202,9 +203,7 @@ def test_metrics_scrapes_share_one_engine_read_off_the_default_pool(live):
         keyless = await asyncio.gather(*(c.get("/metrics") for _ in range(64)))
         assert codes(keyless) == {401: 64} and reader.reads == before
         admin = await asyncio.gather(*(c.get("/metrics", headers=auth("sk-ops")) for _ in range(64)))
-        assert codes(admin) == {200: 64}
-        assert reader.reads == before + 1  # fresh for --metrics-max-age (30 s here)
-        assert len({r.text for r in admin}) == 1
+        assert codes(admin) == {200: 64} and before < reader.reads <= before + 64
         checks = await asyncio.gather(*(c.get("/v1/debug/integrity", headers=auth("sk-ops"))
                                         for _ in range(8)))  # fmt: skip
         assert all(r.json()["ok"] for r in checks)
@@ -377,6 +376,33 @@ def test_one_token_requests_do_not_keep_a_tenant_newly_arrived(live, monkeypatch
     answers = run(live, attack)
     assert codes(answers).keys() <= {200, 429}
     assert steps["all"] >= 20 and steps["alone"] <= steps["all"] // 4 + 1, steps
+
+
+# -- 7. a shared salt on the Messages API -------------------------------------------------------
+def test_guesses_of_a_private_turn_under_a_shared_salt_look_alike(live):
+    """The victim sends a private turn under the shared salt with automatic caching; an attacker
+    sends an exact guess and a wrong one, each from an empty namespace of its own: identical
+    cached counts and explanations (the shared prefix stops at the system)."""
+    private = "My PIN is 4471 and my salary is 91,250 dollars; file my tax form."
+    wrong = "My PIN is 9999 and my salary is 12,000 dollars; file my tax form."
+
+    def body(turn: str) -> dict:
+        return {"model": MODEL, "max_tokens": 1, "system": "You are the payroll assistant.",
+                "messages": [{"role": "user", "content": turn}], "cache_control": {"type": "ephemeral"},
+                "cache_salt": "public", "return_cache_info": True}  # fmt: skip
+
+    def call(key: str, path: str, payload: dict) -> dict:
+        r = httpx.post(live.base_url + path, json=payload, headers=auth(key), timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    call("sk-victim", "/v1/messages", body(private))
+    seen = []
+    for guess in (private, wrong):
+        call("sk-a9", "/v1/cache/invalidate", {"namespace": "a9/public"})
+        r = call("sk-a9", "/v1/messages", body(guess))
+        seen.append((r["usage"]["cache_read_input_tokens"], r["cache_info"]))
+    assert seen[0] == seen[1], seen
 
 
 # -- 9. connections shared by peers --------------------------------------------------------------

@@ -3,6 +3,7 @@ namespaces, the metrics key, the `serve` command line, OpenAI error bodies, malf
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -326,6 +327,49 @@ def test_malformed_bodies_are_400s_naming_the_problem(raw, code, param):
     with pytest.raises(APIError) as e:
         parse_json(raw, ServerLimits())
     assert (e.value.status, e.value.code, e.value.param) == (400, code, param)
+
+
+def test_a_snapshot_is_read_by_one_reader_at_a_time_on_its_own_thread():
+    """server/snapshot.py: callers that arrive while a read is under way share it; an untrusted
+    caller reuses a read younger than max_age, a fresh one never does; a caller that leaves
+    does not cancel the read the others wait for."""
+    import threading
+
+    from prefixcache.server.snapshot import Snapshot, SnapshotReader
+
+    reads, release = [], threading.Event()
+
+    def read() -> int:
+        reads.append(threading.current_thread().name)
+        assert release.wait(10)
+        return len(reads)
+
+    now = [0.0]
+    reader = SnapshotReader()
+    snap = Snapshot(read, reader, max_age=1.0, clock=lambda: now[0])
+
+    async def main():
+        waiting = [asyncio.ensure_future(snap.get(fresh=True)) for _ in range(20)]
+        await asyncio.sleep(0.05)
+        release.set()
+        assert await asyncio.gather(*waiting) == [1] * 20  # one read for all of them
+        assert reads == ["prefixcache-snapshot_0"]
+        assert await snap.get(fresh=True) == 2  # fresh: a read of its own once that one ended
+        assert await snap.get() == 2 and len(reads) == 2  # untrusted: reused within max_age
+        now[0] = 1.5
+        assert await snap.get() == 3
+        release.clear()
+        leaver, stayer = asyncio.ensure_future(snap.get(fresh=True)), asyncio.ensure_future(snap.get(fresh=True))
+        await asyncio.sleep(0.05)
+        leaver.cancel()
+        release.set()
+        assert await stayer == 4
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        reader.close()
 
 
 def test_brackets_inside_strings_are_not_counted_as_containers():

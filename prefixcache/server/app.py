@@ -123,11 +123,21 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics_route(request: Request) -> Response:
-        if metrics_key is not None or (serving.tenants.auth_required and not public_metrics):
-            serving.tenants.authenticate_metrics(request.headers.get("authorization"), metrics_key)
+        # Operators (an admin key, the metrics key, anyone on an open server) read fresh
+        # counters; keyless readers under --public-metrics get one read a --metrics-max-age.
+        trusted = not serving.tenants.auth_required
+        credential = request.headers.get("authorization")
+        needed = metrics_key is not None or (serving.tenants.auth_required and not public_metrics)
+        if needed or (credential and not trusted):
+            try:
+                serving.tenants.authenticate_metrics(credential, metrics_key)
+                trusted = True
+            except APIError:
+                if needed:
+                    raise
         # The engine's counters are read under its lock, which a running step holds: by one
-        # reader at a time on its own thread, and reused for --metrics-max-age (snapshot.py).
-        body = await serving.metrics_snapshot.get()
+        # reader at a time on its own thread (snapshot.py), never the default executor.
+        body = await serving.metrics_snapshot.get(fresh=trusted)
         return Response(body, media_type=CONTENT_TYPE)
 
     integrity_snapshot = Snapshot(lambda: _integrity(engine), serving.snapshot_reader, 0.0)

@@ -32,8 +32,10 @@ _LIMIT_HELP = {
     "second; past it, 429 for --refusal-penalty seconds",
     "refusal_penalty": "seconds a tenant over --max-refusals-per-second is refused early",
     "max_tools": "tool definitions per /v1/messages request",
-    "max_cache_calls_per_second": "cache control calls (lookup, invalidate, stats) a non-admin "
-    "tenant may make a second; past it, 429",
+    "max_cache_calls_per_second": "calls outside the queue (cache warm/lookup/invalidate/stats, "
+    "count_tokens, comparisons) a non-admin tenant may make a second; past it, 429",
+    "max_json_containers": "objects and arrays in a request body, counted before parsing; 400 above",
+    "metrics_max_age": "seconds a /metrics read is reused for keyless readers (--public-metrics)",
 }
 
 

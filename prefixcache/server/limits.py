@@ -48,8 +48,8 @@ class ServerLimits:
     # 429s for refusal_penalty seconds before its bodies are read (server/refusals.py).
     max_refusals_per_second: int = 8
     refusal_penalty: float = 2.0
-    # /metrics is rendered by one reader at a time and reused for this many seconds
-    # (server/snapshot.py): a scrape storm costs one engine read a second.
+    # /metrics is rendered by one reader at a time; keyless readers (--public-metrics) get a
+    # read at most this old (server/snapshot.py): their scrape storm costs one read a second.
     metrics_max_age: float = 1.0
 
     def __post_init__(self) -> None:

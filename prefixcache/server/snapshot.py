@@ -11,9 +11,13 @@ Decisions:
   own (``SnapshotReader``), never the default one; callers that arrive while a read is under
   way await that read instead of starting another. However many call, at most one thread
   waits for the engine lock on their behalf.
-- **Reused while fresh.** A read younger than ``max_age`` seconds is the answer (``/metrics``:
+- **Reused while fresh, for untrusted readers.** ``get()`` answers with a read younger than
+  ``max_age`` seconds (``/metrics`` read without a key under ``--public-metrics``:
   ``--metrics-max-age``, 1 s; Prometheus scrapes every 15 s by default, so a scraper never
-  notices); ``max_age=0`` (integrity) shares only a read in flight.
+  notices); ``get(fresh=True)`` (an admin, the metrics key, any caller of an open server:
+  operators, who read counters before and after a run, as ``prefixcache bench`` does) shares
+  only a read in flight, so its answer is never older than its request. ``max_age=0``
+  (integrity) is always so.
 - **A caller that leaves does not cancel the read** others wait for (shielded).
 """
 
@@ -58,10 +62,11 @@ class Snapshot(Generic[T]):
         self._value: tuple[float, T] | None = None  # (when its read began, the value)
         self._pending: asyncio.Future | None = None
 
-    async def get(self) -> T:
-        """The last value if fresh, else the read under way, else a new read."""
+    async def get(self, fresh: bool = False) -> T:
+        """The last value if younger than ``max_age`` (not when ``fresh``), else the read under
+        way, else a new read."""
         now = self._clock()
-        if self._value is not None and now - self._value[0] < self.max_age:
+        if not fresh and self._value is not None and now - self._value[0] < self.max_age:
             return self._value[1]
         if self._pending is None:
             began = now
