@@ -119,8 +119,20 @@ async def flood(client: httpx.AsyncClient, rng: random.Random, args, stop: async
         await attack_call(client, "POST", "/v1/completions", body, codes)
 
 
-async def attack_call(client, method: str, path: str, body, codes: list[int]) -> None:
-    r = await client.request(method, path, json=body, headers={"Authorization": "Bearer sk-flood"})
+# An attack call whose connection the server closed or refused is counted as -1 and retried
+# after this long (an attacker that keeps at it; the pause keeps the attacking client, on the
+# same cores, from spinning).
+REFUSED_PAUSE_S = 0.01
+
+
+async def attack_call(client, method: str, path: str, body, codes: list[int], headers=None) -> None:
+    try:
+        r = await client.request(method, path, json=body,
+                                 headers={"Authorization": "Bearer sk-flood"} if headers is None else headers)  # fmt: skip
+    except httpx.HTTPError:
+        codes.append(-1)
+        await asyncio.sleep(REFUSED_PAUSE_S)
+        return
     codes.append(r.status_code)
     if r.status_code == 429:
         await asyncio.sleep(float(r.headers.get("retry-after", "1")))
@@ -212,10 +224,7 @@ async def explain(client, rng, args, stop, codes) -> None:
 
 async def metrics_scrape(client, rng, args, stop, codes) -> None:
     while not stop.is_set():
-        r = await client.get("/metrics")  # no key
-        codes.append(r.status_code)
-        if r.status_code == 429:
-            await asyncio.sleep(float(r.headers.get("retry-after", "1")))
+        await attack_call(client, "GET", "/metrics", None, codes, headers={})  # no key
 
 
 async def warm_pin(client, rng, args, stop, codes) -> None:
@@ -277,9 +286,14 @@ async def wrong_model(client, rng, args, stop, codes) -> None:
 async def nodes(client, rng, args, stop, codes) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 9000}]}
     raw = json.dumps(body).encode()
+    headers = {"Authorization": "Bearer sk-flood", "content-type": "application/json"}
     while not stop.is_set():
-        r = await client.post("/v1/messages/count_tokens", content=raw,
-                              headers={"Authorization": "Bearer sk-flood", "content-type": "application/json"})  # fmt: skip
+        try:
+            r = await client.post("/v1/messages/count_tokens", content=raw, headers=headers)
+        except httpx.HTTPError:
+            codes.append(-1)
+            await asyncio.sleep(REFUSED_PAUSE_S)
+            continue
         codes.append(r.status_code)
         if r.status_code == 429:
             await asyncio.sleep(float(r.headers.get("retry-after", "1")))

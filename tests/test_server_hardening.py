@@ -101,7 +101,8 @@ def live(tmp_path_factory):
     sock.listen(256)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level="warning", access_log=False, timeout_keep_alive=limits.keep_alive_timeout,
-        http=protocol_class(limits.max_connections, limits.header_timeout, limits.send_timeout),
+        http=protocol_class(limits.max_connections, limits.header_timeout, limits.send_timeout,
+                            app.state.peer_guard),
     ))  # fmt: skip
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=SERVER_THREAD)
     thread.start()
@@ -192,24 +193,43 @@ def test_miss_explanations_bisect_the_siblings(live, monkeypatch):
 
 # -- 2. metrics and integrity --------------------------------------------------------------------
 def test_metrics_scrapes_read_the_engine_off_the_default_pool(live):
-    """64 concurrent keyless scrapes: 401 (with keys, /metrics needs an admin key or the
-    metrics key), the engine untouched; 64 concurrent admin scrapes: read on the snapshot
-    thread, one at a time (the lock never taken on the loop or the default executor, checked
-    by ``run``); the integrity check likewise. (Sharing reads: test_server_units.)"""
+    """Keyless scrapes, 50 at a time (from 127.0.0.3): 401 (with keys, /metrics needs an admin
+    key or the metrics key), the engine untouched, and past --max-unauthenticated-per-second
+    the address is blocked: its next connection is refused as soon as it is made. 64 concurrent
+    admin scrapes: read on the snapshot thread, one at a time (the lock never taken on the loop
+    or the default executor, checked by ``run``); the integrity check likewise. (Sharing
+    reads: test_server_units.)"""
     reader = live.serving.snapshot_reader
+    guard = live.app.state.peer_guard
+    keyless = httpx.AsyncHTTPTransport(local_address="127.0.0.3")
 
     async def attack(c):
         before = reader.reads
-        keyless = await asyncio.gather(*(c.get("/metrics") for _ in range(64)))
-        assert codes(keyless) == {401: 64} and reader.reads == before
+        async with httpx.AsyncClient(base_url=live.base_url, transport=keyless, timeout=60) as k:
+            async def scrape():
+                try:
+                    return (await k.get("/metrics")).status_code
+                except httpx.HTTPError:
+                    return -1  # closed: the address was blocked meanwhile
+            got = collections.Counter()
+            for _ in range(20):  # batches of 50 until past 64 in a second (a few batches)
+                got.update(await asyncio.gather(*(scrape() for _ in range(50))))
+                if guard.blocked("127.0.0.3"):
+                    break
+            assert got[401] > live.serving.limits.max_unauthenticated_per_second, got
+            assert set(got) <= {401, -1} and reader.reads == before
+            assert guard.blocked("127.0.0.3")
+            with pytest.raises(httpx.HTTPError):  # refused when made, before any request
+                await k.get("/health")
         admin = await asyncio.gather(*(c.get("/metrics", headers=auth("sk-ops")) for _ in range(64)))
         assert codes(admin) == {200: 64} and before < reader.reads <= before + 64
         checks = await asyncio.gather(*(c.get("/v1/debug/integrity", headers=auth("sk-ops"))
                                         for _ in range(8)))  # fmt: skip
         assert all(r.json()["ok"] for r in checks)
-        return keyless + admin + checks
+        return admin + checks
 
     run(live, attack)
+    assert not guard.blocked("127.0.0.1")  # the victim's address: never
 
 
 # -- 3. warm through the gate --------------------------------------------------------------------

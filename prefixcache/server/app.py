@@ -28,6 +28,7 @@ from prefixcache.server.errors import APIError, RequestIdMiddleware, install_err
 from prefixcache.server.limits import ServerLimits
 from prefixcache.server.metrics import CONTENT_TYPE, ServerMetrics
 from prefixcache.server.origin import BrowserGuard, OriginPolicy
+from prefixcache.server.refusals import PeerGuard
 from prefixcache.server.request_log import BackgroundRequestLog
 from prefixcache.server.serving import Serving
 from prefixcache.server.snapshot import Snapshot
@@ -86,6 +87,10 @@ def create_app(
     app = FastAPI(title="prefixcache", version=prefixcache.__version__, lifespan=lifespan)
     app.state.serving = serving
     app.state.ready = False
+    # Client addresses that keep failing authentication (refusals.py); the connection guard
+    # of http.protocol_class closes and refuses their connections.
+    lim = serving.limits
+    app.state.peer_guard = PeerGuard(lim.max_unauthenticated_per_second, lim.refusal_penalty)
     # Inside the request-id middleware (added last: outermost), so a refusal carries its id.
     app.add_middleware(BrowserGuard, policy=origin or OriginPolicy())
     app.add_middleware(RequestIdMiddleware)

@@ -30,7 +30,10 @@ _LIMIT_HELP = {
     "max_connections": "open connections; more are closed at once",
     "max_refusals_per_second": "refused requests (400/404/413/422/429) a non-admin tenant may have in a "
     "second; past it, 429 for --refusal-penalty seconds",
-    "refusal_penalty": "seconds a tenant over --max-refusals-per-second is refused early",
+    "refusal_penalty": "seconds a tenant over --max-refusals-per-second is refused early (and "
+    "a client address over --max-unauthenticated-per-second cut off)",
+    "max_unauthenticated_per_second": "401s a client address may get in a second; past it, its "
+    "connections are closed and refused for --refusal-penalty seconds",
     "max_tools": "tool definitions per /v1/messages request",
     "max_cache_calls_per_second": "calls outside the queue (cache warm/lookup/invalidate/stats, "
     "count_tokens, comparisons) a non-admin tenant may make a second; past it, 429",
@@ -450,7 +453,8 @@ def run_serve(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=args.graceful_shutdown_timeout,
             fd=args.fd,
             http=protocol_class(
-                limits.max_connections, limits.header_timeout, limits.send_timeout
+                limits.max_connections, limits.header_timeout, limits.send_timeout,
+                app.state.peer_guard,
             ),
             timeout_keep_alive=limits.keep_alive_timeout,
         )

@@ -12,6 +12,8 @@ with two additions:
   connection, but one that fills the server with half-sent requests (a keyless slowloris)
   cannot lock the others out: each newcomer from another address pushes one of its connections
   out (issue #37). Connections serving a request are never pushed out;
+- **blocked addresses**: a client address that keeps failing authentication (refusals.py
+  ``PeerGuard``) has its connections closed after their current response and refused when made;
 - **header timeout**: a connection that has not completed a request's headers within
   ``header_timeout`` seconds of being made (or of its previous response) is closed;
 - **no lingering**: closing a transport waits until its buffered bytes are sent, forever if the
@@ -88,8 +90,10 @@ class PeerConnections:
 
 
 def protocol_class(
-    max_connections: int, header_timeout: float, send_timeout: float
+    max_connections: int, header_timeout: float, send_timeout: float, guard=None
 ) -> type[H11Protocol]:
+    """``guard``: a ``refusals.PeerGuard`` (the app's ``state.peer_guard``): connections of a
+    blocked client address are refused when made and closed after their current response."""
     peers = PeerConnections()
 
     class GuardedH11Protocol(H11Protocol):
@@ -99,6 +103,9 @@ def protocol_class(
             self._header_timer: asyncio.TimerHandle | None = None
             self._peer = _peer(transport)
             peers.add(self._peer, self)
+            if guard is not None and guard.blocked(self._peer):
+                transport.abort()  # its connection_lost takes it out of the counts
+                return
             if len(self.connections) > max_connections:
                 other = peers.displaceable(self._peer)
                 if other is None:
@@ -138,8 +145,12 @@ def protocol_class(
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm_header_timer()  # the next request on this connection, if any
+            if self.transport.is_closing():
+                return
+            if guard is not None and guard.blocked(self._peer):
+                self.transport.close()  # a blocked address keeps no connection
+                return
+            self._arm_header_timer()  # the next request on this connection, if any
 
         def connection_lost(self, exc) -> None:
             self._disarm_header_timer()

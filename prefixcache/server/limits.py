@@ -48,6 +48,9 @@ class ServerLimits:
     # 429s for refusal_penalty seconds before its bodies are read (server/refusals.py).
     max_refusals_per_second: int = 8
     refusal_penalty: float = 2.0
+    # A client address answered more 401s than this in a second has its connections closed
+    # and refused for refusal_penalty seconds (server/refusals.py PeerGuard).
+    max_unauthenticated_per_second: int = 64
     # /metrics is rendered by one reader at a time; keyless readers (--public-metrics) get a
     # read at most this old (server/snapshot.py): their scrape storm costs one read a second.
     metrics_max_age: float = 1.0
