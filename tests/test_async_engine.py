@@ -12,7 +12,7 @@ import time
 import pytest
 from _helpers import BYTES_PER_TOKEN, shared_default_weights
 
-from prefixcache.api.errors import SlowConsumerError, TenantQuotaError
+from prefixcache.api.errors import SequenceFailedError, SlowConsumerError, TenantQuotaError
 from prefixcache.api.request import SamplingParams
 from prefixcache.config import EngineConfig
 from prefixcache.engine.async_engine import AsyncEngine, EngineShutDownError, QueueFullError
@@ -304,6 +304,49 @@ def test_health_reports_a_stalled_or_dead_engine_thread(engine, tok):
     asyncio.run(dead())
     engine.check_integrity()
     assert _in_use(engine) == 0
+
+
+def test_a_failed_step_fails_its_batch_and_nobody_else(tok, llm_cold):
+    """Issue #37: an exception in a step failed every tenant's requests. The forward pass is
+    shared by the step's batch, so that batch fails; a request that was waiting (not in the
+    batch: one slot, taken) is served afterwards, its output its solo output."""
+    with shared_default_weights():
+        eng = AsyncEngine(EngineConfig(kv_cache_memory="32MiB", max_num_seqs=1, seed=0))
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    a_ids, b_ids = _ids(tok, TEXT, 20), _ids(tok, OTHER, 24)
+    runner = eng.engine.runner
+    real = runner.execute
+    armed = []
+
+    def execute(scheduled):
+        if armed and any(s.seq.request_id == "a" for s in scheduled):
+            armed.clear()
+            raise RuntimeError("injected: the forward failed")
+        return real(scheduled)
+
+    async def main():
+        await eng.start()
+        a = eng.add_request("a", a_ids, sp, tenant="t1")
+        first = await a.__anext__()  # a runs (its first token), holding the only slot
+        assert first.new_token_ids
+        b = eng.add_request("b", b_ids, sp, tenant="t2")
+        while not eng.engine.seqs.get("b"):  # b is in the engine, waiting for the slot
+            await asyncio.sleep(0.01)
+        runner.execute = execute
+        armed.append(1)
+        with pytest.raises(SequenceFailedError):
+            await _drain(a)
+        out = await _drain(b)
+        await eng.shutdown(drain=False)
+        return out
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        runner.execute = real
+    ref = llm_cold.generate([b_ids], sp)[0].outputs[0].token_ids
+    assert [t for d in out for t in d.new_token_ids] == ref and out[-1].finished
+    eng.engine.check_integrity()
 
 
 def test_shutdown_drain_lets_running_requests_finish(engine, tok):

@@ -60,7 +60,7 @@ def test_a_flooding_tenant_gets_429_while_others_and_tokenization_go_on(engine):
             try:
                 flood = [asyncio.create_task(c.post("/v1/cache/invalidate", json={}, headers=ALICE))
                          for _ in range(CAP)]  # fmt: skip
-                await _until(lambda: gate.admitted("alice") == CAP)
+                await _until(lambda: gate.num_admitted("alice") == CAP)
                 over = await c.post("/v1/cache/lookup", json={"prompt": [1, 2, 3]}, headers=ALICE)
                 assert over.status_code == 429, over.text
                 err = over.json()["error"]
@@ -72,7 +72,7 @@ def test_a_flooding_tenant_gets_429_while_others_and_tokenization_go_on(engine):
                 bob = asyncio.create_task(
                     c.post("/v1/cache/lookup", json={"prompt": [1, 2, 3]}, headers=BOB)
                 )
-                await _until(lambda: gate.admitted("bob") == 1)
+                await _until(lambda: gate.num_admitted("bob") == 1)
                 # ... and tokenization runs while every cache call waits for the engine.
                 req = CompletionRequest(prompt="The capital of France is", max_tokens=1)
                 prompts = await asyncio.wait_for(serving.completion_prompts(req), LIVENESS_S)
@@ -85,7 +85,7 @@ def test_a_flooding_tenant_gets_429_while_others_and_tokenization_go_on(engine):
             # Released when they finished: alice is served again.
             again = await c.post("/v1/cache/lookup", json={"prompt": [1, 2, 3]}, headers=ALICE)
             assert again.status_code == 200
-        assert gate.admitted("alice") == gate.admitted("bob") == 0
+        assert gate.num_admitted("alice") == gate.num_admitted("bob") == 0
 
     asyncio.run(main())
     gate.close()
@@ -93,8 +93,9 @@ def test_a_flooding_tenant_gets_429_while_others_and_tokenization_go_on(engine):
 
 def test_a_tenant_whose_requests_keep_being_refused_is_refused_early_alone(engine):
     """server/refusals.py: past max_refusals_per_second refusals (400, 422) a tenant's requests
-    are 429 too_many_refusals before their body is read, for refusal_penalty seconds; another
-    tenant and the admin are not affected, and admins' refusals are not counted."""
+    are 429 too_many_refusals before their body is read, for refusal_penalty seconds, then at
+    most max_refusals_per_second a second for as long; another tenant and the admin are not
+    affected, and admins' refusals are not counted."""
     tenants = TenantDirectory({"sk-alice": Tenant("alice"), "sk-bob": Tenant("bob"),
                                "sk-ops": Tenant("ops", admin=True)})  # fmt: skip
     app = create_app(engine, tenants=tenants, limits=ServerLimits(max_refusals_per_second=3, refusal_penalty=30))
@@ -121,9 +122,16 @@ def test_a_tenant_whose_requests_keep_being_refused_is_refused_early_alone(engin
             assert await status(ok, BOB, "/v1/cache/lookup") == 200  # bob is not alice
             now[0] += 31
             assert await status(ok, ALICE, "/v1/cache/lookup") == 200  # the penalty is over
+            # ... then a probation as long: at most 3 requests started a second (a herd of
+            # clients back from one Retry-After is not all parsed before a refusal counts).
+            assert [await status(ok, ALICE, "/v1/cache/lookup") for _ in range(3)] == [200, 200, 429]
+            now[0] += 0.34
+            assert await status(ok, ALICE, "/v1/cache/lookup") == 200
+            now[0] += 31  # probation over: no bound but the refusals' own
+            assert [await status(ok, ALICE, "/v1/cache/lookup") for _ in range(5)] == [200] * 5
 
     asyncio.run(main())
-    assert app.state.serving.refusals.refused_early == 2
+    assert app.state.serving.refusals.refused_early == 3
 
 
 def test_a_tenant_gets_its_calls_a_second_and_no_more():

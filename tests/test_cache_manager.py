@@ -462,6 +462,27 @@ def test_no_partial_match_inside_a_shared_prefix_or_into_anothers_suffix():
     assert (m.num_tokens, m.partial_block) == (2 * B, None)
 
 
+def test_an_explanation_inside_a_shared_prefix_tells_whole_blocks_only():
+    """Issue #37: ``diverged_at`` counted the tokens a guess shared with a cached shared block,
+    a token-by-token oracle for every tenant of the salt (partial reuse is kept out of shared
+    prefixes for the same reason). Inside the shared run it is now a block's start."""
+    sim = Sim(16)
+    p = _tokens(64, seed=1)
+    a = _shared_seq(sim, p, "alice", "pub", 2)
+    assert sim.admit(a)
+    sim.free(a)
+    share = SharedPrefix("pub", 2 * B)
+    answers = set()
+    for cut in (B + 1, B + 4, 2 * B - 1):  # guesses right up to different tokens of block 1
+        guess = p[:cut] + [999] * (50 - cut)
+        e = sim.mgr.explain(guess, "bob", [], share)
+        answers.add((e.reason, e.diverged_at, e.cached_tokens))
+    assert answers == {("diverged", B, B)}
+    # A miss at the shared run's first block is no divergence at all (nothing to count).
+    e = sim.mgr.explain(p[:3] + [999] * 47, "bob", [], share)
+    assert (e.reason, e.diverged_at, e.cached_tokens) == ("no_prior_request", None, 0)
+
+
 # ---- caching disabled --------------------------------------------------------------------------
 def test_caching_disabled_never_hits_and_registers_nothing():
     sim = Sim(16, enable_caching=False)
@@ -565,6 +586,95 @@ def test_explain_other_namespace():
     assert sim.mgr.lookup(p, "a") == 32
     # Namespaces never share: serving it in "b" computes everything.
     assert sim.serve(p, ns="b").num_cached_tokens == 0
+
+
+def _fill(sim: Sim, prompts, ns: str | None = None) -> None:
+    """Serve each prompt (admit, compute, commit, free) without the per-step checks: many
+    cached blocks, cheaply."""
+    for prompt in prompts:
+        s = sim.seq(prompt, ns)
+        m = sim.mgr.match(s)
+        assert sim.mgr.admit(s, m, s.num_tokens - m.num_tokens)
+        sim.mgr.copy_partial_blocks(sim.copy)
+        sim.live.append(s)
+        sim.run(s, s.num_tokens - s.num_computed_tokens)
+        sim.free(s)
+
+
+def _scanned_divergence(sim: Sim, prompt: list[int], parent) -> int:
+    """The longest common prefix of the prompt's first block and every cached child of
+    ``parent``, scanned one by one (what explanations computed before issue #37)."""
+    best = -1
+    for e in sim.pool.index.children(parent):
+        n = 0
+        for x, y in zip(e.token_ids, prompt[:B]):
+            if x != y:
+                break
+            n += 1
+        best = max(best, n)
+    return best
+
+
+def test_explaining_a_miss_bisects_the_siblings_and_answers_as_a_scan(monkeypatch):
+    """Issue #37: a tenant caching thousands of one-block prompts made each explanation of a
+    miss under them scan every sibling under the engine lock. The answer is one bisection of
+    the sorted children, and it equals what the scan said."""
+    rng = random.Random(5)
+    sim = Sim(700)
+    siblings = [[7] * 15 + [1000 + j] for j in range(300)] + [
+        [rng.randrange(1, 60) for _ in range(B)] for _ in range(300)
+    ]
+    _fill(sim, [x + [1] for x in siblings])
+    root = sim.mgr.root(None)
+    probes = [[7] * 15 + [5000], [7] * 3 + [9] * 13, [8] * B, *siblings[:5]]
+    probes += [[rng.randrange(1, 60) for _ in range(B)] for _ in range(50)]
+    probes += [x[: rng.randrange(1, B)] + [rng.randrange(1, 60) for _ in range(B)] for x in siblings[300:340]]
+    expected = {}
+    for q in probes:
+        q = q[:B] + [3, 4]
+        expected[tuple(q)] = (_scanned_divergence(sim, q, root), sim.mgr.lookup(q, None))
+    calls = []
+    monkeypatch.setattr(type(sim.pool.index), "children", lambda *a: calls.append(a) or [])
+    for q, (best, hit) in expected.items():
+        e = _explain(sim, list(q), others=())
+        if best == B:  # a sibling is this very block
+            assert e.reason == "partial_block" or e.reason == "full_hit"
+        elif best > 0:
+            assert (e.reason, e.diverged_at, e.cached_tokens) == ("diverged", best, hit)
+        else:
+            assert e.reason == "no_prior_request"
+    assert not calls  # never a scan of the siblings
+
+
+def test_an_admins_explanation_is_bounded_in_namespaces(monkeypatch):
+    """Any tenant can make namespaces (one per cache_salt): an admin's explanation of a miss
+    looks at most the first blocks it needs in at most MAX_EXPLAIN_NAMESPACES of them, not the
+    whole prompt in every one."""
+    from prefixcache.cache import hashing, manager, prefix_index
+
+    n_ns = manager.MAX_EXPLAIN_NAMESPACES + 200
+    sim = Sim(n_ns + 8)
+    for k in range(n_ns):
+        _fill(sim, [_tokens(B + 1, seed=k)], ns=f"t/{k}")
+    p = _tokens(40 * B, seed=10**6)  # 40 blocks, cached nowhere
+    hashed = [0]
+    real = hashing.key_hash
+
+    def counting(data):
+        hashed[0] += 1
+        return real(data)
+
+    monkeypatch.setattr(hashing, "key_hash", counting)
+    monkeypatch.setattr(prefix_index, "key_hash", counting)
+    e = _explain(sim, p, ns="admin", others=sim.pool.index.namespaces())
+    assert e.reason == "no_prior_request"
+    # The prompt's own chain (40 keys), then at most one block per examined namespace.
+    assert hashed[0] <= 40 + manager.MAX_EXPLAIN_NAMESPACES + 1, hashed[0]
+    # A namespace holding the prompt's first block is still found.
+    monkeypatch.undo()
+    _fill(sim, [p[: 2 * B + 1]], ns="t/0")
+    e = _explain(sim, p, ns="admin", others=sim.pool.index.namespaces())
+    assert e.reason == "other_namespace"
 
 
 def test_explain_caching_disabled():

@@ -67,6 +67,36 @@ def test_prefix_policy_sticks_to_the_replica_holding_the_chain_and_leaves_it_und
     assert router.matched_blocks(_ID(first), [b"k1", b"k2"]) == 0
 
 
+def test_the_affinity_map_is_shared_by_tenants_and_records_served_requests_only():
+    """Issue #37: the router's map of each replica's keys was one LRU filled by every routed
+    request, refused or not, so one tenant's flood pushed every other tenant's affinity out.
+    Keys of a request the ingress settles as refused are never recorded; past the capacity the
+    tenant holding the most keys gives way (router capacity here: 4 blocks)."""
+    router = _router("prefix", imbalance=8)
+    reps = _replicas("a")
+    rid = reps[0].replica_id
+
+    def routed(keys, owner, ticket=None):
+        kwargs = {"route": keys, "route_owner": owner, "route_ticket": ticket}
+        pending = SimpleNamespace(kwargs=kwargs, future=SimpleNamespace(done=lambda: False))
+        router.on_request_routed(pending, rid, None)
+
+    routed([b"a1", b"a2"], "alice", "t1")
+    assert router.matched_blocks(rid, [b"a1", b"a2"]) == 0  # not settled yet
+    router.settle("t1", served=True)
+    assert router.matched_blocks(rid, [b"a1", b"a2"]) == 2
+    for i in range(20):  # bob's refused requests: nothing of them recorded
+        routed([b"r%d" % i], "bob", f"r{i}")
+        router.settle(f"r{i}", served=False)
+    assert router.matched_blocks(rid, [b"a1", b"a2"]) == 2 and len(router._keys[rid]) == 2
+    for i in range(20):  # bob's served requests: he fills the rest, then evicts his own
+        routed([b"b%d" % i], "bob", f"b{i}")
+        router.settle(f"b{i}", served=True)
+    assert router.matched_blocks(rid, [b"a1", b"a2"]) == 2  # alice within her share (2 of 4)
+    assert router.matched_blocks(rid, [b"b19"]) == 1 and router.matched_blocks(rid, [b"b0"]) == 0
+    router.settle("never-routed", served=True)  # an unknown ticket changes nothing
+
+
 def test_round_robin_spreads_and_target_pins():
     reps = _replicas("a", "b", "c")
     rr = _router("round_robin")
@@ -368,6 +398,39 @@ def test_kv_events_of_each_replica_rebuild_its_block_set(cluster):
 
 
 @pytest.mark.slow
+def _headers_only(srv, key: str | None) -> bytes:
+    """A POST declaring a 100 kB body that never comes: the status line the cluster answers
+    within 10 s (b"" when it waits for the body instead)."""
+    import socket
+
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    with socket.create_connection(("127.0.0.1", srv.port)) as s:
+        s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\n"
+                   f"Content-Type: application/json\r\nContent-Length: 100000\r\n{auth}\r\n").encode())
+        s.settimeout(10)
+        try:
+            return s.recv(4096).split(b"\r\n", 1)[0]
+        except TimeoutError:
+            return b""
+
+
+@pytest.mark.slow
+def test_the_ingress_reads_no_body_of_an_unknown_key_or_a_refused_tenant(cluster):
+    """Issue #37 item 8: the ingress read and JSON-parsed every body, keyless ones included,
+    and rendered and tokenized a tenant's requests for routing whatever the replicas' refusal
+    limiter said. An unknown key is a 401 before the body is read; a tenant whose requests the
+    replicas keep refusing (wrong model names: 404s, counted by the ingress over both replicas)
+    is a 429 too_many_refusals before its body is read."""
+    assert _headers_only(cluster, None).startswith(b"HTTP/1.1 401")
+    assert _headers_only(cluster, "sk-nobody").startswith(b"HTTP/1.1 401")
+    wrong = {"model": "not-served", "prompt": "Hi", "max_tokens": 1}
+    got = [httpx.post(cluster.base_url + "/v1/completions", json=wrong, timeout=60,
+                      headers={"Authorization": "Bearer sk-bob"}).status_code for _ in range(10)]  # fmt: skip
+    assert got[0] == 404 and set(got) <= {404, 429}
+    assert _headers_only(cluster, "sk-bob").startswith(b"HTTP/1.1 429")
+    time.sleep(2.5)  # bob's penalty (2 s by default) is over for the next test
+
+
 def test_sighup_reloads_the_keys_on_the_ingress_and_every_replica(cluster):
     """Keys given as flags reach the replicas and the ingress through the secrets file; SIGHUP
     re-reads the keys file everywhere: a revoked key is refused, a new one works (on every

@@ -113,6 +113,16 @@ def test_each_tenant_compares_with_its_own_responses_only_and_the_store_is_bound
     big = PromptRecord.of([1] * 20_000, (), "m", "alice")
     store.put("alice", "huge", big)
     assert store.get("alice", "huge") is None
+    # Every tenant's together are bounded too (issue #37): past it, the tenant holding the
+    # most gives up its oldest; a tenant within its share keeps what it has.
+    store = ResponseStore(max_responses=100, max_tokens=10_000, max_chars=10_000,
+                          max_total_tokens=4 * len(rec.ids), max_total_chars=10**9)  # fmt: skip
+    store.put("bob", "b1", rec)
+    for i in range(20):  # a tenant remembering response after response
+        store.put("alice", f"a{i}", rec)
+    assert store.get("bob", "b1") is rec and store.total_tokens <= 4 * len(rec.ids)
+    assert [store.get("alice", f"a{i}") is not None for i in range(17, 20)] == [True] * 3
+    assert store.get("alice", "a16") is None
     assert openai_diagnostics(None, 0, 16) == {"type": "comparison_response_not_found"}
     assert anthropic_diagnostics(None, 0, 16) == {
         "cache_miss_reason": {"type": "previous_message_not_found"}}

@@ -320,6 +320,47 @@ def test_steps_are_short_while_another_tenant_is_active(llm_cold):
     assert eng.pool.counts().in_use == 0
 
 
+def test_a_tenant_cannot_stay_newly_arrived(llm_cold):
+    """Issue #37: one-token requests finish in their first step, so their tenant had nothing
+    running at every step and got every other step to itself as a newcomer. Now a tenant gets
+    a newcomer step at most once every 2 x (active tenants) steps; the busy tenants' outputs
+    are their solo outputs all the same."""
+    with shared_default_weights():
+        eng = LLMEngine(EngineConfig(
+            kv_cache_memory="32MiB", max_num_batched_tokens=256, seed=0,
+            shared_step_ms=100, shared_window_s=30, busy_step_ms=0,
+        ))  # fmt: skip
+    eng.scheduler.pace = _FixedPace(0.1 / 40)
+    sp = SamplingParams(max_tokens=90, temperature=0, ignore_eos=True)  # busy past the steps
+    busy = [PROSE[i * 50 : i * 50 + 120] for i in range(2)]
+    seqs = [eng.add_request(f"{t}", p, sp, tenant=t) for t, p in zip("ac", busy, strict=True)]
+    tiny = SamplingParams(max_tokens=1, temperature=0)
+    alone = 0  # steps that ran tenant t's sequences and nobody else's
+    steps = 60
+    real = eng.scheduler.schedule
+
+    def schedule():
+        nonlocal alone
+        out = real()
+        tenants = {x.seq.tenant for x in out.scheduled}
+        alone += tenants == {"t"}
+        return out
+
+    eng.scheduler.schedule = schedule
+    for i in range(steps):
+        if not any(s.tenant == "t" for s in eng.scheduler.waiting):
+            eng.add_request(f"t{i}", [5 + i, 7, 9], tiny, tenant="t")  # always one waiting
+        eng.step()
+        eng.check_integrity()
+    assert not any(s.finished for s in seqs)
+    # 3 tenants: a newcomer step for t at most every 6 steps (it was every other one: ~30).
+    assert 0 < alone <= steps // 6 + 1, alone
+    assert eng.scheduler.counters.first_steps <= steps // 6 + 3
+    _run(eng)
+    refs = llm_cold.generate(busy, sp)
+    assert [s.output_token_ids for s in seqs] == [r.outputs[0].token_ids for r in refs]
+
+
 def test_a_flooding_tenant_does_not_hold_the_batch(llm_cold):
     """Tenant a fills every slot; tenant b's request is admitted at the next step by preempting
     a's newest sequence, and everybody's tokens equal their solo runs (preemption keeps them)."""

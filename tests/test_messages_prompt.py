@@ -222,6 +222,31 @@ def test_tool_calls_read_back_at_any_split():
     assert split_output("<tool_call>{oops", ["get_weather"]) == ["<tool_call>{oops"]
 
 
+def test_a_whole_answer_of_many_tags_is_read_in_linear_work():
+    """Issue #37: a non-streamed answer is fed whole, and each tag cut the rest of the buffer
+    off with a copy (quadratic in the number of tags). The buffer is now cut once per feed:
+    the characters the reader keeps, counted as assigned, stay a small multiple of the text."""
+    kept = [0]
+
+    class Counting(ToolCallReader):
+        @property
+        def _buf(self):
+            return self.__dict__["buf"]
+
+        @_buf.setter
+        def _buf(self, value):
+            kept[0] += len(value)
+            self.__dict__["buf"] = value
+
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    out = ("x" + call) * 2000
+    r = Counting(["get_weather"])
+    got = r.feed(out) + r.finish()
+    assert sum(isinstance(x, ToolCall) for x in got) == 2000 and "".join(
+        x for x in got if isinstance(x, str)) == "x" * 2000  # fmt: skip
+    assert kept[0] <= 2 * len(out), kept[0]  # (it was ~n^2 / 2: ~8e7 here)
+
+
 def test_usage_adds_up_and_counts_every_cached_prefix_as_a_read():
     bps = (Breakpoint("system.0", "1h", 40), Breakpoint("automatic", "5m", 90))
     first = usage(100, 0, 5, bps, 16, True)

@@ -226,3 +226,37 @@ def test_preempted_segments_requests_are_rebuilt_and_equal_running_alone(llm, st
     assert small.engine.scheduler.counters.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == alone
     small.check_integrity()
+
+
+def test_the_segment_store_is_shared_by_tenants_as_the_tiers_are():
+    """Issue #37: the store was one LRU, so one tenant's stream of new documents evicted every
+    tenant's. Past its capacity the owner holding the most bytes gives way (cache/shares.py):
+    alice evicts her own entries, and bob's only while he holds more than she does."""
+    from prefixcache.segments.store import SegmentEntry, SegmentStore
+
+    def entry(ns: str, i: int) -> SegmentEntry:
+        kv = torch.zeros(1, 1, 4, 8)  # 128 bytes each
+        return SegmentEntry(ns, (i, i + 1, i + 2, i + 3), kv, kv.clone())
+
+    size = 2 * 4 * 8 * 4
+    store = SegmentStore(6 * size)
+    bob = [i.to_bytes(16, "big") for i in range(100, 103)]
+    for i, k in enumerate(bob):
+        assert store.put(k, entry("bob/docs", i))
+    for i in range(10):  # alice's stream of new documents
+        assert store.put(i.to_bytes(16, "big"), entry("alice", 10 + i))
+        store.check_integrity()
+    assert all(store.contains(k) for k in bob)  # bob holds 3 of 6: within his share
+    assert sum(store.contains(i.to_bytes(16, "big")) for i in range(10)) == 3  # alice's newest
+    assert store.evicted == 7 and store.used_bytes == 6 * size
+    # Bob over his share (alice below it) gives way to her.
+    for i in range(3, 6):
+        assert store.put((100 + i).to_bytes(16, "big"), entry("bob", i))
+    assert sum(store.contains((100 + i).to_bytes(16, "big")) for i in range(6)) == 3
+    store.check_integrity()
+    # The offline API's namespace (None) is an owner like any: its entries give way too.
+    offline = SegmentStore(2 * size)
+    for i in range(5):
+        assert offline.put((200 + i).to_bytes(16, "big"), entry(None, i))
+    assert len(offline) == 2 and offline.evicted == 3
+    offline.check_integrity()

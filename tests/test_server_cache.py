@@ -43,6 +43,10 @@ def server(tmp_path_factory):
         yield srv
 
 
+def _auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
 def ids(seed: int, n: int) -> list[int]:
     return random.Random(seed).choices(range(1000, 30000), k=n)
 
@@ -108,9 +112,12 @@ def test_missing_or_wrong_key_is_401(server):
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         client.completions.create(model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=1)
-    # Health and metrics stay open to probes and scrapers.
+    # Health stays open to probes; with keys, /metrics needs an admin key (or --metrics-key):
+    # its counts are every tenant's traffic.
     assert httpx.get(server.base_url + "/health").status_code == 200
-    assert httpx.get(server.base_url + "/metrics").status_code == 200
+    assert httpx.get(server.base_url + "/metrics").status_code == 401
+    assert httpx.get(server.base_url + "/metrics", headers=_auth("sk-alice")).status_code == 401
+    assert httpx.get(server.base_url + "/metrics", headers=_auth("sk-ops")).status_code == 200
     good = openai.OpenAI(base_url=server.base_url + "/v1", api_key="sk-alice", max_retries=0)
     assert good.completions.create(model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=1)
 

@@ -43,9 +43,13 @@ def server(tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps(KEYS))
     # The fuzz sends refusals back to back on purpose: the refusal limit (refusals.py, tested
-    # in test_cache_gate) would answer most of them 429 before their bodies are looked at.
+    # in test_cache_gate) would answer most of them 429 before their bodies are looked at, and
+    # the cache-call rate (charged before a body is read: cache_gate.py) most of its cache calls,
+    # and its bursts of 401s would cut its address off (refusals.PeerGuard).
     args = ["--api-keys-file", str(keys), "--kv-cache-memory", "16MiB", "--max-model-len", "64",
-            "--max-body-bytes", "256KiB", "--max-refusals-per-second", "1000000"]  # fmt: skip
+            "--max-body-bytes", "256KiB", "--max-refusals-per-second", "1000000",
+            "--max-cache-calls-per-second", "1000000",
+            "--max-unauthenticated-per-second", "1000000"]  # fmt: skip
     with ServerProcess(args) as srv:
         yield srv
 

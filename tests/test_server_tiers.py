@@ -126,7 +126,7 @@ def test_two_servers_share_redis_restart_from_disk_tenants_faults(tmp_path):
         }  # fmt: skip
         admin = _stats(b, "sk-ops")["tiers"]
         assert admin["redis"]["hit_tokens"] == 5 * BLOCK and admin["disk"]["enabled"] is True
-        metrics = httpx.get(b.base_url + "/metrics").text
+        metrics = httpx.get(b.base_url + "/metrics", headers={"Authorization": "Bearer sk-ops"}).text
         assert 'prefixcache:tier_hit_tokens_total{model_name=' in metrics
         assert 'tier="redis"} 80.0' in metrics
 

@@ -3,6 +3,7 @@ namespaces, the metrics key, the `serve` command line, OpenAI error bodies, malf
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -11,7 +12,7 @@ from pydantic import ValidationError
 from prefixcache.api.request import SharedPrefix
 from prefixcache.cli import build_parser
 from prefixcache.server.auth import CacheScope, Tenant, TenantDirectory, load_keys_file
-from prefixcache.server.body import parse_json
+from prefixcache.server.body import json_containers, parse_json
 from prefixcache.server.cli import _engine_config, _limits, origin_policy
 from prefixcache.server.errors import APIError, validation_error
 from prefixcache.server.limits import ServerLimits
@@ -206,6 +207,33 @@ def test_serve_command_line():
         ServerLimits(send_timeout=0)
 
 
+def test_an_open_server_on_a_non_loopback_address_needs_an_explicit_flag(tmp_path, capsys):
+    """Issue #37: with no API key every caller is the admin; bound beyond loopback that was
+    served without a word. Now it is refused (exit 2, before the model loads) unless
+    --allow-open-remote says so, as the KV events stream's --kv-events-allow-remote."""
+    from prefixcache.cli import main
+    from prefixcache.server.auth import TenantDirectory
+    from prefixcache.server.cli import check_open_bind
+
+    assert main(["serve", "--host", "0.0.0.0", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--allow-open-remote" in err and "admin" in err
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"sk-a": "alice"}')
+
+    def ok(*argv: str, tenants=None) -> bool:
+        try:
+            check_open_bind(tenants or TenantDirectory(), build_parser().parse_args(["serve", *argv]))
+        except ValueError:
+            return False
+        return True
+
+    assert not ok("--host", "10.0.0.5") and not ok("--host", "::")
+    assert ok() and ok("--host", "localhost") and ok("--host", "::1")
+    assert ok("--host", "0.0.0.0", "--allow-open-remote")
+    assert ok("--host", "0.0.0.0", tenants=TenantDirectory.from_options(api_keys_file=keys))
+
+
 def test_origin_policy_follows_the_bind_address():
     """The Host check is on for a loopback bind or with --allowed-hosts; off for a wildcard
     bind (reached by names we cannot know). The Origin and Content-Type checks are always on."""
@@ -284,8 +312,9 @@ def test_engine_errors_map_to_openai_statuses_by_type():
     [
         (b'{"temperature": NaN}', "invalid_json", None),
         (b'{"max_tokens": ' + b"9" * 5000 + b"}", "invalid_json", None),
-        (b"[" * 100_000 + b"]" * 100_000, "invalid_json", None),
+        (b"[" * 100_000 + b"]" * 100_000, "json_too_complex", None),  # counted before parsing
         (b'{"a":' * 40 + b"1" + b"}" * 40, "invalid_json", None),  # deeper than 32
+        (b'{"messages": [' + b'{"a": []},' * 5000 + b"{}]}", "json_too_complex", None),
         (b'{"prompt": "ok \\ud800"}', "invalid_text", "prompt"),
         (b'{"messages": [{"content": "\\udfff"}]}', "invalid_text", "messages.0.content"),
         (b'{"\\ud800": 1}', "invalid_text", None),
@@ -298,6 +327,59 @@ def test_malformed_bodies_are_400s_naming_the_problem(raw, code, param):
     with pytest.raises(APIError) as e:
         parse_json(raw, ServerLimits())
     assert (e.value.status, e.value.code, e.value.param) == (400, code, param)
+
+
+def test_a_snapshot_is_read_by_one_reader_at_a_time_on_its_own_thread():
+    """server/snapshot.py: callers that arrive while a read is under way share it; an untrusted
+    caller reuses a read younger than max_age, a fresh one never does; a caller that leaves
+    does not cancel the read the others wait for."""
+    import threading
+
+    from prefixcache.server.snapshot import Snapshot, SnapshotReader
+
+    reads, release = [], threading.Event()
+
+    def read() -> int:
+        reads.append(threading.current_thread().name)
+        assert release.wait(10)
+        return len(reads)
+
+    now = [0.0]
+    reader = SnapshotReader()
+    snap = Snapshot(read, reader, max_age=1.0, clock=lambda: now[0])
+
+    async def main():
+        waiting = [asyncio.ensure_future(snap.get(fresh=True)) for _ in range(20)]
+        await asyncio.sleep(0.05)
+        release.set()
+        assert await asyncio.gather(*waiting) == [1] * 20  # one read for all of them
+        assert reads == ["prefixcache-snapshot_0"]
+        assert await snap.get(fresh=True) == 2  # fresh: a read of its own once that one ended
+        assert await snap.get() == 2 and len(reads) == 2  # untrusted: reused within max_age
+        now[0] = 1.5
+        assert await snap.get() == 3
+        release.clear()
+        leaver, stayer = asyncio.ensure_future(snap.get(fresh=True)), asyncio.ensure_future(snap.get(fresh=True))
+        await asyncio.sleep(0.05)
+        leaver.cancel()
+        release.set()
+        assert await stayer == 4
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        reader.close()
+
+
+def test_brackets_inside_strings_are_not_counted_as_containers():
+    """The container bound counts the body's objects and arrays exactly (body.json_containers):
+    brackets in a text, escaped quotes and backslashes included, are not containers."""
+    text = '{[' * 20000 + '"{\\' + '\\"[' + "x\\"
+    raw = json.dumps({"prompt": text, "messages": [{"a": [[], {}]}]}).encode()
+    assert json_containers(raw, ServerLimits().max_json_containers) == 6
+    assert json_containers(raw, -1) == 6  # the exact count (the quick one is over any limit)
+    assert parse_json(raw, ServerLimits())["prompt"] == text
 
 
 def test_valid_text_and_paired_surrogates_pass():

@@ -167,6 +167,47 @@ def test_a_shared_system_prompt_is_hit_by_others_and_the_suffix_is_not(app):
     serve(app, test)
 
 
+def messages_body(turn: str, **extra) -> dict:
+    """An Anthropic Messages request under the shared salt with automatic caching (one
+    breakpoint on the last block: the whole conversation)."""
+    return {"model": "SmolLM2-135M-Instruct", "max_tokens": 1, "system": SYSTEM,
+            "messages": [{"role": "user", "content": turn}], "cache_control": {"type": "ephemeral"},
+            "cache_salt": "public", "return_cache_info": True, **extra}  # fmt: skip
+
+
+def test_a_guess_of_anothers_private_turn_under_a_shared_salt_learns_nothing(app):
+    """Issue #37 item 7: on /v1/messages the first breakpoint was the declared shared prefix,
+    so automatic caching shared the whole conversation with every tenant of the salt, and
+    ``cached_tokens`` / ``diverged_at`` told a guess of another's turn from a wrong one. Now the
+    shared prefix stops at the tools and system unless a breakpoint says ``shared``: alice's
+    exact guess of bob's private turn and a wrong guess get identical counts and explanations."""
+    private = "My PIN is 4471 and my salary is 91,250 dollars; file my tax form."
+    wrong = "My PIN is 9999 and my salary is 12,000 dollars; file my tax form."
+
+    async def test(call):
+        b = await call("sk-bob", "/v1/messages", messages_body(private))
+        shared = b["cache_info"]["shared_tokens"]
+        assert B <= shared < b["usage"]["input_tokens"] + b["usage"]["cache_read_input_tokens"] + \
+            b["usage"]["cache_creation_input_tokens"] - B  # the system only, not the turn
+        seen = []
+        for guess in (private, wrong):
+            await call("sk-alice", "/v1/cache/invalidate", {"namespace": "alice/public"})
+            r = await call("sk-alice", "/v1/messages", messages_body(guess))
+            info = {k: v for k, v in r["cache_info"].items()}
+            seen.append((r["usage"]["cache_read_input_tokens"], info))
+        assert seen[0] == seen[1], seen
+        assert seen[0][0] == shared  # the system prompt: public by declaration, hit by both
+        # A breakpoint marked shared declares everything up to it: then the turn is public.
+        await call("sk-bob", "/v1/messages", messages_body(
+            private, cache_control={"type": "ephemeral", "shared": True}, cache_salt="public"))
+        await call("sk-alice", "/v1/cache/invalidate", {"namespace": "alice/public"})
+        r = await call("sk-alice", "/v1/messages", messages_body(
+            private, cache_control={"type": "ephemeral", "shared": True}))
+        assert r["usage"]["cache_read_input_tokens"] > shared
+
+    serve(app, test)
+
+
 def test_outputs_are_the_same_bits_with_the_shared_prefix_from_cache(llm, llm_cold):
     """Bob's request reuses alice's shared prefix (its blocks) and runs his own suffix: tokens
     and logprobs equal the uncached engine's."""
@@ -240,3 +281,31 @@ def test_a_disk_tier_restores_both_parts_of_a_crossing_chain(tmp_path, llm_cold)
     expect = llm_cold.generate([prompt], sp)[0].outputs[0].token_ids
     assert bob.outputs[0].token_ids == alice.outputs[0].token_ids == expect
     second.check_integrity()
+
+
+def test_a_shared_prefix_is_written_to_the_tiers_with_the_default_retention(tmp_path):
+    """Issue #37: a block's retention is that of the request that registered it first, so the
+    first tenant to cache a shared prefix decided for everyone whether it reached the tiers
+    ("in_memory") or expired there after a day ("24h"). A request's retention now applies to
+    its own blocks: the shared run is written without a deadline, whoever asks what."""
+    from prefixcache.tiers.disk import SUBDIR
+
+    eng = LLM(kv_cache_memory="24MiB", disk_cache_dir=tmp_path, seed=0).engine
+    prompt = ids(31, 3 * B) + ids(32, B + 4)  # 3 shared blocks, then one of the tenant's own
+    sp = SamplingParams(max_tokens=1, temperature=0)
+
+    def run(rid: str, tenant: str, retention: str, own: list[int]) -> None:
+        eng.add_request(rid, prompt[: 3 * B] + own, sp, f"{tenant}/public", tenant=tenant,
+                        shared_prefix=SharedPrefix("public", 3 * B), retention=retention)
+        while eng.has_unfinished():
+            eng.step()
+        assert eng.connectors.flush()
+
+    def files() -> list[list[str]]:  # per record: its name's parts (a deadline makes three)
+        return sorted(p.name.split(".") for p in (tmp_path / SUBDIR).glob("*/*.blk"))
+
+    run("a", "alice", "in_memory", prompt[3 * B :])
+    assert [len(f) for f in files()] == [2, 2, 2]  # the shared run: written, no deadline
+    run("b", "bob", "24h", ids(33, B + 4))
+    assert sorted(len(f) for f in files()) == [2, 2, 2, 3]  # + bob's own block, with its day
+    eng.check_integrity()

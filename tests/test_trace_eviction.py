@@ -71,6 +71,51 @@ def test_a_bad_line_is_an_error_with_its_line_number(tmp_path):
         read_trace(path)
 
 
+GOOD = [  # two good lines first: ids 1 -> 2 -> 3, and 1 -> 4
+    {"timestamp": 0, "input_length": 1500, "output_length": 1, "hash_ids": [1, 2, 3]},
+    {"timestamp": 5, "input_length": 1000, "output_length": 1, "hash_ids": [1, 4]},
+]
+_ROW = {"timestamp": 9, "input_length": 1500, "output_length": 1}
+
+
+@pytest.mark.parametrize("line, says", [
+    ("{not json", r"invalid JSON"),
+    ("[1, 2]", r"not a JSON object"),
+    (json.dumps({**_ROW, "timestamp": -1, "hash_ids": [1, 2, 5]}), r"'timestamp' must be"),
+    (json.dumps({**_ROW, "input_length": "1500", "hash_ids": [1, 2, 5]}), r"'input_length' must"),
+    (json.dumps({**_ROW, "hash_ids": [1, 2, True]}), r"'hash_ids' must be a list of integers"),
+    (json.dumps({**_ROW, "hash_ids": [1, 2]}), r"2 hash ids for input_length 1500"),
+    # Issue #37: these ended in a traceback from cache/eviction.py ("block 1 is already cached").
+    (json.dumps({**_ROW, "hash_ids": [1, 5, 1]}), r"hash id 1 repeats within the request \(blocks 0 and 2\)"),
+    (json.dumps({**_ROW, "hash_ids": [7, 2, 8]}), r"hash id 2 follows parent 7 here but parent 1 at \S*bad.jsonl:1"),
+    (json.dumps({**_ROW, "hash_ids": [9, 4, 8]}), r"hash id 4 follows parent 9 here but parent 1 at \S*bad.jsonl:2"),
+    (json.dumps({**_ROW, "hash_ids": [2, 8, 9]}), r"hash id 2 follows no parent \(a first block\) here but parent 1"),
+    (json.dumps({**_ROW, "hash_ids": [5, 1, 8]}), r"hash id 1 follows parent 5 here but no parent \(a first block\)"),
+])  # fmt: skip
+def test_each_malformed_trace_shape_is_a_clear_error_with_its_line(tmp_path, capsys, line, says):
+    """Every malformed line names the file and its line (and, for the hash-id rule, the id and
+    the line it was first seen on): read_trace raises it, `prefixcache analyze` prints it and
+    exits 2, never a traceback."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in GOOD) + line + "\n")
+    with pytest.raises(TraceFormatError, match=r"bad.jsonl:3: " + says):
+        read_trace(path)
+    rc = main(["analyze", str(path), "--trace-format", "mooncake", "--cache-fraction", "0.5"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "bad.jsonl:3: " in err and "Traceback" not in err, err
+
+
+def test_bench_serve_refuses_a_malformed_trace_with_its_line(tmp_path, capsys):
+    """`bench serve --dataset-name mooncake-trace`: the same message, exit 2, before any server
+    is contacted (there is none at this address)."""
+    path = tmp_path / "bad.jsonl"
+    write(path, [*GOOD, {**_ROW, "hash_ids": [1, 5, 1]}])
+    rc = main(["bench", "serve", "--dataset-name", "mooncake-trace", "--dataset-path", str(path),
+               "--base-url", "http://127.0.0.1:9", "--num-prompts", "3", "--disable-tqdm"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "bad.jsonl:3: hash id 1 repeats within the request" in err, err
+
+
 def random_trace(seed: int, n: int = 300) -> list:
     """Conversations that extend their previous turn, over a few shared roots."""
     rng = random.Random(seed)

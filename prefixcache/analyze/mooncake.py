@@ -8,10 +8,14 @@ Mooncake repository's FAST25-release traces, also replayed by NVIDIA aiperf as
 
 Hash ids name prefixes, not contents: the same id always follows the same parent (checked on
 both published traces), so the ids of all requests form a forest, the shape the eviction
-policies (``cache/eviction.py``) work on.
+policies (``cache/eviction.py``) work on. The rule, checked as the trace is read
+(``PrefixForest``): **within one request no id repeats, and an id always follows the same
+parent (the id before it, or none: the request's first block) in every request**. An id that
+repeats names a block that would be its own ancestor; one under two parents names two prefixes.
 
-A bad line is a :class:`TraceFormatError` naming the file and line: a trace is an input we
-replay, not a log to salvage, so nothing is skipped silently.
+A bad line is a :class:`TraceFormatError` naming the file and line (and, for the rule above,
+the id and the line where it was first seen): a trace is an input we replay, not a log to
+salvage, so nothing is skipped silently.
 """
 
 from __future__ import annotations
@@ -83,19 +87,53 @@ def parse_request(line: str, where: str = "<line>") -> TraceRequest:
     return TraceRequest(float(ts), n_in, n_out, tuple(ids))
 
 
+class PrefixForest:
+    """Each hash id's parent as first seen (and where), to check the rule of the module: ids
+    form a forest of prefixes."""
+
+    def __init__(self) -> None:
+        self._parent: dict[int, tuple[int | None, str]] = {}
+
+    def add(self, r: TraceRequest, where: str) -> None:
+        seen: dict[int, int] = {}
+        parent = None
+        for i, h in enumerate(r.hash_ids):
+            if h in seen:
+                raise TraceFormatError(
+                    f"{where}: hash id {h} repeats within the request (blocks {seen[h]} and "
+                    f"{i}); a Mooncake hash id names a block with its whole prefix, so it "
+                    "occurs at most once in a request")
+            seen[h] = i
+            first = self._parent.setdefault(h, (parent, where))
+            if first[0] != parent:
+                def name(x):
+                    return "no parent (a first block)" if x is None else f"parent {x}"
+
+                raise TraceFormatError(
+                    f"{where}: hash id {h} follows {name(parent)} here but {name(first[0])} "
+                    f"at {first[1]}; a Mooncake hash id names a block with its whole prefix, "
+                    "so it always follows the same parent")
+            parent = h
+
+
 def read_trace(path: str | Path, max_requests: int | None = None,
                start_ms: float | None = None, end_ms: float | None = None) -> list[TraceRequest]:
-    """The requests of a trace, in file order, optionally cut to a time window / a count."""
+    """The requests of a trace, in file order, optionally cut to a time window / a count; the
+    requests kept obey the rule of the module (``TraceFormatError`` naming the line, the id,
+    and the line where it was first seen)."""
     out: list[TraceRequest] = []
+    forest = PrefixForest()
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            r = parse_request(line, f"{path}:{lineno}")
+            where = f"{path}:{lineno}"
+            r = parse_request(line, where)
             if start_ms is not None and r.timestamp_ms < start_ms:
                 continue
             if end_ms is not None and r.timestamp_ms >= end_ms:
                 continue
+            forest.add(r, where)
             out.append(r)
             if max_requests is not None and len(out) >= max_requests:
                 break

@@ -10,7 +10,7 @@ No torch here, and no engine import: plain data and a ``typing.Protocol``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -190,8 +190,11 @@ class EngineAPI(Protocol):
         tenant: str | None = None,
         quota: bool = True,
         shared_prefix: SharedPrefix | None = None,
+        offload: Callable[..., Awaitable] | None = None,
     ) -> WarmResult:
-        """Prefill (and pin, charged to ``tenant``; ``quota=False`` for admins)."""
+        """Prefill (and pin, charged to ``tenant``; ``quota=False`` for admins); refused as a
+        request would be before any work. ``offload(fn, *args)`` runs its calls that take the
+        engine lock (default: a worker thread), never the event loop."""
 
     async def warm_segments(
         self,
@@ -200,9 +203,11 @@ class EngineAPI(Protocol):
         namespace: str | None,
         *,
         tenant: str | None = None,
+        offload: Callable[..., Awaitable] | None = None,
     ) -> int:
         """Store each span as a segment (cache_mode="segments"), as a request of ``tenant``
-        (admitted and budgeted like any); returns those stored already."""
+        (admitted and budgeted like any); returns those stored already. ``offload``: as for
+        ``warm``."""
 
     def set_pin_tenants(self, tenants: Iterable[str]) -> None:
         """The tenants bound by a pin quota; their quotas sum within the pin budget."""

@@ -153,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         run_serve(args)
     except ServeError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return e.status
     return 0
 
 

@@ -30,7 +30,12 @@ from prefixcache.bench.stats import calculate_metrics, parse_goodput
 
 
 class ServeError(Exception):
-    """A failure to report in one line and exit 1 (unreachable server, bad arguments)."""
+    """A failure to report in one line and exit with ``status``: 1 (unreachable server, bad
+    arguments), 2 for bad input (a dataset that cannot be read: a malformed trace line)."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
@@ -70,6 +75,18 @@ def run_serve(args: argparse.Namespace) -> dict:
         raise ServeError(str(e)) from e
     selected = (args.percentile_metrics or "ttft,tpot,itl").split(",")
 
+    # The dataset first: a file that cannot be read is the input's fault (exit 2), whether or
+    # not a server answers.
+    tokenizer, tokenizer_id = load_bench_tokenizer(args)
+    options = {k: getattr(args, k) for k in DATASET_OPTIONS[args.dataset_name]}
+    try:
+        requests = sample_requests(args.dataset_name, tokenizer, args.num_prompts, args.seed,
+                                   **options)
+    except (OSError, ValueError) as e:
+        raise ServeError(f"dataset {args.dataset_name}: {e}", status=2) from e
+    if len(requests) != args.num_prompts:
+        print(f"{args.dataset_name}: {len(requests)} requests")
+
     try:
         models = asyncio.run(probe(base_url, headers))
     except httpx.HTTPStatusError as e:
@@ -79,16 +96,6 @@ def run_serve(args: argparse.Namespace) -> dict:
     model = args.model or (models[0] if models else None)
     if model is None:
         raise ServeError(f"{base_url}/v1/models lists no model; pass --model")
-
-    tokenizer, tokenizer_id = load_bench_tokenizer(args)
-    options = {k: getattr(args, k) for k in DATASET_OPTIONS[args.dataset_name]}
-    try:
-        requests = sample_requests(args.dataset_name, tokenizer, args.num_prompts, args.seed,
-                                   **options)
-    except (OSError, ValueError) as e:
-        raise ServeError(f"dataset {args.dataset_name}: {e}") from e
-    if len(requests) != args.num_prompts:
-        print(f"{args.dataset_name}: {len(requests)} requests")
 
     ignore_eos = args.ignore_eos or args.dataset_name in IGNORE_EOS_DATASETS
     sampling = {"temperature": 0.0 if args.temperature is None else args.temperature}

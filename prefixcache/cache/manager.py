@@ -87,6 +87,10 @@ MAX_JOINS = 65536
 MAX_CACHED_ROOTS = 4096
 
 
+# Namespaces an admin's explanation of a miss examines at most (explain_in).
+MAX_EXPLAIN_NAMESPACES = 1024
+
+
 class BlockCopy(NamedTuple):
     """Copy the K/V of block ``src``'s first ``num_tokens`` tokens into block ``dst`` (its
     slots 0..num_tokens-1): a partial block reused token-exactly."""
@@ -445,12 +449,14 @@ class KVCacheManager:
         """Why this prompt would (not) hit now. No side effects.
 
         Everything up to the "other namespace" check reads only keys of the prompt's own chain
-        (its declared shared prefix, then ``namespace``'s part), so its answer and its cost do
-        not depend on other namespaces: where the prompt diverges inside the shared prefix the
-        siblings scanned are shared prefixes (public by declaration), and past it they are
-        blocks of ``namespace`` alone, whose chain no other owner reaches (the join). So
-        ``diverged_at`` never reports past the shared part into blocks the caller does not
-        own. Only ``other_namespaces`` (empty unless the caller is an admin) looks elsewhere."""
+        (its declared shared prefix, then ``namespace``'s part), so its answer does not depend
+        on other namespaces: where the prompt diverges inside the shared prefix the answer is
+        at a block's start (whole blocks, as a hit: no token of a shared block is told apart),
+        and past it the siblings compared are blocks of ``namespace`` alone, whose chain no
+        other owner reaches (the join). So ``diverged_at`` never reports past the shared part
+        into blocks the caller does not own. Its cost is one bisection of the siblings
+        (``PrefixIndex.longest_child``), not a scan. Only ``other_namespaces`` (empty unless
+        the caller is an admin; at most ``MAX_EXPLAIN_NAMESPACES`` examined) looks elsewhere."""
         return self.explain_in(token_ids, self.scope(namespace, shared, len(token_ids)), other_namespaces)
 
     def explain_in(self, token_ids: list[int], scope: KeyScope, other_namespaces) -> CacheExplanation:
@@ -475,22 +481,36 @@ class KVCacheManager:
             parent = join_hash(keys[i - 1], self.root(namespace))
         else:
             parent = keys[i - 1]
-        nxt = token_ids[i * b : (i + 1) * b]
-        best = -1
-        for e in self.pool.index.children(parent):
-            common = 0
-            for x, y in zip(e.token_ids, nxt):
-                if x != y:
-                    break
-                common += 1
-            best = max(best, common)
+        index = self.pool.index
+        if i < scope.shared_blocks:
+            # Inside a declared shared prefix: whole blocks only, as a hit (no partial reuse
+            # there either). A token count into a shared block would let a tenant test a guess
+            # of its content token by token; a miss at block 0 is no divergence at all.
+            best = 0 if i else -1
+        else:
+            # The cached child sharing the most of the next block's tokens: one bisection of
+            # the sorted children (PrefixIndex.longest_child), however many siblings there
+            # are; a scan of them all let a tenant with thousands of one-block prompts stall
+            # every step (issue #37).
+            hit = index.longest_child(parent, token_ids[i * b : (i + 1) * b])
+            best = hit[1] if hit is not None else (0 if index.has_children(parent) else -1)
         # Sharing no token at all with any cached prompt is not a divergence.
         if best > 0 or (best == 0 and i > 0):
             return CacheExplanation(cached, cached, "diverged", diverged_at=i * b + best)
+        # Admins: would another namespace hit more? Only whole blocks count there, so at most
+        # the first i + 1 blocks are hashed per namespace, and the walk stops at its first miss
+        # (one hash for a namespace that does not share block 0); namespaces holding fewer
+        # blocks are skipped unhashed, and at most MAX_EXPLAIN_NAMESPACES are examined: any
+        # tenant can make namespaces (one per cache_salt), so their number is the tenants'.
+        need = i + 1
+        examined = 0
         for ns in other_namespaces:
-            if ns == namespace:
+            if ns == namespace or index.num_blocks_in_namespace(ns) < need:
                 continue
-            other = self.pool.match(self.keys_for(token_ids[:usable], ns), token_ids, self.root(ns))
+            examined += 1
+            if examined > MAX_EXPLAIN_NAMESPACES:
+                break
+            other = self.pool.match_tokens(token_ids, self.root(ns), need * b)
             if other.num_tokens > cached:
                 return CacheExplanation(cached, cached, "other_namespace")
         return CacheExplanation(cached, cached, "no_prior_request")

@@ -238,6 +238,9 @@ class PrefixIndex:
     def children(self, parent: BlockHash) -> list[IndexEntry]:
         return [self._entries[c[-KEY_BYTES:]] for c in self._children.get(parent, ())]
 
+    def has_children(self, parent: BlockHash) -> bool:
+        return parent in self._children  # an emptied list is removed (remove_block)
+
     def longest_child(
         self, parent: BlockHash, token_ids: Sequence[int]
     ) -> tuple[IndexEntry, int] | None:

@@ -54,7 +54,7 @@ def _specs(args: argparse.Namespace, secrets_path: str | None):
     from prefixcache.cluster.replica import ReplicaSpec
     from prefixcache.cluster.secrets import tenant_options as with_secrets
     from prefixcache.server.auth import TenantDirectory
-    from prefixcache.server.cli import _engine_config, _limits, origin_policy
+    from prefixcache.server.cli import _engine_config, _limits, check_open_bind, origin_policy
 
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
@@ -63,7 +63,7 @@ def _specs(args: argparse.Namespace, secrets_path: str | None):
     tenant_options = {"api_keys_file": args.api_keys_file and str(Path(args.api_keys_file).resolve()),
                       "shared_namespaces": list(args.shared_namespace or [])}  # fmt: skip
     # a typo fails here, before Ray starts
-    TenantDirectory.from_options(**with_secrets(tenant_options, secrets_path))
+    check_open_bind(TenantDirectory.from_options(**with_secrets(tenant_options, secrets_path)), args)
     threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // args.replicas)
     config = _engine_config(args)
     limits = _limits(args)
@@ -72,7 +72,7 @@ def _specs(args: argparse.Namespace, secrets_path: str | None):
         engine=config, tenant_options=tenant_options, secrets_file=secrets_path,
         served_model_names=args.served_model_name, limits=limits,
         drain_timeout=args.graceful_shutdown_timeout, log_requests=args.log_requests,
-        threads=threads, origin=origin,
+        threads=threads, origin=origin, public_metrics=args.public_metrics,
     )  # fmt: skip
     ingress = IngressSpec(model=config.model and str(config.model), tenant_options=tenant_options,
                           secrets_file=secrets_path, limits=limits, routing=args.routing,

@@ -8,14 +8,20 @@
   ``/v1/debug/integrity`` go to every replica (with the caller's own headers, so each replica
   applies the same auth and tenant scoping) and the answers are merged (aggregate.py);
   ``/v1/cluster`` (admin) lists the replicas and the router's decisions.
-- The ingress authenticates nothing itself beyond ``/v1/cluster``: the replicas do, with the
-  same keys, so a cluster answers exactly as one server.
+- The replicas authenticate and scope every request, with the same keys, so a cluster answers
+  as one server. The ingress checks two things itself, before it reads a body (issue #37): a
+  request to an API route (``/v1/...``) with a body must carry a known key (else the 401 the
+  replica would give, unread), and a non-admin tenant over its refusal limit is answered 429
+  ``too_many_refusals`` (server/refusals.py): the ingress counts the refusals its replicas
+  answer (400, 404, 413, 422, 429), so a tenant the replicas would refuse early is refused
+  here before its body is read, parsed, rendered and tokenized for routing.
 """
 
 
 import asyncio
 import json
 import logging
+import uuid
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -74,6 +80,10 @@ def build_ingress(serve):
             self.infos: dict[str, dict] = {}
             self.retries = 0
             self._keys_lock = asyncio.Lock()
+            from prefixcache.server.refusals import RefusalLimiter
+
+            lim = spec.limits
+            self.refusals = RefusalLimiter(lim.max_refusals_per_second, lim.refusal_penalty)
 
         # -- helpers ----------------------------------------------------------------------------
         def _router(self):
@@ -99,7 +109,8 @@ def build_ingress(serve):
                     if router is not None:
                         router.capacity_blocks = info["num_blocks"]
                     self.keys = RouteKeys(tok, self.tenants, info["fingerprint"], info["block_size"],
-                                          max_tokens=info["max_model_len"]) if tok else False  # fmt: skip
+                                          max_tokens=info["max_model_len"],
+                                          limits=self.spec.limits) if tok else False  # fmt: skip
             return self.keys
 
         async def _targets(self) -> list[str]:
@@ -193,8 +204,10 @@ def build_ingress(serve):
 
             path = "/" + path
             method = request.method
+            has_body = method in ("POST", "PUT", "PATCH")
             try:
-                body = await read_body(request, self.spec.limits) if method in ("POST", "PUT", "PATCH") else b""
+                tenant = self._caller(path, request.headers) if has_body else None
+                body = await read_body(request, self.spec.limits) if has_body else b""
             except APIError as e:
                 return e.response_for(path)
             # Host goes along (unlike the other hop headers): the replica's app checks it
@@ -205,11 +218,39 @@ def build_ingress(serve):
                 return await self._merged(method, path, query, headers, body)
             keys = await self._route_keys()
             route = await asyncio.to_thread(keys.keys, path, _credential(request.headers), body) if keys else []
-            return await self._forward(method, path, query, headers, body, route)
+            # The router records the route's keys for its replica once that replica served the
+            # request (settled here), in the tenant's share of the replica's map (router.py).
+            ticket = uuid.uuid4().hex if route else None
+            owner = tenant.name if tenant is not None else None
+            response = None
+            try:
+                response = await self._forward(method, path, query, headers, body, route, ticket, owner)
+            finally:
+                router = self._router() if ticket else None
+                if router is not None:
+                    router.settle(ticket, response is not None and 200 <= response.status_code < 300)
+            if tenant is not None and not tenant.admin:
+                self.refusals.record(tenant.name, response.status_code)
+            return response
 
-        async def _forward(self, method, path, query, headers, body, route):
+        def _caller(self, path: str, headers):
+            """The tenant of a request to an API route with a body, checked before the body is
+            read: 401 for an unknown key (with keys configured), 429 for a tenant over its
+            refusal limit. None where the replicas decide alone (no keys, other routes)."""
+            from prefixcache.server.auth import credential
+
+            if not (path.startswith("/v1/") and self.tenants.auth_required):
+                return None
+            tenant = self.tenants.authenticate(credential(headers))
+            if not tenant.admin:
+                self.refusals.check(tenant.name)
+            return tenant
+
+        async def _forward(self, method, path, query, headers, body, route, ticket=None, owner=None):
             for attempt in range(RETRIES + 1):
-                gen = self.replicas.options(stream=True).forward.remote(method, path, query, headers, body, route=route)
+                gen = self.replicas.options(stream=True).forward.remote(
+                    method, path, query, headers, body, route=route, route_ticket=ticket, route_owner=owner
+                )
                 try:
                     first = await gen.__anext__()
                 except StopAsyncIteration:

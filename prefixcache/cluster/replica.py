@@ -40,6 +40,7 @@ class ReplicaSpec:
     log_requests: str | None = None  # each replica writes PATH.<rank>
     threads: int = 1
     origin: OriginPolicy | None = None  # the cluster's --host/--allowed-hosts (Host forwarded)
+    public_metrics: bool = False  # --public-metrics
 
 
 def _rank() -> tuple[int, int]:
@@ -93,6 +94,7 @@ class EngineReplica:
             metrics_key=read_secrets(spec.secrets_file).get("metrics_key"),
             drain_timeout=spec.drain_timeout,
             origin=spec.origin,
+            public_metrics=spec.public_metrics,
         )
         self._lifespan = None
         self._start_lock = None
@@ -120,9 +122,10 @@ class EngineReplica:
                 self._lifespan = lifespan
 
     async def forward(self, method: str, path: str, query: str, headers: list, body: bytes,
-                      route: list | None = None, target: str | None = None):  # fmt: skip
-        """Messages of the response (asgi_bridge.stream_asgi). ``route``/``target`` are read by
-        the router, not here."""
+                      route: list | None = None, target: str | None = None,
+                      route_ticket: str | None = None, route_owner: str | None = None):  # fmt: skip
+        """Messages of the response (asgi_bridge.stream_asgi). ``route``, ``target``,
+        ``route_ticket`` and ``route_owner`` are read by the router, not here."""
         from prefixcache.cluster.asgi_bridge import http_scope, stream_asgi
 
         await self._started()

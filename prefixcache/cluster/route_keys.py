@@ -13,8 +13,8 @@ the key and the request's own namespace root. Requests of one tenant with one ke
 a leading key and go to one replica (the router follows the longest matched run), while the
 same prompt under another key, or of another tenant, starts elsewhere; the namespace, and so
 what a request may hit on that replica, is unchanged. Anthropic's ``/v1/messages`` is rendered
-as its replica will (server/messages_prompt.py), its first breakpoint declaring the shared
-prefix under a shared salt.
+as its replica will (server/messages_prompt.py), its breakpoints declaring the shared prefix
+under a shared salt (server/cache_breakpoints.py).
 
 Length: the ingress is one process in front of every replica, so it tokenizes nothing a replica
 would refuse unread. A text longer than ``max_tokens`` (the replicas' context length) times
@@ -30,6 +30,9 @@ from prefixcache.cache.hashing import hash_blocks, hash_blocks_after_shared, key
 from prefixcache.model.tokenizer import Tokenizer
 from prefixcache.server.anthropic_protocol import MessagesRequest
 from prefixcache.server.auth import TenantDirectory
+from prefixcache.server.body import check_containers
+from prefixcache.server.cache_breakpoints import shared_tokens
+from prefixcache.server.limits import ServerLimits
 from prefixcache.server.messages_prompt import MessagesRenderer, text_chars
 from prefixcache.server.protocol import ChatMessage, template_text_chars
 
@@ -52,21 +55,24 @@ class RouteKeys:
         fingerprint: str,
         block_size: int,
         max_tokens: int = 32768,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.tokenizer, self.tenants = tokenizer, tenants
+        self.limits = limits or ServerLimits()
         self.fingerprint, self.block_size, self.max_tokens = fingerprint, block_size, max_tokens
         self.messages = MessagesRenderer(tokenizer)
 
     def _fits(self, num_chars: int) -> bool:
         return num_chars <= self.max_tokens or num_chars <= self.max_tokens * self.tokenizer.max_token_chars
 
-    def messages_prompt(self, body: dict) -> tuple[list[int] | None, int]:
-        """A Messages request's ids and its first breakpoint's tokens (no ids: too long)."""
+    def messages_prompt(self, body: dict, shared_salt: bool) -> tuple[list[int] | None, int]:
+        """A Messages request's ids and, under a shared salt, the tokens it declares shared,
+        as its replica will (cache_breakpoints.shared_tokens; no ids: too long)."""
         req = MessagesRequest.model_validate(body)
         if not self._fits(text_chars(req)):
             return None, 0
-        p = self.messages.prompt(req)
-        return p.ids, p.breakpoints[0].num_tokens if p.breakpoints else 0
+        p = self.messages.prompt(req, system_prefix=shared_salt)
+        return p.ids, shared_tokens(p) if shared_salt else 0
 
     def token_ids(self, path: str, body: dict) -> list[int] | None:
         messages = body.get("messages")
@@ -93,15 +99,15 @@ class RouteKeys:
         if path not in PROMPT_ROUTES:
             return []
         try:
+            check_containers(raw_body, self.limits)  # a body the replica refuses unparsed
             body = json.loads(raw_body)
             if not isinstance(body, dict):
                 return []
             tenant = self.tenants.authenticate(authorization)
             scope = self.tenants.scope(tenant, body.get("cache_salt"))
             shared = 0
-            if path == "/v1/messages":  # with a shared salt, the first breakpoint is shared
-                ids, first = self.messages_prompt(body)
-                shared = first if scope.shared is not None else 0
+            if path == "/v1/messages":  # with a shared salt, its breakpoints declare it
+                ids, shared = self.messages_prompt(body, scope.shared is not None)
             else:
                 ids = self.token_ids(path, body)
             if scope.shared is not None and ids and path != "/v1/messages":

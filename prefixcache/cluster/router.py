@@ -7,8 +7,12 @@ Policies (``request_router_kwargs={"policy": ...}``):
   than ``imbalance`` requests; then the shortest queue wins (the prefix is recomputed there,
   which is cheaper than waiting). No match at all: the replica holding the fewest recorded
   blocks (among those not overloaded), so new prefixes spread evenly over the pools.
-  Recorded keys are per replica, in LRU order, at most the replica's pool capacity in blocks,
-  so the map forgets roughly when the replica's own LRU evicts. Ray Serve LLM's
+  Recorded keys are per replica, at most the replica's pool capacity in blocks, so the map
+  forgets roughly when the replica's own LRU evicts; they are shared by tenants as the tiers
+  are (cache/shares.py: past the capacity, the least recently used keys of the tenant holding
+  the most go first), and recorded only for requests the replica served (the ingress
+  ``settle``s each routed request with its answer): one tenant's flood, refused or not, cannot
+  push every other tenant's affinity out (issue #37). Ray Serve LLM's
   ``PrefixCacheAffinityRouter`` and sglang-router's ``cache_aware`` work the same way on text;
   we match the engine's exact keys, namespace included, so tenants never share affinity.
 - ``round_robin``: the next replica in turn (the baseline that ignores the cache).
@@ -37,7 +41,10 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from prefixcache.cache.shares import OwnerLRU
 from prefixcache.cluster import POLICIES
+
+MAX_PENDING = 4096  # routed requests awaiting the ingress's settle (the oldest forgotten)
 
 
 def live_routers() -> list:
@@ -58,7 +65,9 @@ class PrefixAffinityRouter(RequestRouter):
         if policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {POLICIES}, got {policy!r}")
         self.policy, self.imbalance, self.capacity_blocks = policy, imbalance, capacity_blocks
-        self._keys: dict[ReplicaID, OrderedDict[bytes, None]] = {}
+        self._keys: dict[ReplicaID, OwnerLRU] = {}  # replica -> recorded keys, by tenant
+        # ticket -> (replica, keys, tenant) of a routed request until the ingress settles it
+        self._pending: OrderedDict[str, tuple] = OrderedDict()
         self._turn = 0
         # Requests sent and not completed, per replica: the load the fallback compares (Ray's
         # own queue-length cache is only filled in its strict max_ongoing_requests mode).
@@ -87,15 +96,34 @@ class PrefixAffinityRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         self._inflight[replica_id] += 1
-        keys = pending_request.kwargs.get("route") if pending_request is not None else None
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        keys = kwargs.get("route")
         if not keys:
             return
-        held = self._keys.setdefault(replica_id, OrderedDict())
+        ticket = kwargs.get("route_ticket")
+        if ticket is None:  # nobody will settle it: recorded now
+            self.record(replica_id, keys, kwargs.get("route_owner"))
+            return
+        self._pending[ticket] = (replica_id, keys, kwargs.get("route_owner"))  # a retry: its replica
+        self._pending.move_to_end(ticket)
+        while len(self._pending) > MAX_PENDING:
+            self._pending.popitem(last=False)
+
+    def settle(self, ticket: str, served: bool) -> None:
+        """The ingress's word on a routed request: its keys count for the replica that got it
+        only when that replica served it (a 2xx), never for a refusal."""
+        entry = self._pending.pop(ticket, None)
+        if entry is not None and served:
+            self.record(*entry)
+
+    def record(self, replica_id: ReplicaID, keys: list[bytes], owner: str | None) -> None:
+        """``keys`` now held by the replica for ``owner``, within the capacity by its rule."""
+        held = self._keys.setdefault(replica_id, OwnerLRU())
         for k in keys:
-            held[k] = None
-            held.move_to_end(k)
-        while len(held) > self.capacity_blocks:
-            held.popitem(last=False)
+            held.add(owner, k, 1)
+        while held.total > self.capacity_blocks:
+            _, victim, _ = held.victim()
+            held.pop(victim)
 
     def matched_blocks(self, replica_id: ReplicaID, keys: list[bytes]) -> int:
         held = self._keys.get(replica_id)

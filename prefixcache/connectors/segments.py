@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 
 from prefixcache.cache.connector import KVConnector
+from prefixcache.cache.shares import owner_of
 from prefixcache.segments import record
 from prefixcache.segments.assembler import SegmentAssembler
 from prefixcache.segments.plan import SegmentPlan
@@ -21,7 +22,6 @@ from prefixcache.segments.store import SegmentEntry
 from prefixcache.sequence import ScheduledSeq, Sequence
 from prefixcache.tiers.jobs import RestoreJob, take_mine
 from prefixcache.tiers.records import SEGMENTS, SegmentRef
-from prefixcache.tiers.shares import owner_of
 
 
 class SegmentConnector(KVConnector):

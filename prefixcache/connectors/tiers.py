@@ -19,7 +19,10 @@ Retention (``EngineRequest.retention``, OpenAI's ``prompt_cache_retention``): th
 request registers are written through unless it asked for "in_memory" (RAM only: nothing of it
 reaches a tier), and with "24h" they are written to expire there after 24 hours (Redis TTLs,
 a sweep of the disk tier: tiers/disk.py, tiers/redis_tier.py). A block's retention is that of
-the request that registered it first; a later request reusing it changes nothing.
+the request that registered it first; a later request reusing it changes nothing. So a request's
+retention applies to its own blocks only: the blocks of a declared shared prefix (every tenant
+of the salt's) are written with the deployment's default, whoever computed them first (issue
+#37: the first tenant's "in_memory" or "24h" decided it for everyone).
 
 Segments (cache_mode "segments") ride the same TierManager as records of their own kind
 (segments/record.py); the segments connector (connectors/segments.py) restores and writes them.
@@ -39,6 +42,7 @@ from prefixcache.api.errors import TierUnavailableError
 from prefixcache.cache.connector import KVConnector
 from prefixcache.cache.hashing import KEY_BYTES, block_chunks
 from prefixcache.cache.manager import KVCacheManager
+from prefixcache.cache.shares import owner_of
 from prefixcache.config import EngineConfig, parse_bytes
 from prefixcache.kv.pool import KVCache
 from prefixcache.model.loader import ModelConfig
@@ -48,7 +52,6 @@ from prefixcache.tiers.keys import StoreLayout
 from prefixcache.tiers.manager import TierManager
 from prefixcache.tiers.records import BLOCKS, BlockRef
 from prefixcache.tiers.secret import load_keys
-from prefixcache.tiers.shares import owner_of
 
 log = logging.getLogger(__name__)
 
@@ -201,26 +204,29 @@ class TierConnector(KVConnector):
 
     # ---- write-through ---------------------------------------------------------------------------
     def after_commit(self, seq: Sequence, first_block: int) -> None:
-        """Queue the blocks ``seq`` registered since ``first_block`` for every tier (none with
-        retention "in_memory"; to expire after 24 hours with "24h")."""
+        """Queue the blocks ``seq`` registered since ``first_block`` for every tier (none of its
+        own with retention "in_memory"; to expire after 24 hours with "24h"; a shared prefix's
+        with the default, whatever it asked)."""
         b = self.block_size
         n = seq.num_registered_blocks
         retention = self._retention.get(seq.request_id)
-        if n <= first_block or retention == "in_memory":
+        shared = seq.num_shared_blocks  # blocks below this: a shared prefix, default retention
+        if n <= first_block or (retention == "in_memory" and first_block >= shared):
             return
         ttl = RETENTION_SECONDS.get(retention)
         chunks = block_chunks(seq.all_token_ids, b, start_block=first_block, num_tokens=n * b)
-        out: dict[str | None, list] = {}  # namespace -> its blocks (a shared run, the owner's)
+        out: dict[tuple, list] = {}  # (namespace, ttl) -> its blocks (a shared run, the owner's)
         for i, chunk in enumerate(chunks, start=first_block):
             key = seq.block_keys[i]
-            if key in self._known:
+            if key in self._known or (i >= shared and retention == "in_memory"):
                 continue
             namespace = seq.namespace_of_block(i)
             ref = BlockRef(key, self.kv.parent_of(seq, i) + chunk)
-            out.setdefault(namespace, []).append((ref, self.cache.read_block(seq.block_table[i])))
+            group = out.setdefault((namespace, None if i < shared else ttl), [])
+            group.append((ref, self.cache.read_block(seq.block_table[i])))
             self._remember(key, namespace)
-        for namespace, blocks in out.items():
-            self.manager.offload(namespace, blocks, ttl=ttl)
+        for (namespace, block_ttl), blocks in out.items():
+            self.manager.offload(namespace, blocks, ttl=block_ttl)
 
     def _remember(self, key: bytes, namespace: str | None) -> None:
         self._known[key] = namespace

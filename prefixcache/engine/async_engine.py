@@ -8,7 +8,9 @@ between steps. Read-only cache queries (lookup, stats) take the lock briefly; ca
 loop with ``call_soon_threadsafe``.
 
 Isolation rules kept here:
-- a sequence that fails inside a step fails its own stream only (``SequenceFailedError``);
+- a sequence that fails inside a step fails its own stream only (``SequenceFailedError``); a
+  step whose batch fails (the shared forward) fails that batch's streams only
+  (``BatchFailedError``), and only a failure before any batch existed fails every stream;
 - a stream whose reader leaves more than ``max_pending_deltas`` deltas unread is cancelled
   (``SlowConsumerError``) and its blocks freed, so output queues are bounded;
 - a tenant may hold at most ``tenant_waiting_limit`` waiting sequences (``TenantQuotaError``),
@@ -25,7 +27,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from prefixcache.api.engine import (
@@ -46,7 +48,7 @@ from prefixcache.api.errors import (
 )
 from prefixcache.api.request import CacheExplanation, SamplingParams, SharedPrefix, StreamDelta
 from prefixcache.config import EngineConfig
-from prefixcache.engine.llm_engine import LLMEngine
+from prefixcache.engine.llm_engine import BatchFailedError, LLMEngine
 from prefixcache.segments.plan import SegmentRequest
 
 log = logging.getLogger(__name__)
@@ -311,12 +313,18 @@ class AsyncEngine:
                 if busy:
                     try:
                         updated = self.engine.step()
+                    except BatchFailedError as e:
+                        # The forward pass is shared by the batch: every sequence in it fails,
+                        # and nobody else (another tenant's waiting request goes on).
+                        log.exception("engine step failed; its batch of %d is failed",
+                                      len(e.request_ids))  # fmt: skip
+                        self._fail_all([r for r in e.request_ids if r in self.engine.seqs], e.cause)
+                        updated = []
                     except Exception as e:
-                        # The forward pass is shared by the batch: every sequence in it fails.
+                        # Before a batch existed (scheduling, a connector): whom it concerns
+                        # is not known, so every sequence fails.
                         log.exception("engine step failed")
-                        for rid in list(self.engine.seqs):
-                            self.engine.abort(rid)
-                            self._fail(rid, SequenceFailedError(rid, e))
+                        self._fail_all(list(self.engine.seqs), e)
                         updated = []
                     items = [
                         (s.request_id, s.error or self.engine.output.stream_delta(s))
@@ -328,6 +336,11 @@ class AsyncEngine:
                 continue
             for rid, item in items:
                 self._deliver(rid, item)
+
+    def _fail_all(self, request_ids: list[str], err: BaseException) -> None:
+        for rid in request_ids:
+            self.engine.abort(rid)
+            self._fail(rid, SequenceFailedError(rid, err))
 
     def _deliver(self, rid: str, item: StreamDelta | BaseException) -> None:
         s = self._streams.get(rid)
@@ -370,32 +383,42 @@ class AsyncEngine:
         tenant: str | None = None,
         quota: bool = True,
         shared_prefix: SharedPrefix | None = None,
+        offload: Callable[..., Awaitable] | None = None,
     ) -> WarmResult:
         """Prefill a prompt (one token is generated and dropped) and optionally pin its blocks,
         charged to ``tenant``'s pin quota (``quota=False``: the pool's budget only). A pin over
         the budget or the quota is a ``PinQuotaError`` after the prefill (the prompt stays
         cached, unpinned): which blocks are new to the pin is known only once they exist.
-        ``shared_prefix``: as for a request (a whole prompt may be one)."""
-        before = await asyncio.to_thread(self.lookup, prompt_token_ids, namespace, shared_prefix)
-        if pin and quota and tenant is not None and tenant not in self._pin_tenants:
-            self.set_pin_tenants(self._pin_tenants | {tenant})  # one nobody named: its share too
-        if pin:
-            self.engine.check_pin_ttl(ttl_seconds)  # before the prefill: a bad TTL costs nothing
+        ``shared_prefix``: as for a request (a whole prompt may be one).
+
+        Refused before any work as a request would be (the tenant's share of the queue first).
+        ``offload(fn, *args)`` runs each call that takes the engine lock (the lookup, the pin)
+        and is awaited (default ``asyncio.to_thread``; the server passes its cache routes'
+        threads): never the event loop, which a running step would block."""
+        call = offload or asyncio.to_thread
         self._warm_ids += 1
         rid = f"warm-{self._warm_ids}-{time.monotonic_ns()}"
-        stream = self.add_request(
-            rid, prompt_token_ids, _WARM_PARAMS, namespace, tenant=tenant, shared_prefix=shared_prefix
-        )
-        async for _ in stream:
+        request = EngineRequest(rid, list(prompt_token_ids), _WARM_PARAMS, namespace,
+                                tenant=tenant, shared_prefix=shared_prefix)  # fmt: skip
+        self._check_request(request)
+        if pin:
+            self.engine.check_pin_ttl(ttl_seconds)  # before the prefill: a bad TTL costs nothing
+        before = await call(self.lookup, prompt_token_ids, namespace, shared_prefix)
+        if pin and quota and tenant is not None and tenant not in self._pin_tenants:
+            # One nobody named: its share too.
+            await call(self.set_pin_tenants, self._pin_tenants | {tenant})
+        async for _ in self.add(request):
             pass
         pinned = 0
         if pin:
-            with self._lock:
-                pinned = self.engine.pin_prefix(
-                    prompt_token_ids, namespace, ttl_seconds, owner=tenant,
-                    shared_prefix=shared_prefix,
-                )  # fmt: skip
+            pinned = await call(self._pin_prefix, prompt_token_ids, namespace, ttl_seconds,
+                                tenant, shared_prefix)  # fmt: skip
         return WarmResult(len(prompt_token_ids), before.num_cached_tokens, pinned)
+
+    def _pin_prefix(self, ids, namespace, ttl_seconds, owner, shared_prefix) -> int:
+        with self._lock:
+            return self.engine.pin_prefix(ids, namespace, ttl_seconds, owner=owner,
+                                          shared_prefix=shared_prefix)  # fmt: skip
 
     async def warm_segments(
         self,
@@ -404,17 +427,19 @@ class AsyncEngine:
         namespace: str | None,
         *,
         tenant: str | None = None,
+        offload: Callable[..., Awaitable] | None = None,
     ) -> int:
         """Compute and keep each span of ``token_ids`` as a segment (cache_mode="segments" of
         /v1/cache/warm). Returns how many the store held already. A request of ``tenant`` like
         any: refused over its share of the queue (before anything is computed), its documents
-        computed alone in pieces within each step's token budget and the tenant's share."""
+        computed alone in pieces within each step's token budget and the tenant's share.
+        ``offload``: as for ``warm``."""
         if not spans:
             return 0
         request = EngineRequest("warm", list(token_ids), _WARM_PARAMS, namespace, tenant=tenant,
                                 segments=SegmentRequest(tuple(spans), store_only=True))  # fmt: skip
         self._check_request(request)
-        before = (await asyncio.to_thread(self._held, request)).get("segments", 0)
+        before = (await (offload or asyncio.to_thread)(self._held, request)).get("segments", 0)
         self._warm_ids += 1
         rid = f"warm-{self._warm_ids}-{time.monotonic_ns()}"
         stream = self.add(dataclasses.replace(request, request_id=rid))

@@ -32,8 +32,11 @@ Two rules, both pure functions of the queues:
    tenant's short request waits at most about two such steps. And when a tenant with nothing
    running has a request waiting, the next step runs only such tenants' first chunks (at most
    every other step, so running sequences always progress): the newcomer waits for the step
-   under way and then for its own tokens alone, not for everyone's. A tenant alone keeps the full
-   ``max_num_batched_tokens``. What it costs a busy tenant is the per-step overhead of smaller
+   under way and then for its own tokens alone, not for everyone's. "Newly arrived" is a share
+   too (``NewcomerSteps``): a tenant gets such a step at most once every 2 x (active tenants)
+   steps, so one that keeps arriving anew (one-token requests that finish in their first step)
+   has at most 1/(2N) of the steps to itself, not every other one (issue #37). A tenant alone
+   keeps the full ``max_num_batched_tokens``. What it costs a busy tenant is the per-step overhead of smaller
    steps (docs/benchmarks.md "Tenant isolation"); outputs never change with step sizes (the
    exact path is batch-invariant, docs/design.md section 2).
 
@@ -221,3 +224,24 @@ def shared_budget(
     if fit is None:
         return budget
     return max(1, min(budget, max(fit, floor * active)))
+
+
+class NewcomerSteps:
+    """The step of each tenant's last newcomer step (fairness.py 4.). Bounded: at most
+    ``limit`` tenants are remembered, the longest ago forgotten first (a forgotten tenant's
+    last one was that long ago: it is eligible anyway)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._last: dict[str | None, int] = {}
+
+    def eligible(self, tenant: str | None, step: int, spacing: int) -> bool:
+        last = self._last.get(tenant)
+        return last is None or step - last >= spacing
+
+    def record(self, tenants: Iterable[str | None], step: int) -> None:
+        for t in tenants:
+            self._last.pop(t, None)
+            self._last[t] = step  # insertion order is recency order
+        while len(self._last) > self.limit:
+            del self._last[next(iter(self._last))]

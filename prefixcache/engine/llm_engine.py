@@ -295,8 +295,11 @@ class LLMEngine:
             # The pace that sizes steps while tenants share (fairness.py 4.) counts the tokens
             # the step computed: the forward's, and what connectors spent of their grants.
             self._step_tokens, rows = out.num_batched_tokens, len(out.scheduled)
+            batch = [s.seq.request_id for s in out.scheduled]
             try:
                 return self._run(out)
+            except Exception as e:  # the batch's own work failed: it concerns the batch alone
+                raise BatchFailedError(batch, e) from e
             finally:
                 self.scheduler.observe_step(self._step_tokens, time.perf_counter() - t0, rows)
         finally:
@@ -514,6 +517,17 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.scheduler.live_block_tables())
         self.connectors.check_integrity()
+
+
+class BatchFailedError(Exception):
+    """A step failed running its batch (the forward pass is shared by it): ``request_ids`` are
+    the sequences it concerns, those scheduled in that step; ``cause`` is the error. Sequences
+    outside the batch (waiting, or not scheduled this step) are untouched by it."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"the step's batch of {len(request_ids)} failed: {cause!r}")
+        self.request_ids = tuple(request_ids)
+        self.cause = cause
 
 
 def check_shared_prefix(shared: SharedPrefix | None, num_prompt_tokens: int) -> None:

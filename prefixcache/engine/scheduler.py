@@ -28,6 +28,7 @@ from prefixcache.cache.hashing import BlockHash
 from prefixcache.cache.manager import KVCacheManager
 from prefixcache.config import EngineConfig
 from prefixcache.engine.fairness import (
+    NewcomerSteps,
     RecentTenants,
     StepPace,
     busy_budget,
@@ -86,6 +87,10 @@ class Scheduler:
         self.recent = RecentTenants(config.shared_window_s)
         self.clock = clock
         self._last_first_step = -2
+        self._active_tenants = 1  # tenants sharing the engine at the last step_budget
+        # tenant -> the step of its last newcomer step (fairness.py 4.): a tenant gets one at
+        # most every 2 x (active tenants) steps, however often it arrives anew.
+        self._first_steps = NewcomerSteps()
 
     # ---- queue operations ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -114,9 +119,10 @@ class Scheduler:
         cfg = self.config
         now = self.clock()
         self.recent.touch({s.tenant for s in self.running} | {s.tenant for s in self.waiting}, now)
+        self._active_tenants = len(self.recent.active(now))
         shared = shared_budget(
             cfg.max_num_batched_tokens,
-            len(self.recent.active(now)),
+            self._active_tenants,
             self.pace,
             cfg.shared_step_ms / 1000,
             floor=cfg.block_size,
@@ -168,18 +174,25 @@ class Scheduler:
 
     def _first_step(self, out: SchedulerOutput, budget: int) -> bool:
         """While tenants share: a step of newly arrived tenants' first chunks alone (fairness.py
-        4.), when some tenant has sequences waiting and none running. At most every other step,
-        so running sequences always progress. True if it scheduled anything."""
+        4.), when some tenant has sequences waiting and none running, and had no such step in
+        the last 2 x (active tenants) steps. At most every other step, so running sequences
+        always progress. True if it scheduled anything."""
         if self.step_index - self._last_first_step < 2:
             return False
         running = running_by_tenant(self.running)
-        fresh = {s.tenant for s in self.waiting if not s.loading and running[s.tenant] == 0}
+        spacing = 2 * max(1, self._active_tenants)
+        fresh = {
+            s.tenant for s in self.waiting
+            if not s.loading and running[s.tenant] == 0
+            and self._first_steps.eligible(s.tenant, self.step_index, spacing)
+        }  # fmt: skip
         if not fresh:
             return False
         self._schedule_waiting(out, budget, tenants=fresh)
         if not out.scheduled:
             return False
         self._last_first_step = self.step_index
+        self._first_steps.record({s.seq.tenant for s in out.scheduled}, self.step_index)
         return True
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:

@@ -1,5 +1,8 @@
 """The segment store: KV of documents computed alone, reusable at any position. Torch tensors in
-RAM, least recently used out first when the byte budget is full.
+RAM, under a byte budget shared by tenants as the tiers' are (cache/shares.py): when a new entry
+does not fit, the least recently used entries of the owner (tenant) holding the most bytes go
+first, so one tenant storing unique documents evicts its own, and another's only while that one
+holds more than it (it was one global LRU: one tenant's warms evicted everyone's, issue #37).
 
 An entry holds, for every layer, K and V of the segment's tokens at positions 0..n-1 as float32
 ``[layers, kv_heads, n, head_dim]``: the values attention would read back from the pool (for
@@ -14,10 +17,11 @@ KV is not that. Nothing here is ever registered in the prefix index.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from prefixcache.cache.shares import OwnerLRU, owner_of
 
 
 @dataclass(frozen=True)
@@ -50,9 +54,13 @@ class SegmentStore:
         if capacity_bytes < 0:
             raise ValueError(f"segment store capacity must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
-        self._entries: OrderedDict[bytes, SegmentEntry] = OrderedDict()  # LRU first
-        self.used_bytes = 0
+        self._entries: dict[bytes, SegmentEntry] = {}
+        self._owners = OwnerLRU()  # key -> bytes, per owner in LRU order (who gives way)
         self.hits = self.misses = self.hit_tokens = self.evicted = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._owners.total
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -67,26 +75,26 @@ class SegmentStore:
                 or (sink is not None and e.sink != tuple(sink)):  # fmt: skip
             self.misses += 1
             return None
-        self._entries.move_to_end(key)
+        self._owners.touch(key)
         self.hits += 1
         self.hit_tokens += len(token_ids)
         return e
 
     def put(self, key: bytes, entry: SegmentEntry) -> bool:
-        """Keep ``entry`` (evicting least recently used ones); False when it is larger than the
-        whole store (it is then not kept)."""
+        """Keep ``entry``, making room from the owner holding the most (the module's rule);
+        False when it is larger than the whole store (it is then not kept)."""
         if entry.nbytes > self.capacity_bytes:
             return False
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.used_bytes -= old.nbytes
-        while self.used_bytes + entry.nbytes > self.capacity_bytes:
-            _, victim = self._entries.popitem(last=False)
-            self.used_bytes -= victim.nbytes
-            self.evicted += 1
+        if self._entries.pop(key, None) is not None:
+            self._owners.pop(key)
         self._entries[key] = entry
-        self.used_bytes += entry.nbytes
-        return True
+        self._owners.add(owner_of(entry.namespace), key, entry.nbytes)
+        while self._owners.total > self.capacity_bytes:
+            _, victim, _ = self._owners.victim()
+            self._owners.pop(victim)
+            del self._entries[victim]
+            self.evicted += 1
+        return key in self._entries
 
     def contains(self, key: bytes) -> bool:
         return key in self._entries
@@ -95,7 +103,8 @@ class SegmentStore:
         """Drop the entries of ``namespace`` (or all). Returns how many were dropped."""
         drop = [k for k, e in self._entries.items() if all_namespaces or e.namespace == namespace]
         for k in drop:
-            self.used_bytes -= self._entries.pop(k).nbytes
+            del self._entries[k]
+            self._owners.pop(k)
         return len(drop)
 
     def stats(self) -> SegmentStoreStats:
@@ -113,3 +122,5 @@ class SegmentStore:
             total += e.nbytes
         assert total == self.used_bytes, f"used_bytes {self.used_bytes} != sum of entries {total}"
         assert self.used_bytes <= self.capacity_bytes, "segment store over its capacity"
+        assert set(self._owners.records()) == set(self._entries), "owner map != entries"
+        self._owners.check()

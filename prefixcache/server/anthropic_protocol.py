@@ -26,10 +26,14 @@ TOOL_NAME = r"^[a-zA-Z0-9_-]{1,128}$"
 
 
 class CacheControl(_Body):
-    """A cache breakpoint (docs/server.md "Anthropic and OpenAI caching fields")."""
+    """A cache breakpoint (docs/server.md "Anthropic and OpenAI caching fields"). ``shared``
+    (our extension): with a shared ``cache_salt``, everything up to and including this block
+    is declared shared with every tenant of the salt (without it a shared prefix stops at the
+    tools and system: cache_breakpoints.shared_tokens)."""
 
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] = "5m"
+    shared: bool = False
 
 
 class _Block(_Body):
@@ -135,7 +139,7 @@ class _MessagesPrompt(_Body):
     # The automatic mode: one breakpoint on the last block of the last message.
     cache_control: CacheControl | None = None
     # Our extension: a cache partition inside the tenant's namespace, as on the OpenAI routes
-    # (with a shared salt, the first breakpoint declares the shared prefix).
+    # (with a shared salt, a breakpoint declares a shared prefix: cache_breakpoints.py).
     cache_salt: str | None = None
 
     def system_blocks(self) -> list[TextBlock]:

@@ -28,8 +28,10 @@ from prefixcache.server.errors import APIError, RequestIdMiddleware, install_err
 from prefixcache.server.limits import ServerLimits
 from prefixcache.server.metrics import CONTENT_TYPE, ServerMetrics
 from prefixcache.server.origin import BrowserGuard, OriginPolicy
+from prefixcache.server.refusals import PeerGuard
 from prefixcache.server.request_log import BackgroundRequestLog
 from prefixcache.server.serving import Serving
+from prefixcache.server.snapshot import Snapshot
 
 log = logging.getLogger("prefixcache.server")
 
@@ -45,9 +47,12 @@ def create_app(
     metrics_key: str | None = None,
     drain_timeout: float | None = None,
     origin: OriginPolicy | None = None,
+    public_metrics: bool = False,
 ) -> FastAPI:
     """``request_log``: a ``RequestLogWriter`` (written from a background thread here);
     ``metrics_key``: when set, ``/metrics`` needs it (or an admin key) as a bearer token;
+    ``public_metrics``: with API keys, ``/metrics`` without any key (else it needs the metrics
+    key or an admin key: its counts are every tenant's traffic; an open server's is public);
     ``drain_timeout``: how long shutdown waits for running requests (None: 300 s);
     ``origin``: the Host/Origin/Content-Type checks (origin.py; None: those of a server bound
     to loopback)."""
@@ -77,11 +82,15 @@ def create_app(
             await engine.shutdown(drain=True, timeout=300.0 if drain_timeout is None else drain_timeout)
             if background_log is not None:
                 await asyncio.to_thread(background_log.close)
-            serving.cache_gate.close()
+            serving.close()
 
     app = FastAPI(title="prefixcache", version=prefixcache.__version__, lifespan=lifespan)
     app.state.serving = serving
     app.state.ready = False
+    # Client addresses that keep failing authentication (refusals.py); the connection guard
+    # of http.protocol_class closes and refuses their connections.
+    lim = serving.limits
+    app.state.peer_guard = PeerGuard(lim.max_unauthenticated_per_second, lim.refusal_penalty)
     # Inside the request-id middleware (added last: outermost), so a refusal carries its id.
     app.add_middleware(BrowserGuard, policy=origin or OriginPolicy())
     app.add_middleware(RequestIdMiddleware)
@@ -119,11 +128,24 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics_route(request: Request) -> Response:
-        if metrics_key is not None:
-            serving.tenants.authenticate_metrics(request.headers.get("authorization"), metrics_key)
-        # The engine's counters are read under its lock, which a running step holds.
-        body = await asyncio.to_thread(serving.metrics.render)
+        # Operators (an admin key, the metrics key, anyone on an open server) read fresh
+        # counters; keyless readers under --public-metrics get one read a --metrics-max-age.
+        trusted = not serving.tenants.auth_required
+        credential = request.headers.get("authorization")
+        needed = metrics_key is not None or (serving.tenants.auth_required and not public_metrics)
+        if needed or (credential and not trusted):
+            try:
+                serving.tenants.authenticate_metrics(credential, metrics_key)
+                trusted = True
+            except APIError:
+                if needed:
+                    raise
+        # The engine's counters are read under its lock, which a running step holds: by one
+        # reader at a time on its own thread (snapshot.py), never the default executor.
+        body = await serving.metrics_snapshot.get(fresh=trusted)
         return Response(body, media_type=CONTENT_TYPE)
+
+    integrity_snapshot = Snapshot(lambda: _integrity(engine), serving.snapshot_reader, 0.0)
 
     @app.get("/v1/debug/integrity")
     async def integrity(request: Request) -> dict:
@@ -131,7 +153,7 @@ def create_app(
         tenant = serving.tenants.authenticate(request.headers.get("authorization"))
         if not tenant.admin:
             raise APIError(403, "the debug endpoints need an admin key")
-        return await asyncio.to_thread(_integrity, engine)
+        return await integrity_snapshot.get()
 
     return app
 

@@ -218,16 +218,21 @@ class TenantDirectory:
         name the same key: a proxy adding one must not silently win over the client's other."""
         return self.authenticate(credential(headers))
 
-    def authenticate_metrics(self, authorization: str | None, metrics_key: str) -> None:
-        """``/metrics`` with ``--metrics-key``: that key, or any admin key; else 401."""
+    def authenticate_metrics(self, authorization: str | None, metrics_key: str | None) -> None:
+        """``/metrics`` when it is not public: the metrics key (if any) or an admin key; else
+        401."""
         scheme, _, token = (authorization or "").partition(" ")
         token = token.strip()
-        if scheme.lower() == "bearer" and hmac.compare_digest(_digest(token), _digest(metrics_key)):
+        bearer = scheme.lower() == "bearer"
+        if bearer and metrics_key is not None and hmac.compare_digest(
+            _digest(token), _digest(metrics_key)
+        ):
             return
-        tenant = self._keys.by_digest.get(_digest(token)) if scheme.lower() == "bearer" else None
+        tenant = self._keys.by_digest.get(_digest(token)) if bearer else None
         if tenant is None or not tenant.admin:
+            what = "the metrics key or an admin key" if metrics_key is not None else "an admin key"
             raise APIError(
-                401, "/metrics needs the metrics key", code="invalid_api_key",
+                401, f"/metrics needs {what}", code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )  # fmt: skip
 

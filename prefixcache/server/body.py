@@ -10,7 +10,16 @@ exception that reaches the 500 handler:
 | not UTF-8, not JSON, ``NaN``/``Infinity`` literal | 400 ``invalid_json``           |
 | an integer literal over 4,300 digits              | 400 ``invalid_json`` (CPython refuses to convert it) |
 | nesting deeper than max_json_depth                | 400 ``invalid_json``           |
+| more objects and arrays than max_json_containers  | 400 ``json_too_complex``, before parsing |
 | a lone surrogate (``"\\ud800"``) in any string      | 400 ``invalid_text``, param names where |
+
+Why a count of objects and arrays: parsing and validating a body costs per JSON value, not per
+byte, and holds the interpreter's lock throughout (pydantic's validation is one call into Rust;
+a worker thread does not let the event loop run meanwhile): 9,000 empty content blocks, 234
+KB, took 36-53 ms (issue #37). So the containers are counted on the raw bytes first, in C-speed
+byte operations (``json_containers``), and a body with too many is refused unparsed. Bodies
+that are large in bytes or in containers are then parsed in a worker thread, where the Python
+parts (the text check below) let the event loop in between.
 """
 
 from __future__ import annotations
@@ -69,10 +78,43 @@ def _no_constants(name: str) -> Any:
     raise _NonStandardConstant(name)
 
 
-def parse_json(raw: bytes, limits: ServerLimits) -> dict:
-    """A JSON object whose every string is valid Unicode, nested at most max_json_depth deep."""
+# Every byte but these is dropped before the structural count (``bytes.translate``).
+_NOT_STRUCTURAL = bytes(c for c in range(256) if c not in b'"{[')
+
+
+def json_containers(raw: bytes, limit: int) -> int:
+    """How many objects and arrays the JSON text ``raw`` holds, or an upper bound of it when
+    that is at most ``limit``: the brackets of the whole text first (two ``bytes.count``),
+    and only when those exceed ``limit`` the exact count, without those inside strings (escaped
+    backslashes and quotes removed, then every other byte but quotes and brackets; the pieces
+    between quotes alternate outside, inside). Each step runs in C over the bytes: ~3 ms a MiB
+    for the exact count, against tens of ms to parse as many containers."""
+    quick = raw.count(b"{") + raw.count(b"[")
+    if quick <= limit:
+        return quick
+    bare = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURAL)
+    return len(b"".join(bare.split(b'"')[::2]))
+
+
+def check_containers(raw: bytes, limits: ServerLimits) -> int:
+    """The body's objects and arrays (``json_containers``); 400 over ``max_json_containers``."""
+    n = json_containers(raw, limits.max_json_containers)
+    if n > limits.max_json_containers:
+        raise APIError(
+            400, f"the JSON body holds {n} objects and arrays; at most "
+            f"{limits.max_json_containers} are accepted", code="json_too_complex",
+        )  # fmt: skip
+    return n
+
+
+def parse_json(raw: bytes, limits: ServerLimits, counted: bool = False) -> dict:
+    """A JSON object whose every string is valid Unicode, nested at most max_json_depth deep,
+    with at most max_json_containers objects and arrays (counted before it is parsed, unless
+    the caller did: ``counted``)."""
     if not raw:
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    if not counted:
+        check_containers(raw, limits)
     try:
         data = json.loads(raw, parse_constant=_no_constants)
     except json.JSONDecodeError as e:

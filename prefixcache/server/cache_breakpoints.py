@@ -1,8 +1,9 @@
 """Anthropic's cache breakpoints mapped onto what the engine has (docs/server.md, "Anthropic
 and OpenAI caching fields"): each breakpoint is a lease (a pin with its TTL, charged to the
-tenant's pin quota: engine/leases.py) and, under a shared ``cache_salt``, the first breakpoint
-declares the shared prefix (``SharedPrefix``, the one way to mark one). And the usage figures
-Anthropic reports, from what the engine measured.
+tenant's pin quota: engine/leases.py) and, under a shared ``cache_salt``, the breakpoints declare
+the shared prefix (``SharedPrefix``: up to the first, no further than the tools and system
+unless a breakpoint is marked ``shared``; ``shared_tokens``). And the usage figures Anthropic
+reports, from what the engine measured.
 
 What differs from Anthropic, on purpose:
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from prefixcache.api.request import CacheLease, SharedPrefix
 from prefixcache.server.auth import CacheScope
-from prefixcache.server.messages_prompt import Breakpoint
+from prefixcache.server.messages_prompt import Breakpoint, MessagesPrompt
 
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 
@@ -31,12 +32,28 @@ def leases(breakpoints: tuple[Breakpoint, ...]) -> tuple[CacheLease, ...]:
     return tuple(CacheLease(bp.num_tokens, TTL_SECONDS[bp.ttl]) for bp in breakpoints)
 
 
-def shared_prefix(breakpoints: tuple[Breakpoint, ...], scope: CacheScope) -> SharedPrefix | None:
-    """With a shared salt, the first breakpoint declares what is shared: everything before it
-    is public to every tenant of the salt (as a chat's system messages are)."""
-    if not breakpoints:
+def shared_tokens(prompt: MessagesPrompt) -> int:
+    """The prefix a request with a shared salt declares shared (issue #37): up to its first
+    breakpoint, but **no further than its tools and system** (``prompt.system_tokens``), as a
+    chat's declared prefix stops at its system messages, unless a breakpoint says
+    ``"shared": true`` (our extension): then everything up to the last such breakpoint. Without
+    a breakpoint, nothing. So automatic caching, or a breakpoint on the last user turn, never
+    publishes the conversation to every tenant of the salt."""
+    points = prompt.breakpoints
+    if not points:
+        return 0
+    marked = [bp.num_tokens for bp in points if bp.shared]
+    if marked:
+        return max(marked)
+    return min(points[0].num_tokens, prompt.system_tokens)
+
+
+def shared_prefix(prompt: MessagesPrompt, scope: CacheScope) -> SharedPrefix | None:
+    """With a shared salt, the declared shared prefix (``shared_tokens``): public to every
+    tenant of the salt (as a chat's system messages are)."""
+    if scope.shared is None:
         return None
-    return scope.prefix(breakpoints[0].num_tokens)
+    return scope.prefix(shared_tokens(prompt))
 
 
 def usage(

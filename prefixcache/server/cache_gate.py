@@ -20,11 +20,22 @@ every tenant's completions. Decisions:
   (a token bucket holding one second's worth, so a burst of that many passes at once); past
   it, a 429 before anything runs. An honest client polling stats or looking up prompts stays far
   under it; admins (operators' tooling) are not rated.
+- **Charged before the body is read** (issue #37): a route takes its call from the bucket
+  (``take``) right after authentication, so a tenant over its rate is refused before its
+  body is parsed or its prompt tokenized. The same gate carries the other work a tenant can
+  ask for outside the engine's queue: ``/v1/cache/warm`` (its lookup and pin wait for the
+  engine lock on these threads, never on the event loop or the default executor),
+  ``/v1/messages/count_tokens`` (up to five renders) and comparisons with an earlier response
+  (a binary search of renders).
+- **One admission for several calls** (``admitted``): a warm looks up, prefills, then pins; it
+  is admitted once and its calls run under that ticket, so it never meets a 429 half done.
+  The slot is released when the ticket is closed *and* its last call has finished.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 import time
@@ -73,13 +84,17 @@ class CacheCallGate:
         while len(self._buckets) > self.MAX_BUCKETS:
             self._buckets.popitem(last=False)
 
-    def admitted(self, tenant: str) -> int:
+    def num_admitted(self, tenant: str) -> int:
         with self._lock:
             return self._admitted.get(tenant, 0)
 
-    async def run(self, tenant: str, fn: Callable[..., T], *args, rated: bool = True) -> T:
-        """``fn(*args)`` on the cache routes' pool, charged to ``tenant``; 429 over its cap or,
-        when ``rated`` (a non-admin), over its calls a second."""
+    def take(self, tenant: str) -> None:
+        """One call from ``tenant``'s rate (429 over it), before any of its work is done."""
+        if math.isfinite(self.per_second):
+            with self._lock:
+                self._take(tenant)
+
+    def _admit(self, tenant: str, rated: bool) -> None:
         with self._lock:
             if rated and math.isfinite(self.per_second):
                 self._take(tenant)
@@ -92,13 +107,24 @@ class CacheCallGate:
                     code="rate_limit_exceeded", headers={"Retry-After": "1"},
                 )  # fmt: skip
             self._admitted[tenant] = n + 1
+
+    @contextlib.contextmanager
+    def admitted(self, tenant: str, rated: bool = True):
+        """A ticket (429 over the tenant's cap or, when ``rated``, its rate) whose ``call``s
+        run on the cache routes' pool; its slot is freed once the block is left and every
+        call it started has finished."""
+        self._admit(tenant, rated)
+        ticket = _Ticket(self, tenant)
         try:
-            future = self._pool.submit(fn, *args)
-        except BaseException:
-            self._release(tenant)
-            raise
-        future.add_done_callback(lambda _f: self._release(tenant))
-        return await asyncio.wrap_future(future)
+            yield ticket
+        finally:
+            ticket.close()
+
+    async def run(self, tenant: str, fn: Callable[..., T], *args, rated: bool = True) -> T:
+        """``fn(*args)`` on the cache routes' pool, charged to ``tenant``; 429 over its cap or,
+        when ``rated`` (a non-admin), over its calls a second."""
+        with self.admitted(tenant, rated) as ticket:
+            return await ticket.call(fn, *args)
 
     def _release(self, tenant: str) -> None:
         with self._lock:
@@ -112,3 +138,39 @@ class CacheCallGate:
         """Calls not started are dropped; running ones finish on their own (never joined here:
         one may wait a minute on a tier)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Ticket:
+    """One admission to the gate: its calls, and when its slot is given back."""
+
+    def __init__(self, gate: CacheCallGate, tenant: str) -> None:
+        self._gate = gate
+        self._tenant = tenant
+        self._calls = 0  # started and not finished
+        self._open = True
+
+    async def call(self, fn: Callable[..., T], *args) -> T:
+        gate = self._gate
+        with gate._lock:
+            self._calls += 1
+        try:
+            future = gate._pool.submit(fn, *args)
+        except BaseException:
+            self._finished()
+            raise
+        future.add_done_callback(lambda _f: self._finished())
+        return await asyncio.wrap_future(future)
+
+    def _finished(self) -> None:
+        with self._gate._lock:
+            self._calls -= 1
+            last = not self._open and self._calls == 0
+        if last:
+            self._gate._release(self._tenant)
+
+    def close(self) -> None:
+        with self._gate._lock:
+            self._open = False
+            last = self._calls == 0
+        if last:
+            self._gate._release(self._tenant)

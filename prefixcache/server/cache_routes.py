@@ -8,8 +8,9 @@ public prefix), anyone else's chat's leading system messages; /lookup answers fo
 Invalidating another tenant's namespace, or all of them, takes an admin key. Prompts are
 validated like a completion's (vocabulary, at most the context length) before they are hashed.
 ``/stats`` shows an admin everything and anyone else only their own tenant's numbers.
-Lookup, invalidate and stats call the engine on the cache routes' own threads, at most a few at
-once per tenant (cache_gate.py: 429 above), never on the default executor that tokenizes.
+Warm, lookup, invalidate and stats call the engine on the cache routes' own threads, at most a
+few at once per tenant and a rate per second charged before a body is read (cache_gate.py: 429
+above), never on the default executor that tokenizes, nor on the event loop.
 """
 
 from __future__ import annotations
@@ -41,21 +42,29 @@ def _as_dict(x) -> dict:
 
 @router.post("/warm")
 async def warm(request: Request) -> dict:
-    """Prefill a prompt into the cache (no tokens generated); optionally pin it for a TTL."""
-    s, tenant, req, scope = await accept(request, CacheWarmRequest)
-    if req.cache_mode == "segments":
-        return await _warm_segments(request, s, tenant, req, scope.namespace)
-    ids, shared = await s.cache_prompt(req, tenant, scope)
+    """Prefill a prompt into the cache (no tokens generated); optionally pin it for a TTL.
+
+    A call of the tenant's cache-call rate (charged before the body is read), admitted to the
+    queue before the prompt is tokenized, and admitted once to the cache routes' threads, on
+    which its lookup and pin wait for the engine lock (cache_gate.py): a renewal of a pin the
+    tenant already holds costs no pin quota, so it is these that bound how often it can ask."""
+    s, tenant, req, scope = await accept(request, CacheWarmRequest, charge=True)
     if req.ttl_seconds is not None and not req.pin:
         raise APIError(400, "ttl_seconds applies to pinned prompts: set pin: true", param="pin")
-    try:
-        result = await s.engine.warm(
-            ids, namespace=scope.namespace, pin=req.pin, ttl_seconds=req.ttl_seconds,
-            tenant=tenant.name, quota=not tenant.admin, shared_prefix=shared,
-        )  # fmt: skip
-    except Exception as e:  # noqa: BLE001 - typed errors map to 4xx, the rest is a logged 500
-        rid = request_id_of(request.scope)
-        raise (from_engine_error(e, rid) or internal_error(rid, e)) from None
+    s.check_admission(tenant, 1)
+    with s.cache_gate.admitted(tenant.name, rated=False) as ticket:
+        if req.cache_mode == "segments":
+            return await _warm_segments(request, s, tenant, req, scope.namespace, ticket.call)
+        ids, shared = await s.cache_prompt(req, tenant, scope)
+        try:
+            result = await s.engine.warm(
+                ids, namespace=scope.namespace, pin=req.pin, ttl_seconds=req.ttl_seconds,
+                tenant=tenant.name, quota=not tenant.admin, shared_prefix=shared,
+                offload=ticket.call,
+            )  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - typed errors map to 4xx, the rest is a logged 500
+            rid = request_id_of(request.scope)
+            raise (from_engine_error(e, rid) or internal_error(rid, e)) from None
     return {**_as_dict(result), **_where(s, scope, shared)}
 
 
@@ -69,7 +78,7 @@ def _where(s: Serving, scope: CacheScope, shared) -> dict:
 
 
 async def _warm_segments(
-    request: Request, s: Serving, tenant: Tenant, req: CacheWarmRequest, namespace
+    request: Request, s: Serving, tenant: Tenant, req: CacheWarmRequest, namespace, offload
 ) -> dict:
     """Each document message stored as a segment (docs/segments.md); nothing else prefilled.
     A request of the tenant's: 429 over its share of the queue, 400 over the segment limits."""
@@ -83,7 +92,8 @@ async def _warm_segments(
     if not spans:
         raise APIError(400, "no document message to warm as a segment", param="messages")
     try:
-        stored = await s.engine.warm_segments(ids, list(spans), namespace, tenant=tenant.name)
+        stored = await s.engine.warm_segments(ids, list(spans), namespace, tenant=tenant.name,
+                                              offload=offload)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - typed errors map to 4xx, the rest is a logged 500
         rid = request_id_of(request.scope)
         raise (from_engine_error(e, rid) or internal_error(rid, e)) from None
@@ -98,12 +108,12 @@ async def _warm_segments(
 @router.post("/lookup")
 async def lookup(request: Request) -> dict:
     """How many tokens of a prompt would hit the cache now. Changes nothing."""
-    s, tenant, req, scope = await accept(request, CacheLookupRequest)
+    s, tenant, req, scope = await accept(request, CacheLookupRequest, charge=True)
     ids, shared = await s.cache_prompt(req, tenant, scope)
     # Engine queries take its lock, which a running step holds: wait for it off the event loop,
     # on the cache routes' own threads (cache_gate.py), within the tenant's cap.
     result = await s.cache_gate.run(tenant.name, s.engine.lookup, ids, scope.namespace, shared,
-                                    rated=not tenant.admin)  # fmt: skip
+                                    rated=False)  # fmt: skip  (charged by accept)
     return {**_as_dict(result), **_where(s, scope, shared)}
 
 
@@ -112,6 +122,8 @@ async def invalidate(request: Request) -> dict:
     """Drop the cached blocks of a namespace; blocks running requests hold go when released."""
     s: Serving = request.app.state.serving
     tenant = authenticate(request)
+    if not tenant.admin:
+        s.cache_gate.take(tenant.name)  # its rate, before the body is read
     req = await parse_body(request, CacheInvalidateRequest, s.limits)
     if req.all:
         if req.namespace is not None or req.cache_salt is not None:
@@ -147,7 +159,7 @@ async def _invalidate(request: Request, s: Serving, tenant: Tenant, namespace: s
     tier cannot be reached: retry, the RAM part is done)."""
     try:
         return await s.cache_gate.run(tenant.name, s.engine.invalidate, namespace,
-                                      rated=not tenant.admin)  # fmt: skip
+                                      rated=False)  # fmt: skip  (charged on arrival)
     except Exception as e:  # noqa: BLE001 - typed errors map to 4xx/503, the rest is a 500
         rid = request_id_of(request.scope)
         raise (from_engine_error(e, rid) or internal_error(rid, e)) from None
@@ -171,7 +183,7 @@ async def stats_for(s: Serving, tenant: Tenant) -> dict:
     own = await s.cache_gate.run(
         tenant.name, s.engine.tenant_stats, tenant.name,
         lambda ns: ns is not None and s.tenants.owns(tenant, ns), rated=True,
-    )  # fmt: skip
+    )  # fmt: skip  (no body to read first: charged here)
     out = _as_dict(own)
     out["hit_rate"] = own.hit_rate
     out["kv"] = dict(s.engine.kv_info)

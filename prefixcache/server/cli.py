@@ -28,12 +28,17 @@ _LIMIT_HELP = {
     "keep_alive_timeout": "seconds an idle keep-alive connection stays open",
     "send_timeout": "seconds a client may take to accept a streamed chunk (cancelled after)",
     "max_connections": "open connections; more are closed at once",
-    "max_refusals_per_second": "refused requests (400/413/422) a non-admin tenant may have in a "
+    "max_refusals_per_second": "refused requests (400/404/413/422/429) a non-admin tenant may have in a "
     "second; past it, 429 for --refusal-penalty seconds",
-    "refusal_penalty": "seconds a tenant over --max-refusals-per-second is refused early",
+    "refusal_penalty": "seconds a tenant over --max-refusals-per-second is refused early (and "
+    "a client address over --max-unauthenticated-per-second cut off)",
+    "max_unauthenticated_per_second": "401s a client address may get in a second; past it, its "
+    "connections are closed and refused for --refusal-penalty seconds",
     "max_tools": "tool definitions per /v1/messages request",
-    "max_cache_calls_per_second": "cache control calls (lookup, invalidate, stats) a non-admin "
-    "tenant may make a second; past it, 429",
+    "max_cache_calls_per_second": "calls outside the queue (cache warm/lookup/invalidate/stats, "
+    "count_tokens, comparisons) a non-admin tenant may make a second; past it, 429",
+    "max_json_containers": "objects and arrays in a request body, counted before parsing; 400 above",
+    "metrics_max_age": "seconds a /metrics read is reused for keyless readers (--public-metrics)",
 }
 
 
@@ -346,8 +351,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--metrics-key",
         default=None,
-        help="require this key (or an admin key) as a bearer token on /metrics "
-        "(default: /metrics is open, as in vLLM)",
+        help="a key (besides admin keys) that reads /metrics as a bearer token; with API keys "
+        "configured /metrics needs one of them (an open server's is public)",
+    )
+    s.add_argument(
+        "--allow-open-remote",
+        action="store_true",
+        help="serve without any API key on a non-loopback --host (refused without this flag: "
+        "every caller who reaches the port is the admin)",
+    )
+    s.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="serve /metrics without a key even with API keys (vLLM's default): its counts "
+        "are every tenant's traffic",
     )
     lim = p.add_argument_group("limits (see docs/server.md)")
     for f in fields(ServerLimits):
@@ -395,6 +412,7 @@ def run_serve(args: argparse.Namespace) -> int:
             admin_key=args.admin_key,
             shared_namespaces=args.shared_namespace,
         )
+        check_open_bind(tenants, args)
         config = _engine_config(args)
         limits = _limits(args)
         origin = origin_policy(args)
@@ -422,6 +440,7 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics_key=args.metrics_key,
         drain_timeout=args.graceful_shutdown_timeout,
         origin=origin,
+        public_metrics=args.public_metrics,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -435,7 +454,8 @@ def run_serve(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=args.graceful_shutdown_timeout,
             fd=args.fd,
             http=protocol_class(
-                limits.max_connections, limits.header_timeout, limits.send_timeout
+                limits.max_connections, limits.header_timeout, limits.send_timeout,
+                app.state.peer_guard,
             ),
             timeout_keep_alive=limits.keep_alive_timeout,
         )
@@ -496,6 +516,21 @@ def _engine_config(args: argparse.Namespace):
 
 def _limits(args: argparse.Namespace) -> ServerLimits:
     return ServerLimits(**{f.name: getattr(args, f.name) for f in fields(ServerLimits)})
+
+
+def check_open_bind(tenants, args: argparse.Namespace) -> None:
+    """An open server (no API key) makes every caller the admin: on a non-loopback address only
+    with ``--allow-open-remote`` (as the KV events stream needs ``--kv-events-allow-remote``).
+    With ``--fd``, --host names the address of the inherited socket."""
+    from prefixcache.server.origin import is_loopback
+
+    if tenants.auth_required or is_loopback(args.host) or args.allow_open_remote:
+        return
+    raise ValueError(
+        f"--host {args.host} is not a loopback address and no API key is configured: every "
+        "caller reaching it would be the admin. Give --api-key / --api-keys-file, bind "
+        "127.0.0.1, or pass --allow-open-remote to serve it open anyway"
+    )
 
 
 def origin_policy(args: argparse.Namespace):

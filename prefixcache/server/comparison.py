@@ -14,7 +14,10 @@ What is kept, and for whom. A request that opts in (``diagnostics`` present, eve
 id; ``prompt_cache_options`` present) is remembered under its response id: its token ids, the
 text of each part, its model, namespace and ``prompt_cache_key``. Per tenant, in its own
 bounded store (``MAX_RESPONSES`` responses, ``MAX_TOKENS`` token ids and ``MAX_CHARS``
-characters; the oldest go first), so an id is looked up only among the caller's own responses:
+characters; the oldest go first), and all tenants together within ``MAX_TOTAL_TOKENS`` and
+``MAX_TOTAL_CHARS``: past those, the tenant holding the most gives up its oldest (the rule of
+the tiers, cache/shares.py), so however many tenants a keys file names the store stays bounded
+and no tenant loses a response to another's while within its share. An id is looked up only among the caller's own responses:
 another tenant's id is "not found", exactly as a made-up one, and no answer reads anything but
 the caller's two prompts. Comparing renders at most a few prefixes (a binary search over the
 parts), in a worker thread.
@@ -31,6 +34,8 @@ from dataclasses import dataclass
 MAX_RESPONSES = 64
 MAX_TOKENS = 1 << 20
 MAX_CHARS = 8 << 20
+MAX_TOTAL_TOKENS = 8 << 20  # every tenant's together (~32 MiB of ids)
+MAX_TOTAL_CHARS = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -57,23 +62,49 @@ class ResponseStore:
     """Each tenant's remembered prompts, by response id (bounded: see the module)."""
 
     def __init__(self, max_responses: int = MAX_RESPONSES, max_tokens: int = MAX_TOKENS,
-                 max_chars: int = MAX_CHARS) -> None:  # fmt: skip
+                 max_chars: int = MAX_CHARS, max_total_tokens: int = MAX_TOTAL_TOKENS,
+                 max_total_chars: int = MAX_TOTAL_CHARS) -> None:  # fmt: skip
         self.max_responses, self.max_tokens, self.max_chars = max_responses, max_tokens, max_chars
+        self.max_total_tokens, self.max_total_chars = max_total_tokens, max_total_chars
         self._lock = threading.Lock()
         self._by_tenant: dict[str, OrderedDict[str, PromptRecord]] = {}
+        self._held: dict[str, list[int]] = {}  # tenant -> [tokens, chars] it holds
+        self.total_tokens = self.total_chars = 0
+
+    def _remove(self, tenant: str, response_id: str | None = None) -> None:
+        """Forget one of ``tenant``'s records (default: its oldest)."""
+        mine = self._by_tenant[tenant]
+        if response_id is None:
+            _, old = mine.popitem(last=False)
+        else:
+            old = mine.pop(response_id)
+        held = self._held[tenant]
+        held[0] -= len(old.ids)
+        held[1] -= old.chars
+        self.total_tokens -= len(old.ids)
+        self.total_chars -= old.chars
+        if not mine:
+            del self._by_tenant[tenant], self._held[tenant]
 
     def put(self, tenant: str, response_id: str, record: PromptRecord) -> None:
         if len(record.ids) > self.max_tokens or record.chars > self.max_chars:
             return  # larger than a tenant's whole store: not kept
         with self._lock:
+            if response_id in self._by_tenant.get(tenant, {}):
+                self._remove(tenant, response_id)
             mine = self._by_tenant.setdefault(tenant, OrderedDict())
+            held = self._held.setdefault(tenant, [0, 0])
             mine[response_id] = record
-            tokens = sum(len(r.ids) for r in mine.values())
-            chars = sum(r.chars for r in mine.values())
-            while len(mine) > self.max_responses or tokens > self.max_tokens or chars > self.max_chars:
-                _, old = mine.popitem(last=False)
-                tokens -= len(old.ids)
-                chars -= old.chars
+            held[0] += len(record.ids)
+            held[1] += record.chars
+            self.total_tokens += len(record.ids)
+            self.total_chars += record.chars
+            while (len(mine) > self.max_responses or held[0] > self.max_tokens
+                   or held[1] > self.max_chars):  # fmt: skip
+                self._remove(tenant)
+            while self.total_tokens > self.max_total_tokens or self.total_chars > self.max_total_chars:
+                # Everyone's together: the tenant holding the most gives up its oldest.
+                self._remove(max(self._held, key=lambda t: self._held[t]))
 
     def get(self, tenant: str, response_id: str) -> PromptRecord | None:
         with self._lock:

@@ -51,6 +51,7 @@ async def completions(request: Request) -> Response:
     s, tenant, req, scope = await accept(request, CompletionRequest)
     req.check_unsupported()
     s.check_generation_limits(req, req.logprobs)
+    s.check_admission(tenant, s.num_prompts(req.prompt) * req.n)  # 429 before tokenizing
     prompts = await s.completion_prompts(req)
     params = [
         s.sampling_params(req, len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs)
@@ -80,6 +81,7 @@ async def chat_completions(request: Request) -> Response:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     k = (req.top_logprobs or 0) if req.logprobs else None
     s.check_generation_limits(req, k)
+    s.check_admission(tenant, req.n)  # 429 before the chat is rendered
     seg = req.cache_mode == "segments"
     # With a shared salt, the leading system/developer messages are the declared shared prefix.
     chat = await s.chat_prompt(

@@ -182,10 +182,15 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
 
 def _count_refusal(request: Request, status: int) -> None:
     """A refusal of a tenant's request counts toward its refusal limit (server/refusals.py);
-    ``accept`` names the tenant on the request when it is counted."""
+    ``accept`` names the tenant on the request when it is counted. A 401 has no tenant: it
+    counts toward its client address's (``PeerGuard``)."""
     tenant = getattr(request.state, "refusal_tenant", None)
     if tenant is not None:
         request.app.state.serving.refusals.record(tenant, status)
+    elif status == 401:
+        guard = getattr(request.app.state, "peer_guard", None)
+        if guard is not None and request.client is not None:
+            guard.refused(request.client.host)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -5,7 +5,15 @@ request's headers, and ``limit_concurrency`` answers 503 only once a request has
 half-sent requests hold 200 sockets forever. :func:`protocol_class` returns uvicorn's protocol
 with two additions:
 
-- **connection cap**: a connection beyond ``max_connections`` is closed as soon as it is made;
+- **connection cap, shared by peers**: at ``max_connections`` open connections, a new one from
+  a peer (a client address) holding fewer connections than the peer holding the most takes the
+  place of that peer's oldest connection still waiting for a request's headers (a new or idle
+  keep-alive one); otherwise it is closed as soon as it is made. One client alone may use every
+  connection, but one that fills the server with half-sent requests (a keyless slowloris)
+  cannot lock the others out: each newcomer from another address pushes one of its connections
+  out (issue #37). Connections serving a request are never pushed out;
+- **blocked addresses**: a client address that keeps failing authentication (refusals.py
+  ``PeerGuard``) has its connections closed after their current response and refused when made;
 - **header timeout**: a connection that has not completed a request's headers within
   ``header_timeout`` seconds of being made (or of its previous response) is closed;
 - **no lingering**: closing a transport waits until its buffered bytes are sent, forever if the
@@ -46,19 +54,72 @@ class _NoLingerTransport:
         return getattr(self._transport, name)
 
 
+def _peer(transport) -> str:
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
+
+
+class PeerConnections:
+    """The open connections of each peer, oldest first (one event loop: no lock)."""
+
+    def __init__(self) -> None:
+        self.by_peer: dict[str, dict[int, H11Protocol]] = {}
+
+    def add(self, peer: str, conn: H11Protocol) -> int:
+        mine = self.by_peer.setdefault(peer, {})
+        mine[id(conn)] = conn
+        return len(mine)
+
+    def discard(self, peer: str, conn: H11Protocol) -> None:
+        mine = self.by_peer.get(peer)
+        if mine is not None and mine.pop(id(conn), None) is not None and not mine:
+            del self.by_peer[peer]
+
+    def displaceable(self, peer: str) -> H11Protocol | None:
+        """At the cap, for a new connection of ``peer``: the oldest connection waiting for a
+        request's headers of the peer holding the most, if that is more than ``peer`` holds
+        (the new one counted)."""
+        mine = len(self.by_peer.get(peer, ()))
+        for _, conns in sorted(self.by_peer.items(), key=lambda kv: -len(kv[1])):
+            if len(conns) <= mine:
+                return None
+            waiting = next((c for c in conns.values() if getattr(c, "_header_timer", None)), None)
+            if waiting is not None:
+                return waiting
+        return None
+
+
 def protocol_class(
-    max_connections: int, header_timeout: float, send_timeout: float
+    max_connections: int, header_timeout: float, send_timeout: float, guard=None
 ) -> type[H11Protocol]:
+    """``guard``: a ``refusals.PeerGuard`` (the app's ``state.peer_guard``): connections of a
+    blocked client address are refused when made and closed after their current response."""
+    peers = PeerConnections()
+
     class GuardedH11Protocol(H11Protocol):
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self.transport = _NoLingerTransport(transport, self.loop, send_timeout)
             self._header_timer: asyncio.TimerHandle | None = None
-            if len(self.connections) > max_connections:
-                log.warning("connection refused: %d open (limit %d)", len(self.connections) - 1,
-                            max_connections)  # fmt: skip
-                transport.abort()
+            self._peer = _peer(transport)
+            peers.add(self._peer, self)
+            if guard is not None and guard.blocked(self._peer):
+                transport.abort()  # its connection_lost takes it out of the counts
                 return
+            if len(self.connections) > max_connections:
+                other = peers.displaceable(self._peer)
+                if other is None:
+                    log.warning("connection refused: %d open (limit %d)",
+                                len(self.connections) - 1, max_connections)  # fmt: skip
+                    transport.abort()
+                    return
+                log.warning("connection of %s closed for one of %s: %d open (limit %d)",
+                            other._peer, self._peer, len(self.connections) - 1,
+                            max_connections)  # fmt: skip
+                other._disarm_header_timer()
+                other.transport.abort()  # its connection_lost runs soon; out of the counts now
+                self.connections.discard(other)
+                peers.discard(other._peer, other)
             self._arm_header_timer()
 
         def _arm_header_timer(self) -> None:
@@ -84,11 +145,16 @@ def protocol_class(
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm_header_timer()  # the next request on this connection, if any
+            if self.transport.is_closing():
+                return
+            if guard is not None and guard.blocked(self._peer):
+                self.transport.close()  # a blocked address keeps no connection
+                return
+            self._arm_header_timer()  # the next request on this connection, if any
 
         def connection_lost(self, exc) -> None:
             self._disarm_header_timer()
+            peers.discard(getattr(self, "_peer", ""), self)
             super().connection_lost(exc)
 
     return GuardedH11Protocol

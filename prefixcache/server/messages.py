@@ -60,7 +60,8 @@ async def messages(request: Request) -> Response:
     _check_version(request)
     req.check_unsupported()
     _check_limits(s, req)
-    prompt = await messages_prompt(s, req)
+    s.check_admission(tenant, 1)  # 429 before the request is rendered
+    prompt = await messages_prompt(s, req, system_prefix=scope.shared is not None)
     params = _sampling(s, req, len(prompt.ids))
     record = diagnosis = None
     if req.diagnostics is not None:  # Anthropic's: compare with an earlier response
@@ -72,8 +73,7 @@ async def messages(request: Request) -> Response:
                 tenant, previous, record, lambda k: s.messages_renderer.prefix_ids(req, k)),)
     run = s.start(
         "msg_", [prompt.ids], [params], 1, tenant, scope.namespace, req.priority,
-        req.return_cache_info, shared_prefix=cache_breakpoints.shared_prefix(
-            prompt.breakpoints, scope),
+        req.return_cache_info, shared_prefix=cache_breakpoints.shared_prefix(prompt, scope),
         leases=cache_breakpoints.leases(prompt.breakpoints),
         retention_priority=s.retention_priority(req),
     )  # fmt: skip
@@ -109,11 +109,14 @@ async def messages(request: Request) -> Response:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> dict:
     """The prompt's tokens as ``/v1/messages`` would render it (breakpoints checked too)."""
-    s, _tenant, req, _scope = await accept(request, CountTokensRequest)
+    # Up to five renders (the prompt and each breakpoint's cut) and no queue to wait in: a
+    # call of the tenant's cache-call rate, charged before the body is read, and rendered on
+    # the cache routes' threads within the tenant's cap (cache_gate.py).
+    s, tenant, req, _scope = await accept(request, CountTokensRequest, charge=True)
     _check_version(request)
     req.check_unsupported()
     _check_limits(s, req)
-    prompt = await messages_prompt(s, req)
+    prompt = await s.cache_gate.run(tenant.name, _render, s, req, rated=False)
     return {"input_tokens": len(prompt.ids)}
 
 
@@ -143,19 +146,21 @@ def _check_limits(s: Serving, req: _MessagesPrompt) -> None:
         raise APIError(400, "priority must be a 32-bit integer", param="priority")
 
 
-async def messages_prompt(s: Serving, req: _MessagesPrompt) -> MessagesPrompt:
-    """Rendered in a worker thread, after the length pre-check (a text that cannot fit the
-    context is refused untokenized); the ids checked like any prompt's."""
+async def messages_prompt(s: Serving, req: _MessagesPrompt, system_prefix: bool = False) -> MessagesPrompt:
+    """Rendered in a worker thread (``_render``)."""
+    return await asyncio.to_thread(_render, s, req, system_prefix)
 
-    def render() -> MessagesPrompt:
-        s._check_text_fits(text_chars(req), "messages")
-        prompt = s.messages_renderer.prompt(req)
-        if not prompt.ids:
-            raise APIError(400, "messages render to an empty prompt", param="messages")
-        s._ids(prompt.ids, "messages")
-        return prompt
 
-    return await asyncio.to_thread(render)
+def _render(s: Serving, req: _MessagesPrompt, system_prefix: bool = False) -> MessagesPrompt:
+    """After the length pre-check (a text that cannot fit the context is refused untokenized);
+    the ids checked like any prompt's. ``system_prefix``: count the tools and system's tokens
+    too (a shared salt's declared prefix, cache_breakpoints.py)."""
+    s._check_text_fits(text_chars(req), "messages")
+    prompt = s.messages_renderer.prompt(req, system_prefix)
+    if not prompt.ids:
+        raise APIError(400, "messages render to an empty prompt", param="messages")
+    s._ids(prompt.ids, "messages")
+    return prompt
 
 
 def _sampling(s: Serving, req: MessagesRequest, prompt_len: int) -> SamplingParams:

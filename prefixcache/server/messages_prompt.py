@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import jinja2
 
 from prefixcache.server.anthropic_protocol import (
+    CacheControl,
     ThinkingBlock,
     ToolResultBlock,
     ToolUseBlock,
@@ -53,11 +54,13 @@ TOOLS_HEADER = (
 @dataclass(frozen=True)
 class Breakpoint:
     """``where`` (``tools.2``, ``system.0``, ``messages.3.content.1``, ``automatic``), its
-    ``ttl`` ("5m" or "1h"), and ``num_tokens``: the prompt tokens it covers."""
+    ``ttl`` ("5m" or "1h"), ``num_tokens``: the prompt tokens it covers, and ``shared``: its
+    cache_control's ``shared`` (our extension)."""
 
     where: str
     ttl: str
     num_tokens: int
+    shared: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,9 @@ class MessagesPrompt:
     breakpoints: tuple[Breakpoint, ...]
     # The chat as the template saw it (role and content of each message), for comparisons.
     dicts: tuple[dict, ...]
+    # The leading ids that render the tools and the system alone (counted when asked: where a
+    # shared prefix stops unless a breakpoint says otherwise, cache_breakpoints.py).
+    system_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,9 +117,11 @@ class MessagesRenderer:
 
     # -- the prompt -----------------------------------------------------------------------------
 
-    def prompt(self, req: _MessagesPrompt) -> MessagesPrompt:
+    def prompt(self, req: _MessagesPrompt, system_prefix: bool = False) -> MessagesPrompt:
         """The ids (400 when the template cannot render the request) and the breakpoints
-        (400 over ``MAX_BREAKPOINTS``, or a 1-hour one after a 5-minute one, as Anthropic)."""
+        (400 over ``MAX_BREAKPOINTS``, or a 1-hour one after a 5-minute one, as Anthropic);
+        with ``system_prefix`` (and a breakpoint), how many leading ids render the tools and
+        the system alone."""
         marks = self._marks(req)
         full = _Cut(len(req.tools or ()), len(req.system_blocks()), len(req.messages))
         last = req.messages[-1]
@@ -124,11 +132,19 @@ class MessagesRenderer:
             text = _continue_final(text, dicts[-1]["content"])
         ids = self._encode(text)
         points = []
-        for where, ttl, cut in marks:
-            d, t = self._dicts(req, cut)
-            head = self._encode(self._render(d, t, add_generation_prompt=False, strict=False))
-            points.append(Breakpoint(where, ttl, _common_prefix(head, ids)))
-        return MessagesPrompt(ids, tuple(points), tuple(dicts))
+        for where, cc, cut in marks:
+            points.append(Breakpoint(where, cc.ttl, self._covered(req, cut, ids), cc.shared))
+        system = 0
+        if system_prefix and points:
+            system = self._covered(req, _Cut(full.tools, full.system, 0), ids)
+        return MessagesPrompt(ids, tuple(points), tuple(dicts), system)
+
+    def _covered(self, req: _MessagesPrompt, cut: _Cut, ids: list[int]) -> int:
+        """The prompt tokens the request cut at ``cut`` renders (no generation prompt): the
+        longest common prefix of the two renderings."""
+        d, t = self._dicts(req, cut)
+        head = self._encode(self._render(d, t, add_generation_prompt=False, strict=False))
+        return _common_prefix(head, ids)
 
     def parts(self, req: _MessagesPrompt) -> list[tuple[str, str]]:
         """The request's parts as comparisons see them (comparison.py): its tools, its system
@@ -150,14 +166,14 @@ class MessagesRenderer:
         d, t = self._dicts(req, cut)
         return self._encode(self._render(d, t, add_generation_prompt=False, strict=False))
 
-    def _marks(self, req: _MessagesPrompt) -> list[tuple[str, str, _Cut]]:
+    def _marks(self, req: _MessagesPrompt) -> list[tuple[str, CacheControl, _Cut]]:
         tools, system = req.tools or [], req.system_blocks()
-        marks = [(f"tools.{i}", t.cache_control.ttl, _Cut(i + 1, 0, 0))
+        marks = [(f"tools.{i}", t.cache_control, _Cut(i + 1, 0, 0))
                  for i, t in enumerate(tools) if t.cache_control is not None]  # fmt: skip
         for j, b in enumerate(system):
             if b.cache_control is not None:
                 _nonempty(b.text, f"system.{j}")
-                marks.append((f"system.{j}", b.cache_control.ttl, _Cut(len(tools), j + 1, 0)))
+                marks.append((f"system.{j}", b.cache_control, _Cut(len(tools), j + 1, 0)))
         for m, msg in enumerate(req.messages):
             for k, b in enumerate(msg.blocks()):
                 cc = getattr(b, "cache_control", None)
@@ -169,21 +185,21 @@ class MessagesRenderer:
                 if hasattr(b, "text") and isinstance(b.text, str):
                     _nonempty(b.text, f"messages.{m}.content.{k}")
                 marks.append(
-                    (f"messages.{m}.content.{k}", cc.ttl, _Cut(len(tools), len(system), m, k + 1))
+                    (f"messages.{m}.content.{k}", cc, _Cut(len(tools), len(system), m, k + 1))
                 )
         if req.cache_control is not None:
             full = _Cut(len(tools), len(system), len(req.messages))
-            marks.append(("automatic", req.cache_control.ttl, full))
+            marks.append(("automatic", req.cache_control, full))
         if len(marks) > MAX_BREAKPOINTS:
             raise APIError(
                 400, f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be "
                 f"provided. Found {len(marks)}.", param="cache_control",
             )  # fmt: skip
         seen_short = None
-        for where, ttl, _ in marks:
-            if ttl == "5m" and seen_short is None:
+        for where, cc, _ in marks:
+            if cc.ttl == "5m" and seen_short is None:
                 seen_short = where
-            elif ttl == "1h" and seen_short is not None:
+            elif cc.ttl == "1h" and seen_short is not None:
                 raise APIError(
                     400, f'{where}: a cache_control with ttl "1h" must come before any with '
                     f'ttl "5m" (the first is at {seen_short})', param="cache_control",

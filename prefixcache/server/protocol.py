@@ -17,7 +17,7 @@ from typing import Literal, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from prefixcache.server.body import parse_json, read_body
+from prefixcache.server.body import check_containers, parse_json, read_body
 from prefixcache.server.errors import APIError, validation_error
 from prefixcache.server.limits import ServerLimits
 
@@ -196,15 +196,19 @@ class CacheInvalidateRequest(_Body):
     all: bool = False  # every namespace; admin only
 
 
-# Bodies larger than this are parsed and validated in a worker thread: a few MiB of JSON take
-# tens of milliseconds, which the event loop (every other request's stream) must not wait for.
+# Bodies larger than this, or holding more objects and arrays than OFF_LOOP_CONTAINERS, are
+# parsed and validated in a worker thread: a few MiB of JSON, or a few thousand containers,
+# take tens of milliseconds, and the Python parts of that work then let the event loop (every
+# other request's stream) in between. The containers are bounded first (body.py).
 OFF_LOOP_BYTES = 256 << 10
+OFF_LOOP_CONTAINERS = 256
 
 
 async def parse_body(request: Request, model: type[_B], limits: ServerLimits) -> _B:
     """The body as ``model``: size/time/JSON/text failures are 4xx (body.py), a wrong shape 422."""
     raw = await read_body(request, limits)
-    if len(raw) > OFF_LOOP_BYTES:
+    containers = check_containers(raw, limits)  # 400 over the limit, before any parsing
+    if len(raw) > OFF_LOOP_BYTES or containers > OFF_LOOP_CONTAINERS:
         return await asyncio.to_thread(_parse, raw, model, limits)
     return _parse(raw, model, limits)
 
@@ -217,7 +221,7 @@ def template_text_chars(dicts: list[dict]) -> int:
 
 
 def _parse(raw: bytes, model: type[_B], limits: ServerLimits) -> _B:
-    data = parse_json(raw, limits)
+    data = parse_json(raw, limits, counted=True)  # parse_body counted its containers
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -40,6 +40,7 @@ from prefixcache.server.protocol import (
 )
 from prefixcache.server.refusals import RefusalLimiter
 from prefixcache.server.run import Choice, Run
+from prefixcache.server.snapshot import Snapshot, SnapshotReader
 
 PRIORITY_BOUND = 2**31 - 1
 
@@ -94,6 +95,11 @@ class Serving:
         self.tokenizer = engine.tokenizer
         self.messages_renderer = MessagesRenderer(self.tokenizer)  # Anthropic's Messages API
         self.activity = Activity(lambda ids: self.tokenizer.decode(ids), engine.config.block_size)
+        # /metrics: rendered by one reader at a time off the default executor (snapshot.py).
+        self.snapshot_reader = SnapshotReader()
+        self.metrics_snapshot = Snapshot(
+            self.metrics.render, self.snapshot_reader, self.limits.metrics_max_age
+        )
         self.cache_keys = PromptCacheKeyStats()
         self.responses = ResponseStore()  # prompts kept for comparisons (comparison.py)
         self._chars_lock = threading.Lock()
@@ -102,6 +108,12 @@ class Serving:
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    def close(self) -> None:
+        """At shutdown: the cache routes' and the snapshots' threads (calls not started are
+        dropped)."""
+        self.cache_gate.close()
+        self.snapshot_reader.close()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -153,20 +165,27 @@ class Serving:
         self._check_text_fits(len(text), param)
         return self._ids(self.tokenizer.encode(text, add_special_tokens=True), param)
 
+    def num_prompts(self, p) -> int:
+        """The prompts of a completion's ``prompt`` (400 when none, or over the limit): known
+        before anything is tokenized."""
+        n = 1 if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)) else len(p)
+        if not n:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if n > self.limits.max_prompts_per_request:
+            raise APIError(
+                400, f"at most {self.limits.max_prompts_per_request} prompts per request",
+                param="prompt", code="too_many_prompts",
+            )  # fmt: skip
+        return n
+
     def _completion_prompts(self, p) -> list[list[int]]:
+        self.num_prompts(p)
         if isinstance(p, str):
             prompts = [("text", p)]
         elif p and all(isinstance(x, int) for x in p):
             prompts = [("ids", p)]
         else:
             prompts = [("text" if isinstance(x, str) else "ids", x) for x in p]
-        if not prompts:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        if len(prompts) > self.limits.max_prompts_per_request:
-            raise APIError(
-                400, f"at most {self.limits.max_prompts_per_request} prompts per request",
-                param="prompt", code="too_many_prompts",
-            )  # fmt: skip
         return [self._text(x, "prompt") if k == "text" else self._ids(list(x), "prompt")
                 for k, x in prompts]  # fmt: skip
 
@@ -300,7 +319,10 @@ class Serving:
         previous = self.responses.get(tenant.name, previous_id)
         if previous is None:
             return None
-        return await asyncio.to_thread(compare, previous, record, render_prefix)
+        # A comparison renders prefixes (a binary search over the parts): a call of the
+        # tenant's cache-call rate, on the cache routes' threads (cache_gate.py).
+        return await self.cache_gate.run(tenant.name, compare, previous, record, render_prefix,
+                                         rated=not tenant.admin)  # fmt: skip
 
     def chat_prefix(self, dicts: list[dict]):
         """``render_prefix`` of a chat: its first k messages alone, no generation prompt."""
@@ -373,6 +395,19 @@ class Serving:
             raise as_api_error(e) from None
 
     # -- running ------------------------------------------------------------------------------
+    def check_admission(self, tenant: Tenant, num_sequences: int) -> None:
+        """Before a prompt is rendered or tokenized: 400 when ``num_sequences`` could never
+        wait at once, 429 when they do not fit the tenant's share of the queue (or the queue)
+        now. A refused request costs its parse only (``start`` checks again when it adds)."""
+        self._check_sequences(num_sequences)
+        try:
+            self.engine.check_admission(tenant.name, num_sequences)
+        except Exception as e:
+            err = from_engine_error(e)
+            if err is None:
+                raise
+            raise err from None
+
 
     def start(
         self,
@@ -399,13 +434,7 @@ class Serving:
         stats count in (cache_keys.py); ``retention_priority``: how the blocks it uses rank
         for eviction among the tenant's own."""
         total = len(prompts) * n
-        cfg = self.engine.config
-        most = min(cfg.max_waiting_requests, cfg.tenant_waiting_limit)
-        if total > most:
-            raise APIError(
-                400, f"this request asks for {total} sequences (prompts x n); at most {most} "
-                "can ever wait at once", param="n", code="too_many_sequences",
-            )  # fmt: skip
+        self._check_sequences(total)
         run = Run(self, new_id(prefix), tenant, namespace, n)
         run.segments = segments is not None
         run.shared_prefix = shared_prefix
@@ -437,6 +466,16 @@ class Serving:
         return run
 
 
+    def _check_sequences(self, total: int) -> None:
+        cfg = self.engine.config
+        most = min(cfg.max_waiting_requests, cfg.tenant_waiting_limit)
+        if total > most:
+            raise APIError(
+                400, f"this request asks for {total} sequences (prompts x n); at most {most} "
+                "can ever wait at once", param="n", code="too_many_sequences",
+            )  # fmt: skip
+
+
 def _wrap_seed(seed: int) -> int:
     return (seed + 2**63) % 2**64 - 2**63
 
@@ -460,13 +499,17 @@ def authenticate(request) -> Tenant:
     return tenant
 
 
-async def accept(request, schema):
+async def accept(request, schema, charge: bool = False):
     """The start of every generation and cache route: authenticate the caller, parse the body
     as ``schema`` (bounded, strict), check the model name, and derive the cache namespace
     (never from the client alone). Returns (serving, tenant, body, scope): ``scope.namespace``
-    is the request's own, ``scope.shared`` the namespace of what it declares shared."""
+    is the request's own, ``scope.shared`` the namespace of what it declares shared.
+    ``charge``: a call of the tenant's cache-call rate (cache_gate.py), taken before the body
+    is read (429 over it)."""
     s: Serving = request.app.state.serving
     tenant = authenticate(request)
+    if charge and not tenant.admin:
+        s.cache_gate.take(tenant.name)
     req = await parse_body(request, schema, s.limits)
     s.check_model(req.model)
     return s, tenant, req, s.tenants.scope(tenant, req.cache_salt)

@@ -44,21 +44,26 @@ class ToolCallReader:
         self.calls = 0
 
     def feed(self, text: str) -> list[str | ToolCall]:
-        """What of the output so far can be handed on: texts and calls, in order."""
-        self._buf += text
+        """What of the output so far can be handed on: texts and calls, in order. The buffer is
+        walked with a cursor and cut once at the end: a text of many tags costs O(its length),
+        not a copy of the rest per tag (a non-streamed answer is fed whole, issue #37)."""
+        buf = self._buf + text
         out: list[str | ToolCall] = []
+        start, searched = 0, self._searched  # the buffer begins at ``start``
         while True:
             tag = TOOL_CALL_CLOSE if self._in_call else TOOL_CALL_OPEN
-            at = self._buf.find(tag, self._searched)
+            at = buf.find(tag, start + searched)
             if at < 0:
                 break
             if self._in_call:
-                out.append(self._call(self._buf[:at]))
-            elif at:
-                out.append(self._buf[:at])
-            self._buf = self._buf[at + len(tag) :]
+                out.append(self._call(buf[start:at]))
+            elif at > start:
+                out.append(buf[start:at])
+            start = at + len(tag)
             self._in_call = not self._in_call
-            self._searched = 0
+            searched = 0
+        self._buf = buf[start:] if start else buf
+        self._searched = searched
         if self._in_call:
             if len(self._buf) > MAX_CALL_CHARS:  # not a call after all: what it was
                 out.append(TOOL_CALL_OPEN + self._buf)

@@ -49,7 +49,8 @@ import threading
 import time
 from pathlib import Path
 
-from prefixcache.tiers.shares import UNKNOWN_OWNER, OwnerLRU, is_owner_id, share
+from prefixcache.cache.shares import OwnerLRU, share
+from prefixcache.tiers.shares import UNKNOWN_OWNER, is_owner_id
 from prefixcache.tiers.stats import TierCounters, TierStats
 
 log = logging.getLogger(__name__)

@@ -58,12 +58,13 @@ import threading
 import time
 from collections import Counter, OrderedDict, deque
 
+from prefixcache.cache.shares import owner_of, share
 from prefixcache.tiers import codec
 from prefixcache.tiers.jobs import Invalidate, RestoreJob, Write
 from prefixcache.tiers.keys import StoreLayout, block_name, namespace_id
 from prefixcache.tiers.records import BLOCKS, SEGMENTS, RecordKind, Ref
 from prefixcache.tiers.secret import TierKeys
-from prefixcache.tiers.shares import owner_id, owner_of, share
+from prefixcache.tiers.shares import owner_id
 from prefixcache.tiers.stats import Rates, TierStats
 
 log = logging.getLogger(__name__)

@@ -21,23 +21,16 @@ preemption (engine/fairness.py) already takes from the tenant holding the most. 
 applies the rule at admission (manager.py): a write that does not fit is dropped when its owner
 is over its share, otherwise the newest queued writes of the owner holding the most make room.
 
-``OwnerLRU`` is the bookkeeping of the in-process stores (the disk tier's index); Redis runs the
-same rule in a script (redis_tier.py), over accounting that every replica shares.
+``OwnerLRU`` (cache/shares.py, where the segment store uses it too) is the bookkeeping of the
+in-process stores (the disk tier's index); Redis runs the same rule in a script
+(redis_tier.py), over accounting that every replica shares.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Hashable
-
 from prefixcache.tiers.secret import TierKeys
 
 UNKNOWN_OWNER = ""  # records whose owner is not recorded (a layout before owners): one owner
-
-
-def owner_of(namespace: str | None) -> str | None:
-    """The tenant (or shared name) a namespace's bytes count against (server/auth.py's rule)."""
-    return None if namespace is None else namespace.split("/", 1)[0]
 
 
 def owner_id(owner: str | None, keys: TierKeys) -> str:
@@ -48,80 +41,3 @@ def owner_id(owner: str | None, keys: TierKeys) -> str:
 
 def is_owner_id(s: str) -> bool:
     return len(s) == 32 and all(c in "0123456789abcdef" for c in s)
-
-
-def share(capacity: int, owners: int) -> int:
-    """Each owner's share of a store of ``capacity`` bytes that ``owners`` owners use."""
-    return capacity // max(1, owners)
-
-
-class OwnerLRU:
-    """Records by owner, each owner's in least-recently-used order, and bytes per owner.
-    Not thread-safe: the caller holds its lock."""
-
-    def __init__(self) -> None:
-        self._owner: dict[Hashable, str] = {}  # record -> its owner
-        self._lru: dict[str, OrderedDict[Hashable, int]] = {}  # owner -> record -> bytes
-        self._bytes: dict[str, int] = {}
-        self.total = 0
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._owner
-
-    def __len__(self) -> int:
-        return len(self._owner)
-
-    def add(self, owner: str, key: Hashable, size: int) -> None:
-        """Insert (most recently used) or, when present, move it to ``owner`` and refresh it."""
-        self.pop(key)
-        self._owner[key] = owner
-        self._lru.setdefault(owner, OrderedDict())[key] = size
-        self._bytes[owner] = self._bytes.get(owner, 0) + size
-        self.total += size
-
-    def touch(self, key: Hashable) -> None:
-        owner = self._owner.get(key)
-        if owner is not None:
-            self._lru[owner].move_to_end(key)
-
-    def pop(self, key: Hashable) -> int | None:
-        owner = self._owner.pop(key, None)
-        if owner is None:
-            return None
-        size = self._lru[owner].pop(key)
-        self._bytes[owner] -= size
-        self.total -= size
-        if not self._lru[owner]:
-            del self._lru[owner], self._bytes[owner]
-        return size
-
-    def keys_of(self, owner: str) -> list:
-        return list(self._lru.get(owner, ()))
-
-    def records(self) -> list:
-        return list(self._owner)
-
-    def bytes_of(self, owner: str) -> int:
-        return self._bytes.get(owner, 0)
-
-    def count_of(self, owner: str) -> int:
-        return len(self._lru.get(owner, ()))
-
-    @property
-    def owners(self) -> int:
-        return len(self._lru)
-
-    def victim(self) -> tuple[str, Hashable, int] | None:
-        """The record to give way next: the least recently used of the owner holding the most."""
-        if not self._lru:
-            return None
-        owner = max(self._bytes, key=self._bytes.__getitem__)
-        key, size = next(iter(self._lru[owner].items()))
-        return owner, key, size
-
-    def check(self) -> None:
-        assert self.total == sum(self._bytes.values()), "tier byte count drifted"
-        for owner, recs in self._lru.items():
-            assert recs and self._bytes[owner] == sum(recs.values()), "owner bytes drifted"
-            assert all(self._owner[k] == owner for k in recs), "record owner map drifted"
-        assert len(self._owner) == sum(len(r) for r in self._lru.values()), "record map drifted"
