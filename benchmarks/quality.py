@@ -18,7 +18,7 @@ turn, cut to the length): KL and top-1 over the last ``--tail`` positions, and w
 ``--gen`` greedy tokens that follow each text are identical to the reference's.
 
 Usage: .venv/bin/python benchmarks/quality.py [--texts 32] [--gen 32] [--json results/quality.json]
-       .venv/bin/python benchmarks/quality.py --lengths 2048,4096,8192 --texts 4 --tail 512
+       .venv/bin/python benchmarks/quality.py --lengths 2048,4096,8160 --texts 4 --tail 512
        [--model DIR]   # another checkpoint, e.g. the default model as a bf16 Hugging Face directory
                        # (benchmarks/peers/vllm_cpu.sh convert writes .bench/models/SmolLM2-135M-Instruct-hf)
        [--same-groups int8|int4]   # the reference is the model in those weight groups with float32
