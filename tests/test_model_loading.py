@@ -192,6 +192,7 @@ def test_qwen3_qk_norms_from_a_directory_and_a_gguf(tmp_path_factory, tokenizer)
     assert float((prefill_logits(llm, ids) - hf_logits(ref, ids)).abs().max()) > 100 * LOGIT_TOL
     exact = LLM(model=str(directory), kv_cache_memory="4MiB")
     assert exact.engine.runner.model.exact
+    assert exact.engine.runner.model.exact_layers is not None  # decode in one native call
     ids = tokenizer.encode(TEXT * 4)[:70]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
     cold = exact.generate([ids], params)[0]
@@ -199,6 +200,12 @@ def test_qwen3_qk_norms_from_a_directory_and_a_gguf(tmp_path_factory, tokenizer)
     assert warm.num_cached_tokens >= 64
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     assert warm.outputs[0].logprobs == cold.outputs[0].logprobs
+    # decoded (the native step, its q/k norms in C++) == prefilled (the layer loop): the 4th
+    # token's distribution again as the first token after a prompt of the 3 before it
+    gen = cold.outputs[0].token_ids
+    again = exact.generate([ids + gen[:3]], SamplingParams(max_tokens=1, temperature=0, logprobs=2))[0]
+    assert again.outputs[0].token_ids == gen[3:4]
+    assert again.outputs[0].logprobs == cold.outputs[0].logprobs[3:4]
     exact.check_integrity()
 
 

@@ -308,7 +308,7 @@ class LlamaModel:
     def _exact_layers(self):
         """The per-layer arguments of ``kernels.exact_decode`` (an exact decode-only step in one
         native call), or None off the exact path."""
-        if not self.exact or self.config.qk_norm:  # the native step has no q/k norms
+        if not self.exact:
             return None
         lins = [lin for layer in self.layers for lin in _linears(layer)]
         if not all(isinstance(lin, IntLinear) for lin in lins):
@@ -327,6 +327,7 @@ class LlamaModel:
             [empty if lin.wm is None else lin.wm for lin in lins],
             [int(lin.wide) | 2 * int(lin.mixed) | 4 * int(lin.bits == 16) for lin in lins],
             [] if biases[0] is None else biases,
+            [w for layer in self.layers for w in (layer.qk_norms or ())],
         )  # fmt: skip
 
     def _fused_layers(self):
