@@ -89,3 +89,21 @@ def token_budget(llm, budget: int | None):
         yield
     finally:
         sched.config = config
+
+
+def add_default_vocab(writer, pre: str = "smollm") -> None:
+    """The default model's GPT-2 vocabulary (tokens, types, merges, bos/eos) copied from its GGUF
+    into a ``gguf.GGUFWriter``: GGUF files of random tiny models that our tokenizer reads."""
+    import gguf
+
+    from prefixcache.model.paths import default_model_path
+
+    src = gguf.GGUFReader(str(default_model_path()))
+    f = src.fields
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list([bytes(f["tokenizer.ggml.tokens"].parts[i]).decode() for i in f["tokenizer.ggml.tokens"].data])
+    writer.add_token_types([int(f["tokenizer.ggml.token_type"].parts[i][0]) for i in f["tokenizer.ggml.token_type"].data])
+    writer.add_token_merges([bytes(f["tokenizer.ggml.merges"].parts[i]).decode() for i in f["tokenizer.ggml.merges"].data])
+    writer.add_bos_token_id(int(f["tokenizer.ggml.bos_token_id"].parts[-1][0]))
+    writer.add_eos_token_id(int(f["tokenizer.ggml.eos_token_id"].parts[-1][0]))

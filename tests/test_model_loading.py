@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import prefill_logits
+from _helpers import add_default_vocab, prefill_logits
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.model.tokenizer import load_tokenizer
@@ -67,6 +67,7 @@ def make_hf_dir(tmp_path_factory, tok, cls_name: str, seed: int = 0, max_shard_s
     config_cls = {
         "LlamaForCausalLM": transformers.LlamaConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
     }
     config = config_cls[cls_name](**{**TINY, "vocab_size": tok.vocab_size, **over})
     torch.manual_seed(seed)
@@ -125,6 +126,87 @@ def test_qwen2_with_qkv_bias(tmp_path_factory, tokenizer):
     ref.save_pretrained(directory, safe_serialization=True)
     llm = check_parity(directory, ref, tokenizer)
     assert llm.engine.model_config.attention_bias
+
+
+def write_qwen3_gguf(path: Path, ref) -> Path:
+    """The random Qwen3 ``ref`` as a GGUF file (float32 tensors under llama.cpp's names, the
+    default model's GPT-2 vocabulary copied from its GGUF), as llama.cpp's converter writes one."""
+    import gguf
+
+    cfg = ref.config
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    add_default_vocab(w, pre="qwen2")
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm", "q_proj": "attn_q", "k_proj": "attn_k",
+             "v_proj": "attn_v", "o_proj": "attn_output", "q_norm": "attn_q_norm",
+             "k_norm": "attn_k_norm", "gate_proj": "ffn_gate", "up_proj": "ffn_up",
+             "down_proj": "ffn_down"}  # fmt: skip
+    for name, t in ref.state_dict().items():
+        parts = name.split(".")
+        if parts[0] == "lm_head":
+            if cfg.tie_word_embeddings:
+                continue
+            gname = "output.weight"
+        elif parts[1] == "layers":
+            gname = f"blk.{parts[2]}.{names[parts[-2]]}.{parts[-1]}"
+        else:
+            gname = f"{names[parts[1]]}.{parts[-1]}"
+        w.add_tensor(gname, t.detach().float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_qwen3_qk_norms_from_a_directory_and_a_gguf(tmp_path_factory, tokenizer):
+    """Qwen3: each q and k head RMS-normed before rotary (weights made to matter), from its
+    Hugging Face directory and from the same weights as a GGUF, against transformers; then the
+    exact path's default on it, bit for bit the same cold, warm and batched."""
+    directory, ref = make_hf_dir(tmp_path_factory, tokenizer, "Qwen3ForCausalLM", seed=5, head_dim=16)
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            layer.self_attn.q_norm.weight.normal_(1.0, 0.5)
+            layer.self_attn.k_norm.weight.normal_(1.0, 0.5)
+    ref.save_pretrained(directory, safe_serialization=True)
+    llm = check_parity(directory, ref, tokenizer)
+    cfg = llm.engine.model_config
+    assert cfg.architecture == "Qwen3ForCausalLM" and cfg.qk_norm and not cfg.attention_bias
+    gguf_path = write_qwen3_gguf(tmp_path_factory.mktemp("qwen3-gguf") / "qwen3-tiny.gguf", ref)
+    llm_gguf = check_parity(gguf_path, ref, tokenizer)
+    assert llm_gguf.engine.model_config.qk_norm
+    # The norms matter here: the same model without them is far from transformers.
+    ids = tokenizer.encode(TEXT * 4)[:40]
+    for layer in llm.engine.runner.model.layers:
+        layer.qk_norms = None
+    assert float((prefill_logits(llm, ids) - hf_logits(ref, ids)).abs().max()) > 100 * LOGIT_TOL
+    exact = LLM(model=str(directory), kv_cache_memory="4MiB")
+    assert exact.engine.runner.model.exact
+    assert exact.engine.runner.model.exact_layers is not None  # decode in one native call
+    ids = tokenizer.encode(TEXT * 4)[:70]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
+    cold = exact.generate([ids], params)[0]
+    warm, _companion = exact.generate([ids, ids[:33] + ids[40:60]], params)
+    assert warm.num_cached_tokens >= 64
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert warm.outputs[0].logprobs == cold.outputs[0].logprobs
+    # decoded (the native step, its q/k norms in C++) == prefilled (the layer loop): the 4th
+    # token's distribution again as the first token after a prompt of the 3 before it
+    gen = cold.outputs[0].token_ids
+    again = exact.generate([ids + gen[:3]], SamplingParams(max_tokens=1, temperature=0, logprobs=2))[0]
+    assert again.outputs[0].token_ids == gen[3:4]
+    assert again.outputs[0].logprobs == cold.outputs[0].logprobs[3:4]
+    exact.check_integrity()
 
 
 def test_llama3_rope_scaling_past_original_context(tmp_path_factory, tokenizer):

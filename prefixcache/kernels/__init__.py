@@ -187,7 +187,8 @@ def decode_forward(x, cos, sin, layers, kv, slot_mapping, parts, num_heads: int,
 def exact_decode(x, cos, sin, layers, kv, slot_mapping, paged, isa_name: str, num_heads: int,
                  num_kv_heads: int, ffn: int, eps: float, scale: float):
     """Every decoder layer of an exact decode-only step in one call (exact_decode.cpp): the bits
-    of the op-by-op path. ``layers`` is (input_norms, post_norms, wq, wd, wm, codes, qkv_bias)
+    of the op-by-op path. ``layers`` is (input_norms, post_norms, wq, wd, wm, codes, qkv_bias,
+    qk_norms)
     from model/llama.py; ``paged`` the step's PagedBatch (one query per sequence)."""
     return torch.ops.prefixcache.exact_decode(
         x, cos, sin, *layers, _ISA_CODE[isa_name], kv.k, kv.v, kv.k_scale, kv.v_scale,

@@ -80,7 +80,7 @@ void check_f32(const at::Tensor& t, const char* name) {
 at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
                         at::TensorList input_norms, at::TensorList post_norms, at::TensorList wq,
                         at::TensorList wd, at::TensorList wm, at::IntArrayRef codes,
-                        at::TensorList qkv_bias, int64_t isa, const at::Tensor& kv_k,
+                        at::TensorList qkv_bias, at::TensorList qk_norms, int64_t isa, const at::Tensor& kv_k,
                         const at::Tensor& kv_v, const c10::optional<at::Tensor>& kv_k_scale,
                         const c10::optional<at::Tensor>& kv_v_scale, int64_t kv_code,
                         const at::Tensor& slot_mapping, const at::Tensor& ctx,
@@ -95,6 +95,7 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
                   wd.size() == wq.size() && wm.size() == wq.size() && static_cast<int64_t>(codes.size()) == 4 * layers,
               "four linears per layer, each with weights, scales, offsets and a code");
   TORCH_CHECK(qkv_bias.empty() || static_cast<int64_t>(qkv_bias.size()) == layers, "qkv bias per layer or none");
+  TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers, "q and k norms per layer or none");
   const bool scaled = prefixcache::kv_scaled(kv_code);
   TORCH_CHECK(prefixcache::kv_code_known(kv_code), "unknown kv code");
   TORCH_CHECK(kv_k.is_contiguous() && kv_v.is_contiguous() && kv_v.sizes() == kv_k.sizes() && kv_k.dim() == 4 &&
@@ -123,6 +124,11 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
     check_f32(input_norms[l], "input_norm");
     check_f32(post_norms[l], "post_norm");
     TORCH_CHECK(input_norms[l].numel() == hid && post_norms[l].numel() == hid, "norm widths");
+    if (!qk_norms.empty()) {
+      check_f32(qk_norms[2 * l], "q_norm");
+      check_f32(qk_norms[2 * l + 1], "k_norm");
+      TORCH_CHECK(qk_norms[2 * l].numel() == d && qk_norms[2 * l + 1].numel() == d, "q/k norm widths");
+    }
     if (!qkv_bias.empty()) {
       check_f32(qkv_bias[l], "qkv_bias");
       TORCH_CHECK(qkv_bias[l].numel() == width, "qkv bias width");
@@ -237,6 +243,12 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
       // rotate q and k; K and V into their cache slots (attention reads them back as stored)
       for (int64_t r = r0; r < r1; ++r) {
         float* row = qkvp + r * width;
+        if (!qk_norms.empty()) {  // Qwen3: each q head, then each k head, RMS-normed in place
+          const float* qn = qk_norms[2 * l].data_ptr<float>();
+          const float* kn = qk_norms[2 * l + 1].data_ptr<float>();
+          for (int64_t j = 0; j < h + kvh; ++j)
+            prefixcache::rms_norm_row(row + j * d, j < h ? qn : kn, eps, d, row + j * d);
+        }
         prefixcache::rope_row(row, h + kvh, cp + r * d, snp + r * d, d);
         for (int64_t kh = 0; kh < kvh; ++kh) {
           const int64_t at_ = kh * n_slots + slot[r];
@@ -292,7 +304,7 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
 TORCH_LIBRARY_FRAGMENT(prefixcache, lib) {
   lib.def(
       "exact_decode(Tensor x, Tensor cos, Tensor sin, Tensor[] input_norms, Tensor[] post_norms, "
-      "Tensor[] wq, Tensor[] wd, Tensor[] wm, int[] codes, Tensor[] qkv_bias, int isa, "
+      "Tensor[] wq, Tensor[] wd, Tensor[] wm, int[] codes, Tensor[] qkv_bias, Tensor[] qk_norms, int isa, "
       "Tensor(a!) kv_k, Tensor(b!) kv_v, Tensor(c!)? kv_k_scale, Tensor(d!)? kv_v_scale, int kv_code, "
       "Tensor slot_mapping, Tensor ctx, Tensor slots_off, Tensor slots, int num_heads, "
       "int num_kv_heads, int ffn, float eps, float scale) -> Tensor");

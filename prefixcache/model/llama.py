@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Read top to bottom: norm, rotary embedding, attention block, MLP, layer, model. Shapes are noted
 at tensor boundaries; T is the number of new tokens in the flat batch of a step.
@@ -102,8 +102,10 @@ class DecoderLayer:
     """Attention block then MLP block, each pre-normed with a residual around it."""
 
     def __init__(self, config: ModelConfig, norms: tuple[torch.Tensor, torch.Tensor], qkv, o,
-                 gate_up, down, native: bool):  # fmt: skip
+                 gate_up, down, native: bool, qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
         self.input_norm, self.post_norm = norms
+        # Qwen3: an RMSNorm over each q and each k head (weights of head_dim) before rotary
+        self.qk_norms = qk_norms
         self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj = qkv, o, gate_up, down
         self.h, self.kvh, self.d = config.num_heads, config.num_kv_heads, config.head_dim
         self.eps = config.rms_norm_eps
@@ -116,6 +118,10 @@ class DecoderLayer:
         the layer stores and attends with, before any attention."""
         t, h, kvh, d, native = x.shape[0], self.h, self.kvh, self.d, self.native
         qkv = self.qkv_proj(rms_norm(x, self.input_norm, self.eps, native))  # [T, (H + 2 KVH) D]
+        if self.qk_norms is not None:  # per head, row by row: a token's heads never see its batch
+            for (a, n), w in zip(((0, h), (h, kvh)), self.qk_norms):
+                heads = qkv[:, a * d : (a + n) * d].reshape(t * n, d)
+                qkv[:, a * d : (a + n) * d] = rms_norm(heads, w, self.eps, native).view(t, n * d)
         if native:
             kernels.rope_(qkv, h + kvh, cos, sin)  # q and k heads, in place
             qk = qkv[:, : (h + kvh) * d].view(t, h + kvh, d)
@@ -239,6 +245,10 @@ class LlamaModel:
                 tensor(f"{pre}{n}.weight").to(device=device, dtype=dtype)
                 for n in ("input_layernorm", "post_attention_layernorm")
             )
+            qk_norms = tuple(
+                tensor(f"{pre}self_attn.{n}.weight").to(device=device, dtype=dtype)
+                for n in ("q_norm", "k_norm")
+            ) if cfg.qk_norm else None  # fmt: skip
             self.layers.append(DecoderLayer(
                 cfg, norms,
                 fused("self_attn.qkv_proj", ((h + 2 * kvh) * d, hid)),
@@ -246,6 +256,7 @@ class LlamaModel:
                 fused("mlp.gate_up_proj", (2 * inter, hid)),
                 fused("mlp.down_proj", (hid, inter)),
                 self.native,
+                qk_norms,
             ))  # fmt: skip
             self.layers[-1].isa = isa or "avx2"
         self.embed_weight = tensor("model.embed_tokens.weight").to(device=device, dtype=dtype)
@@ -316,13 +327,14 @@ class LlamaModel:
             [empty if lin.wm is None else lin.wm for lin in lins],
             [int(lin.wide) | 2 * int(lin.mixed) | 4 * int(lin.bits == 16) for lin in lins],
             [] if biases[0] is None else biases,
+            [w for layer in self.layers for w in (layer.qk_norms or ())],
         )  # fmt: skip
 
     def _fused_layers(self):
         """The per-layer arguments of ``kernels.decode_forward`` (every layer of a decode-only
         step in one native call), or None when some layer cannot run there (dense weights,
         bf16, no kernels)."""
-        if not self.native:
+        if not self.native or self.config.qk_norm:  # the native step has no q/k norms
             return None
         lins = [_linears(layer) for layer in self.layers]
         if not all(isinstance(lin, GroupLinear) and lin.large_m > 0 for row in lins for lin in row):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,8 +17,13 @@ import torch
 
 from prefixcache.model.paths import ModelNotFoundError, resolve_model_path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+              "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+# Architectures whose q and k heads are RMS-normed (one weight of head_dim each) before rotary.
+_QK_NORM = ("Qwen3ForCausalLM",)
 
 
 class UnsupportedModelError(ValueError):
@@ -39,6 +45,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    qk_norm: bool = False  # Qwen3: each q and k head RMS-normed (weights q_norm, k_norm) before rotary
     rope_scaling: dict | None = field(default=None, hash=False, compare=False)
     name: str = "model"
 
@@ -114,13 +121,17 @@ def _config_from_hf(cfg: dict, name: str) -> ModelConfig:
         )
     window = cfg.get("sliding_window")
     # A sliding window shorter than the context changes attention; we refuse rather than be wrong.
-    if arch == "MistralForCausalLM" and window and window < cfg.get("max_position_embeddings", 0):
-        raise UnsupportedModelError("Mistral with a sliding window is not supported")
+    # (Qwen2/Qwen3 configs carry a sliding_window that applies only with use_sliding_window.)
+    windowed = (arch == "MistralForCausalLM"
+                or (arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window", False)))
+    if (windowed and window
+            and window < cfg.get("max_position_embeddings", 0)):  # fmt: skip
+        raise UnsupportedModelError(f"{arch} with a sliding window ({window} tokens) is not supported")
     heads = cfg["num_attention_heads"]
     # transformers >= 5 writes rope_theta and the scaling into one "rope_parameters" dict.
     rope = cfg.get("rope_parameters") or {}
     return ModelConfig(
-        architecture="Qwen2ForCausalLM" if arch == "Qwen2ForCausalLM" else "LlamaForCausalLM",
+        architecture=arch if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") else "LlamaForCausalLM",
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -133,6 +144,7 @@ def _config_from_hf(cfg: dict, name: str) -> ModelConfig:
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        qk_norm=arch in _QK_NORM,
         rope_scaling=cfg.get("rope_scaling") or rope or None,
         name=name,
     )
@@ -171,17 +183,41 @@ def _reverse_rope_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _int4_groups(data: np.ndarray, kind, shape: tuple[int, int]) -> Int4Groups | None:
-    """The 4-bit groups of a GGUF Q4_0/Q4_1 tensor, or None for any other type.
+    """The 4-bit groups of a GGUF Q4_0/Q4_1/Q4_K tensor, or None for any other type.
 
-    A block holds 32 weights: float16 d (and m for Q4_1), then 16 bytes whose low nibbles are
-    weights 0..15 and high nibbles weights 16..31.
+    Q4_0/Q4_1: a block holds 32 weights: float16 d (and m for Q4_1), then 16 bytes whose low
+    nibbles are weights 0..15 and high nibbles weights 16..31.
+
+    Q4_K: a super-block of 256 weights is 8 groups of 32: float16 d and dmin, 12 bytes packing
+    each group's 6-bit scale sc and 6-bit minimum m, then 128 bytes whose 32-byte chunk j holds
+    group 2j in its low nibbles and group 2j + 1 in its high ones; w = (d sc) q - (dmin m). The
+    products d sc and dmin m (11-bit by 6-bit significands) are exact in float32, so a group's
+    scale and offset are the file's numbers exactly (as gguf's own dequantization computes them).
     """
     import gguf
 
     T = gguf.GGMLQuantizationType
+    out, n = shape
+    if kind == T.Q4_K:
+        blocks = np.ascontiguousarray(data).reshape(-1, 144)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [sb, 1]
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        packed = blocks[:, 4:16].reshape(-1, 3, 4)
+        a, b, c = packed[:, 0], packed[:, 1], packed[:, 2]
+        sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=1)  # [sb, 8]
+        mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=1)
+        qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = (qs & 0x0F).reshape(-1, 256)
+        scale = d * sc.astype(np.float32)
+        offset = -(dmin * mn.astype(np.float32))
+        return Int4Groups(
+            torch.from_numpy(np.ascontiguousarray(q).reshape(out, n)),
+            torch.from_numpy(scale.reshape(out, n // 32)),
+            torch.from_numpy(offset.reshape(out, n // 32)),
+            32,
+        )
     if kind not in (T.Q4_0, T.Q4_1):
         return None
-    out, n = shape
     head = 2 if kind == T.Q4_0 else 4
     blocks = np.ascontiguousarray(data).reshape(-1, head + 16)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
@@ -197,12 +233,23 @@ def _int4_groups(data: np.ndarray, kind, shape: tuple[int, int]) -> Int4Groups |
 
 
 def _int8_groups(data: np.ndarray, kind, shape: tuple[int, int]) -> Int8Groups | None:
-    """The groups of a GGUF Q8_0 tensor (a float16 d, then 32 int8), or None for another type."""
+    """The 8-bit groups of a GGUF Q8_0 tensor (a float16 d, then 32 int8) or Q5_0 tensor (a
+    float16 d, 4 bytes of the weights' fifth bits, 16 bytes of their low nibbles as in Q4_0;
+    w = d (q - 16), so q - 16 in [-16, 15] is an int8 group with the file's scale), or None for
+    another type. Q5_0 kept this way runs the 8-bit kernels at 8 bits a weight (the file's 5.5)."""
     import gguf
 
-    if kind != gguf.GGMLQuantizationType.Q8_0:
-        return None
+    T = gguf.GGMLQuantizationType
     out, n = shape
+    if kind == T.Q5_0:
+        blocks = np.ascontiguousarray(data).reshape(-1, 22)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        high = np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little")  # [blocks, 32] bit i of weight i
+        low = np.concatenate([blocks[:, 6:] & 0x0F, blocks[:, 6:] >> 4], axis=1)
+        q = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8)
+        return Int8Groups(torch.from_numpy(q.reshape(out, n)), torch.from_numpy(d.reshape(out, n // 32)))
+    if kind != T.Q8_0:
+        return None
     blocks = np.ascontiguousarray(data).reshape(-1, 34)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
     q = blocks[:, 2:].copy().view(np.int8)
@@ -260,6 +307,7 @@ def _load_gguf(path: Path) -> LoadedWeights:
         max_position_embeddings=int(g("context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias=arch == "qwen2",
+        qk_norm=_GGUF_ARCH[arch] in _QK_NORM,
         rope_scaling=rope_scaling,
         name=path.stem,
     )
@@ -273,6 +321,8 @@ def _load_gguf(path: Path) -> LoadedWeights:
         "attn_k": "self_attn.k_proj",
         "attn_v": "self_attn.v_proj",
         "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
         "ffn_gate": "mlp.gate_proj",
         "ffn_up": "mlp.up_proj",
         "ffn_down": "mlp.down_proj",
@@ -281,6 +331,8 @@ def _load_gguf(path: Path) -> LoadedWeights:
     int4: dict[str, Int4Groups] = {}
     int8: dict[str, Int8Groups] = {}
     digest = hashlib.sha256()
+    T = gguf.GGMLQuantizationType
+    widened: dict[str, int] = {}  # quantized types this engine widens to float32, tensors each
     for t in reader.tensors:
         digest.update(t.name.encode())
         digest.update(np.ascontiguousarray(t.data).tobytes())
@@ -321,10 +373,23 @@ def _load_gguf(path: Path) -> LoadedWeights:
             int8[hf] = groups8
             tensors[hf] = groups8.dequantize()
             continue
-        arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if shape is not None and t.tensor_type not in (T.F32, T.F16, T.BF16):
+            widened[t.tensor_type.name] = widened.get(t.tensor_type.name, 0) + 1
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        except NotImplementedError as e:
+            raise UnsupportedModelError(
+                f"{path.name}: tensor {t.name} is stored as {t.tensor_type.name}, a GGUF type this "
+                f"engine cannot read ({e}); supported from the file's integers: Q4_0, Q4_1, Q4_K, "
+                "Q5_0, Q8_0; widened at load: the other types the gguf package dequantizes"
+            ) from None
         if permute:
             arr = _reverse_rope_permute(arr, heads_of[parts[2]])
         tensors[hf] = torch.from_numpy(np.array(arr, copy=not arr.flags.writeable, order="C"))
+    if widened:
+        log.warning("%s: %s widened to float32 at load (not run from the file's integers; the "
+                    "exact path makes 8-bit groups of them)", path.name,
+                    ", ".join(f"{n} ({c} tensors)" for n, c in sorted(widened.items())))  # fmt: skip
     return LoadedWeights(config, tensors, path, digest.hexdigest(), int4, int8)
 
 
