@@ -293,6 +293,27 @@ def test_default_gguf_config(llm):
     assert llm.engine.runner.dtype == torch.float32
 
 
+def test_embedding_kept_as_the_files_groups(llm):
+    """On the exact path the embedding stays in the file's groups (the default's Q8_0, 1.1
+    bytes a weight, not 4), each row looked up equal to the whole table dequantized at load;
+    4-bit groups (scale and offset) likewise."""
+    from prefixcache.model.llama import GroupEmbedding
+    from prefixcache.model.loader import Int4Groups, load_weights
+
+    table = llm.engine.runner.model.embed_weight
+    assert llm.engine.runner.model.exact and isinstance(table, GroupEmbedding)
+    assert table.q.dtype == torch.int8 and table.offset is None
+    full = load_weights(None).tensors["model.embed_tokens.weight"]
+    ids = torch.tensor([0, 5, 49151, 5, 1000])
+    assert torch.equal(table.lookup(ids), full[ids])
+    assert torch.equal(table.lookup(torch.arange(full.shape[0])), full)
+    g = torch.Generator().manual_seed(0)
+    q4 = Int4Groups(torch.randint(0, 16, (50, 64), generator=g, dtype=torch.uint8),
+                    torch.rand(50, 2, generator=g) * 0.1, torch.randn(50, 2, generator=g) * 0.5, 32)  # fmt: skip
+    four = GroupEmbedding(q4, torch.device("cpu"), torch.float32)
+    assert torch.equal(four.lookup(torch.tensor([3, 49, 0, 3])), q4.dequantize()[[3, 49, 0, 3]])
+
+
 def test_fingerprint_stable_and_sensitive_to_weights(tmp_path_factory, tokenizer):
     a, _ = make_hf_dir(tmp_path_factory, tokenizer, "LlamaForCausalLM", seed=5)
     b, _ = make_hf_dir(tmp_path_factory, tokenizer, "LlamaForCausalLM", seed=6)

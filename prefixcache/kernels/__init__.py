@@ -2,7 +2,7 @@
 
 ``group_linear.cpp``: fused dequantize + matmul for weights in groups of 32 (4-bit and
 8-bit), float32 activations. ``decode_attention.cpp``: decode attention reading the paged cache
-in place, shared prefixes once. ``fused_ops.cpp``: RMSNorm, SiLU-and-multiply, rotary.
+in place, shared prefixes once. ``fused_ops.cpp``: RMSNorm, SiLU- and GELU-and-multiply, rotary.
 ``decode_forward.cpp``: every layer of a decode-only step in one call, one thread team. It is compiled once per environment into
 ``$PREFIXCACHE_KERNELS_DIR`` or ``<venv>/share/prefixcache-kernels/torch-<version>`` (the
 user cache directory when the environment is read-only), and rebuilt when the source or flags
@@ -148,14 +148,15 @@ def prefill_attention(q, k, v, scale: float):
     return torch.ops.prefixcache.prefill_attention(q, k, v, scale)
 
 
-def paged_attention(q, kv, paged, scale: float, isa_name: str = "avx2"):
+def paged_attention(q, kv, paged, scale: float, isa_name: str = "avx2", window: int = 0):
     """Causal attention of every sequence of a step (q [T, H, D]) over one layer's pool ``kv``
     (a LayerKV) read in place, for a model.attention.PagedBatch: the per-query arithmetic of
     prefill_attention for prefill chunks and decodes alike. Over an int16 pool the products run
-    on the integer units of ``isa_name`` (int_attention.h; every path gives the same bits)."""
+    on the integer units of ``isa_name`` (int_attention.h; every path gives the same bits).
+    ``window`` > 0: a sliding window, a query at p sees keys (p - window, p]."""
     return torch.ops.prefixcache.paged_attention(
         q, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.fmt.code, paged.q_start, paged.q_len, paged.ctx,
-        paged.slots_off, paged.slots, scale, _ISA_CODE[isa_name],
+        paged.slots_off, paged.slots, scale, _ISA_CODE[isa_name], window,
     )  # fmt: skip
 
 
@@ -165,6 +166,11 @@ def rms_norm(x, w, eps: float):
 
 def silu_mul(gate_up):
     return torch.ops.prefixcache.silu_mul(gate_up)
+
+
+def gelu_mul(gate_up):
+    """gelu_tanh(gate) * up for gate_up = [gate | up] (Gemma's GeGLU), row by row."""
+    return torch.ops.prefixcache.gelu_mul(gate_up)
 
 
 def rope_(qkv, heads: int, cos, sin) -> None:

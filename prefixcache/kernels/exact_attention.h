@@ -90,10 +90,11 @@ inline void block_scores3(const float* kt, int64_t d, float scale, const float* 
   _mm256_store_ps(sc + 16, _mm256_mul_ps(c2, vs)); _mm256_store_ps(sc + 24, _mm256_mul_ps(c3, vs));
 }
 
-// Online softmax step of one query over a block: s (scores, `visible` of them real) becomes the
-// block's weights exp(s - m_new) (exactly 0 past `visible`); m and l move to the new max;
+// Online softmax step of one query over a block: s (scores, keys [from, visible) of them real)
+// becomes the block's weights exp(s - m_new) (exactly 0 outside [from, visible)); m and l move to the new max;
 // returns the factor the running output is rescaled by.
-inline float block_softmax(float* s, int64_t visible, float& m, float& l) {
+inline float block_softmax(float* s, int64_t from, int64_t visible, float& m, float& l) {
+  for (int64_t j = 0; j < from; ++j) s[j] = -std::numeric_limits<float>::infinity();
   for (int64_t j = visible; j < kKeys; ++j) s[j] = -std::numeric_limits<float>::infinity();
   const __m256 bmax = _mm256_max_ps(_mm256_max_ps(_mm256_load_ps(s), _mm256_load_ps(s + 8)),
                                     _mm256_max_ps(_mm256_load_ps(s + 16), _mm256_load_ps(s + 24)));
@@ -102,6 +103,7 @@ inline float block_softmax(float* s, int64_t visible, float& m, float& l) {
   const __m256 vm = _mm256_set1_ps(m_new);
   for (int64_t j = 0; j < kKeys; j += 8) _mm256_store_ps(s + j, exp256(_mm256_sub_ps(_mm256_load_ps(s + j), vm)));
   // exp256 clamps, so a masked key weighs 1.6e-38, not 0: drop it exactly
+  for (int64_t j = 0; j < from; ++j) s[j] = 0.f;
   for (int64_t j = visible; j < kKeys; ++j) s[j] = 0.f;
   const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(s), _mm256_load_ps(s + 8)),
                                    _mm256_add_ps(_mm256_load_ps(s + 16), _mm256_load_ps(s + 24)));
@@ -276,10 +278,15 @@ struct PagedKeys {
 // arithmetic does not depend on the item: keys in blocks of 32 from position 0, its own score
 // chains, softmax and value sums (the pairing shares loads only). So a token's output is the
 // same bits in any chunk, batch, or as a decode (a chunk of one) - the exact path's contract.
+//
+// A sliding window (window > 0: a query at p sees keys (p - window, p], Gemma's local layers)
+// keeps the blocks fixed: a query visits exactly the blocks from the one holding p - window + 1
+// to the one holding p, and masks the keys before its window inside the first, so the window
+// changes nothing of the contract.
 template <typename Keys>
 inline void attend_rows(const float* q, const Keys& keys, float* out, int64_t t, int64_t c, int64_t h,
                  int64_t kvh_count, int64_t d, int64_t kh, int64_t i0, int64_t i1, float scale,
-                 std::vector<float>& kt, std::vector<float>& vbuf) {
+                 std::vector<float>& kt, std::vector<float>& vbuf, int64_t window = 0) {
   const int64_t g = h / kvh_count, first = c - t;
   kt.resize(static_cast<size_t>(d * kKeys));
   vbuf.resize(static_cast<size_t>(2 * d * kKeys));
@@ -297,12 +304,17 @@ inline void attend_rows(const float* q, const Keys& keys, float* out, int64_t t,
   std::vector<float> sbuf(static_cast<size_t>((nq + 1) * kKeys) + 8);
   float* sc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sbuf.data()) + 31) & ~uintptr_t{31});
   std::vector<float> w(nq);
-  for (int64_t k0 = 0; k0 <= last_key; k0 += kKeys) {
+  const auto lo = [&](int64_t qi) { return window > 0 ? std::max<int64_t>(0, qpos(qi) - window + 1) : 0; };
+  for (int64_t k0 = lo(0) / kKeys * kKeys; k0 <= last_key; k0 += kKeys) {
     const int64_t nk = std::min(kKeys, last_key + 1 - k0);
-    keys.fill(kh, k0, nk, kt.data(), vbuf.data(), vr);
-    int64_t q0 = 0;
+    int64_t q0 = 0, nq_ = nq;
     while (q0 < nq && qpos(q0) < k0) ++q0;  // rows whose whole future this block is
+    while (nq_ > q0 && lo(nq_ - 1) >= k0 + nk) --nq_;  // rows whose window starts past it
+    if (q0 == nq_) continue;
+    keys.fill(kh, k0, nk, kt.data(), vbuf.data(), vr);
     const auto visible = [&](int64_t qi) { return std::min(nk, qpos(qi) - k0 + 1); };
+    const auto from = [&](int64_t qi) { return std::max<int64_t>(0, lo(qi) - k0); };
+    const int64_t nq = nq_;  // this block's rows: [q0, nq)
     int64_t qs = q0;
     for (; qs + 3 <= nq; qs += 3)
       block_scores3(kt.data(), d, scale, qptr(qs), qptr(qs + 1), qptr(qs + 2), sc + qs * kKeys,
@@ -312,7 +324,7 @@ inline void attend_rows(const float* q, const Keys& keys, float* out, int64_t t,
       block_scores(kt.data(), d, scale, qptr(qs), two ? qptr(qs + 1) : nullptr, sc + qs * kKeys,
                    sc + (qs + 1) * kKeys);
     }
-    for (int64_t qi = q0; qi < nq; ++qi) w[qi] = block_softmax(sc + qi * kKeys, visible(qi), m[qi], l[qi]);
+    for (int64_t qi = q0; qi < nq; ++qi) w[qi] = block_softmax(sc + qi * kKeys, from(qi), visible(qi), m[qi], l[qi]);
     int64_t qv = q0;
     for (; qv + 3 <= nq; qv += 3) {
       const float* p[3] = {sc + qv * kKeys, sc + (qv + 1) * kKeys, sc + (qv + 2) * kKeys};

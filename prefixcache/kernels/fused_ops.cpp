@@ -4,6 +4,7 @@
 //
 //   rms_norm(x, w, eps)        x * rsqrt(mean(x^2) + eps) * w
 //   silu_mul(gate_up)          silu(gate) * up, gate_up = [gate | up] along the last dim
+//   gelu_mul(gate_up)          gelu_tanh(gate) * up (Gemma's GeGLU), the same layout
 //   rope_(qkv, heads, cos, sin) rotate the first `heads` heads of each row in place:
 //                              x cos + rotate_half(x) sin (rotate-half convention)
 
@@ -35,7 +36,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+at::Tensor glu(const at::Tensor& gate_up, bool gelu) {
   check_rows(gate_up, "gate_up");
   const int64_t m = gate_up.size(0), n = gate_up.size(1) / 2;
   TORCH_CHECK(n % 8 == 0, "half the width a multiple of 8");
@@ -43,10 +44,16 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) prefixcache::silu_mul_row(gp + r * 2 * n, n, yp + r * n);
+    for (int64_t r = r0; r < r1; ++r) {
+      if (gelu) prefixcache::gelu_tanh_mul_row(gp + r * 2 * n, n, yp + r * n);
+      else prefixcache::silu_mul_row(gp + r * 2 * n, n, yp + r * n);
+    }
   });
   return y;
 }
+
+at::Tensor silu_mul(const at::Tensor& gate_up) { return glu(gate_up, false); }
+at::Tensor gelu_mul(const at::Tensor& gate_up) { return glu(gate_up, true); }
 
 // qkv: [T, W] float32 contiguous, heads of width d from column 0; cos, sin_signed: [T, d] with
 // sin_signed = [-sin | sin] (prefixcache/model/llama.py Rotary).
@@ -70,11 +77,13 @@ void rope_(const at::Tensor& qkv, int64_t heads, const at::Tensor& cos, const at
 TORCH_LIBRARY_FRAGMENT(prefixcache, lib) {
   lib.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   lib.def("silu_mul(Tensor gate_up) -> Tensor");
+  lib.def("gelu_mul(Tensor gate_up) -> Tensor");
   lib.def("rope_(Tensor(a!) qkv, int heads, Tensor cos, Tensor sin) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, lib) {
   lib.impl("rms_norm", &rms_norm);
   lib.impl("silu_mul", &silu_mul);
+  lib.impl("gelu_mul", &gelu_mul);
   lib.impl("rope_", &rope_);
 }

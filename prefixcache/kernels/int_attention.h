@@ -257,21 +257,23 @@ inline __m256 exp2_neg(__m256 x) {
 
 // One query's step over one block, from its integer scores: the online softmax in base 2 and the
 // block's value weights.
-//   z_j = (float(dot_j) * sk_j) * qa2 for keys j < visible (qa2 = sq * scale * log2 e), -inf after
+//   z_j = (float(dot_j) * sk_j) * qa2 for keys from <= j < visible (qa2 = sq * scale * log2 e),
+//   -inf elsewhere (from > 0: the keys before a sliding window)
 //   m' = max(m, max_j z_j); p_j = 2^(z_j - m') (0 past visible); l = l * 2^(m - m') + sum_j p_j
 //   w_j = p_j sv_j; u_j = round(w_j * (16383 / max w)) as pairs (keys 2jp, 2jp + 1) in u32[jp]
 // Returns 2^(m - m'), the factor the running output is rescaled by; us = max w / 16383, the float
 // one unit of u stands for (0, with u all 0, when every weight is 0).
-inline float softmax_weights(const int32_t* dot, const Units& un, float qa2, int64_t visible, float& m, float& l,
-                             int32_t* u32, float& us) {
+inline float softmax_weights(const int32_t* dot, const Units& un, float qa2, int64_t from, int64_t visible,
+                             float& m, float& l, int32_t* u32, float& us) {
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), va = _mm256_set1_ps(qa2);
   const __m256i vis = _mm256_set1_epi32(static_cast<int32_t>(visible));
+  const __m256i fr = _mm256_set1_epi32(static_cast<int32_t>(from) - 1);
   __m256 z[4], keep[4];
   __m256 bm = ninf;
   for (int c = 0; c < 4; ++c) {
     const __m256 t = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dot + 8 * c)));
     const __m256i j = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * c));
-    keep[c] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(vis, j));
+    keep[c] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(vis, j), _mm256_cmpgt_epi32(j, fr)));
     const __m256 sk = _mm256_loadu_ps(un.sk[c >> 1] + 8 * (c & 1));
     z[c] = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_mul_ps(t, sk), va), keep[c]);
     bm = _mm256_max_ps(bm, z[c]);
@@ -363,9 +365,11 @@ struct IntScratch {
 
 // attend_rows (exact_attention.h) on the integer units: query rows [i0, i1) of KV head kh (all G
 // query heads of it) over an int16 cache. Same item shapes, causal limits and output layout.
+// A sliding window (window > 0) as attend_rows: the blocks a query visits and its masks depend
+// on its own position only.
 inline void attend_rows_int(const float* q, const PagedInt16Keys& keys, float* out, int64_t t, int64_t c,
                             int64_t h, int64_t kvh_count, int64_t d, int64_t kh, int64_t i0, int64_t i1,
-                            float scale, int64_t isa, IntScratch& z) {
+                            float scale, int64_t isa, IntScratch& z, int64_t window = 0) {
   const int64_t g = h / kvh_count, first = c - t, pairs = d / 2;
   const int64_t nq = (i1 - i0) * g;
   z.qpairs.resize(static_cast<size_t>(nq * pairs));
@@ -385,12 +389,17 @@ inline void attend_rows_int(const float* q, const PagedInt16Keys& keys, float* o
     z.qa[qi] = quantize_query(qptr(qi), d, scale, z.qpairs.data() + qi * pairs) * 1.44269504088896341f;
   // dots are 64-byte aligned per query only when kKeys * 4 is a multiple of 64 (it is: 128)
   const int64_t last_key = first + i1 - 1;
-  for (int64_t k0 = 0; k0 <= last_key; k0 += kKeys) {
+  const auto lo = [&](int64_t qi) { return window > 0 ? std::max<int64_t>(0, qpos(qi) - window + 1) : 0; };
+  for (int64_t k0 = lo(0) / kKeys * kKeys; k0 <= last_key; k0 += kKeys) {
     const int64_t nk = std::min(kKeys, last_key + 1 - k0);
-    const Units un = keys.block(kh, k0, nk);
-    int64_t q0 = 0;
+    int64_t q0 = 0, nq_ = nq;
     while (q0 < nq && qpos(q0) < k0) ++q0;  // rows whose whole future this block is
+    while (nq_ > q0 && lo(nq_ - 1) >= k0 + nk) --nq_;  // rows whose window starts past it
+    if (q0 == nq_) continue;
+    const Units un = keys.block(kh, k0, nk);
     const auto visible = [&](int64_t qi) { return std::min(nk, qpos(qi) - k0 + 1); };
+    const auto from = [&](int64_t qi) { return std::max<int64_t>(0, lo(qi) - k0); };
+    const int64_t nq = nq_;  // this block's rows: [q0, nq)
     for (int64_t qs = q0; qs < nq; qs += kGroupQ) {
       const int n = static_cast<int>(std::min<int64_t>(kGroupQ, nq - qs));
       const int32_t* qp[kGroupQ];
@@ -406,7 +415,7 @@ inline void attend_rows_int(const float* q, const PagedInt16Keys& keys, float* o
       float us[kGroupQ];
       for (int i = 0; i < n; ++i) {
         const int64_t qi = qs + i;
-        z.w[qi] = softmax_weights(dp[i], un, z.qa[qi], visible(qi), z.m[qi], z.l[qi],
+        z.w[qi] = softmax_weights(dp[i], un, z.qa[qi], from(qi), visible(qi), z.m[qi], z.l[qi],
                                   z.upairs.data() + qi * (kKeys / 2), us[i]);
         vmax = std::max(vmax, visible(qi));
         up[i] = z.upairs.data() + qi * (kKeys / 2);

@@ -59,12 +59,13 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 // Every sequence of a step at once over the paged pool, read in place: sequence s has q_len[s]
 // queries at rows q_start[s].. of q (positions ctx[s] - q_len[s] ..) and its context at
 // slots[slots_off[s] .. + ctx[s]]. The same per-query arithmetic as prefill_attention, so a
-// decode (q_len 1) gives the bits its token gets in any prefill.
+// decode (q_len 1) gives the bits its token gets in any prefill. window > 0: a sliding window
+// (a query at p sees keys (p - window, p]); 0: every earlier key.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                            int64_t code, const at::Tensor& q_start, const at::Tensor& q_len,
                            const at::Tensor& ctx, const at::Tensor& slots_off, const at::Tensor& slots,
-                           double scale, int64_t isa) {
+                           double scale, int64_t isa, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [T, H, D] float32 contiguous");
   TORCH_CHECK(kc.dim() == 3 && kc.is_contiguous() && vc.is_contiguous() && vc.sizes() == kc.sizes(),
               "k, v cache: [KVH, N, D] contiguous");
@@ -128,7 +129,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kc, const at::
       const int64_t i0 = b * kRows, i1 = std::min(ql[s], i0 + kRows);
       const int64_t base = qs[s] * h * d;
       attend_rows_int(qp + base, keys, op + base, ql[s], cx[s], h, kvh, d, kh, i0, i1,
-                      static_cast<float>(scale), path, z);
+                      static_cast<float>(scale), path, z, window);
     });
     return out;
   }
@@ -139,7 +140,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kc, const at::
     const int64_t i0 = b * kRows, i1 = std::min(ql[s], i0 + kRows);
     const int64_t base = qs[s] * h * d;
     attend_rows(qp + base, keys, op + base, ql[s], cx[s], h, kvh, d, kh, i0, i1,
-                static_cast<float>(scale), kt, vbuf);
+                static_cast<float>(scale), kt, vbuf, window);
   });
   return out;
 }
@@ -149,7 +150,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kc, const at::
 TORCH_LIBRARY_FRAGMENT(prefixcache, lib) {
   lib.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
   lib.def("paged_attention(Tensor q, Tensor kc, Tensor vc, Tensor? k_scale, Tensor? v_scale, int code, "
-          "Tensor q_start, Tensor q_len, Tensor ctx, Tensor slots_off, Tensor slots, float scale, int isa) -> Tensor");
+          "Tensor q_start, Tensor q_len, Tensor ctx, Tensor slots_off, Tensor slots, float scale, int isa, "
+          "int window) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, lib) {

@@ -38,6 +38,20 @@ inline void silu_mul_row(const float* gate_up, int64_t n, float* y) {
   }
 }
 
+// y[i] = gelu_tanh(gate[i]) * up[i] (Gemma's GeGLU), with gelu_tanh(g) = 0.5 g (1 + tanh(u)) =
+// g sigmoid(2u), u = sqrt(2 / pi) (g + 0.044715 g^3): silu_mul_row's form, one exponential each.
+inline void gelu_tanh_mul_row(const float* gate_up, int64_t n, float* y) {
+  const __m256 one = _mm256_set1_ps(1.f), c2 = _mm256_set1_ps(-2.f * 0.7978845608028654f);
+  const __m256 cube = _mm256_set1_ps(0.044715f);
+  const float* u = gate_up + n;
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(gate_up + i);
+    const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(cube, gv), _mm256_mul_ps(gv, gv), gv);
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_mul_ps(c2, inner))));
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+  }
+}
+
 // Rotate `heads` heads of width d starting at x, in place: x cos + rotate_half(x) sin, with
 // c = [cos | cos] and s = [-sin | sin] for this row's position (rotate-half convention).
 inline void rope_row(float* x, int64_t heads, const float* c, const float* s, int64_t d) {

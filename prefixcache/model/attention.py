@@ -71,6 +71,7 @@ def build_metadata(
     share_prefixes: bool = True,
     native: bool = False,
     exact: bool = False,
+    windowed: bool = False,
 ) -> AttentionMetadata:
     """Slot ids and masks for one step. ``num_computed[i]`` tokens of sequence i are cached;
     its ``num_new[i]`` new tokens follow them. ``share_prefixes=False`` attends every decode over
@@ -80,7 +81,9 @@ def build_metadata(
     reduction (keys in fixed blocks of 32 from position 0) as every prefill: a token's output
     is then the same bits whether it was decoded or prefilled, alone or beside others. The
     cascade decode kernel merges shared-prefix pieces in an order that depends on the
-    companions, so it stays out of the exact path."""
+    companions, so it stays out of the exact path. ``windowed`` (a model with sliding-window
+    layers, off the exact path): decodes attend as one-query chunks too, through ``_attend``'s
+    band mask; the decode kernels take no window."""
     slots: list[torch.Tensor] = []
     seqs: list[SeqAttention] = []
     dec_rows: list[int] = []
@@ -90,7 +93,7 @@ def build_metadata(
     q_start = 0
     for table, done, new in zip(block_tables, num_computed, num_new):
         ctx = done + new
-        if new == 1 and done > 0 and not exact:  # a decode: its context is gathered by the decode batch
+        if new == 1 and done > 0 and not exact and not windowed:  # a decode: its context is gathered by the decode batch
             slots.append(torch.tensor([table[done // block_size] * block_size + done % block_size]))
             dec_rows.append(q_start)
             dec_tables.append(table)
@@ -130,11 +133,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     isa: str = "avx2",  # the exact path's integer ISA (int16 K/V attend on the integer units)
+    window: int = 0,  # > 0: a sliding window, a query at p sees keys (p - window, p]
 ) -> torch.Tensor:  # [T, H, D]
     # Stored first, in the KV format; attention sees the stored values, new tokens included.
     k_seen, v_seen = kv.store(meta.slot_mapping, k_new, v_new)
     if meta.paged is not None:
-        return kernels.paged_attention(q.contiguous(), kv, meta.paged, scale, isa)
+        return kernels.paged_attention(q.contiguous(), kv, meta.paged, scale, isa, window)
+    if window and meta.decode is not None:
+        raise ValueError("sliding-window layers need build_metadata(windowed=True)")
     if kv.fmt.unit:  # its numbers come from the integer kernel only: never a float stand-in
         raise ValueError(f"{kv.fmt.name} K/V attend on the exact path only (build_metadata(exact=True))")
     out = torch.empty_like(q)
@@ -145,10 +151,10 @@ def paged_attention(
             vs = v_seen[s.q_start : s.q_start + s.q_len].transpose(0, 1)
         else:
             ks, vs = kv.gather(s.ctx_slots, q.dtype)
-        if meta.native:
+        if meta.native and not window:
             o = kernels.prefill_attention(qs.contiguous(), ks.contiguous(), vs.contiguous(), scale)
         else:
-            o = _attend(qs, ks, vs, scale)
+            o = _attend(qs, ks, vs, scale, window)
         out[s.q_start : s.q_start + s.q_len] = o
     if meta.decode is not None:
         out.index_copy_(0, meta.decode.rows, attend_decodes(q, kv, meta.decode, scale))
@@ -162,8 +168,9 @@ def paged_attention(
 _Q_CHUNK = 64
 
 
-def _attend(q, k, v, scale):
-    """Causal attention of q [q, H, D] over k, v [KVH, ctx, D]; the last q keys are q's own."""
+def _attend(q, k, v, scale, window: int = 0):
+    """Causal attention of q [q, H, D] over k, v [KVH, ctx, D]; the last q keys are q's own.
+    ``window`` > 0: query i (position first + i) sees only keys (first + i - window, first + i]."""
     ql, h, d = q.shape
     kvh, ctx, _ = k.shape
     g = h // kvh
@@ -175,12 +182,17 @@ def _attend(q, k, v, scale):
     for c0 in range(0, ql, _Q_CHUNK):
         c1 = min(ql, c0 + _Q_CHUNK)
         cq, end = c1 - c0, first + c1  # keys [0, end) are visible to this chunk
+        start = max(0, first + c0 - window + 1) if window else 0  # and none before start
         qc = qg[:, :, c0:c1].reshape(kvh, g * cq, d)
-        scores = torch.bmm(qc, kt[:, :, :end]).mul_(scale)  # [KVH, G*cq, end]
+        scores = torch.bmm(qc, kt[:, :, start:end]).mul_(scale)  # [KVH, G*cq, end - start]
         if cq > 1:
             # only the last cq keys can lie in a query's future: mask that square alone
             future = torch.ones(cq, cq, dtype=torch.bool, device=q.device).triu(1)
-            scores.view(kvh, g, cq, end)[..., end - cq :].masked_fill_(future, float("-inf"))
+            scores.view(kvh, g, cq, end - start)[..., end - start - cq :].masked_fill_(future, float("-inf"))
+            if window:  # and the keys before each query's window
+                pos = torch.arange(first + c0, end, device=q.device).unsqueeze(1)
+                keys = torch.arange(start, end, device=q.device).unsqueeze(0)
+                scores.view(kvh, g, cq, end - start).masked_fill_(keys <= pos - window, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        out[:, :, c0:c1] = torch.bmm(probs, v[:, :end]).view(kvh, g, cq, d)
+        out[:, :, c0:c1] = torch.bmm(probs, v[:, start:end]).view(kvh, g, cq, d)
     return out.permute(2, 0, 1, 3).reshape(ql, h, d)

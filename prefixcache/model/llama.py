@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3, Gemma 3) over a paged KV cache.
 
 Read top to bottom: norm, rotary embedding, attention block, MLP, layer, model. Shapes are noted
 at tensor boundaries; T is the number of new tokens in the flat batch of a step.
@@ -30,12 +30,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool = F
     return weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, rope_freqs: torch.Tensor | None = None,
+                  local: bool = False) -> torch.Tensor:  # fmt: skip
+    """Rotary frequencies; ``local``: those of sliding-window layers (their own base, unscaled)."""
     d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    rs = config.rope_scaling or {}
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = {} if local else config.rope_scaling or {}
     kind = rs.get("rope_type") or rs.get("type")
-    if rope_freqs is not None:  # GGUF llama3 models store the per-frequency factors
+    if rope_freqs is not None and not local:  # GGUF llama3 models store the per-frequency factors
         inv = inv / rope_freqs.double()
     elif kind == "llama3":
         factor = rs["factor"]
@@ -62,8 +65,9 @@ class Rotary:
     and a rotation is three ops (roll, mul, addcmul) for q and k of a layer together.
     """
 
-    def __init__(self, config: ModelConfig, max_len: int, rope_freqs: torch.Tensor | None, device):
-        inv = rope_inv_freq(config, rope_freqs)
+    def __init__(self, config: ModelConfig, max_len: int, rope_freqs: torch.Tensor | None, device,
+                 local: bool = False):  # fmt: skip
+        inv = rope_inv_freq(config, rope_freqs, local)
         t = torch.arange(max_len, dtype=torch.float32)
         freqs = torch.outer(t, inv)  # [max_len, D/2]
         self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device)  # [max_len, D]
@@ -99,17 +103,22 @@ def rerotate(k: torch.Tensor, shift: int, rotary: Rotary) -> torch.Tensor:
 
 
 class DecoderLayer:
-    """Attention block then MLP block, each pre-normed with a residual around it."""
+    """Attention block then MLP block, each pre-normed with a residual around it (Gemma 3: and
+    post-normed inside it, ``out_norms``)."""
 
     def __init__(self, config: ModelConfig, norms: tuple[torch.Tensor, torch.Tensor], qkv, o,
-                 gate_up, down, native: bool, qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
-        self.input_norm, self.post_norm = norms
-        # Qwen3: an RMSNorm over each q and each k head (weights of head_dim) before rotary
+                 gate_up, down, native: bool, qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 out_norms: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0):  # fmt: skip
+        self.input_norm, self.post_norm = norms  # before attention, before the MLP
+        # Qwen3, Gemma 3: an RMSNorm over each q and each k head (weights of head_dim) before rotary
         self.qk_norms = qk_norms
+        self.out_norms = out_norms  # Gemma 3: on attention's and the MLP's outputs
+        self.window = window  # > 0: a sliding-window layer (keys (p - window, p])
+        self.gelu = config.hidden_act == "gelu_tanh"  # GeGLU, else SwiGLU
         self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj = qkv, o, gate_up, down
         self.h, self.kvh, self.d = config.num_heads, config.num_kv_heads, config.head_dim
         self.eps = config.rms_norm_eps
-        self.scale = self.d**-0.5
+        self.scale = config.score_scale
         self.native = native  # the fused C++ element-wise ops (float32 on CPU)
         self.isa = "avx2"  # the exact path's integer ISA for attention (LlamaModel sets it)
 
@@ -120,7 +129,7 @@ class DecoderLayer:
         qkv = self.qkv_proj(rms_norm(x, self.input_norm, self.eps, native))  # [T, (H + 2 KVH) D]
         if self.qk_norms is not None:  # per head, row by row: a token's heads never see its batch
             for (a, n), w in zip(((0, h), (h, kvh)), self.qk_norms):
-                heads = qkv[:, a * d : (a + n) * d].reshape(t * n, d)
+                heads = qkv[:, a * d : (a + n) * d].reshape(t * n, d).contiguous()  # (one head: a view)
                 qkv[:, a * d : (a + n) * d] = rms_norm(heads, w, self.eps, native).view(t, n * d)
         if native:
             kernels.rope_(qkv, h + kvh, cos, sin)  # q and k heads, in place
@@ -133,13 +142,21 @@ class DecoderLayer:
     def __call__(self, x, cos, sin, kv: LayerKV, meta: AttentionMetadata):
         t, h, d, native = x.shape[0], self.h, self.d, self.native
         q, k, v = self.qkv(x, cos, sin)
-        o = paged_attention(q, k, v, kv, meta, self.scale, self.isa)  # [T, H, D]
-        x = self.o_proj(o.reshape(t, h * d)).add_(x)
+        o = paged_attention(q, k, v, kv, meta, self.scale, self.isa, self.window)  # [T, H, D]
+        o = self.o_proj(o.reshape(t, h * d))
+        if self.out_norms is not None:
+            o = rms_norm(o, self.out_norms[0], self.eps, native)
+        x = o.add_(x)
         gate_up = self.gate_up_proj(rms_norm(x, self.post_norm, self.eps, native))
         if native:
-            return self.down_proj(kernels.silu_mul(gate_up)).add_(x)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up)).add_(x)
+            y = self.down_proj((kernels.gelu_mul if self.gelu else kernels.silu_mul)(gate_up))
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+            y = self.down_proj(act.mul_(up))
+        if self.out_norms is not None:
+            y = rms_norm(y, self.out_norms[1], self.eps, native)
+        return y.add_(x)
 
 
 # Checkpoint tensors concatenated (in this order, along the output dim) into one fused matmul:
@@ -243,8 +260,13 @@ class LlamaModel:
 
             norms = tuple(
                 tensor(f"{pre}{n}.weight").to(device=device, dtype=dtype)
-                for n in ("input_layernorm", "post_attention_layernorm")
-            )
+                for n in ("input_layernorm", "pre_feedforward_layernorm" if cfg.sandwich_norms
+                          else "post_attention_layernorm")
+            )  # fmt: skip
+            out_norms = tuple(
+                tensor(f"{pre}{n}.weight").to(device=device, dtype=dtype)
+                for n in ("post_attention_layernorm", "post_feedforward_layernorm")
+            ) if cfg.sandwich_norms else None  # fmt: skip
             qk_norms = tuple(
                 tensor(f"{pre}self_attn.{n}.weight").to(device=device, dtype=dtype)
                 for n in ("q_norm", "k_norm")
@@ -257,9 +279,19 @@ class LlamaModel:
                 fused("mlp.down_proj", (hid, inter)),
                 self.native,
                 qk_norms,
+                out_norms,
+                cfg.window_of(i),
             ))  # fmt: skip
             self.layers[-1].isa = isa or "avx2"
-        self.embed_weight = tensor("model.embed_tokens.weight").to(device=device, dtype=dtype)
+        # The embedding table: on the exact path, where the file stores it in groups (GGUF
+        # Q4/Q8), those groups as stored, rows dequantized at lookup (the same float32 numbers
+        # as the whole table dequantized at load, at a quarter of its memory or less: 460 MB
+        # saved on Gemma 3 270M's 262k x 640 table); else the float table.
+        embed_groups = stored_groups(["model.embed_tokens.weight"]) if self.exact else None
+        self.embed_weight = (
+            GroupEmbedding(embed_groups, device, dtype) if embed_groups is not None
+            else tensor("model.embed_tokens.weight").to(device=device, dtype=dtype)
+        )  # fmt: skip
         self.norm = tensor("model.norm.weight").to(device=device, dtype=dtype)
         if self.exact:
             # The head on the exact path: its groups (the file's, else 8-bit groups made here)
@@ -285,6 +317,13 @@ class LlamaModel:
         self.arithmetic = "float32" if bits is None else "+".join(
             sorted({lin.kind for layer in self.layers for lin in _linears(layer)}))  # fmt: skip
         self.rotary = Rotary(cfg, max_len, tensors.get("rope_freqs"), device)
+        # Sliding-window layers (Gemma 3) rotate with their own base.
+        self.windowed = any(layer.window for layer in self.layers)
+        self.local_rotary = Rotary(cfg, max_len, None, device, local=True) if self.windowed else None
+        # Gemma: the embeddings times sqrt(hidden), rounded to the compute dtype first (as in
+        # transformers), so the float reference matches.
+        self.embed_scale = (torch.tensor(cfg.embed_scale, dtype=torch.float32).to(dtype)
+                            if cfg.embed_scale != 1.0 else None)  # fmt: skip
         self.dtype = dtype
         self.fused_layers = self._fused_layers()
         self.exact_layers = self._exact_layers()
@@ -308,7 +347,7 @@ class LlamaModel:
     def _exact_layers(self):
         """The per-layer arguments of ``kernels.exact_decode`` (an exact decode-only step in one
         native call), or None off the exact path."""
-        if not self.exact:
+        if not self.exact or not _plain(self.config):
             return None
         lins = [lin for layer in self.layers for lin in _linears(layer)]
         if not all(isinstance(lin, IntLinear) for lin in lins):
@@ -334,7 +373,7 @@ class LlamaModel:
         """The per-layer arguments of ``kernels.decode_forward`` (every layer of a decode-only
         step in one native call), or None when some layer cannot run there (dense weights,
         bf16, no kernels)."""
-        if not self.native or self.config.qk_norm:  # the native step has no q/k norms
+        if not self.native or self.config.qk_norm or not _plain(self.config):  # the native step has no q/k norms
             return None
         lins = [_linears(layer) for layer in self.layers]
         if not all(isinstance(lin, GroupLinear) and lin.large_m > 0 for row in lins for lin in row):
@@ -370,7 +409,7 @@ class LlamaModel:
         meta: AttentionMetadata,
         logits_index: torch.Tensor,  # [N] rows of the batch that need logits
     ) -> torch.Tensor:  # [N, vocab] float32
-        x = F.embedding(input_ids, self.embed_weight)  # [T, hidden]
+        x = self._embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary.tables(positions, x.dtype, self.native)
         d = meta.decode
         if (self.fused_layers is not None and not meta.seqs and d is not None
@@ -392,8 +431,10 @@ class LlamaModel:
                 cfg.head_dim**-0.5,
             )  # fmt: skip
         else:
+            local = self.local_rotary.tables(positions, x.dtype, self.native) if self.windowed else None
             for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, kv.layer(i, self.native), meta)
+                c, s = local if layer.window else (cos, sin)
+                x = layer(x, c, s, kv.layer(i, self.native), meta)
         # Logits only where a token is sampled: the last position of each finished prefill and
         # every decode. Projecting all T rows onto a 49k vocabulary would dominate prefill.
         h = rms_norm(x.index_select(0, logits_index), self.norm, self.config.rms_norm_eps, self.native)
@@ -413,14 +454,55 @@ class LlamaModel:
         CacheBlend-style recompute selection (segments/blend.py). One layer's cost."""
         if len(self.layers) < 2:
             raise ValueError("a one-layer model has no layer 1 to probe")
-        x = F.embedding(input_ids, self.embed_weight)
-        cos, sin = self.rotary.tables(positions, x.dtype, self.native)
-        x = self.layers[0](x, cos, sin, kv.layer(0, self.native), meta)
-        _, k, v = self.layers[1].qkv(x, cos, sin)
+        x = self._embed(input_ids)
+        tables = [self.rotary_of(i).tables(positions, x.dtype, self.native) for i in (0, 1)]
+        x = self.layers[0](x, *tables[0], kv.layer(0, self.native), meta)
+        _, k, v = self.layers[1].qkv(x, *tables[1])
         return k, v
+
+    def rotary_of(self, layer: int) -> Rotary:
+        """The rotary tables a layer's K is rotated with."""
+        return self.local_rotary if self.layers[layer].window else self.rotary
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        e = self.embed_weight
+        x = e.lookup(input_ids) if isinstance(e, GroupEmbedding) else F.embedding(input_ids, e)
+        return x if self.embed_scale is None else x.mul_(self.embed_scale)
 
 
 _KIND = {Int4Groups: "q4", Int8Groups: "q8"}
+
+
+class GroupEmbedding:
+    """An embedding table kept as the file's 4- or 8-bit groups; ``lookup`` dequantizes the
+    rows asked for with the groups' own formula, so a row is bit-for-bit the row of the table
+    dequantized whole (float32 elementwise: q * scale (+ offset))."""
+
+    def __init__(self, groups: Int4Groups | Int8Groups, device: torch.device, dtype: torch.dtype):
+        self.q = groups.q.to(device)
+        self.scale = groups.scale.to(device)
+        self.offset = groups.offset.to(device) if isinstance(groups, Int4Groups) else None
+        self.group = getattr(groups, "group_size", 32)
+        self.dtype = dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        n, k = ids.shape[0], self.q.shape[1]
+        q = self.q.index_select(0, ids).view(n, k // self.group, self.group).float()
+        x = q * self.scale.index_select(0, ids).unsqueeze(-1)
+        if self.offset is not None:
+            x = x + self.offset.index_select(0, ids).unsqueeze(-1)
+        return x.view(n, k).to(self.dtype)
+
+
+def _plain(config: ModelConfig) -> bool:
+    """Whether the one-call native decode steps run this architecture: SwiGLU, two norms a
+    layer, no sliding window, the default score scale (not Gemma 3, which runs layer by layer)."""
+    return (config.hidden_act == "silu" and not config.sandwich_norms and not config.local_layers
+            and config.attn_scale is None and config.embed_scale == 1.0)  # fmt: skip
 
 
 def _linears(layer: DecoderLayer):

@@ -19,11 +19,17 @@ from prefixcache.model.paths import ModelNotFoundError, resolve_model_path
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Gemma3ForCausalLM")  # fmt: skip
 _GGUF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-              "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+              "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}  # fmt: skip
 # Architectures whose q and k heads are RMS-normed (one weight of head_dim each) before rotary.
-_QK_NORM = ("Qwen3ForCausalLM",)
+_QK_NORM = ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
+# Gemma 3 (text): every sixth layer attends globally, the others over a sliding window with their
+# own rotary base; these are its defaults where a file leaves them out (transformers' and
+# llama.cpp's: a pattern of 6, local base 10,000).
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_THETA = 10_000.0
 
 
 class UnsupportedModelError(ValueError):
@@ -48,6 +54,31 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: each q and k head RMS-normed (weights q_norm, k_norm) before rotary
     rope_scaling: dict | None = field(default=None, hash=False, compare=False)
     name: str = "model"
+    # Gemma 3. The MLP's activation ("silu", or "gelu_tanh": GeGLU); sandwich norms (an RMSNorm
+    # after attention and after the MLP too, four per layer); a factor on the embeddings
+    # (sqrt(hidden)); the attention's score scale (None: head_dim ** -0.5); sliding-window
+    # layers: ``sliding_window`` tokens (a query at p sees keys in (p - W, p]) in the layers
+    # where ``local_layers`` is True, whose rotary base is ``rope_local_theta``. Every norm
+    # weight is stored as its multiplier (Gemma's checkpoints hold w for x * (1 + w): the loader
+    # adds the 1, as llama.cpp's GGUF files already have it).
+    hidden_act: str = "silu"
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0
+    attn_scale: float | None = None
+    sliding_window: int | None = None
+    local_layers: tuple[bool, ...] = ()
+    rope_local_theta: float | None = None
+
+    def __post_init__(self):  # a tuple however given (JSON gives a list): configs compare equal
+        object.__setattr__(self, "local_layers", tuple(bool(x) for x in self.local_layers))
+
+    @property
+    def score_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    def window_of(self, layer: int) -> int:
+        """The sliding window of a layer in tokens, 0 for a global one."""
+        return self.sliding_window if self.local_layers and self.local_layers[layer] else 0
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
@@ -130,6 +161,8 @@ def _config_from_hf(cfg: dict, name: str) -> ModelConfig:
     heads = cfg["num_attention_heads"]
     # transformers >= 5 writes rope_theta and the scaling into one "rope_parameters" dict.
     rope = cfg.get("rope_parameters") or {}
+    if arch == "Gemma3ForCausalLM":
+        return _gemma3_config_from_hf(cfg, name)
     return ModelConfig(
         architecture=arch if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") else "LlamaForCausalLM",
         vocab_size=cfg["vocab_size"],
@@ -147,6 +180,55 @@ def _config_from_hf(cfg: dict, name: str) -> ModelConfig:
         qk_norm=arch in _QK_NORM,
         rope_scaling=cfg.get("rope_scaling") or rope or None,
         name=name,
+    )
+
+
+def _gemma3_layers(num_layers: int, layer_types=None, pattern: int = _GEMMA3_PATTERN) -> tuple[bool, ...]:
+    """Which layers slide: the config's layer_types, else every layer but each pattern-th."""
+    if layer_types:
+        if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+            raise UnsupportedModelError(f"Gemma 3 layer_types not understood: {layer_types!r}")
+        return tuple(t == "sliding_attention" for t in layer_types)
+    return tuple(bool((i + 1) % pattern) for i in range(num_layers))
+
+
+def _gemma3_config_from_hf(cfg: dict, name: str) -> ModelConfig:
+    if cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
+        raise UnsupportedModelError("Gemma 3 with logit soft-capping is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("Gemma 3 with bidirectional attention is not supported")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"Gemma 3 with activation {act!r} is not supported")
+    heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    rope = cfg.get("rope_parameters") or {}
+    full = rope.get("full_attention") or {}
+    local = rope.get("sliding_attention") or {}
+    for kind in (full, local, cfg.get("rope_scaling") or {}):
+        if (kind.get("rope_type") or kind.get("type") or "default") != "default":
+            raise UnsupportedModelError(f"Gemma 3 with rope scaling {kind!r} is not supported")
+    return ModelConfig(
+        architecture="Gemma3ForCausalLM",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or 256,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 131_072),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+        qk_norm=True,
+        name=name,
+        hidden_act="gelu_tanh",
+        sandwich_norms=True,
+        embed_scale=cfg["hidden_size"] ** 0.5,
+        attn_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5,
+        sliding_window=cfg.get("sliding_window", 4096),
+        local_layers=_gemma3_layers(layers, cfg.get("layer_types"), cfg.get("sliding_window_pattern", 6)),
+        rope_local_theta=local.get("rope_theta", cfg.get("rope_local_base_freq", _GEMMA3_LOCAL_THETA)),
     )
 
 
@@ -171,6 +253,10 @@ def _load_hf_dir(path: Path) -> LoadedWeights:
                 digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
                 digest.update(str(tuple(t.shape)).encode())
                 tensors[k] = t.float()
+    if config.architecture == "Gemma3ForCausalLM":  # Gemma's norms multiply by 1 + w
+        for k in tensors:
+            if k.endswith("norm.weight"):
+                tensors[k] = tensors[k] + 1.0
     return LoadedWeights(config, tensors, path, digest.hexdigest())
 
 
@@ -293,7 +379,21 @@ def _load_gguf(path: Path) -> LoadedWeights:
             "factor": g("rope.scaling.factor", 1.0),
             "original_max_position_embeddings": g("rope.scaling.original_context_length"),
         }
+    gemma = {}
+    if arch == "gemma3":
+        layers = int(g("block_count"))
+        gemma = dict(
+            hidden_act="gelu_tanh", sandwich_norms=True, embed_scale=hidden**0.5,
+            # llama.cpp: 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 27B
+            attn_scale=int(g("attention.key_length", 256)) ** -0.5,
+            sliding_window=int(g("attention.sliding_window", 4096)),
+            local_layers=_gemma3_layers(layers),
+            rope_local_theta=_GEMMA3_LOCAL_THETA,
+        )  # fmt: skip
+        if heads == 32 and hidden == 5376:  # the 27B's query_pre_attn_scalar is hidden / heads
+            gemma["attn_scale"] = (hidden / heads) ** -0.5
     config = ModelConfig(
+        **gemma,
         architecture=_GGUF_ARCH[arch],
         vocab_size=vocab,
         hidden_size=hidden,
@@ -327,6 +427,10 @@ def _load_gguf(path: Path) -> LoadedWeights:
         "ffn_up": "mlp.up_proj",
         "ffn_down": "mlp.down_proj",
     }
+    if arch == "gemma3":  # llama.cpp's ffn_norm is Gemma's pre-MLP norm; its norms hold 1 + w
+        rename |= {"ffn_norm": "pre_feedforward_layernorm",
+                   "post_attention_norm": "post_attention_layernorm",
+                   "post_ffw_norm": "post_feedforward_layernorm"}  # fmt: skip
     tensors: dict[str, torch.Tensor] = {}
     int4: dict[str, Int4Groups] = {}
     int8: dict[str, Int8Groups] = {}

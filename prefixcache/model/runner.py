@@ -101,7 +101,8 @@ class ModelRunner:
 
     def _forward(self, tables, starts, counts, ids, pos, cache: KVCache, rows: list[int]) -> torch.Tensor:
         meta = build_metadata(tables, starts, counts, self.block_size, self.device,
-                              native=self.model.native, exact=self.model.exact)  # fmt: skip
+                              native=self.model.native, exact=self.model.exact,
+                              windowed=self.model.windowed)  # fmt: skip
         dev = self.device
         return self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
@@ -171,11 +172,10 @@ class ModelRunner:
         ``rerotate``), both quantized into the pool's KV format by the pool's own store."""
         n = k.shape[2]
         slots = slots_of(block_table, start, start + n, self.block_size).to(self.device)
-        k = rerotate(k, shift, self.model.rotary)
         native = self.model.native
         for i in range(k.shape[0]):
             # [kv_heads, n, D] -> [n, kv_heads, D], in the compute dtype the pool's store takes
-            kt = k[i].transpose(0, 1).to(self.dtype).contiguous()
+            kt = rerotate(k[i], shift, self.model.rotary_of(i)).transpose(0, 1).to(self.dtype).contiguous()
             vt = v[i].transpose(0, 1).to(self.dtype).contiguous()
             self.kv.layer(i, native).store(slots, kt, vt)
 
@@ -201,7 +201,7 @@ class ModelRunner:
         for a in range(start, end, max_chunk):
             n = min(max_chunk, end - a)
             meta = build_metadata([block_table], [a], [n], bs, dev, native=model.native,
-                                  exact=model.exact)  # fmt: skip
+                                  exact=model.exact, windowed=model.windowed)  # fmt: skip
             ids = torch.tensor(token_ids[a : a + n], dtype=torch.long, device=dev)
             k, v = model.layer1_kv(ids, torch.arange(a, a + n, device=dev), self.kv, meta)
             _, placed = layer1.gather(meta.slot_mapping, torch.float32)  # [KVH, n, D]

@@ -1,0 +1,249 @@
+"""Gemma 3: sliding-window and global layers with their own rotary bases, q/k norms, GeGLU, four
+norms a layer, the embedding scale, a query scale of its own; against transformers on random
+weights (a Hugging Face directory and the same weights as a GGUF), then the exact path's
+contract over the sliding window: cold == warm with hits shorter than, equal to and far longer
+than the window, at and next to block boundaries, chunked, batched, decoded == prefilled.
+
+The tiny model uses the default model's vocabulary, so its tokenizer.json serves it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _helpers import PROSE, add_default_vocab, prefill_logits, token_budget
+from test_model_loading import LOGIT_TOL, hf_greedy, hf_logits, save_tokenizer
+
+from prefixcache import LLM, SamplingParams
+from prefixcache.model.loader import load_weights
+from prefixcache.model.tokenizer import load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+WINDOW = 24  # not a multiple of the 16-token blocks nor of the kernels' 32-key blocks
+LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(None)
+
+
+def _tiny_gemma(tokenizer, seed, *, layers, scalar, local_theta, kv_heads=2):
+    """A random tiny Gemma 3, every norm and scale made to matter (Gemma's norms start at 0, a
+    multiplier of 1)."""
+    config = transformers.Gemma3TextConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=len(layers), num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16,
+        max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2,
+        sliding_window=WINDOW, layer_types=layers, query_pre_attn_scalar=scalar,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.4)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory, tokenizer):
+    """Saved with save_pretrained: its own layer types, query scale and local rotary base."""
+    model = _tiny_gemma(tokenizer, 11, layers=LAYERS, scalar=24, local_theta=100.0)
+    directory = tmp_path_factory.mktemp("gemma3")
+    model.save_pretrained(directory, safe_serialization=True)
+    save_tokenizer(tokenizer, directory)
+    return directory, model
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf_ref(tokenizer):
+    """What a GGUF can say: it stores neither layer types, query scale nor local rotary base,
+    so llama.cpp's conventions hold (every sixth layer global, 1/sqrt(head_dim), local base
+    10,000); six layers so that one is global; one KV head, as the real 270M has."""
+    layers = ["sliding_attention"] * 5 + ["full_attention"]
+    return _tiny_gemma(tokenizer, 12, layers=layers, scalar=16, local_theta=10000.0, kv_heads=1)
+
+
+def write_gemma3_gguf(path: Path, ref) -> Path:
+    """The random Gemma 3 ``ref`` as a GGUF file under llama.cpp's names and conventions: norms
+    stored as 1 + w, ``ffn_norm`` the pre-MLP norm, float32 tensors."""
+    import gguf
+
+    cfg = ref.config
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+    w.add_sliding_window(cfg.sliding_window)
+    add_default_vocab(w)
+    names = {
+        "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }  # fmt: skip
+    for name, t in ref.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        a = t.float().numpy()
+        if name.endswith("norm.weight"):
+            a = a + 1.0
+        if name.startswith("model.layers."):
+            i, rest = name.removeprefix("model.layers.").split(".", 1)
+            gg = f"blk.{i}.{names[rest.removesuffix('.weight')]}.weight"
+        else:
+            gg = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
+        w.add_tensor(gg, np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _parity(model_path, ref, ids, n_gen=6) -> LLM:
+    llm = LLM(model=str(model_path), kv_cache_memory="4MiB", dtype="float32", quantization="none")
+    diff = float((prefill_logits(llm, ids) - hf_logits(ref, ids)).abs().max())
+    assert diff < LOGIT_TOL, f"{model_path}: max abs logit difference {diff:.3g}"
+    out = llm.generate([ids], SamplingParams(max_tokens=n_gen, temperature=0, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == hf_greedy(ref, ids, n_gen)
+    llm.check_integrity()
+    return llm
+
+
+def test_gemma3_matches_transformers_from_a_directory_and_a_gguf(gemma, gemma_gguf_ref, tokenizer, tmp_path):
+    directory, ref = gemma
+    ids = tokenizer.encode(PROSE)[:70]  # well past the window: local layers forget its start
+    llm = _parity(directory, ref, ids)
+    cfg = llm.engine.model_config
+    assert cfg.architecture == "Gemma3ForCausalLM" and cfg.sandwich_norms and cfg.qk_norm
+    assert cfg.local_layers == (True, False, True) and cfg.sliding_window == WINDOW
+    assert (cfg.rope_theta, cfg.rope_local_theta) == (5000.0, 100.0)
+    assert cfg.attn_scale == 24**-0.5 and cfg.embed_scale == 64**0.5
+    gguf_ref = gemma_gguf_ref
+    from_gguf = _parity(write_gemma3_gguf(tmp_path / "gemma3-tiny.gguf", gguf_ref), gguf_ref, ids)
+    cfg = from_gguf.engine.model_config
+    assert cfg.local_layers == (True,) * 5 + (False,) and (cfg.rope_theta, cfg.rope_local_theta) == (5000.0, 1e4)
+    # the window matters here: attending globally in every layer is far from transformers
+    model = llm.engine.runner.model
+    for layer in model.layers:
+        layer.window = 0
+    model.local_rotary = model.rotary
+    assert float((prefill_logits(llm, ids) - hf_logits(ref, ids)).abs().max()) > 100 * LOGIT_TOL
+
+
+def test_gemma3_gguf_layout_is_read_as_gemma(gemma, tmp_path):
+    """llama.cpp's ffn_norm is Gemma's pre-MLP norm and its norms hold 1 + w: read back they are
+    the directory's weights plus one."""
+    directory, ref = gemma
+    a = load_weights(str(directory)).tensors
+    b = load_weights(str(write_gemma3_gguf(tmp_path / "g.gguf", ref))).tensors
+    sd = ref.state_dict()
+    for n in ("model.layers.0.pre_feedforward_layernorm.weight", "model.layers.2.self_attn.k_norm.weight",
+              "model.norm.weight"):  # fmt: skip
+        assert torch.equal(a[n], sd[n] + 1.0) and torch.equal(b[n], a[n])
+
+
+@pytest.fixture(scope="module")
+def exact(gemma):
+    directory, _ = gemma
+    llm = LLM(model=str(directory), kv_cache_memory="4MiB", max_model_len=512)
+    assert llm.engine.runner.model.exact and llm.engine.runner.model.windowed
+    return llm
+
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3)
+_SALTS = iter(range(10**6))
+
+
+def _fresh() -> str:
+    """A cache salt not used before: a namespace whose cache starts empty."""
+    return f"gemma3-{next(_SALTS)}"
+
+
+def _same(a, b):
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+@pytest.mark.parametrize("prompt_len, shared", [
+    (23, 16),    # hit shorter than the window, prompt ends next to it
+    (25, 16),    # prompt just past the window
+    (33, 32),    # hit past the window, on a block boundary; prompt next to one
+    (40, 24),    # (asks for 24: a hit of one whole block)
+    (130, 112),  # hit far longer than the window
+])  # fmt: skip
+def test_gemma3_cold_equals_warm_over_the_window(exact, tokenizer, prompt_len, shared):
+    ids = tokenizer.encode(PROSE * 2)
+    prompt = ids[:prompt_len]
+    cold = exact.generate([prompt], PARAMS, cache_salt=_fresh())[0]
+    assert cold.num_cached_tokens == 0
+    salt = _fresh()
+    exact.generate([ids[:shared] + ids[200 : 200 + 9]], PARAMS, cache_salt=salt)  # caches the shared blocks
+    warm = exact.generate([prompt], PARAMS, cache_salt=salt)[0]
+    assert warm.num_cached_tokens >= shared // 16 * 16 > 0
+    _same(warm, cold)
+    exact.check_integrity()
+
+
+def test_gemma3_chunked_batched_decoded(exact, tokenizer):
+    """Chunks that split the window, a batch companion, and decoded == prefilled."""
+    ids = tokenizer.encode(PROSE * 2)[:150]
+    whole = exact.generate([ids], PARAMS, cache_salt=_fresh())[0]
+    for budget in (7, 24, 40):
+        with token_budget(exact, budget):
+            _same(exact.generate([ids], PARAMS, cache_salt=_fresh())[0], whole)
+    batched, _ = exact.generate([ids, ids[:50] + ids[90:140]], PARAMS, cache_salt=_fresh())
+    _same(batched, whole)
+    gen = whole.outputs[0].token_ids
+    again = exact.generate([ids + gen[:3]], SamplingParams(max_tokens=1, temperature=0, logprobs=3),
+                           cache_salt=_fresh())[0]  # fmt: skip
+    assert again.outputs[0].token_ids == gen[3:4]
+    assert again.outputs[0].logprobs == whole.outputs[0].logprobs[3:4]
+    exact.check_integrity()
+
+
+def test_gemma3_exact_is_close_to_transformers(gemma, exact, tokenizer):
+    """The exact path (8-bit groups made at load, 16-bit activations) stays near the float
+    reference over the window (0.18 at most here, the logits' spread 1.7), the same top token at
+    97% of positions."""
+    _, ref = gemma
+    ids = tokenizer.encode(PROSE)[:70]
+    ours = prefill_logits(exact, ids)
+    theirs = hf_logits(ref, ids)
+    # a random model's logits sit close together: a few positions swap their top two
+    assert float((ours.argmax(-1) == theirs.argmax(-1)).float().mean()) >= 0.9
+    assert float((ours - theirs).abs().max()) < 0.5
+
+
+def test_gemma3_gguf_one_kv_head_on_the_exact_path(gemma_gguf_ref, tokenizer, tmp_path):
+    """The GGUF model (one KV head, one global layer in six) by default: near the reference,
+    and a hit past the window equal to cold."""
+    llm = LLM(model=str(write_gemma3_gguf(tmp_path / "g1.gguf", gemma_gguf_ref)), kv_cache_memory="4MiB")
+    assert llm.engine.runner.model.exact
+    ids = tokenizer.encode(PROSE * 2)
+    assert float((prefill_logits(llm, ids[:70]) - hf_logits(gemma_gguf_ref, ids[:70])).abs().max()) < 0.5
+    cold = llm.generate([ids[:61]], PARAMS, cache_salt=_fresh())[0]
+    salt = _fresh()
+    llm.generate([ids[:48] + ids[300:305]], PARAMS, cache_salt=salt)
+    warm = llm.generate([ids[:61]], PARAMS, cache_salt=salt)[0]
+    assert warm.num_cached_tokens == 48
+    _same(warm, cold)
+    llm.check_integrity()
