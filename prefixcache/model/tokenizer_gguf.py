@@ -11,6 +11,10 @@ builds the same pipeline itself, so transformers is needed only by the tests:
     llama (sentencepiece BPE): vocab as spelled, merges from the file or rebuilt from the scores,
         byte fallback; Metaspace(prepend "first") or, for phi3, a normalizer that prepends;
         decoder Replace + ByteFallback + Fuse + Strip(1 leading space).
+    llama with architecture gemma3 (transformers' GemmaTokenizer): space-run tokens respelled
+        with "▁", merges rebuilt in vocabulary order (not by score), byte fallback, a
+        normalizer " " -> "▁" and no prefix space at all; decoder Replace + ByteFallback +
+        Fuse, nothing stripped. No template in the file: Gemma 3's turn format is built in.
     added tokens: CONTROL tokens as special, USER_DEFINED as plain added tokens, then the named
         bos/eos/unk/pad tokens as special where not added yet.
 """
@@ -181,20 +185,118 @@ def _sentencepiece_backend(meta: dict[str, Any]) -> Backend:
     return backend
 
 
+# GemmaTokenizer's own bos/eos/unk/pad/mask defaults, which transformers adds as special tokens
+# before the file's (all of them CONTROL tokens of a Gemma 3 file anyway). Gemma's vocabulary
+# also holds "<s>" and "</s>" as ordinary text tokens, so Llama's defaults must not apply here.
+_GEMMA_DEFAULT_SPECIALS = ("<unk>", "<bos>", "<eos>", "<pad>", "<mask>")
+
+
+def _gemma_tokens(tokens: Sequence[str]) -> list[str]:
+    """Gemma files store a token of two or more spaces as real spaces ("  "), where the
+    pipeline (whose normalizer turns every space into "▁") looks it up as "▁▁": the BPE
+    vocabulary, and the merges rebuilt from it, spell such tokens with "▁", one per character.
+    The test is transformers': whitespace-only with a space. Only the BPE model sees this
+    spelling; the added tokens are picked from the file's (``_add_gguf_special_tokens``), where
+    "  " is no vocabulary key, so these USER_DEFINED tokens are not added: BPE matches them."""
+    return ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+
+
+def _gemma_backend(meta: dict[str, Any]) -> Backend:
+    """Gemma 3's sentencepiece BPE as transformers' GemmaTokenizer builds it from a GGUF file.
+
+    Differences from ``_sentencepiece_backend`` (Llama's):
+      * space-run tokens respelled (``_gemma_tokens``).
+      * merges: Gemma files have none (one that had would be used), and Gemma's scores do not
+        follow its merge order, the order of the vocabulary does: the merges are rebuilt with
+        score = -position.
+      * no prefix space: Gemma never prepends "▁" (the file says add_space_prefix False), so
+        there is no Metaspace; a normalizer writes each space as "▁" instead, and the decoder
+        strips nothing ("Hello" and " Hello" round-trip as written).
+      * unk_token "<unk>" on the model (never produced with byte fallback, kept for parity).
+    transformers' pre-tokenizer Split(" ", merged_with_previous) is kept too, although it sees
+    only normalized text (no spaces left) and splits nothing: the pipeline is then theirs.
+    """
+    tokens = _gemma_tokens(meta["tokenizer.ggml.tokens"])
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = (_merges(meta) if "tokenizer.ggml.merges" in meta
+              else _rebuild_merges(tokens, range(0, -len(tokens), -1)))
+    backend = Backend(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                           dropout=None, unk_token="<unk>" if "<unk>" in vocab else None))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return backend
+
+
+# Gemma 3's turn format. Its GGUF files carry no template (the model's tokenizer_config.json
+# has it), so it is built in; it lives in this module, not tokenizer_chat.py, because this
+# module's source is part of the weights cache key (weights_cache.py), which stores the
+# template. It renders as the official template does: BOS, then each message as
+# "<start_of_turn>{role}\n{content | trim}<end_of_turn>\n" with "assistant" written "model";
+# a leading system message is no turn of its own: its text (untrimmed) and "\n\n" open the
+# first turn; roles must alternate user / assistant; list content renders its text parts
+# (trimmed) and an image part as "<start_of_image>". The generation prompt opens a model turn.
+# "<end_of_turn>" in the template makes that token a stop token (Tokenizer.stop_token_ids).
+_GEMMA3_CHAT_TEMPLATE = r"""
+{{- bos_token -}}
+{%- if messages and messages[0]['role'] == 'system' -%}
+    {%- set system = messages[0]['content'] -%}
+    {%- set opening = (system if system is string else system[0]['text']) + '\n\n' -%}
+    {%- set turns = messages[1:] -%}
+{%- else -%}
+    {%- set opening = '' -%}
+    {%- set turns = messages -%}
+{%- endif -%}
+{%- for message in turns -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}
+    {%- endif -%}
+    {{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) -}}
+    {{- '\n' + (opening if loop.first else '') -}}
+    {%- set content = message['content'] -%}
+    {%- if content is string -%}
+        {{- content | trim -}}
+    {%- elif content is iterable -%}
+        {%- for part in content -%}
+            {%- if part['type'] == 'image' -%}
+                {{- '<start_of_image>' -}}
+            {%- elif part['type'] == 'text' -%}
+                {{- part['text'] | trim -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{- raise_exception('Invalid content type') -}}
+    {%- endif -%}
+    {{- '<end_of_turn>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<start_of_turn>model\n' -}}
+{%- endif -%}
+"""
+
+
 def _add_gguf_special_tokens(backend: Backend, meta: dict[str, Any], named: list[str]) -> None:
     """Added tokens in transformers' order; the order and the flags decide the ids of tokens
     not in the vocabulary and which ids ``skip_special_tokens`` drops."""
     tokens = meta["tokenizer.ggml.tokens"]
     byte_level = meta["tokenizer.ggml.model"] == "gpt2"
-    # transformers first builds a GPT2Tokenizer / LlamaTokenizer, whose default bos, eos and unk
-    # tokens become special tokens; a token once added as special stays skipped on decode when a
-    # later step re-adds it as a plain token (Phi-3's "</s>").
+    # transformers first builds a GPT2Tokenizer / LlamaTokenizer / GemmaTokenizer, whose default
+    # bos, eos and unk (Gemma: and pad, mask) tokens become special tokens; a token once added
+    # as special stays skipped on decode when a later step re-adds it as a plain token (Phi-3's
+    # "</s>").
     # Deliberate difference: transformers also adds such a token, or a named special token whose
     # text is no vocabulary key, under a NEW id past the model's vocabulary (Llama 3 gains
     # "<|endoftext|>" at 128256, DeepSeek's BOS text gets 32257 instead of 32013). An id the
     # embedding table lacks would crash the model, so here no token ever gets a new id: a class
     # default is then plain text, and a named token keeps the file's id (Tokenizer matches it).
-    defaults = ["<|endoftext|>"] if byte_level else ["<s>", "</s>", "<unk>"]
+    if byte_level:
+        defaults = ["<|endoftext|>"]
+    elif meta.get("general.architecture") == "gemma3":
+        defaults = list(_GEMMA_DEFAULT_SPECIALS)
+    else:
+        defaults = ["<s>", "</s>", "<unk>"]
     backend.add_special_tokens(
         [AddedToken(t, special=True) for t in defaults if backend.token_to_id(t) is not None]
     )
@@ -226,15 +328,21 @@ def read_gguf_tokenizer(path: Path) -> GGUFTokenizer:
     kind = meta.get("tokenizer.ggml.model")
     if kind is None or "tokenizer.ggml.tokens" not in meta:
         raise ValueError(f"GGUF file has no tokenizer metadata: {path}")
+    architecture = meta.get("general.architecture")
+    gemma3 = kind == "llama" and architecture == "gemma3"  # not a gemma3 file with another vocab
     if kind == "gpt2":
         backend = _byte_level_backend(meta)
-    elif kind == "llama" and meta.get("general.architecture") not in ("gemma", "gemma2", "gemma3"):
+    elif gemma3:
+        backend = _gemma_backend(meta)
+    elif kind == "llama" and architecture not in ("gemma", "gemma2"):
         backend = _sentencepiece_backend(meta)
     else:
+        # Gemma 1 and 2 files would take the Gemma 3 pipeline in transformers too, but none
+        # has been checked against it here.
         raise ValueError(
-            f"unsupported GGUF tokenizer {kind!r} (architecture "
-            f"{meta.get('general.architecture')!r}) in {path}; supported: 'gpt2' (byte-level BPE) "
-            "and 'llama' (sentencepiece BPE)"
+            f"unsupported GGUF tokenizer {kind!r} (architecture {architecture!r}) in {path}; "
+            "supported: 'gpt2' (byte-level BPE) and 'llama' (sentencepiece BPE; of the Gemma "
+            "family, gemma3 only)"
         )
     tokens = meta["tokenizer.ggml.tokens"]
 
@@ -254,6 +362,8 @@ def read_gguf_tokenizer(path: Path) -> GGUFTokenizer:
         add_bos = kind == "llama"  # llama.cpp's default for a sentencepiece vocabulary
     extra_stops = [special_id(k) for k in ("eot", "eom")]
     template = meta.get("tokenizer.chat_template")
+    if template is None and gemma3:
+        template = _GEMMA3_CHAT_TEMPLATE
     return GGUFTokenizer(
         backend=backend, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
         unk_token_id=ids["unk"], pad_token_id=ids["pad"], add_bos_token=bool(add_bos),
