@@ -28,6 +28,14 @@ def rss_mib() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+def rss_kinds_mib() -> dict[str, float]:
+    """Resident memory by kind: anonymous (the process's own) and file-backed (pages of mapped
+    files, e.g. a weights-cache entry, which the kernel can drop and read again)."""
+    status = Path("/proc/self/status").read_text().splitlines()
+    kinds = {line.split(":")[0]: int(line.split()[1]) / 1024 for line in status if line.startswith("Rss")}
+    return {"anon_mib": round(kinds["RssAnon"], 1), "file_mib": round(kinds["RssFile"], 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefix", type=int, default=1024)
@@ -38,10 +46,12 @@ def main() -> None:
     a = ap.parse_args()
     path = resolve_model_path("gemma-3-270m")
     base = rss_mib()
+    base_kinds = rss_kinds_mib()
     t = time.perf_counter()
     llm = LLM(model="gemma-3-270m", kv_cache_memory=a.kv_cache_memory)
     start_s = time.perf_counter() - t
     ready = rss_mib()
+    kinds = rss_kinds_mib()
     tok = llm.get_tokenizer()
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text() * 8
     ids = [2] + tok.encode(text)
@@ -72,7 +82,8 @@ def main() -> None:
         "threads": os.cpu_count(), "load_average": os.getloadavg()[0],
         "exact": m.exact, "arithmetic": m.arithmetic, "kv_cache_memory": a.kv_cache_memory,
         "start_s": round(start_s, 2), "rss_ready_mib": round(ready, 1),
-        "rss_ready_minus_python_torch_mib": round(ready - base, 1),
+        "rss_ready_minus_python_torch_mib": round(ready - base, 1), "rss_ready_by_kind": kinds,
+        "rss_python_torch_by_kind": base_kinds,
         f"cold_prefill_{a.prefix}_tok_s": round(a.prefix / statistics.median(cold), 1),
         f"hit_ttft_{a.prefix}+{a.suffix}_ms": round(1000 * statistics.median(warm), 1),
         "cold_ttft_ms": round(1000 * statistics.median(cold), 1),

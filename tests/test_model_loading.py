@@ -295,18 +295,22 @@ def test_default_gguf_config(llm):
 
 def test_embedding_kept_as_the_files_groups(llm):
     """On the exact path the embedding stays in the file's groups (the default's Q8_0, 1.1
-    bytes a weight, not 4), each row looked up equal to the whole table dequantized at load;
-    4-bit groups (scale and offset) likewise."""
+    bytes a weight, not 4; tied, read from the head's packed copy), each row looked up equal to
+    the whole table dequantized at load; a copy of its own and 4-bit groups likewise."""
     from prefixcache.model.llama import GroupEmbedding
     from prefixcache.model.loader import Int4Groups, load_weights
 
-    table = llm.engine.runner.model.embed_weight
-    assert llm.engine.runner.model.exact and isinstance(table, GroupEmbedding)
-    assert table.q.dtype == torch.int8 and table.offset is None
+    model = llm.engine.runner.model
+    table = model.embed_weight
+    assert model.exact and isinstance(table, GroupEmbedding)
+    assert table.head is model.lm_head and table.q is None  # tied: the head's packed groups serve
     full = load_weights(None).tensors["model.embed_tokens.weight"]
     ids = torch.tensor([0, 5, 49151, 5, 1000])
     assert torch.equal(table.lookup(ids), full[ids])
     assert torch.equal(table.lookup(torch.arange(full.shape[0])), full)
+    weights = load_weights(None)
+    own = GroupEmbedding(weights.int8["model.embed_tokens.weight"], torch.device("cpu"), torch.float32)
+    assert torch.equal(own.lookup(ids), full[ids])  # untied: a copy of the groups of its own
     g = torch.Generator().manual_seed(0)
     q4 = Int4Groups(torch.randint(0, 16, (50, 64), generator=g, dtype=torch.uint8),
                     torch.rand(50, 2, generator=g) * 0.1, torch.randn(50, 2, generator=g) * 0.5, 32)  # fmt: skip

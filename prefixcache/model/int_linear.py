@@ -83,6 +83,24 @@ class IntLinear:
     def resident_bytes(self) -> int:  # what it holds: nbytes and the int8 copy on AVX2
         return self.nbytes + (0 if self.wq8 is None else self.wq8.numel())
 
+    @property
+    def rows_readable(self) -> bool:
+        """Whether ``rows`` can read W back: 8-bit groups in pack8's pairs layout."""
+        return self.wide and self.wq.dtype == torch.int8
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of W as stored, dequantized ([n, in] float32, ``q * d`` per group: the
+        same numbers as ``Int8Groups.dequantize``), read from the packed weights in place: a
+        tied embedding needs no copy of its own."""
+        if not self.rows_readable:
+            raise ValueError("rows() reads 8-bit groups in the pairs layout only")
+        g = self.in_features // GROUP
+        blocks = self.wq.numel() // (COLS * self.in_features)
+        b, c = ids // COLS, ids % COLS
+        q = self.wq.view(blocks, g, GROUP // 2, COLS, 2)[b, :, :, c, :]  # [n, g, 16, 2]
+        d = self.wd.view(blocks, g, COLS)[b, :, c]  # [n, g]
+        return (q.reshape(-1, g, GROUP).float() * d.unsqueeze(-1)).view(-1, self.in_features)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, bits, isa, mixed = self.out_features, self.bits, self.isa, self.mixed
         if self.wide:
