@@ -178,3 +178,17 @@ def test_dense_can_drop_its_plain_copy_once_packed():
     x = torch.randn(3, 64)
     _close(lin(x), x @ w.T, x, w)
     assert lin.nbytes == w.numel() * 4
+
+
+def test_a_killed_builds_lock_is_cleared_a_running_builds_kept(tmp_path):
+    """torch's loader waits without end on a build directory's ``lock``; one left by a killed
+    build (older than any build runs) is removed, a fresh one (a build under way) is not."""
+    import os
+
+    lock = tmp_path / "lock"
+    assert not kernels.clear_stale_lock(tmp_path)  # none
+    lock.touch()
+    assert not kernels.clear_stale_lock(tmp_path) and lock.exists()
+    old = lock.stat().st_mtime - kernels.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    assert kernels.clear_stale_lock(tmp_path) and not lock.exists()

@@ -22,6 +22,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -97,6 +98,27 @@ def available() -> bool:
     return False
 
 
+# A build takes ~1 min; torch's loader holds a ``lock`` file in the build directory meanwhile
+# and waits, without end, while another process's lock exists. A build killed mid-compile
+# (a timeout, Ctrl-C) leaves its lock behind, and every later start would hang on it.
+STALE_LOCK_S = 600.0
+
+
+def clear_stale_lock(directory: Path, now: float | None = None) -> bool:
+    """Remove ``directory/lock`` when it is older than any build runs (``STALE_LOCK_S``): the
+    mark of a killed build. A younger lock is a build under way and is left to finish."""
+    lock = directory / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    log.warning("kernels: removing a stale build lock %s (%.0f s old: a build was killed)", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def _build() -> None:
     """Load the library built for this exact source and flags, building it first if needed.
     The directory name is a digest of both, so a changed source never loads an old build, and
@@ -115,6 +137,7 @@ def _build() -> None:
         torch.ops.load_library(str(library))
         return
     directory.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(directory)
     cpp_extension.load(
         name="prefixcache_kernels",
         sources=[str(f) for f in _SOURCES],
