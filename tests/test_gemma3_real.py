@@ -34,6 +34,7 @@ def test_real_gemma3_matches_transformers(path, ref):
     from _helpers import prefill_logits
 
     exact = LLM(model="gemma-3-270m", kv_cache_memory="64MiB")
+    assert exact.engine.model_name == "gemma-3-270m"  # what clients ask /v1 for
     cfg = exact.engine.model_config
     assert cfg.architecture == "Gemma3ForCausalLM" and cfg.vocab_size == 262144
     assert cfg.local_layers == tuple((i + 1) % 6 != 0 for i in range(18)) and cfg.sliding_window == 512

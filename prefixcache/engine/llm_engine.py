@@ -14,6 +14,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -52,7 +53,7 @@ from prefixcache.engine.scheduler import Scheduler, SchedulerOutput
 from prefixcache.kv.formats import kv_format
 from prefixcache.kv.pool import plan_kv_layout
 from prefixcache.model.loader import load_weights
-from prefixcache.model.paths import DEFAULT_MODEL_NAME, resolve_model_path
+from prefixcache.model.paths import DEFAULT_MODEL_NAME, NAMED_MODELS, resolve_model_path
 from prefixcache.model.runner import ModelRunner, resolve_dtype, weight_format
 from prefixcache.model.weights_cache import load_model
 from prefixcache.sequence import ScheduledSeq, Sequence
@@ -81,7 +82,13 @@ class LLMEngine:
         # load_weights lets tests that patch it share one load per process.
         weights, self.tokenizer = load_model(path, config.weights_cache_dir, load_weights)
         self.model_config = weights.config
-        self.model_name = DEFAULT_MODEL_NAME if config.model is None else path.name
+        # The name a client asks for: the default's, a named model's own name (as given to
+        # --model), else the file or directory name.
+        self.model_name = (
+            DEFAULT_MODEL_NAME if config.model is None
+            else str(config.model) if str(config.model) in NAMED_MODELS and not Path(str(config.model)).exists()
+            else path.name
+        )  # fmt: skip
         dtype = resolve_dtype(config.dtype, device)
         model_max = weights.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max:
