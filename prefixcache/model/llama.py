@@ -241,8 +241,9 @@ class LlamaModel:
                 # float checkpoint keep 16 bits: their own rounding already takes most of the
                 # quality floor (KL 8.7e-4 of 1e-3; mixed on top 1.3e-3, docs/design.md
                 # section 2).
-                mixed = bits == 16 and (activations == "mixed" or (activations == "auto" and (
-                    isinstance(groups, Int4Groups) or not made_here)))  # fmt: skip
+                mixed = bits == 16 and (activations == "mixed" or (
+                    activations == "auto" and cfg.architecture not in _AUTO_INT16
+                    and (isinstance(groups, Int4Groups) or not made_here)))  # fmt: skip
                 return IntLinear(groups, b, bits, isa, mixed)
             lin = make_linear(dense(), b, fmt, dtype, device, groups)
             if lin.kind != "dense" and (groups is None or lin.kind != _KIND[type(groups)]):
@@ -488,6 +489,12 @@ class LlamaModel:
 
 
 _KIND = {Int4Groups: "q4", Int8Groups: "q8"}
+
+# Architectures whose activations need 16 bits everywhere under "auto": Gemma 3 270M Q4_K_M,
+# KL vs float32 over 8 ShareGPT texts: mixed 1.9e-3 (over the 1e-3 floor), int16 4.6e-4
+# (docs/benchmarks.md "Gemma 3 270M Q4_K_M"); its embeddings are scaled by sqrt(hidden) and
+# GeGLU leaves wider rows than SwiGLU.
+_AUTO_INT16 = frozenset({"Gemma3ForCausalLM"})
 
 
 class GroupEmbedding:
