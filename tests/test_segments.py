@@ -63,8 +63,8 @@ def test_rerotation_is_exact(llm_int16):
     rot = llm.engine.runner.model.rotary
     k = torch.randn(5, 3, 64)
     p, d = torch.arange(3, 8), 40
-    at_p = rotate(k, rot.cos[p].unsqueeze(1), rot.sin_signed[p].unsqueeze(1))
-    at_pd = rotate(k, rot.cos[p + d].unsqueeze(1), rot.sin_signed[p + d].unsqueeze(1))
+    at_p = rotate(k, *(t.unsqueeze(1) for t in rot.rows(p)))
+    at_pd = rotate(k, *(t.unsqueeze(1) for t in rot.rows(p + d)))
     torch.testing.assert_close(rerotate(at_p, d, rot), at_pd, atol=1e-5, rtol=1e-5)
 
     # Through the model: every layer's K, computed alone at 0 then moved, vs computed at s.
