@@ -91,6 +91,37 @@ def token_budget(llm, budget: int | None):
         sched.config = config
 
 
+def write_tiny_gguf(path: Path, arch: str, cfg, rope_theta: float, tensors, pre: str = "smollm",
+                    sliding_window: int | None = None) -> Path:  # fmt: skip
+    """A random tiny model as a GGUF file: ``cfg`` (a transformers config) as the architecture's
+    hyperparameters, the default model's vocabulary, ``tensors`` ((GGUF name, float32 array)
+    pairs) as written."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(rope_theta)
+    if sliding_window is not None:
+        w.add_sliding_window(sliding_window)
+    add_default_vocab(w, pre=pre)
+    for name, a in tensors:
+        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def add_default_vocab(writer, pre: str = "smollm") -> None:
     """The default model's GPT-2 vocabulary (tokens, types, merges, bos/eos) copied from its GGUF
     into a ``gguf.GGUFWriter``: GGUF files of random tiny models that our tokenizer reads."""

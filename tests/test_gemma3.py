@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from _helpers import PROSE, add_default_vocab, prefill_logits, token_budget
+from _helpers import PROSE, prefill_logits, token_budget, write_tiny_gguf
 from test_model_loading import LOGIT_TOL, hf_greedy, hf_logits, save_tokenizer
 
 from prefixcache import LLM, SamplingParams
@@ -75,22 +74,7 @@ def gemma_gguf_ref(tokenizer):
 def write_gemma3_gguf(path: Path, ref) -> Path:
     """The random Gemma 3 ``ref`` as a GGUF file under llama.cpp's names and conventions: norms
     stored as 1 + w, ``ffn_norm`` the pre-MLP norm, float32 tensors."""
-    import gguf
-
     cfg = ref.config
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
-    w.add_sliding_window(cfg.sliding_window)
-    add_default_vocab(w)
     names = {
         "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
         "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
@@ -99,6 +83,7 @@ def write_gemma3_gguf(path: Path, ref) -> Path:
         "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
     }  # fmt: skip
+    tensors = []
     for name, t in ref.state_dict().items():
         if name == "lm_head.weight":
             continue  # tied
@@ -110,12 +95,9 @@ def write_gemma3_gguf(path: Path, ref) -> Path:
             gg = f"blk.{i}.{names[rest.removesuffix('.weight')]}.weight"
         else:
             gg = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
-        w.add_tensor(gg, np.ascontiguousarray(a, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        tensors.append((gg, a))
+    return write_tiny_gguf(path, "gemma3", cfg, cfg.rope_parameters["full_attention"]["rope_theta"], tensors,
+                           sliding_window=cfg.sliding_window)  # fmt: skip
 
 
 def _parity(model_path, ref, ids, n_gen=6) -> LLM:

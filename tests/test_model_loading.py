@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import add_default_vocab, prefill_logits
+from _helpers import prefill_logits, write_tiny_gguf
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.model.tokenizer import load_tokenizer
@@ -131,26 +131,13 @@ def test_qwen2_with_qkv_bias(tmp_path_factory, tokenizer):
 def write_qwen3_gguf(path: Path, ref) -> Path:
     """The random Qwen3 ``ref`` as a GGUF file (float32 tensors under llama.cpp's names, the
     default model's GPT-2 vocabulary copied from its GGUF), as llama.cpp's converter writes one."""
-    import gguf
-
     cfg = ref.config
-    w = gguf.GGUFWriter(str(path), "qwen3")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    add_default_vocab(w, pre="qwen2")
     names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm",
              "post_attention_layernorm": "ffn_norm", "q_proj": "attn_q", "k_proj": "attn_k",
              "v_proj": "attn_v", "o_proj": "attn_output", "q_norm": "attn_q_norm",
              "k_norm": "attn_k_norm", "gate_proj": "ffn_gate", "up_proj": "ffn_up",
              "down_proj": "ffn_down"}  # fmt: skip
+    tensors = []
     for name, t in ref.state_dict().items():
         parts = name.split(".")
         if parts[0] == "lm_head":
@@ -161,12 +148,8 @@ def write_qwen3_gguf(path: Path, ref) -> Path:
             gname = f"blk.{parts[2]}.{names[parts[-2]]}.{parts[-1]}"
         else:
             gname = f"{names[parts[1]]}.{parts[-1]}"
-        w.add_tensor(gname, t.detach().float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        tensors.append((gname, t.detach().float().numpy()))
+    return write_tiny_gguf(path, "qwen3", cfg, cfg.rope_parameters["rope_theta"], tensors, pre="qwen2")
 
 
 def test_qwen3_qk_norms_from_a_directory_and_a_gguf(tmp_path_factory, tokenizer):

@@ -220,17 +220,12 @@ class LlamaModel:
             # The float weights only where they are used: reading (and concatenating) the
             # float copies of kept groups would fault in every page of a mapped weights-cache
             # entry (400 MB more resident at ready for Gemma 3 270M).
-            def dense() -> torch.Tensor:
-                w = torch.cat([tensor(n) for n in names]) if len(names) > 1 else tensor(names[0])
-                if tuple(w.shape) != shape:
-                    raise ValueError(f"{names[0]}: shape {tuple(w.shape)} != {shape}")
-                return w
+            shapes = [tuple(tensor(n).shape) for n in names]
+            if any(len(s) != 2 or s[1] != shape[1] for s in shapes) or sum(s[0] for s in shapes) != shape[0]:
+                raise ValueError(f"{names[0]}: shape {shapes} != {shape}")
 
-            for n in names:
-                if len(tensor(n).shape) != 2 or tensor(n).shape[1] != shape[1]:
-                    raise ValueError(f"{n}: shape {tuple(tensor(n).shape)} does not fit {shape}")
-            if sum(tensor(n).shape[0] for n in names) != shape[0]:
-                raise ValueError(f"{names[0]}: {len(names)} weights do not add up to {shape}")
+            def dense() -> torch.Tensor:
+                return torch.cat([tensor(n) for n in names]) if len(names) > 1 else tensor(names[0])
             biases = [tensors.get(n) for n in bias_names]
             b = torch.cat(biases) if biases and all(x is not None for x in biases) else None
             groups = stored_groups(names)
@@ -336,9 +331,9 @@ class LlamaModel:
             self.lm_head = linear([head_name], (cfg.vocab_size, hid), head_fmt)
         if tied and self.lm_head.kind == "dense":
             self.lm_head.weight = self.embed_weight  # one tensor for both (packing copies it)
-        if (tied and isinstance(self.embed_weight, GroupEmbedding) and isinstance(embed_groups, Int8Groups)
-                and stored_groups([head_name]) is embed_groups and self.lm_head.rows_readable):  # fmt: skip
-            self.embed_weight = GroupEmbedding.of_head(self.lm_head, dtype)
+        if tied and isinstance(embed_groups, Int8Groups) and self.lm_head.rows_readable:
+            # (tied on the exact path: the head was made from these very groups)
+            self.embed_weight = GroupEmbedding(None, device, dtype, head=self.lm_head)
         # What the decoder's sums are: "float32", or the exact kinds present, e.g. "w4a16" or
         # "w4a16+w8a16" (a GGUF mixing Q4 and Q8 layers).
         self.arithmetic = "float32" if bits is None else "+".join(
@@ -511,25 +506,16 @@ class GroupEmbedding:
     rows asked for with the groups' own formula, so a row is bit-for-bit the row of the table
     dequantized whole (float32 elementwise: q * scale (+ offset))."""
 
-    def __init__(self, groups: Int4Groups | Int8Groups, device: torch.device, dtype: torch.dtype):
-        self.q = groups.q.to(device)
-        self.scale = groups.scale.to(device)
-        self.offset = groups.offset.to(device) if isinstance(groups, Int4Groups) else None
+    def __init__(self, groups: Int4Groups | Int8Groups | None, device: torch.device, dtype: torch.dtype,
+                 head: IntLinear | None = None):  # fmt: skip
+        """``head``: a tied head holding these groups packed; its rows are read in place
+        (``IntLinear.rows``) and no copy is kept here."""
+        keep = head is None
+        self.q = groups.q.to(device) if keep else None
+        self.scale = groups.scale.to(device) if keep else None
+        self.offset = groups.offset.to(device) if keep and isinstance(groups, Int4Groups) else None
         self.group = getattr(groups, "group_size", 32)
-        self.dtype = dtype
-        self.head: IntLinear | None = None  # rows read from a tied head's packed groups instead
-
-    @classmethod
-    def of_head(cls, head: IntLinear, dtype: torch.dtype) -> GroupEmbedding:
-        """Rows read from the tied head's own packed 8-bit groups (``IntLinear.rows``)."""
-        e = cls.__new__(cls)
-        e.q = e.scale = e.offset = None
-        e.group, e.dtype, e.head = 32, dtype, head
-        return e
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.head.out_features, self.head.in_features) if self.head else tuple(self.q.shape)
+        self.dtype, self.head = dtype, head
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if self.head is not None:
