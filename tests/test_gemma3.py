@@ -237,3 +237,25 @@ def test_a_named_model_without_its_package_says_how_to_get_it(monkeypatch):
     monkeypatch.setitem(paths.NAMED_MODELS, "gemma-3-270m", ("no_such_package_xyz", "no-such==1.0"))
     with pytest.raises(paths.ModelNotFoundError, match="make gemma"):
         LLM(model="gemma-3-270m")
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"final_logit_softcapping": 30.0}, "soft-capping"),
+    ({"use_bidirectional_attention": True}, "bidirectional"),
+    ({"hidden_activation": "relu"}, "activation"),
+])  # fmt: skip
+def test_gemma3_variants_it_cannot_run_are_refused_clearly(gemma, tmp_path, change, says):
+    """A Gemma 3 config asking for what the model does not implement is an UnsupportedModelError
+    naming it, not a model that runs with different numbers."""
+    import json
+    import shutil
+
+    from prefixcache.model.loader import UnsupportedModelError
+
+    directory, _ = gemma
+    copy = tmp_path / "variant"
+    shutil.copytree(directory, copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(UnsupportedModelError, match=says):
+        load_weights(str(copy))
