@@ -48,6 +48,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_keys: list[BlockHash] = field(default_factory=list)  # keys of full blocks, in order
     num_registered_blocks: int = 0  # leading blocks of block_table findable in the index
+    # With window parts (cache/window.py): the sequence holds the parts of
+    # block_table[window_from:]. Written by the KV cache manager alone.
+    window_from: int = 0
     num_computed_tokens: int = 0  # tokens whose KV is in the blocks of block_table
     num_cached_tokens: int | None = None  # tokens served from cache at first admission
     # A connector (cache/connector.py) is loading KV for it (a restore from a persistent tier):

@@ -32,12 +32,11 @@ class Recorder:
             row = 0
             for seq, start, n, samples in seen:
                 ids = seq.all_token_ids
-                table = seq.block_table
-                slots = torch.tensor(
-                    [table[p // bs] * bs + p % bs for p in range(start, start + n)],
-                    device=runner.kv.k.device,
-                )
-                k, v = runner.kv.stored(slots)  # [L, KVH, n, D] as stored
+
+                table = runner.window_table  # with window parts: its blocks' parts
+                dev = runner.kv.k.device
+                window = None if table is None else _slots(table(seq.block_table), start, n, bs).to(dev)
+                k, v = runner.kv.stored(_slots(seq.block_table, start, n, bs).to(dev), window)  # [L, KVH, n, D] as stored
                 for j in range(n):
                     self.kv[key(ids[: start + j + 1])] = (k[:, :, j].clone(), v[:, :, j].clone())
                 if samples:
@@ -50,6 +49,10 @@ class Recorder:
 
     def __exit__(self, *exc):
         self.engine.runner.execute = self._execute
+
+
+def _slots(table: list[int], start: int, n: int, bs: int) -> torch.Tensor:
+    return torch.tensor([table[p // bs] * bs + p % bs for p in range(start, start + n)])
 
 
 def key(ids) -> bytes:

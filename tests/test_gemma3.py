@@ -259,3 +259,139 @@ def test_gemma3_variants_it_cannot_run_are_refused_clearly(gemma, tmp_path, chan
     (copy / "config.json").write_text(json.dumps({**cfg, **change}))
     with pytest.raises(UnsupportedModelError, match=says):
         load_weights(str(copy))
+
+
+# ---- window parts: the local layers' K/V kept a window back (cache/window.py) ------------------
+
+
+def _tight(directory, **kw) -> LLM:
+    """The exact path with window parts under pressure: 20 blocks (320 tokens) and 9 parts (144
+    tokens of window-layer K/V) for up to 4 sequences, 32 tokens a step."""
+    budget = 16 * (20 * 144 + 10 * 288)  # blocks: the global layer's 144 B a token; parts: 288
+    llm = LLM(model=str(directory), kv_cache_memory=budget, max_num_seqs=4, max_num_batched_tokens=32,
+              max_model_len=512, **kw)  # fmt: skip
+    lay = llm.engine.layout
+    assert (lay.num_blocks, lay.window_parts) == (20, 10) and llm.engine.kv.window.window == WINDOW
+    return llm
+
+
+@pytest.fixture(scope="module")
+def tight(gemma, tmp_path_factory):
+    """``_tight`` with a disk tier."""
+    return _tight(gemma[0], disk_cache_dir=str(tmp_path_factory.mktemp("kv")))
+
+
+def test_window_layers_hold_parts_not_every_block(exact):
+    """The window layers' tensors are sized by parts, and a long sequence holds a window of them:
+    its blocks keep their global layer's K/V, the window layers' only a window back."""
+    from _exact import run
+
+    eng = exact.engine
+    lay, kv, window = eng.layout, eng.runner.kv, eng.kv.window
+    assert kv.k.shape[0] == 1 and kv.wk.shape[0] == 2  # LAYERS: sliding, full, sliding
+    assert kv.wk.shape[2] == lay.window_parts * 16 and lay.window_parts < lay.num_blocks
+    assert lay.block_bytes_per_token * 3 == lay.bytes_per_token
+    ids = exact.get_tokenizer().encode(PROSE * 3)[:300]
+    salt = _fresh()
+    seen = []
+    step = eng.runner.execute
+
+    def watch(batch):
+        seen.append([len(s.seq.block_table) - s.seq.window_from for s in batch])
+        assert all(window.table(s.seq.block_table[s.seq.window_from :]).count(0) == 0 for s in batch)
+        return step(batch)
+
+    eng.runner.execute = watch
+    try:
+        with token_budget(exact, 40):
+            run(exact, [ids], max_tokens=3, salt=salt)
+    finally:
+        eng.runner.execute = step
+    # 40 new tokens a step over a 24-token window: at most 2 blocks back and 3 new (+1 across)
+    assert max(n for s in seen for n in s) <= 6 and len(seen) >= 8
+    exact.check_integrity()
+
+
+def test_same_bits_preempted_and_restored_from_disk_with_parts(exact, tight, tokenizer):
+    """torch.equal on every K/V and logit against the roomy engine's cold runs, while sequences
+    are preempted for blocks and parts, and blocks come back from the disk tier with their
+    window layers' K/V."""
+    from _exact import assert_same, run
+
+    ids = tokenizer.encode(PROSE * 12)  # 1,416 tokens
+    prompts = [ids[i * 11 : i * 11 + 70 + 5 * i] for i in range(4)]
+    alone = [run(exact, [p], max_tokens=6, salt=_fresh()) for p in prompts]
+    sched = tight.engine.scheduler
+    before = sched.counters.num_preemptions
+    crowded = run(tight, prompts, max_tokens=6, salt="crowd")
+    assert sched.counters.num_preemptions > before
+    for ref in alone:
+        assert_same(ref, crowded, min_kv=70, min_logits=6)
+    tight.check_integrity()
+    # From the disk tier: blocks evicted from RAM come back with their window layers' K/V.
+    assert tight.engine.connectors.flush()
+    run(tight, [ids[700:920]], max_tokens=1, salt="flood")  # evicts the blocks of "crowd"
+    assert tight.engine.connectors.flush()
+    hits = tight.cache_stats()["tiers"]["disk"]["hit_tokens"]
+    prompt = prompts[1][:48] + ids[900:905]
+    restored = run(tight, [prompt], max_tokens=4, salt="crowd")
+    assert tight.cache_stats()["tiers"]["disk"]["hit_tokens"] >= hits + 32
+    cold = run(exact, [prompt], max_tokens=4, salt=_fresh())
+    assert_same(cold, restored, min_kv=5, min_logits=4)
+    tight.check_integrity()
+
+
+def test_a_hit_is_cut_to_where_the_window_parts_remain(exact, gemma, tokenizer):
+    """Parts evicted oldest first while every block stays cached: the hit is cut back to the
+    longest prefix whose last window still has its parts (48 of 64 tokens here), and is then
+    the same bits as cold; without the cut it would read another prompt's K/V."""
+    from _exact import Recorder, assert_same, run
+
+    llm = _tight(gemma[0])
+    window = llm.engine.kv.window
+    ids = tokenizer.encode(PROSE * 12)
+    a = ids[:64] + ids[600:606]
+    run(llm, [a], salt="s")  # blocks 0-3 cached, their parts idle: A0 A1 A2 A3, 5 parts free
+    run(llm, [ids[:48] + ids[700:705]], salt="s")  # hits 3 blocks: A1, A2 used again (newest)
+    run(llm, [ids[100:200]], max_tokens=1, salt="t")  # 7 parts taken: the 5 free, A0 and A3
+    kv = llm.engine.kv
+    cached = kv.match_prompt(a, kv.scope("s", None, len(a))).block_ids
+    assert len(cached) == 4 and window.evicted_parts == 2  # every block, not every part
+    assert [window.part_of(b) is not None for b in cached] == [False, True, True, False]
+    why = llm.engine.kv.explain(a, "s", ())
+    assert (why.cached_tokens, why.reason) == (48, "evicted")
+    cold = run(exact, [a], salt=_fresh())
+    with Recorder(llm.engine) as warm:
+        out = llm.generate([a], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), cache_salt="s")
+    assert out[0].num_cached_tokens == 48
+    assert_same(cold, warm, min_kv=20, min_logits=4)
+    llm.check_integrity()
+
+
+def test_partial_block_reuse_copies_the_window_layers_too(exact, tokenizer):
+    """A hit into a cached block's leading tokens copies them into a fresh block, the window
+    layers' K/V between the two blocks' parts included: the same bits as cold."""
+    from _exact import Recorder, assert_same, run
+
+    ids = tokenizer.encode(PROSE * 4)
+    salt = _fresh()
+    run(exact, [ids[:70]], salt=salt)
+    prompt = ids[:60] + ids[300:310]
+    cold = run(exact, [prompt], salt=_fresh())
+    with Recorder(exact.engine) as warm:
+        out = exact.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), cache_salt=salt)
+    assert out[0].num_cached_tokens == 60  # 3 whole blocks and 12 tokens of the next
+    assert_same(cold, warm, min_kv=10, min_logits=4)
+    exact.check_integrity()
+
+
+def test_segments_are_refused_for_sliding_window_models(exact, tokenizer):
+    """A segments request reuses a document's K/V at another position; window layers keep none
+    past the window: a clear InvalidRequestError (a 400 from the server), nothing run."""
+    from prefixcache.api.errors import InvalidRequestError
+    from prefixcache.segments.plan import SegmentRequest
+
+    ids = tokenizer.encode(PROSE)[:40]
+    with pytest.raises(InvalidRequestError, match="sliding-window"):
+        exact.generate([ids], PARAMS, segments=[SegmentRequest(spans=((0, 20),))])
+    exact.check_integrity()

@@ -33,7 +33,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from prefixcache.api.request import DEFAULT_RETENTION_PRIORITY
@@ -75,6 +75,9 @@ class BlockPool:
         self._rank_until: dict[BlockHash, float] = {}
         self._rank_ends: list[tuple[float, BlockHash]] = []
         self.evicted_blocks = 0
+        # Told of each block that leaves the index unreferenced (evicted, invalidated): the
+        # window parts (cache/window.py) give its part back. None: nobody listens.
+        self.on_forget: Callable[[int], None] | None = None
 
     # ---- queries ----------------------------------------------------------------------------
     def counts(self) -> PoolCounts:
@@ -147,6 +150,8 @@ class BlockPool:
                 self.index.remove_block(b, evicted=True)
                 self._rank_until.pop(key, None)
                 self.evicted_blocks += 1
+                if self.on_forget is not None:
+                    self.on_forget(b)
             self._ref[b] = 1
             out.append(b)
         self._num_in_use += n
@@ -370,6 +375,8 @@ class BlockPool:
             self.policy.forget(key)
             if self._ref[b] == 0:
                 self._free.append(b)
+                if self.on_forget is not None:
+                    self.on_forget(b)
         return len(blocks)
 
     # ---- invariants -------------------------------------------------------------------------

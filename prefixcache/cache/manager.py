@@ -58,6 +58,7 @@ from prefixcache.cache.hashing import (
     root_hash,
 )
 from prefixcache.cache.prefix_index import PrefixMatch
+from prefixcache.cache.window import WindowParts
 from prefixcache.sequence import Sequence
 
 
@@ -93,7 +94,8 @@ MAX_EXPLAIN_NAMESPACES = 1024
 
 class BlockCopy(NamedTuple):
     """Copy the K/V of block ``src``'s first ``num_tokens`` tokens into block ``dst`` (its
-    slots 0..num_tokens-1): a partial block reused token-exactly."""
+    slots 0..num_tokens-1): a partial block reused token-exactly (with window parts, both
+    blocks' parts are held until it ran: the window layers' are copied between them)."""
 
     src: int
     dst: int
@@ -110,10 +112,11 @@ def kv_cache_manager(
     enable_caching: bool = True,
     clock: Callable[[], float] = time.monotonic,
     partial_reuse: bool = True,
+    window: WindowParts | None = None,
 ):
     """The manager for the config: ``KVCacheManager``, or ``NoCaching`` with caching off."""
     cls = KVCacheManager if enable_caching else NoCaching
-    return cls(pool, model_fingerprint, clock, partial_reuse)
+    return cls(pool, model_fingerprint, clock, partial_reuse, window)
 
 
 def shared_group(namespace: str | None) -> tuple:
@@ -130,10 +133,16 @@ class KVCacheManager:
         model_fingerprint: str,
         clock: Callable[[], float] = time.monotonic,
         partial_reuse: bool = True,
+        window: WindowParts | None = None,
     ):
         """``clock``: what retention priorities' ends are measured on (the engine's);
-        ``partial_reuse``: token-exact matches (a partial block's tokens copied)."""
+        ``partial_reuse``: token-exact matches (a partial block's tokens copied); ``window``:
+        the window parts of a model with sliding-window layers (cache/window.py), whose holds
+        this manager keeps: a sequence holds the parts of ``block_table[seq.window_from:]``."""
         self.pool = pool
+        self.window = window
+        if window is not None:
+            pool.on_forget = window.forget
         self.clock = clock
         self.partial_reuse = partial_reuse
         # id(seq) -> (seq, its planned copy), from admission until the copy ran or seq freed;
@@ -280,9 +289,25 @@ class KVCacheManager:
         return PrefixMatch(head.block_ids + tail.block_ids, head.num_tokens + tail.num_tokens)
 
     def _partial(self, m: PrefixMatch, token_ids: list[int], usable: int, scope: KeyScope) -> PrefixMatch:
-        """``m`` (whole blocks) continued token-exactly into the next block: by the cached
-        child of its last block, in the scope's own namespace, that shares the most of the
-        prompt's next tokens (up to ``usable``). No side effects."""
+        """``m`` (whole blocks) continued token-exactly into the next block, then cut to what
+        the window parts allow (``_in_window``). No side effects."""
+        return self._in_window(self._continued(m, token_ids, usable, scope))
+
+    def _in_window(self, m: PrefixMatch) -> PrefixMatch:
+        """``m`` cut to its longest part a hit can use with window parts: the window layers'
+        K/V of the blocks before it, back by a window, still held (cache/window.py); a partial
+        block needs its part too."""
+        w = self.window
+        if w is None:
+            return m
+        k = w.usable_hit(m.block_ids)
+        if k < len(m.block_ids) or (m.partial_block is not None and w.part_of(m.partial_block) is None):
+            return PrefixMatch(m.block_ids[:k], k * self.block_size)
+        return m
+
+    def _continued(self, m: PrefixMatch, token_ids: list[int], usable: int, scope: KeyScope) -> PrefixMatch:
+        """``m`` continued by the cached child of its last block, in the scope's own namespace,
+        that shares the most of the prompt's next tokens (up to ``usable``)."""
         i = len(m.block_ids)
         start = i * self.block_size
         if not self.partial_reuse or i < scope.shared_blocks or start >= usable:
@@ -336,14 +361,28 @@ class KVCacheManager:
         return fresh + idle_hits
 
     def admit(self, seq: Sequence, m: PrefixMatch, num_new_tokens: int) -> bool:
-        """Take the hit blocks and allocate room for ``num_new_tokens`` more; all or nothing."""
+        """Take the hit blocks and allocate room for ``num_new_tokens`` more; all or nothing.
+        With window parts: hold the parts of the hit's blocks in its window (``m`` is cut to
+        where they all are), and of the copy's source, and give the new blocks parts."""
         assert not seq.block_table, "admit of a sequence that holds blocks"
         if self.num_new_blocks_for_admission(seq, m, num_new_tokens) > self.pool.num_allocatable:
             return False
+        w = self.window
+        held: list[int] = []
+        if w is not None:
+            lo = w.first_needed(m.num_tokens)
+            held = m.block_ids[lo:] + ([] if m.partial_block is None else [m.partial_block])
+            fresh = blocks_needed(m.num_tokens + num_new_tokens, self.block_size) - len(m.block_ids)
+            if w.num_missing(held) + fresh > w.num_available:
+                return False
         self.pool.tick()  # a request's use of the cache begins (the eviction policy's clock)
         self.pool.acquire(m.block_ids)
         if m.partial_block is not None:  # the copy's source: held until the copy has run
             self.pool.acquire([m.partial_block])
+        if w is not None:
+            ok = w.hold(held)
+            assert ok, "window parts short after the admission check"
+            seq.window_from = lo
         self._rank_own(seq, m.block_ids)
         seq.block_table = list(m.block_ids)
         seq.num_registered_blocks = len(m.block_ids)
@@ -365,16 +404,35 @@ class KVCacheManager:
         return True
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Grow the block table to hold ``num_new_tokens`` more tokens; all or nothing."""
+        """Grow the block table to hold ``num_new_tokens`` more tokens; all or nothing. With
+        window parts, first let go of the parts the sequence has computed past by a window
+        (no later query of it reads them), then give each new block a part."""
+        w = self.window
+        if w is not None:
+            self._slide(seq)
         need = blocks_needed(seq.num_computed_tokens + num_new_tokens, self.block_size)
         extra = need - len(seq.block_table)
         if extra <= 0:
             return True
+        if w is not None and extra > w.num_available:
+            return False
         new = self.pool.allocate(extra)
         if new is None:
             return False
+        if w is not None:  # (evicting a block for these forgot its part: still available)
+            ok = w.hold(new)
+            assert ok, "window parts short after the check"
         seq.block_table.extend(new)
         return True
+
+    def _slide(self, seq: Sequence) -> None:
+        lo = self.window.first_needed(seq.num_computed_tokens)
+        if lo > seq.window_from:
+            self.window.release(seq.block_table[seq.window_from : lo], self.is_cached)
+            seq.window_from = lo
+
+    def is_cached(self, block_id: int) -> bool:
+        return self.pool.index.key_of(block_id) is not None
 
     def commit(self, seq: Sequence) -> None:
         """Register the full blocks computed so far (called after each step that ran ``seq``)."""
@@ -399,9 +457,22 @@ class KVCacheManager:
             if holder != mine:  # same content already cached: share it, give ours back
                 self.pool.acquire([holder])
                 seq.block_table[i] = holder
+                if self.window is not None and i >= seq.window_from:
+                    self._swap_part(mine, holder)
                 self.pool.release([mine])
         self._rank_own(seq, seq.block_table[seq.num_registered_blocks : n_full])
         seq.num_registered_blocks = n_full
+
+    def _swap_part(self, mine: int, holder: int) -> None:
+        """The sequence's hold on its private block's part, now on the cached ``holder`` of the
+        same content: ``holder``'s own part if it has one, else ours moves to it (equal K/V)."""
+        w = self.window
+        if w.part_of(holder) is None:
+            w.move(mine, holder)
+        else:
+            ok = w.hold([holder])
+            assert ok, "a held or idle part always serves a hold"
+            w.release([mine], lambda b: False)
 
     def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
         """The KV of ``seq``'s first ``num_tokens`` tokens is in its blocks now (after a step's
@@ -420,8 +491,16 @@ class KVCacheManager:
         try:
             copy([c for _, c in planned])
         finally:
+            if self.window is not None:
+                self.window.release([c.src for _, c in planned], self.is_cached)
             self.pool.release([c.src for _, c in planned], tail=False)
         return len(planned)
+
+    def window_holds(self, seqs) -> list[int]:
+        """Every hold on a window part ``seqs`` (every live sequence) and the planned copies
+        have, one block id per hold (``WindowParts.check_integrity``)."""
+        out = [b for s in seqs for b in s.block_table[s.window_from :]]
+        return out + [c.src for _, c in self._copies.values()]
 
     def copy_sources(self) -> list[list[int]]:
         """The blocks held for planned copies, as one-block tables (the references they hold,
@@ -431,6 +510,10 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq`` (finish, abort, preemption); computed ones stay cached."""
         planned = self._copies.pop(id(seq), None)
+        if self.window is not None:
+            held = seq.block_table[seq.window_from :] + ([] if planned is None else [planned[1].src])
+            self.window.release(held, self.is_cached)
+            seq.window_from = 0
         if planned is not None:  # admitted and freed before its copy ran: nothing to copy
             self.pool.release([planned[1].src], tail=False)
         self.pool.release(seq.block_table)
@@ -466,8 +549,11 @@ class KVCacheManager:
         namespace = scope.namespace
         usable = max(n - 1, 0)
         keys = self.keys_in(token_ids[:usable], scope)
-        m = self._partial(self._match(keys, token_ids, scope), token_ids, usable, scope)
+        whole = self._continued(self._match(keys, token_ids, scope), token_ids, usable, scope)
+        m = self._in_window(whole)
         cached = m.num_tokens  # what a request gets: whole blocks, then a partial one's tokens
+        if m.num_tokens < whole.num_tokens:  # the window layers' K/V of its blocks were evicted
+            return CacheExplanation(cached, cached, "evicted")
         if len(m.block_ids) == len(keys):
             reason = "full_hit" if cached == usable else "partial_block"
             return CacheExplanation(cached, cached, reason)

@@ -183,6 +183,14 @@ class TierConnector(KVConnector):
                 if holder == bid:  # else RAM had this one already; ours goes back free
                     got[where] += b
             pool.release(ids, tail=False)
+            window = self.kv.window
+            if window is not None:  # the window layers' K/V into a part, where one can be had
+                for bid, (_, payload, _) in zip(ids, todo):
+                    if self.kv.is_cached(bid) and window.part_of(bid) is None:
+                        part = window.adopt(bid)
+                        if part is None:
+                            break
+                        self.cache.write_block(bid, payload, part)
         finally:
             pool.release(m.block_ids, tail=False)
         for where, n in got.items():  # a chain crossing a shared prefix comes in two jobs
@@ -222,8 +230,12 @@ class TierConnector(KVConnector):
                 continue
             namespace = seq.namespace_of_block(i)
             ref = BlockRef(key, self.kv.parent_of(seq, i) + chunk)
+            block = seq.block_table[i]
+            part = None if self.kv.window is None else self.kv.window.part_of(block)
+            if self.kv.window is not None and part is None:
+                continue  # (its window layers' K/V are gone: a tier holds whole blocks only)
             group = out.setdefault((namespace, None if i < shared else ttl), [])
-            group.append((ref, self.cache.read_block(seq.block_table[i])))
+            group.append((ref, self.cache.read_block(block, part)))
             self._remember(key, namespace)
         for (namespace, block_ttl), blocks in out.items():
             self.manager.offload(namespace, blocks, ttl=block_ttl)

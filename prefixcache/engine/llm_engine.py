@@ -43,6 +43,7 @@ from prefixcache.api.request import (
 from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.connector import IDLE_WAIT
 from prefixcache.cache.manager import blocks_needed, kv_cache_manager
+from prefixcache.cache.window import WindowParts
 from prefixcache.config import EngineConfig
 from prefixcache.connectors.build import build_connectors
 from prefixcache.engine import stats as engine_stats
@@ -99,9 +100,14 @@ class LLMEngine:
         fmt = weight_format(config.quantization, device)
         self.runner = ModelRunner(weights, dtype, device, self.max_model_len, fmt, config.activations)
         kv_fmt = kv_format(config.kv_cache_dtype, dtype, self.runner.model.exact, config.block_size)
-        layout = plan_kv_layout(weights.config, kv_fmt, config.block_size, config.kv_cache_memory, device)
+        layout = plan_kv_layout(weights.config, kv_fmt, config.block_size, config.kv_cache_memory, device,
+                                config.max_num_seqs, config.max_num_batched_tokens)  # fmt: skip
         self.layout = layout
-        self.runner.allocate_kv(layout)
+        # Sliding-window layers' K/V in window parts, held a window back (cache/window.py).
+        window = None
+        if layout.window_parts:
+            window = WindowParts(layout.window_parts, weights.config.sliding_window, config.block_size)
+        self.runner.allocate_kv(layout, None if window is None else window.table)
         self.weights_format = self.runner.model.describe()
         # The model fingerprint enters every cache key: weights, tokenizer, dtype, and the
         # quantization when it changed the file's numbers (the group kernels running the file's
@@ -128,7 +134,7 @@ class LLMEngine:
             eviction_policy=config.eviction_policy,
         )
         self.kv = kv_cache_manager(pool, self.fingerprint, config.enable_prefix_caching, clock,
-                                   config.partial_block_reuse)  # fmt: skip
+                                   config.partial_block_reuse, window)  # fmt: skip
         self.scheduler = Scheduler(config, self.kv)
         # Segments, the persistent tiers, KV events: what the config asks for (connectors/build.py).
         self.connectors = build_connectors(config, self.fingerprint, self.kv, self.runner)
@@ -151,6 +157,13 @@ class LLMEngine:
             kv_fmt.name, layout.bytes_per_token, layout.num_blocks, layout.block_size,
             layout.capacity_tokens, layout.capacity_bytes / 2**20,
         )  # fmt: skip
+        if layout.window_parts:
+            log.info(
+                "KV cache: sliding-window layers' K/V in %d window parts of %d tokens (%d bytes/token), "
+                "kept %d tokens back; blocks hold the other layers' (%d bytes/token)",
+                layout.window_parts - 1, layout.block_size, layout.window_bytes_per_token,
+                weights.config.sliding_window, layout.block_bytes_per_token,
+            )  # fmt: skip
 
     # ---- requests ---------------------------------------------------------------------------------
     @property
@@ -523,6 +536,9 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.scheduler.live_block_tables())
+        if self.kv.window is not None:
+            live = self.scheduler.running + self.scheduler.waiting
+            self.kv.window.check_integrity(set(self.pool.index.all_blocks()), self.kv.window_holds(live))
         self.connectors.check_integrity()
 
 

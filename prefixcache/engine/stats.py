@@ -50,7 +50,8 @@ def engine_stats(kv: KVCacheManager, scheduler: Scheduler, layout: KVLayout, gen
         pinned_blocks=c.pinned,
         total_blocks=c.total,
         block_size=bs,
-        used_bytes=(c.cached + c.in_use) * bs * layout.bytes_per_token,
+        used_bytes=(c.cached + c.in_use) * bs * layout.block_bytes_per_token
+        + (0 if kv.window is None else kv.window.num_used * bs * layout.window_bytes_per_token),
         capacity_bytes=layout.capacity_bytes,
         enable_prefix_caching=kv.enable_caching,
         num_fairness_preemptions_total=scheduler.counters.fairness_preemptions,

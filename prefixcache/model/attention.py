@@ -60,6 +60,9 @@ class AttentionMetadata:
     decode: DecodeBatch | None = None
     native: bool = False  # prefill chunks through kernels.prefill_attention (float32 CPU)
     paged: PagedBatch | None = None  # exact: every sequence in one paged_attention call
+    # With window parts (kv/pool.py): the same step over the window layers' tensors, whose
+    # slots are the blocks' parts' (None: every layer reads the blocks).
+    window: AttentionMetadata | None = None
 
 
 def build_metadata(
@@ -72,6 +75,7 @@ def build_metadata(
     native: bool = False,
     exact: bool = False,
     windowed: bool = False,
+    window_tables: list[list[int]] | None = None,
 ) -> AttentionMetadata:
     """Slot ids and masks for one step. ``num_computed[i]`` tokens of sequence i are cached;
     its ``num_new[i]`` new tokens follow them. ``share_prefixes=False`` attends every decode over
@@ -83,7 +87,14 @@ def build_metadata(
     cascade decode kernel merges shared-prefix pieces in an order that depends on the
     companions, so it stays out of the exact path. ``windowed`` (a model with sliding-window
     layers, off the exact path): decodes attend as one-query chunks too, through ``_attend``'s
-    band mask; the decode kernels take no window."""
+    band mask; the decode kernels take no window. ``window_tables``: with window parts, each
+    sequence's table of parts, for the window layers (``AttentionMetadata.window``)."""
+    if window_tables is not None:
+        meta = build_metadata(block_tables, num_computed, num_new, block_size, device,
+                              share_prefixes, native, exact, windowed)  # fmt: skip
+        meta.window = build_metadata(window_tables, num_computed, num_new, block_size, device,
+                                     share_prefixes, native, exact, windowed)  # fmt: skip
+        return meta
     slots: list[torch.Tensor] = []
     seqs: list[SeqAttention] = []
     dec_rows: list[int] = []

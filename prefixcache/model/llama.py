@@ -453,10 +453,13 @@ class LlamaModel:
                 cfg.head_dim**-0.5,
             )  # fmt: skip
         else:
+            if kv.windowed and meta.window is None:
+                raise ValueError("a pool with window parts needs the step's window tables (build_metadata)")
             local = self.local_rotary.tables(positions, x.dtype, self.native) if self.windowed else None
             for i, layer in enumerate(self.layers):
                 c, s = local if layer.window else (cos, sin)
-                x = layer(x, c, s, kv.layer(i, self.native), meta)
+                m = meta.window if kv.is_window_layer(i) else meta  # (window parts' slots)
+                x = layer(x, c, s, kv.layer(i, self.native), m)
         # Logits only where a token is sampled: the last position of each finished prefill and
         # every decode. Projecting all T rows onto a 49k vocabulary would dominate prefill.
         h = rms_norm(x.index_select(0, logits_index), self.norm, self.config.rms_norm_eps, self.native)

@@ -9,6 +9,7 @@ sees queues or decides what runs.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -95,14 +96,18 @@ class ModelRunner:
         self.dtype = dtype
         self.model = LlamaModel(weights, max_model_len, dtype, device, weight_format, activations)
 
-    def allocate_kv(self, layout: KVLayout) -> None:
+    def allocate_kv(self, layout: KVLayout, window_table: Callable[[list[int]], list[int]] | None = None) -> None:
+        """The pool; with window parts, ``window_table`` maps a block table to its parts (the
+        cache manager's ``WindowParts.table``: which part holds each block's window layers)."""
         self.block_size = layout.block_size
         self.kv = KVCache(self.config, layout, self.device)
+        self.window_table = window_table
 
-    def _forward(self, tables, starts, counts, ids, pos, cache: KVCache, rows: list[int]) -> torch.Tensor:
+    def _forward(self, tables, starts, counts, ids, pos, cache: KVCache, rows: list[int],
+                 window_tables: list[list[int]] | None = None) -> torch.Tensor:  # fmt: skip
         meta = build_metadata(tables, starts, counts, self.block_size, self.device,
                               native=self.model.native, exact=self.model.exact,
-                              windowed=self.model.windowed)  # fmt: skip
+                              windowed=self.model.windowed, window_tables=window_tables)  # fmt: skip
         dev = self.device
         return self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
@@ -128,6 +133,7 @@ class ModelRunner:
         return self._forward(
             [s.seq.block_table for s in batch], [s.seq.num_computed_tokens for s in batch],
             [s.num_new_tokens for s in batch], ids, pos, self.kv, logits_rows,
+            None if self.window_table is None else [self.window_table(s.seq.block_table) for s in batch],
         )  # fmt: skip
 
     @torch.inference_mode()
@@ -181,10 +187,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_kv(self, copies) -> None:
-        """For each ``(src, dst, num_tokens)`` (``cache.manager.BlockCopy``), the K/V of block
-        ``src``'s first ``num_tokens`` tokens into block ``dst``'s, bytes as stored (token-exact
+        """For each ``cache.manager.BlockCopy``, the K/V of block ``src``'s first ``num_tokens``
+        tokens into block ``dst``'s (and of their window parts), bytes as stored (token-exact
         reuse of a partial block: the copied K/V are the bits a cold run computes)."""
-        self.kv.copy_tokens(copies)
+        parts = None
+        if self.window_table is not None:  # both blocks' parts are held until the copy ran
+            parts = [(*self.window_table([src, dst]), n) for src, dst, n in copies]
+        self.kv.copy_tokens(copies, parts)
 
     @torch.inference_mode()
     def probe(self, token_ids: Seq[int], block_table: list[int], start: int, end: int,

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixcache.api.errors import SegmentLimitError
+from prefixcache.api.errors import InvalidRequestError, SegmentLimitError
 from prefixcache.cache.manager import KVCacheManager
 from prefixcache.model.runner import ModelRunner, Piece
 from prefixcache.segments import record
@@ -146,6 +146,13 @@ class SegmentAssembler:
         """Refuse what a segments request may never run: bad spans (InvalidRequestError), more
         documents than ``max_segments`` or a document whose KV computed alone would make a
         record over ``max_record_bytes`` (SegmentLimitError). Pure: no lock needed."""
+        if self.runner.kv.windowed:
+            # A document's KV computed alone is reused at another position; a sliding-window
+            # layer's K/V is only kept a window back (cache/window.py), so there is none to reuse.
+            raise InvalidRequestError(
+                "cache_mode 'segments' is not available for models with sliding-window layers "
+                f"({self.runner.config.name}); use the default prefix cache", param="cache_mode",
+            )  # fmt: skip
         spans = list(request.spans)
         check_spans(spans, len(token_ids))
         if len(spans) > self.max_segments:
