@@ -385,6 +385,17 @@ def test_partial_block_reuse_copies_the_window_layers_too(exact, tokenizer):
     exact.check_integrity()
 
 
+def test_a_budget_too_small_for_parts_keeps_every_layer_on_blocks(gemma, exact, tokenizer):
+    """Parts need a window and a step's tokens for one sequence within half the budget; below
+    that the pool keeps every layer's K/V on blocks, as before window parts, and says so."""
+    small = LLM(model=str(gemma[0]), kv_cache_memory="1MiB", max_model_len=512)
+    lay = small.engine.layout
+    assert lay.window_parts == 0 and small.engine.kv.window is None and small.engine.runner.kv.wk is None
+    assert lay.num_blocks == (1 << 20) // (16 * lay.bytes_per_token)
+    ids = tokenizer.encode(PROSE)[:60]
+    _same(small.generate([ids], PARAMS)[0], exact.generate([ids], PARAMS, cache_salt=_fresh())[0])
+
+
 def test_segments_are_refused_for_sliding_window_models(exact, tokenizer):
     """A segments request reuses a document's K/V at another position; window layers keep none
     past the window: a clear InvalidRequestError (a 400 from the server), nothing run."""

@@ -33,7 +33,7 @@ def ref(path):
 def test_real_gemma3_matches_transformers(path, ref):
     from _helpers import prefill_logits
 
-    exact = LLM(model="gemma-3-270m", kv_cache_memory="64MiB")
+    exact = LLM(model="gemma-3-270m", kv_cache_memory="128MiB")
     assert exact.engine.model_name == "gemma-3-270m"  # what clients ask /v1 for
     cfg = exact.engine.model_config
     assert cfg.architecture == "Gemma3ForCausalLM" and cfg.vocab_size == 262144
@@ -51,3 +51,20 @@ def test_real_gemma3_matches_transformers(path, ref):
     # its turn format (the file has no template): <start_of_turn>user ... <end_of_turn>
     chat = exact.get_tokenizer().encode_chat([{"role": "user", "content": "Hi"}])
     assert chat[:3] == [2, 105, 2364] and chat[-3:] == [105, 4368, 107]
+    # The local layers' K/V in window parts (cache/window.py): a hit past the 512-token window,
+    # on a block boundary, is the same bits as cold, with the sequence holding a window of parts.
+    window = exact.engine.kv.window
+    assert window is not None and window.window == 512
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    long = [2] + exact.get_tokenizer().encode(text)[:1000]
+    prompt = long[:720] + long[900:940]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3)
+    cold = exact.generate([prompt], params, cache_salt="cold")[0]
+    exact.generate([long[:720] + long[800:830]], params, cache_salt="warm")
+    warm = exact.generate([prompt], params, cache_salt="warm")[0]
+    assert warm.num_cached_tokens == 720 and cold.num_cached_tokens == 0
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert warm.outputs[0].logprobs == cold.outputs[0].logprobs
+    exact.check_integrity()

@@ -86,7 +86,9 @@ def plan_kv_layout(
     """Blocks (and window parts) for the budget. Window parts: enough for ``max_num_seqs``
     windows and a step of ``max_num_batched_tokens`` new tokens, at most half the budget, and
     never fewer than one sequence needs to run a step alone (its window, the step's blocks, a
-    partial block's copy and the null part)."""
+    partial block's copy and the null part). A budget whose half cannot hold that many keeps
+    every layer on blocks (as before window parts; the other half on blocks holds 3x the
+    tokens at Gemma 3's one global layer in six, so parts pay off wherever they fit)."""
     per_token = fmt.bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim)
     if kv_cache_memory is None:
         budget = min(int(_available_bytes(device) * _DEFAULT_SHARE), _DEFAULT_CAP)
@@ -101,6 +103,10 @@ def plan_kv_layout(
         step = -(-max_num_batched_tokens // block_size) + max_num_seqs
         floor = held + -(-max_num_batched_tokens // block_size) + 3
         parts = max(floor, min(max_num_seqs * held + step, budget // 2 // part_bytes))
+        if parts * part_bytes > budget // 2:  # too small a budget for parts: every layer on blocks
+            log.info("kv_cache_memory of %d bytes is too small for window parts (%d of %d bytes); "
+                     "sliding-window layers keep their K/V for every token", budget, parts, part_bytes)
+            local, parts, part_bytes = [], 0, 0
     block_bytes = (per_token - (window_per_token if local else 0)) * block_size
     num_blocks = (budget - parts * part_bytes) // block_bytes
     if num_blocks < 1:
