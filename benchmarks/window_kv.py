@@ -4,11 +4,14 @@ keep their K/V a window back (cache/window.py), its global layers for every toke
     make gemma && .venv/bin/python benchmarks/window_kv.py [--contexts 2048,8192,16384,32000]
 
 For each context length: one prompt of that many tokens of real prose (the README, repeated) is
-prefilled (``max_tokens=1``) and, at every step, the bytes its sequence holds are read from the
+prefilled and decodes 4 tokens; at every step the bytes its sequence holds are read from the
 engine: its blocks (the global layers' K/V) plus the window parts it holds (the sliding-window
-layers'). Reported: the most it held, per token, and as a share of keeping every layer's K/V
-for every token (``bytes_per_token``, what the engine kept before window parts); the cold
-prefill's rate; and what the pool's budget holds in tokens, against every layer for every token.
+layers'). Reported, per token of context and as a share of keeping every layer's K/V for every
+token (``bytes_per_token``, what the engine kept before window parts): what it holds while
+decoding (the context's cost), and the most it held in a prefill step (that step's own new
+tokens need every layer's K/V while they attend: up to ``max_num_batched_tokens`` of them, one
+step's working set whatever the context); the cold prefill's rate; and what the pool's budget
+holds in tokens, against every layer for every token.
 Prints one JSON object (and writes ``--json``).
 """
 
@@ -55,13 +58,19 @@ def main() -> None:
         held.clear()
         t = time.perf_counter()
         llm.generate([ids[:n]], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), cache_salt=f"w{n}")
-        secs = time.perf_counter() - t
+        prefill_s = time.perf_counter() - t
         most = max(held)
+        # then a hit on it (one new token) and 4 decode steps: what the context costs while decoding
+        llm.generate([ids[: n + 1]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), cache_salt=f"w{n}")
+        decoding = held[-1]
+        full = n * lay.bytes_per_token
         rows.append({
-            "context": n, "held_bytes": most, "held_bytes_per_token": round(most / n, 1),
-            "every_layer_bytes_per_token": lay.bytes_per_token,
-            "share_of_every_layer": round(most / (n * lay.bytes_per_token), 4),
-            "prefill_tok_s": round(n / secs, 1),
+            "context": n, "every_layer_bytes_per_token": lay.bytes_per_token,
+            "decode_held_bytes_per_token": round(decoding / n, 1),
+            "decode_share_of_every_layer": round(decoding / full, 4),
+            "prefill_peak_bytes_per_token": round(most / n, 1),
+            "prefill_peak_share_of_every_layer": round(most / full, 4),
+            "prefill_tok_s": round(n / prefill_s, 1),
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     budget = lay.capacity_bytes

@@ -261,12 +261,22 @@ def _read_entry(entry: Path, path: Path, digest: str, build: str) -> tuple[Loade
             parts = {p: stored[_group_key(name, field, p)] for p in item["tensors"]}
             groups[field][name] = cls(**parts, **item["values"])
     weights = LoadedWeights(
-        config=ModelConfig(**meta["config"]), tensors={n: stored[n] for n in names},
+        config=ModelConfig(**meta["config"]), tensors={n: _own_if_small(stored[n]) for n in names},
         source=path, weights_digest=meta["weights_digest"], **groups,
     )
     backend = Backend.from_str((entry / _TOKENIZER).read_text(encoding="utf-8"))
     spec = GGUFTokenizer(backend=backend, **meta["tokenizer"])
     return weights, tokenizer_from_gguf_spec(spec, str(path.resolve()))
+
+
+# Tensors this small are copied out of the mapped entry: a model keeps its norms for its life,
+# and one kept view holds the whole mapping and every page the load read in (measured on Gemma
+# 3 270M: 218 norms, 0.4 MiB, kept 332 MiB of the 1.3 GB entry resident after packing).
+_OWN_BYTES = 1 << 20
+
+
+def _own_if_small(t: torch.Tensor) -> torch.Tensor:
+    return t.clone() if t.numel() * t.element_size() <= _OWN_BYTES else t
 
 
 # ---- writing ---------------------------------------------------------------------------------
