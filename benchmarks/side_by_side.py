@@ -599,6 +599,10 @@ def main() -> int:
                     help="a GGUF both ours (--model NAME_OR_FILE) and llama.cpp (MODEL=its path) "
                          "serve, e.g. gemma-3-270m after make gemma; vLLM's client reads a "
                          "tokenizer directory written from ours under .bench/models/")
+    ap.add_argument("--vllm-model", default=None, metavar="DIR",
+                    help="with --gguf-model: the Hugging Face directory vLLM-CPU serves (the same "
+                         "weights converted: GGUF=NAME MODEL_DIR=DIR benchmarks/peers/vllm_cpu.sh "
+                         "convert)")
     ap.add_argument("--light", action="store_true",
                     help="lighter workloads for a larger model: prefix_repetition 2 x (512 + "
                          "64) -> 16 and random 256 -> 16 at c4 (16 prompts), 64 -> 32 at c1")
@@ -644,8 +648,10 @@ def main() -> int:
             elif spec.kind == "llamacpp":
                 # its 8 slots for the c8 workloads (issue #38's llama-server, --parallel 8)
                 spec.env.update(MODEL=str(path), MODEL_ALIAS=slug(args.gguf_model), N_PARALLEL="8")
+            elif args.vllm_model:
+                spec.env["MODEL_DIR"] = str(Path(args.vllm_model).resolve())
             else:
-                raise SystemExit("--gguf-model: vLLM-CPU serves a Hugging Face directory (--model DIR)")
+                raise SystemExit("--gguf-model: vLLM-CPU serves a Hugging Face directory: --vllm-model DIR")
         args.tokenizer = tokenizer_dir(path)
     # vLLM's --max-model-len: the served model's context (its default, made explicit so that the
     # command says it), checked against the longest prompt + output of the chosen workloads.

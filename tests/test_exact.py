@@ -62,12 +62,23 @@ def test_default_model_runs_the_exact_path(llm):
 # ---- the kernel against the same integer arithmetic in plain PyTorch
 
 
-@pytest.mark.parametrize("weights", ["w4", "w8"])
+def _int5_offsets(w: torch.Tensor) -> Int8Groups:
+    """8-bit groups with a minimum, as GGUF Q5_1/Q5_K load: q in 0..31, w = q d + m."""
+    g = w.view(w.shape[0], -1, 32)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d = ((hi - lo) / 31).clamp_min(1e-8)
+    q = torch.round((g - lo.unsqueeze(-1)) / d.unsqueeze(-1)).clamp(0, 31).to(torch.int8)
+    return Int8Groups(q.view(w.shape), d, lo)
+
+
+@pytest.mark.parametrize("weights", ["w4", "w8", "w5m"])
 @pytest.mark.parametrize("bits", [16, 8, "mixed"])
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 16), (5, 96, 40), (70, 576, 200)])
 def test_kernel_equals_the_integer_reference_on_every_isa(weights, bits, m, k, n):
+    """w5m: 8-bit groups with a minimum (Q5_1/Q5_K), int4's offset epilogue on the 8-bit
+    layouts (pairs, and quads on AVX512-VNNI)."""
     gen = torch.Generator().manual_seed(m * k + n)
-    quantize = quantize_int4 if weights == "w4" else quantize_int8
+    quantize = {"w4": quantize_int4, "w8": quantize_int8, "w5m": _int5_offsets}[weights]
     groups = quantize(torch.randn(n, k, generator=gen))
     x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
     x[:, 32:64] *= 6  # a group that stands out of its row (16 bits under mixed)

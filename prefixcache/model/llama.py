@@ -516,7 +516,7 @@ class GroupEmbedding:
         keep = head is None
         self.q = groups.q.to(device) if keep else None
         self.scale = groups.scale.to(device) if keep else None
-        self.offset = groups.offset.to(device) if keep and isinstance(groups, Int4Groups) else None
+        self.offset = groups.offset.to(device) if keep and groups.offset is not None else None
         self.group = getattr(groups, "group_size", 32)
         self.dtype, self.head = dtype, head
 

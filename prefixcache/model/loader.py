@@ -112,19 +112,25 @@ class Int4Groups:
 
 @dataclass(frozen=True)
 class Int8Groups:
-    """A weight the file stores as int8 groups of 32 with one scale each (GGUF Q8_0), kept as
-    stored: ``w[o, i] = q[o, i] * scale[o, i // 32]`` (exact in float32)."""
+    """A weight the file stores as int8 groups of 32 with one scale each (GGUF Q8_0, Q5_0), kept
+    as stored: ``w[o, i] = q[o, i] * scale[o, i // 32]`` (exact in float32); with ``offset``
+    (GGUF Q5_1, Q5_K: 5-bit q in 0..31 and a minimum per group) ``+ offset[o, i // 32]``."""
 
     q: torch.Tensor  # [out, in] int8
     scale: torch.Tensor  # [out, in / 32] float32 (exact copies of the file's float16)
+    offset: torch.Tensor | None = None  # [out, in / 32] float32
 
     def dequantize(self) -> torch.Tensor:  # [out, in] float32
         out, n = self.q.shape
-        return (self.q.view(out, n // 32, 32).float() * self.scale.unsqueeze(-1)).view(out, n)
+        w = self.q.view(out, n // 32, 32).float() * self.scale.unsqueeze(-1)
+        return (w if self.offset is None else w + self.offset.unsqueeze(-1)).view(out, n)
 
     @staticmethod
     def cat(parts: list[Int8Groups]) -> Int8Groups:
-        return Int8Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+        if any((p.offset is None) != (parts[0].offset is None) for p in parts):  # one of each kind
+            parts = [p if p.offset is not None else Int8Groups(p.q, p.scale, torch.zeros_like(p.scale)) for p in parts]
+        offset = None if parts[0].offset is None else torch.cat([p.offset for p in parts])
+        return Int8Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), offset)
 
 
 @dataclass
@@ -288,10 +294,7 @@ def _int4_groups(data: np.ndarray, kind, shape: tuple[int, int]) -> Int4Groups |
         blocks = np.ascontiguousarray(data).reshape(-1, 144)
         d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [sb, 1]
         dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-        packed = blocks[:, 4:16].reshape(-1, 3, 4)
-        a, b, c = packed[:, 0], packed[:, 1], packed[:, 2]
-        sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=1)  # [sb, 8]
-        mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=1)
+        sc, mn = _k_scales(blocks[:, 4:16])
         qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         q = (qs & 0x0F).reshape(-1, 256)
         scale = d * sc.astype(np.float32)
@@ -318,15 +321,52 @@ def _int4_groups(data: np.ndarray, kind, shape: tuple[int, int]) -> Int4Groups |
     )
 
 
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 groups' 6-bit scales and minimums of a Q4_K/Q5_K super-block's 12 bytes: [sb, 8]."""
+    packed = packed.reshape(-1, 3, 4)
+    a, b, c = packed[:, 0], packed[:, 1], packed[:, 2]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=1)
+    return sc, mn
+
+
 def _int8_groups(data: np.ndarray, kind, shape: tuple[int, int]) -> Int8Groups | None:
     """The 8-bit groups of a GGUF Q8_0 tensor (a float16 d, then 32 int8) or Q5_0 tensor (a
     float16 d, 4 bytes of the weights' fifth bits, 16 bytes of their low nibbles as in Q4_0;
     w = d (q - 16), so q - 16 in [-16, 15] is an int8 group with the file's scale), or None for
-    another type. Q5_0 kept this way runs the 8-bit kernels at 8 bits a weight (the file's 5.5)."""
+    another type. Q5_0 kept this way runs the 8-bit kernels at 8 bits a weight (the file's 5.5).
+
+    With a minimum per group (``offset``): Q5_1 (d, m, the fifth bits, the low nibbles; w = d q
+    + m, q in 0..31) and Q5_K (a super-block of 8 groups of 32 as Q4_K: d, dmin, the 12 bytes of
+    6-bit scales and minimums, then 32 bytes whose bit g of byte l is weight l's fifth bit in
+    group g, then Q4_K's nibbles; w = (d sc) q - (dmin m)). The products d sc and dmin m are
+    exact in float32, so a group's scale and offset are the file's numbers, as gguf computes."""
     import gguf
 
     T = gguf.GGMLQuantizationType
     out, n = shape
+    if kind == T.Q5_1:
+        blocks = np.ascontiguousarray(data).reshape(-1, 24)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        high = np.unpackbits(blocks[:, 4:8], axis=1, bitorder="little")  # [blocks, 32]
+        low = np.concatenate([blocks[:, 8:] & 0x0F, blocks[:, 8:] >> 4], axis=1)
+        q = (low | (high << 4)).astype(np.int8)
+        return Int8Groups(torch.from_numpy(q.reshape(out, n)), torch.from_numpy(d.reshape(out, n // 32)),
+                          torch.from_numpy(m.reshape(out, n // 32)))  # fmt: skip
+    if kind == T.Q5_K:
+        blocks = np.ascontiguousarray(data).reshape(-1, 176)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [sb, 1]
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mn = _k_scales(blocks[:, 4:16])
+        high = (blocks[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+        low = blocks[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = ((low & 0x0F).reshape(-1, 8, 32) | (high << 4)).astype(np.int8).reshape(-1, 256)
+        scale = d * sc.astype(np.float32)
+        offset = -(dmin * mn.astype(np.float32))
+        return Int8Groups(torch.from_numpy(np.ascontiguousarray(q).reshape(out, n)),
+                          torch.from_numpy(scale.reshape(out, n // 32)),
+                          torch.from_numpy(offset.reshape(out, n // 32)))  # fmt: skip
     if kind == T.Q5_0:
         blocks = np.ascontiguousarray(data).reshape(-1, 22)
         d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
@@ -471,8 +511,8 @@ def _load_gguf(path: Path) -> LoadedWeights:
             if permute:
                 n = heads_of[parts[2]]
                 groups8 = Int8Groups(
-                    *(torch.from_numpy(_reverse_rope_permute(x.numpy(), n).copy())
-                      for x in (groups8.q, groups8.scale))
+                    *(None if x is None else torch.from_numpy(_reverse_rope_permute(x.numpy(), n).copy())
+                      for x in (groups8.q, groups8.scale, groups8.offset))
                 )  # fmt: skip
             int8[hf] = groups8
             tensors[hf] = groups8.dequantize()
@@ -485,7 +525,7 @@ def _load_gguf(path: Path) -> LoadedWeights:
             raise UnsupportedModelError(
                 f"{path.name}: tensor {t.name} is stored as {t.tensor_type.name}, a GGUF type this "
                 f"engine cannot read ({e}); supported from the file's integers: Q4_0, Q4_1, Q4_K, "
-                "Q5_0, Q8_0; widened at load: the other types the gguf package dequantizes"
+                "Q5_0, Q5_1, Q5_K, Q8_0; widened at load: the other types the gguf package dequantizes"
             ) from None
         if permute:
             arr = _reverse_rope_permute(arr, heads_of[parts[2]])
