@@ -77,6 +77,20 @@ def served_series(exposition: str) -> set[str]:
     return names
 
 
+def cold_equals_warm(llm, ids: list[int]):
+    """``ids`` (70 tokens or more) cold, then again with 64+ tokens cached beside a companion
+    that shares its first 33: the same tokens and logprobs. Returns the cold output."""
+    from prefixcache import SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
+    cold = llm.generate([ids], params)[0]
+    warm, _companion = llm.generate([ids, ids[:33] + ids[40:60]], params)
+    assert warm.num_cached_tokens >= 64
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert warm.outputs[0].logprobs == cold.outputs[0].logprobs
+    return cold
+
+
 @contextlib.contextmanager
 def token_budget(llm, budget: int | None):
     """Chunked prefill for the block: the scheduler's token budget per step set to ``budget``

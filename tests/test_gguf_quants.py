@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _helpers import add_default_vocab, prefill_logits
+from _helpers import add_default_vocab, cold_equals_warm, prefill_logits
 
-from prefixcache import LLM, SamplingParams
+from prefixcache import LLM
 from prefixcache.model.loader import _int4_groups, _int8_groups
 
 gguf = pytest.importorskip("gguf")
@@ -128,12 +128,7 @@ def test_a_q4_k_model_runs_its_own_groups_exactly(q4k_model):
     ids = list(range(1000, 1070))
     ours, theirs = prefill_logits(int16, ids), prefill_logits(ref, ids)
     assert float((ours - theirs).abs().max()) < 0.05 * float(theirs.std())
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
-    cold = llm.generate([ids], params)[0]
-    warm, _companion = llm.generate([ids, ids[:33] + ids[40:60]], params)
-    assert warm.num_cached_tokens >= 64
-    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
-    assert warm.outputs[0].logprobs == cold.outputs[0].logprobs
+    cold_equals_warm(llm, ids)
     llm.check_integrity()
 
 
@@ -160,10 +155,5 @@ def test_a_q5_model_runs_its_own_groups_exactly(kind, tmp_path):
     # head made into 8-bit groups here is most of it)
     err = (ours - theirs).abs()
     assert float(err.mean()) < 0.01 * float(theirs.std()) and float(err.max()) < 0.1 * float(theirs.std())
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
-    cold = llm.generate([ids], params)[0]
-    warm, _companion = llm.generate([ids, ids[:33] + ids[40:60]], params)
-    assert warm.num_cached_tokens >= 64
-    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
-    assert warm.outputs[0].logprobs == cold.outputs[0].logprobs
+    cold_equals_warm(llm, ids)
     llm.check_integrity()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import prefill_logits, write_tiny_gguf
+from _helpers import cold_equals_warm, prefill_logits, write_tiny_gguf
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.model.tokenizer import load_tokenizer
@@ -177,12 +177,7 @@ def test_qwen3_qk_norms_from_a_directory_and_a_gguf(tmp_path_factory, tokenizer)
     assert exact.engine.runner.model.exact
     assert exact.engine.runner.model.exact_layers is not None  # decode in one native call
     ids = tokenizer.encode(TEXT * 4)[:70]
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
-    cold = exact.generate([ids], params)[0]
-    warm, _companion = exact.generate([ids, ids[:33] + ids[40:60]], params)
-    assert warm.num_cached_tokens >= 64
-    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
-    assert warm.outputs[0].logprobs == cold.outputs[0].logprobs
+    cold = cold_equals_warm(exact, ids)
     # decoded (the native step, its q/k norms in C++) == prefilled (the layer loop): the 4th
     # token's distribution again as the first token after a prompt of the 3 before it
     gen = cold.outputs[0].token_ids
