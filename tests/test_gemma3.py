@@ -396,6 +396,33 @@ def test_a_budget_too_small_for_parts_keeps_every_layer_on_blocks(gemma, exact, 
     _same(small.generate([ids], PARAMS)[0], exact.generate([ids], PARAMS, cache_salt=_fresh())[0])
 
 
+def test_invalidation_while_a_sequence_runs_drops_its_idle_parts(gemma, tokenizer):
+    """A running sequence has let go of its early blocks' parts (idle: the blocks are cached);
+    invalidating the namespace then takes those blocks out of the index while the sequence
+    still holds them, and their parts must go with their keys (an idle part names K/V no key
+    can reach). The sequence finishes as cold would."""
+    from prefixcache import SamplingParams as SP
+
+    llm = _tight(gemma[0])
+    eng = llm.engine
+    ids = tokenizer.encode(PROSE * 4)[:100]
+    eng.add_request("r", ids, SP(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3), namespace="inv")
+    for _ in range(4):  # 32-token steps: 96 tokens in, blocks 0-3 past the window, cached
+        eng.step()
+    seq = eng.seqs["r"]
+    assert seq.window_from >= 3 and seq.num_registered_blocks >= 4
+    assert eng.invalidate("inv") >= 4
+    eng.check_integrity()
+    out = None
+    while eng.scheduler.has_work():
+        for s in eng.step():
+            out = s
+        eng.check_integrity()
+    cold = llm.generate([ids], SP(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3), cache_salt=_fresh())[0]
+    assert out.output_token_ids == cold.outputs[0].token_ids
+    llm.check_integrity()
+
+
 def test_segments_are_refused_for_sliding_window_models(exact, tokenizer):
     """A segments request reuses a document's K/V at another position; window layers keep none
     past the window: a clear InvalidRequestError (a 400 from the server), nothing run."""

@@ -45,8 +45,11 @@ def test_a_held_part_is_never_evicted_and_holds_count():
 def test_forget_and_adopt():
     w = WindowParts(3, W, BS)
     assert w.hold([5])
-    with pytest.raises(AssertionError):
-        w.forget(5)  # held: a block in use is never evicted by the pool
+    w.forget(5)  # held (an in-use block invalidated): the part stays with its holder
+    assert w.part_of(5) is not None
+    w.release([5], lambda b: False)  # ... whose release frees it, the block no longer cached
+    assert w.part_of(5) is None
+    assert w.hold([5])
     w.release([5], lambda b: True)
     w.forget(5)
     w.forget(6)  # a block without a part: nothing to do

@@ -75,8 +75,8 @@ class BlockPool:
         self._rank_until: dict[BlockHash, float] = {}
         self._rank_ends: list[tuple[float, BlockHash]] = []
         self.evicted_blocks = 0
-        # Told of each block that leaves the index unreferenced (evicted, invalidated): the
-        # window parts (cache/window.py) give its part back. None: nobody listens.
+        # Told of each block that leaves the index (evicted; invalidated, in use or not): the
+        # window parts (cache/window.py) give its idle part back. None: nobody listens.
         self.on_forget: Callable[[int], None] | None = None
 
     # ---- queries ----------------------------------------------------------------------------
@@ -375,8 +375,8 @@ class BlockPool:
             self.policy.forget(key)
             if self._ref[b] == 0:
                 self._free.append(b)
-                if self.on_forget is not None:
-                    self.on_forget(b)
+            if self.on_forget is not None:  # (in use too: its key is gone either way)
+                self.on_forget(b)
         return len(blocks)
 
     # ---- invariants -------------------------------------------------------------------------

@@ -151,10 +151,10 @@ class WindowParts:
         self._holds[dst] = self._holds.pop(src)
 
     def forget(self, block_id: int) -> None:
-        """``block_id`` left the prefix index unheld (evicted or invalidated): its part, if any,
-        no longer holds K/V anyone can name."""
-        if block_id in self._part:
-            assert block_id not in self._holds, f"forget of block {block_id} whose part is held"
+        """``block_id`` left the prefix index (evicted, or invalidated even while in use): an
+        idle part of it no longer holds K/V anyone can name, and goes back free. A held part
+        stays with its holders; their release frees it (the block is no longer cached)."""
+        if block_id in self._idle:
             del self._idle[block_id]
             self._free.append(self._part.pop(block_id))
 
