@@ -646,8 +646,11 @@ def main() -> int:
             if spec.kind == "ours":
                 spec.flags = [*spec.flags, "--model", args.gguf_model]
             elif spec.kind == "llamacpp":
-                # its 8 slots for the c8 workloads (issue #38's llama-server, --parallel 8)
-                spec.env.update(MODEL=str(path), MODEL_ALIAS=slug(args.gguf_model), N_PARALLEL="8")
+                # 8 slots for the c8 workloads (issue #38's llama-server, --parallel 8), where each
+                # slot's share of its 32,768-token context holds the longest request; else 4 (#39's)
+                longest = max(wl.tokens for wl in args.workloads)
+                slots = "8" if longest <= 32768 // 8 else "4"
+                spec.env.update(MODEL=str(path), MODEL_ALIAS=slug(args.gguf_model), N_PARALLEL=slots)
             elif args.vllm_model:
                 spec.env["MODEL_DIR"] = str(Path(args.vllm_model).resolve())
             else:

@@ -434,6 +434,17 @@ class KVCacheManager:
     def is_cached(self, block_id: int) -> bool:
         return self.pool.index.key_of(block_id) is not None
 
+    def part_of(self, block_id: int) -> int | None:
+        """The window part holding ``block_id``'s window layers (None: none, or no parts)."""
+        return None if self.window is None else self.window.part_of(block_id)
+
+    def adopt_part(self, block_id: int) -> int | None:
+        """A part for a cached block just restored from a tier (its window layers are then
+        written into it); None without window parts, or when none can be had."""
+        if self.window is None or self.window.part_of(block_id) is not None:
+            return None
+        return self.window.adopt(block_id)
+
     def commit(self, seq: Sequence) -> None:
         """Register the full blocks computed so far (called after each step that ran ``seq``)."""
         n_full = seq.num_computed_tokens // self.block_size
@@ -496,11 +507,14 @@ class KVCacheManager:
             self.pool.release([c.src for _, c in planned], tail=False)
         return len(planned)
 
-    def window_holds(self, seqs) -> list[int]:
-        """Every hold on a window part ``seqs`` (every live sequence) and the planned copies
-        have, one block id per hold (``WindowParts.check_integrity``)."""
-        out = [b for s in seqs for b in s.block_table[s.window_from :]]
-        return out + [c.src for _, c in self._copies.values()]
+    def check_window(self, seqs) -> None:
+        """``WindowParts.check_integrity`` with every hold ``seqs`` (every live sequence) and the
+        planned copies have; nothing without window parts."""
+        if self.window is None:
+            return
+        holds = [b for s in seqs for b in s.block_table[s.window_from :]]
+        holds += [c.src for _, c in self._copies.values()]
+        self.window.check_integrity(set(self.pool.index.all_blocks()), holds)
 
     def copy_sources(self) -> list[list[int]]:
         """The blocks held for planned copies, as one-block tables (the references they hold,

@@ -170,7 +170,7 @@ class TierConnector(KVConnector):
             got: Counter = Counter()
             prev = m.block_ids[-1] if m.block_ids else None  # the block each one extends
             for i, (bid, (ref, payload, where)) in enumerate(zip(ids, todo), start=have):
-                self.cache.write_block(bid, payload)
+                self.cache.write_block(bid, payload)  # (a bad payload raises before it is findable)
                 namespace = seq.namespace_of_block(i)
                 holder = pool.register(
                     bid, ref.key, ref.key_input[:KEY_BYTES], tokens[i * b : (i + 1) * b],
@@ -181,16 +181,11 @@ class TierConnector(KVConnector):
                 prev = holder
                 self._remember(ref.key, namespace)
                 if holder == bid:  # else RAM had this one already; ours goes back free
+                    part = self.kv.adopt_part(bid)  # with window parts, where one can be had:
+                    if part is not None:  # the window layers too (the rest again, the same bytes)
+                        self.cache.write_block(bid, payload, part)
                     got[where] += b
             pool.release(ids, tail=False)
-            window = self.kv.window
-            if window is not None:  # the window layers' K/V into a part, where one can be had
-                for bid, (_, payload, _) in zip(ids, todo):
-                    if self.kv.is_cached(bid) and window.part_of(bid) is None:
-                        part = window.adopt(bid)
-                        if part is None:
-                            break
-                        self.cache.write_block(bid, payload, part)
         finally:
             pool.release(m.block_ids, tail=False)
         for where, n in got.items():  # a chain crossing a shared prefix comes in two jobs
@@ -231,8 +226,8 @@ class TierConnector(KVConnector):
             namespace = seq.namespace_of_block(i)
             ref = BlockRef(key, self.kv.parent_of(seq, i) + chunk)
             block = seq.block_table[i]
-            part = None if self.kv.window is None else self.kv.window.part_of(block)
-            if self.kv.window is not None and part is None:
+            part = self.kv.part_of(block)
+            if self.cache.windowed and part is None:
                 continue  # (its window layers' K/V are gone: a tier holds whole blocks only)
             group = out.setdefault((namespace, None if i < shared else ttl), [])
             group.append((ref, self.cache.read_block(block, part)))

@@ -536,9 +536,7 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.scheduler.live_block_tables())
-        if self.kv.window is not None:
-            live = self.scheduler.running + self.scheduler.waiting
-            self.kv.window.check_integrity(set(self.pool.index.all_blocks()), self.kv.window_holds(live))
+        self.kv.check_window(self.scheduler.running + self.scheduler.waiting)
         self.connectors.check_integrity()
 
 

@@ -95,7 +95,7 @@ def plan_kv_layout(
     else:
         budget = parse_bytes(kv_cache_memory)
     local = window_layers(config)
-    parts, part_bytes = 0, 0
+    parts, part_bytes, window_per_token = 0, 0, 0
     if local:
         window_per_token = fmt.bytes_per_token(len(local), config.num_kv_heads, config.head_dim)
         part_bytes = window_per_token * block_size
@@ -104,10 +104,11 @@ def plan_kv_layout(
         floor = held + -(-max_num_batched_tokens // block_size) + 3
         parts = max(floor, min(max_num_seqs * held + step, budget // 2 // part_bytes))
         if parts * part_bytes > budget // 2:  # too small a budget for parts: every layer on blocks
-            log.info("kv_cache_memory of %d bytes is too small for window parts (%d of %d bytes); "
-                     "sliding-window layers keep their K/V for every token", budget, parts, part_bytes)
-            local, parts, part_bytes = [], 0, 0
-    block_bytes = (per_token - (window_per_token if local else 0)) * block_size
+            log.info("kv_cache_memory of %d bytes is too small for window parts (%d parts of %d bytes "
+                     "pass half of it); sliding-window layers keep their K/V for every token",
+                     budget, parts, part_bytes)  # fmt: skip
+            local, parts, part_bytes, window_per_token = [], 0, 0, 0
+    block_bytes = (per_token - window_per_token) * block_size
     num_blocks = (budget - parts * part_bytes) // block_bytes
     if num_blocks < 1:
         need = block_bytes + parts * part_bytes
