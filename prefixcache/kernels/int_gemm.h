@@ -367,6 +367,10 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni"))) inline 
     for (int t = 0; t < 4; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     for (int t = 4; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = kGroup;
     for (int t = 6; t < 8; ++t) cfg.rows[t] = kGroup / 4, cfg.colsb[t] = 64;
+    // GCC's _tile_loadconfig names only the first 8 bytes of the configuration as read; the
+    // barrier keeps the stores of the tile shapes (a probe without it faulted in ldtilecfg:
+    // benchmarks/probes/amx_attention.cpp)
+    asm volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
     constexpr int64_t bytes = QUADS ? kBlockBytes8 : kBlockBytes;
     const int64_t groups = k / kGroup;
