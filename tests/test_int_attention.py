@@ -123,6 +123,34 @@ def test_same_bits_on_every_isa_and_in_any_chunk_or_batch(d):
     assert all(torch.equal(first, o) for o in outs.values())
 
 
+def test_sliding_window_same_bits_on_every_isa_and_in_any_chunk():
+    """A sliding window (Gemma 3's local layers) masks keys before p - W + 1 inside a block: the
+    same bits on every ISA path (the AVX512 softmax builds its masks differently from AVX2's),
+    alone, chunked, as one decode; and a window past the context is plain attention."""
+    d, w = 64, 50
+    kv = pool(512, d, seed=3)
+    ctx = context(300, 512, seed=4)
+    q = torch.randn(40, H, d, generator=torch.Generator().manual_seed(8))
+    scale = d**-0.5
+    outs = []
+    for isa in kernels.supported_isas():
+        whole = kernels.paged_attention(q, kv, batch([(40, ctx)]), scale, isa, window=w)
+        split = torch.cat([kernels.paged_attention(q[:11], kv, batch([(11, ctx[:271])]), scale, isa, window=w),
+                           kernels.paged_attention(q[11:], kv, batch([(29, ctx)]), scale, isa, window=w)])  # fmt: skip
+        assert torch.equal(split, whole), isa
+        one = kernels.paged_attention(q[39:], kv, batch([(1, ctx)]), scale, isa, window=w)
+        assert torch.equal(one[0], whole[39]), isa
+        full = kernels.paged_attention(q, kv, batch([(40, ctx)]), scale, isa)
+        assert torch.equal(kernels.paged_attention(q, kv, batch([(40, ctx)]), scale, isa, window=300), full), isa
+        assert not torch.equal(whole, full), isa
+        outs.append(whole)
+    assert all(torch.equal(outs[0], o) for o in outs)
+    k, v = kv.gather(ctx, torch.float32)
+    sv = kv.v_scale[:, ctx]
+    ref = reference(q[39:], k[:, 300 - w :], v[:, 300 - w :], sv[:, 300 - w :], scale, w - 1, float_weights=True)
+    torch.testing.assert_close(outs[0][39:].double(), ref, atol=3e-3, rtol=3e-3)
+
+
 def test_int32_sums_at_their_bounds():
     """Scores at D * 8191 * 4095 (key 0 wins only if no sum wrapped) and value sums at
     32 * 16383 * 4095 (all weights equal and at their top, every V at +4095): the output is

@@ -19,9 +19,10 @@
 //
 // Integer sums are exact, so they do not depend on the ISA, the blocking or which queries share
 // a pass: the AVX512-VNNI path (vpdpwssd, 32 multiply-adds an instruction) and the AVX2 path
-// (vpmaddwd + vpaddd) give the same int32, and every float operation around them is the same
-// AVX2 code on both. So a token's output is the same bits in any chunk, batch, decode, thread
-// count or ISA path: the exact path's contract (docs/design.md section 2).
+// (vpmaddwd + vpaddd) give the same int32. The float steps around them run on ymm (AVX2) or zmm
+// (AVX512 hosts) with the same operations lane by lane and the one order-dependent sum in the same
+// order, so they agree too. So a token's output is the same bits in any chunk, batch, decode,
+// thread count or ISA path: the exact path's contract (docs/design.md section 2).
 //
 // Quality (benchmarks/probes/attention_quant_quality.py): 13-bit K/V, 12-bit q and 14-bit weights
 // are each far finer than int8's 8 bits, which missed the 1e-3 KL floor at 2k-token contexts.
@@ -166,6 +167,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void values_vnni(c
 // The products of up to kGroupQ queries (n of them) on the ISA's path. The queries' pointers
 // past n are never read.
 constexpr int kGroupQ = 4;
+constexpr int64_t kPhaseQ = 32;  // queries per phase of attend_rows_int (measured: 16, 32, 96: 32 fastest)
 
 template <int NQ>
 inline void scores_n(int64_t isa, const Units& un, int64_t pairs, const int32_t* const* q, int32_t* const* dot) {
@@ -318,6 +320,82 @@ inline void fold_values(float* o, const int32_t* acc, int64_t d, float w_old, fl
   }
 }
 
+// exp2_neg and softmax_weights on zmm (AVX512 hosts): the same operations lane by lane, and the
+// one order-dependent reduction (the sum of p) in the AVX2 code's order, so the same bits.
+__attribute__((target("avx512f"))) inline __m512 exp2_neg512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+__attribute__((target("avx512f,avx512dq"))) inline __m256 halves_max(__m512 v) {
+  return _mm256_max_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+__attribute__((target("avx512f,avx512dq"))) inline __m256 halves_add(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512dq"))) inline float softmax_weights512(
+    const int32_t* dot, const Units& un, float qa2, int64_t from, int64_t visible, float& m, float& l,
+    int32_t* u32, float& us) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), va = _mm512_set1_ps(qa2);
+  const __m512i vis = _mm512_set1_epi32(static_cast<int32_t>(visible));
+  const __m512i fr = _mm512_set1_epi32(static_cast<int32_t>(from) - 1);
+  __m512 z[2];
+  __mmask16 keep[2];
+  for (int c = 0; c < 2; ++c) {  // keys 16c .. 16c + 15: unit c
+    const __m512 t = _mm512_cvtepi32_ps(_mm512_load_si512(dot + 16 * c));
+    const __m512i j = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                       _mm512_set1_epi32(16 * c));
+    keep[c] = _mm512_cmpgt_epi32_mask(vis, j) & _mm512_cmpgt_epi32_mask(j, fr);
+    z[c] = _mm512_mask_blend_ps(keep[c], ninf, _mm512_mul_ps(_mm512_mul_ps(t, _mm512_loadu_ps(un.sk[c])), va));
+  }
+  const float m_new = std::max(m, hmax(halves_max(_mm512_max_ps(z[0], z[1]))));
+  const float w_old = _mm256_cvtss_f32(exp2_neg(_mm256_set1_ps(m - m_new)));
+  const __m512 vm = _mm512_set1_ps(m_new);
+  __m512 p[2], w[2];
+  for (int c = 0; c < 2; ++c) {
+    p[c] = _mm512_maskz_mov_ps(keep[c], exp2_neg512(_mm512_sub_ps(z[c], vm)));
+    w[c] = _mm512_maskz_mov_ps(keep[c], _mm512_mul_ps(p[c], _mm512_loadu_ps(un.sv[c])));
+  }
+  // (keys 0-7 + 8-15) + (16-23 + 24-31), as softmax_weights adds them
+  l = l * w_old + hsum(_mm256_add_ps(halves_add(p[0]), halves_add(p[1])));
+  m = m_new;
+  const float mx = hmax(halves_max(_mm512_max_ps(w[0], w[1])));
+  if (!(mx > 0.f)) {
+    std::memset(u32, 0, kKeys / 2 * sizeof(int32_t));
+    us = 0.f;
+    return w_old;
+  }
+  const __m512 r = _mm512_set1_ps(kUMax / mx);
+  for (int c = 0; c < 2; ++c) {
+    const __m512i q = _mm512_cvttps_epi32(
+        _mm512_roundscale_ps(_mm512_mul_ps(w[c], r), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u32 + 8 * c), _mm512_cvtsepi32_epi16(q));
+  }
+  us = mx * (1.f / kUMax);
+  return w_old;
+}
+
+// fold_values on zmm (AVX512 hosts; d a multiple of 16): the same operations lane by lane, so the
+// same bits.
+__attribute__((target("avx512f"))) inline void fold_values512(float* o, const int32_t* acc, int64_t d, float w_old,
+                                                              float us) {
+  const __m512 vw = _mm512_set1_ps(w_old), vu = _mm512_set1_ps(us);
+  for (int64_t c = 0; c < d; c += 16) {
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + c));
+    _mm512_storeu_ps(o + c, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(o + c), vw), _mm512_mul_ps(a, vu)));
+  }
+}
+
 // Zeros standing for the missing second unit of a block of 16 keys or fewer.
 struct ZeroUnit {
   alignas(64) int32_t kv[kMaxD / 2 * kUnit] = {};
@@ -360,7 +438,7 @@ struct PagedInt16Keys {
 // Per-thread buffers of attend_rows_int, reused across items.
 struct IntScratch {
   std::vector<int32_t> qpairs, dots, upairs, acc;
-  std::vector<float> qa, m, l, w, o;
+  std::vector<float> qa, m, l, w, us, o;
 };
 
 // attend_rows (exact_attention.h) on the integer units: query rows [i0, i1) of KV head kh (all G
@@ -378,6 +456,7 @@ inline void attend_rows_int(const float* q, const PagedInt16Keys& keys, float* o
   z.acc.resize(static_cast<size_t>(nq * d));
   z.qa.resize(nq);
   z.w.resize(nq);
+  z.us.resize(nq);
   z.m.assign(nq, -std::numeric_limits<float>::infinity());
   z.l.assign(nq, 0.f);
   z.o.assign(static_cast<size_t>(nq * d), 0.f);
@@ -400,29 +479,49 @@ inline void attend_rows_int(const float* q, const PagedInt16Keys& keys, float* o
     const auto visible = [&](int64_t qi) { return std::min(nk, qpos(qi) - k0 + 1); };
     const auto from = [&](int64_t qi) { return std::max<int64_t>(0, lo(qi) - k0); };
     const int64_t nq = nq_;  // this block's rows: [q0, nq)
-    for (int64_t qs = q0; qs < nq; qs += kGroupQ) {
-      const int n = static_cast<int>(std::min<int64_t>(kGroupQ, nq - qs));
-      const int32_t* qp[kGroupQ];
-      int32_t* dp[kGroupQ];
-      for (int i = 0; i < n; ++i) {
-        qp[i] = z.qpairs.data() + (qs + i) * pairs;
-        dp[i] = dots + (qs + i - q0) % kGroupQ * kKeys;
+    // In phases over up to kPhaseQ queries: every query's scores, then every softmax, then every
+    // value product, then every fold. Each query's operations are the same in any grouping (so
+    // are its bits); the phases give the out-of-order core many queries' independent softmax
+    // chains at once, where one group's (4 queries) latency-bound chain sat between its products.
+    for (int64_t ps = q0; ps < nq; ps += kPhaseQ) {
+      const int64_t pe = std::min(nq, ps + kPhaseQ);
+      for (int64_t qs = ps; qs < pe; qs += kGroupQ) {
+        const int n = static_cast<int>(std::min<int64_t>(kGroupQ, pe - qs));
+        const int32_t* qp[kGroupQ];
+        int32_t* dp[kGroupQ];
+        for (int i = 0; i < n; ++i) {
+          qp[i] = z.qpairs.data() + (qs + i) * pairs;
+          dp[i] = dots + (qs + i - ps) * kKeys;
+        }
+        block_scores_int(isa, un, pairs, n, qp, dp);
       }
-      block_scores_int(isa, un, pairs, n, qp, dp);
-      int64_t vmax = 0;
-      const int32_t* up[kGroupQ];
-      int32_t* ap[kGroupQ];
-      float us[kGroupQ];
-      for (int i = 0; i < n; ++i) {
-        const int64_t qi = qs + i;
-        z.w[qi] = softmax_weights(dp[i], un, z.qa[qi], from(qi), visible(qi), z.m[qi], z.l[qi],
-                                  z.upairs.data() + qi * (kKeys / 2), us[i]);
-        vmax = std::max(vmax, visible(qi));
-        up[i] = z.upairs.data() + qi * (kKeys / 2);
-        ap[i] = z.acc.data() + qi * d;
+      for (int64_t qi = ps; qi < pe; ++qi) {
+        const int32_t* dq = dots + (qi - ps) * kKeys;
+        int32_t* uq = z.upairs.data() + qi * (kKeys / 2);
+        z.w[qi] = isa >= kIsaVnni
+                      ? softmax_weights512(dq, un, z.qa[qi], from(qi), visible(qi), z.m[qi], z.l[qi], uq, z.us[qi])
+                      : softmax_weights(dq, un, z.qa[qi], from(qi), visible(qi), z.m[qi], z.l[qi], uq, z.us[qi]);
       }
-      block_values_int(isa, un, d, (vmax + 1) / 2, n, up, ap);
-      for (int i = 0; i < n; ++i) fold_values(z.o.data() + (qs + i) * d, ap[i], d, z.w[qs + i], us[i]);
+      for (int64_t qs = ps; qs < pe; qs += kGroupQ) {
+        const int n = static_cast<int>(std::min<int64_t>(kGroupQ, pe - qs));
+        int64_t vmax = 0;
+        const int32_t* up[kGroupQ];
+        int32_t* ap[kGroupQ];
+        for (int i = 0; i < n; ++i) {
+          vmax = std::max(vmax, visible(qs + i));
+          up[i] = z.upairs.data() + (qs + i) * (kKeys / 2);
+          ap[i] = z.acc.data() + (qs + i - ps) * d;
+        }
+        block_values_int(isa, un, d, (vmax + 1) / 2, n, up, ap);
+      }
+      for (int64_t qi = ps; qi < pe; ++qi) {
+        float* o = z.o.data() + qi * d;
+        const int32_t* a = z.acc.data() + (qi - ps) * d;
+        if (isa >= kIsaVnni)
+          fold_values512(o, a, d, z.w[qi], z.us[qi]);
+        else
+          fold_values(o, a, d, z.w[qi], z.us[qi]);
+      }
     }
   }
   for (int64_t qi = 0; qi < nq; ++qi) {
