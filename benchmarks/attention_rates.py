@@ -59,10 +59,15 @@ def main() -> None:
         q, kv, batch = setup(tokens)
         pairs = KVH * G * tokens * (tokens + 1) / 2
         for isa in kernels.supported_isas():
-            def run(isa=isa):
-                kernels.paged_attention(q, kv, batch, D**-0.5, isa)
-            sec = median_time(run, repeats=args.repeats)
-            row = {"tokens": tokens, "isa": isa, "ms": sec * 1e3, "ns_per_pair": threads * sec * 1e9 / pairs}
+            sec = median_time(
+                lambda a=(q, kv, batch, D**-0.5, isa): kernels.paged_attention(*a), args.repeats
+            )
+            row = {
+                "tokens": tokens,
+                "isa": isa,
+                "ms": sec * 1e3,
+                "ns_per_pair": threads * sec * 1e9 / pairs,
+            }
             if args.ghz:
                 row["cycles_per_pair"] = row["ns_per_pair"] * args.ghz
             rows.append(row)
