@@ -34,7 +34,7 @@ from prefixcache.model.int_linear import (
     wide_groups,
 )
 from prefixcache.model.linear import quantize_int4, quantize_int8
-from prefixcache.model.loader import Int4Groups, Int8Groups
+from prefixcache.model.loader import Int4Groups, Int6Groups, Int8Groups
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the exact path needs the CPU kernels")
 
@@ -71,14 +71,23 @@ def _int5_offsets(w: torch.Tensor) -> Int8Groups:
     return Int8Groups(q.view(w.shape), d, lo)
 
 
-@pytest.mark.parametrize("weights", ["w4", "w8", "w5m"])
+def _int6_sixteens(w: torch.Tensor) -> Int6Groups:
+    """6-bit groups of 16, as GGUF Q6_K loads: q in -32..31, w = q scale."""
+    g = w.view(w.shape[0], -1, 16)
+    scale = (g.abs().amax(-1) / 31).clamp_min(1e-8)
+    q = torch.round(g / scale.unsqueeze(-1)).clamp(-32, 31).to(torch.int8)
+    return Int6Groups(q.view(w.shape), scale)
+
+
+@pytest.mark.parametrize("weights", ["w4", "w8", "w5m", "w6"])
 @pytest.mark.parametrize("bits", [16, 8, "mixed"])
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 16), (5, 96, 40), (70, 576, 200)])
 def test_kernel_equals_the_integer_reference_on_every_isa(weights, bits, m, k, n):
     """w5m: 8-bit groups with a minimum (Q5_1/Q5_K), int4's offset epilogue on the 8-bit
-    layouts (pairs, and quads on AVX512-VNNI)."""
+    layouts (pairs, and quads on AVX512-VNNI). w6: 6-bit groups of 16 (Q6_K), as two halves of
+    8-bit groups whose outputs are added; its reference also close to the float product."""
     gen = torch.Generator().manual_seed(m * k + n)
-    quantize = {"w4": quantize_int4, "w8": quantize_int8, "w5m": _int5_offsets}[weights]
+    quantize = {"w4": quantize_int4, "w8": quantize_int8, "w5m": _int5_offsets, "w6": _int6_sixteens}[weights]
     groups = quantize(torch.randn(n, k, generator=gen))
     x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
     x[:, 32:64] *= 6  # a group that stands out of its row (16 bits under mixed)
@@ -89,6 +98,9 @@ def test_kernel_equals_the_integer_reference_on_every_isa(weights, bits, m, k, n
         wide = wide_groups(x.view(m, -1, 32).abs().amax(-1))
         assert wide.any() and not wide.all()
     ref = reference(x, groups, bits, mixed)
+    if weights == "w6" and bits == 16 and not mixed:  # the halves compute this weight's product
+        dense = x @ groups.dequantize().T
+        assert float((ref - dense).abs().max()) < 1e-3 * float(dense.abs().max())
     for isa in kernels.supported_isas():
         lin = IntLinear(groups, None, bits, isa, mixed)
         y = lin(x)

@@ -39,7 +39,9 @@ def test_real_gemma3_matches_transformers(path, ref):
     assert cfg.architecture == "Gemma3ForCausalLM" and cfg.vocab_size == 262144
     assert cfg.local_layers == tuple((i + 1) % 6 != 0 for i in range(18)) and cfg.sliding_window == 512
     # auto runs Gemma's activations in 16 bits everywhere (mixed was over the quality floor)
-    assert exact.engine.runner.model.exact and exact.engine.runner.model.arithmetic == "w4a16+w8a16"
+    # every layer from the file's own integers (Q4_K, Q5_0, Q8_0, and Q6_K as halves): none requantized
+    model = exact.engine.runner.model
+    assert model.exact and model.arithmetic == "w4a16+w6a16+w8a16" and not model.requantized
     ids = [2] + exact.get_tokenizer().encode(PROMPT)
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0]

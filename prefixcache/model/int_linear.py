@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from prefixcache import kernels
-from prefixcache.model.loader import Int4Groups, Int8Groups
+from prefixcache.model.loader import Int4Groups, Int6Groups, Int8Groups
 
 GROUP = 32
 COLS = 16  # output columns per packed block
@@ -46,11 +46,12 @@ WIDE_ROWS = 8
 
 class IntLinear:
     """y = x W^T (+ b) for W in 4-bit (``Int4Groups``) or 8-bit (``Int8Groups``) groups of 32,
-    ``bits``-bit activations."""
+    or 6-bit groups of 16 (``Int6Groups``, run as 8-bit groups over twice the outputs whose two
+    halves are added: ``Int6Groups.halves``), ``bits``-bit activations."""
 
-    def __init__(self, groups: Int4Groups | Int8Groups, bias: torch.Tensor | None, bits: int, isa: str,
-                 mixed: bool = False):  # fmt: skip
-        if getattr(groups, "group_size", GROUP) != GROUP:  # Int8Groups are always 32
+    def __init__(self, groups: Int4Groups | Int6Groups | Int8Groups, bias: torch.Tensor | None, bits: int,
+                 isa: str, mixed: bool = False):  # fmt: skip
+        if isinstance(groups, Int4Groups) and groups.group_size != GROUP:  # Int8Groups are always 32
             raise ValueError(f"weight groups of {groups.group_size}; the kernel takes {GROUP}")
         if bits not in ACTIVATION_MAX:
             raise ValueError(f"activation bits must be 8 or 16, got {bits}")
@@ -58,10 +59,15 @@ class IntLinear:
             raise RuntimeError(f"the exact integer kernels are unavailable: {kernels.unavailable_reason()}")
         if mixed and bits != 16:
             raise ValueError("mixed activations are 8 or 16 bits per group: bits must be 16")
-        self.wide = isinstance(groups, Int8Groups)
-        self.kind = f"w{8 if self.wide else 4}a{'8x16' if mixed else bits}"
-        self.bits, self.isa, self.mixed = bits, isa, mixed
         self.out_features, self.in_features = groups.q.shape
+        # Q6_K's groups of 16: y = (rows [0, out) + rows [out, 2 out)) of the halves' product
+        self.halves = isinstance(groups, Int6Groups)
+        width = 6 if self.halves else 8 if isinstance(groups, Int8Groups) else 4
+        if self.halves:
+            groups = groups.halves()
+        self.wide = isinstance(groups, Int8Groups)
+        self.kind = f"w{width}a{'8x16' if mixed else bits}"
+        self.bits, self.isa, self.mixed = bits, isa, mixed
         self.wq8 = None  # 4-bit groups as int8, for wide calls on AVX2
         if self.wide:
             self.wq, self.wd = pack8(groups, quads=w8_quads(isa, bits, mixed))
@@ -88,7 +94,7 @@ class IntLinear:
     @property
     def rows_readable(self) -> bool:
         """Whether ``rows`` can read W back: 8-bit groups in pack8's pairs layout."""
-        return self.wide and self.wq.dtype == torch.int8 and self.wm is None
+        return self.wide and self.wq.dtype == torch.int8 and self.wm is None and not self.halves
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of W as stored, dequantized ([n, in] float32, ``q * d`` per group: the
@@ -105,7 +111,10 @@ class IntLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, bits, isa, mixed = self.out_features, self.bits, self.isa, self.mixed
-        if self.wide:
+        if self.halves:
+            y = kernels.int8_linear(x.float(), self.wq, self.wd, 2 * n, bits, isa, self.wm, mixed)
+            y = y[:, :n] + y[:, n:]
+        elif self.wide:
             y = kernels.int8_linear(x.float(), self.wq, self.wd, n, bits, isa, self.wm, mixed)
         elif self.wq8 is not None and x.shape[0] >= WIDE_ROWS:
             y = kernels.int8_linear(x.float(), self.wq8, self.wd, n, bits, isa, self.wm, mixed)
@@ -206,9 +215,15 @@ def quantize_activations(x: torch.Tensor, bits: int, mixed: bool = False):
     return a.to(torch.int64).view(m, k), s
 
 
-def reference(x: torch.Tensor, groups: Int4Groups | Int8Groups, bits: int, mixed: bool = False) -> torch.Tensor:
+def reference(x: torch.Tensor, groups: Int4Groups | Int6Groups | Int8Groups, bits: int,
+              mixed: bool = False) -> torch.Tensor:  # fmt: skip
     """The kernel's arithmetic in plain PyTorch: exact integer sums per group (int64), then the
-    float32 epilogue in group order, each multiply and add rounded on its own. [M, N] float32."""
+    float32 epilogue in group order, each multiply and add rounded on its own. [M, N] float32.
+    6-bit groups of 16: each half's sums so, then the two halves added."""
+    if isinstance(groups, Int6Groups):
+        y = reference(x, groups.halves(), bits, mixed)
+        n = groups.q.shape[0]
+        return y[:, :n] + y[:, n:]
     m, k = x.shape
     ng = k // GROUP
     a, s = quantize_activations(x, bits, mixed)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache import kernels
-from prefixcache.model.loader import Int4Groups, Int8Groups
+from prefixcache.model.loader import Int4Groups, Int6Groups, Int8Groups
 
 GROUP = 32
 # Rows above which a group layer runs the float32 GEMM over its dequantized weights instead of
@@ -183,13 +183,15 @@ def make_linear(
     fmt: str,
     dtype: torch.dtype,
     device: torch.device,
-    groups: Int4Groups | Int8Groups | None = None,
+    groups: Int4Groups | Int6Groups | Int8Groups | None = None,
 ):
     """The layer for one weight. ``fmt``: "dense"; "file" (the file's own groups when it has
     them, else dense); "int4" / "int8" (the file's groups of that width when it has them, else
     quantized here). ``weight`` is the float32 weight (equal to ``groups.dequantize()``)."""
-    if isinstance(groups, Int8Groups) and groups.offset is not None:
-        groups = None  # (the float kernels' 8-bit records hold no minimum: dense, or requantized)
+    if (isinstance(groups, Int8Groups) and groups.offset is not None) or not isinstance(groups, (Int4Groups, Int8Groups)):
+        # (the float kernels' 8-bit records hold no minimum, and take groups of 32 only (not
+        # Q6_K's 16): dense, or requantized)
+        groups = None
     if fmt == "file" and groups is not None:
         return GroupLinear(groups, bias, dequantized=weight)
     if fmt == "int4":

@@ -16,7 +16,7 @@ from prefixcache.kv.pool import KVCache, LayerKV
 from prefixcache.model.attention import AttentionMetadata, paged_attention
 from prefixcache.model.int_linear import IntLinear
 from prefixcache.model.linear import LARGE_M, GroupLinear, make_linear, quantize_int4, quantize_int8
-from prefixcache.model.loader import Int4Groups, Int8Groups, LoadedWeights, ModelConfig
+from prefixcache.model.loader import Int4Groups, Int6Groups, Int8Groups, LoadedWeights, ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool = False) -> torch.Tensor:
@@ -211,7 +211,8 @@ class LlamaModel:
             return tensors[name]
 
         def stored_groups(names: list[str]):
-            for table, cat in ((weights.int4, Int4Groups.cat), (weights.int8, Int8Groups.cat)):
+            for table, cat in ((weights.int4, Int4Groups.cat), (weights.int8, Int8Groups.cat),
+                               (weights.int6, Int6Groups.cat)):  # fmt: skip
                 if all(n in table for n in names):
                     return cat([table[n] for n in names]) if len(names) > 1 else table[names[0]]
             return None
@@ -372,8 +373,8 @@ class LlamaModel:
         if not self.exact or not _plain(self.config):
             return None
         lins = [lin for layer in self.layers for lin in _linears(layer)]
-        if not all(isinstance(lin, IntLinear) for lin in lins):
-            return None
+        if not all(isinstance(lin, IntLinear) and not lin.halves for lin in lins):
+            return None  # (6-bit groups of 16 run as two halves the native step does not add)
         biases = [layer.qkv_proj.bias for layer in self.layers]
         if any(lin.bias is not None for layer in self.layers for lin in _linears(layer)[1:]):
             return None  # only qkv biases (Qwen2) are fused
@@ -495,7 +496,7 @@ class LlamaModel:
         return x if self.embed_scale is None else x.mul_(self.embed_scale)
 
 
-_KIND = {Int4Groups: "q4", Int8Groups: "q8"}
+_KIND = {Int4Groups: "q4", Int8Groups: "q8", Int6Groups: "q6"}
 
 # Architectures whose activations need 16 bits everywhere under "auto": Gemma 3 270M Q4_K_M,
 # KL vs float32 over 8 ShareGPT texts: mixed 1.9e-3 (over the 1e-3 floor), int16 4.6e-4

@@ -133,6 +133,44 @@ class Int8Groups:
         return Int8Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), offset)
 
 
+@dataclass(frozen=True)
+class Int6Groups:
+    """A weight the file stores as 6-bit integers in groups of 16 with one scale each (GGUF Q6_K:
+    a super-block of 256 weights holds 16 int8 sub-block scales sc and a float16 d), kept as
+    stored: ``w[o, i] = q[o, i] * scale[o, i // 16]`` with q in [-32, 31] and scale = d sc (an
+    11-bit by 8-bit product, exact in float32; times q, 5 bits more, still exact: the file's
+    numbers as gguf's own dequantization computes them).
+
+    The integer kernels take groups of 32, so ``halves`` gives the same weight as 8-bit groups
+    of 32 over twice the outputs: rows [0, out) hold each 32-group's first 16 weights (its second
+    16 zero) with the first scale, rows [out, 2 out) the second 16 with the second scale; the
+    layer's output is the two halves added (``model/int_linear.py``). Exact, at twice the
+    multiply-adds of a kernel with 16-groups (which does not exist yet)."""
+
+    q: torch.Tensor  # [out, in] int8, values -32..31
+    scale: torch.Tensor  # [out, in / 16] float32
+    group_size: int = 16
+
+    def dequantize(self) -> torch.Tensor:  # [out, in] float32
+        out, n = self.q.shape
+        return (self.q.view(out, n // 16, 16).float() * self.scale.unsqueeze(-1)).view(out, n)
+
+    def halves(self) -> Int8Groups:
+        """The weight as 8-bit groups of 32 over [2 out, in] (above)."""
+        out, n = self.q.shape
+        q = self.q.view(out, n // 32, 2, 16)
+        first, second = torch.zeros_like(q), torch.zeros_like(q)
+        first[:, :, 0] = q[:, :, 0]
+        second[:, :, 1] = q[:, :, 1]
+        s = self.scale.view(out, n // 32, 2)
+        return Int8Groups(torch.cat([first.view(out, n), second.view(out, n)]),
+                          torch.cat([s[:, :, 0], s[:, :, 1]]).contiguous())  # fmt: skip
+
+    @staticmethod
+    def cat(parts: list[Int6Groups]) -> Int6Groups:
+        return Int6Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+
+
 @dataclass
 class LoadedWeights:
     config: ModelConfig
@@ -146,6 +184,8 @@ class LoadedWeights:
     # The same for weights stored as 8-bit groups (GGUF Q8_0; the default model's embedding,
     # which is also its output projection).
     int8: dict[str, Int8Groups] = field(default_factory=dict)
+    # And as 6-bit groups of 16 (GGUF Q6_K).
+    int6: dict[str, Int6Groups] = field(default_factory=dict)
 
 
 # ---- Hugging Face directory -----------------------------------------------------------------
@@ -382,6 +422,29 @@ def _int8_groups(data: np.ndarray, kind, shape: tuple[int, int]) -> Int8Groups |
     return Int8Groups(torch.from_numpy(q.reshape(out, n)), torch.from_numpy(d.reshape(out, n // 32)))
 
 
+def _int6_groups(data: np.ndarray, kind, shape: tuple[int, int]) -> Int6Groups | None:
+    """The 6-bit groups of a GGUF Q6_K tensor, or None for another type. A super-block of 256
+    weights is 210 bytes: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, float16
+    d. In each half of 128 weights, low-nibble bytes l and 32 + l give weights l, 32 + l (low
+    nibbles) and 64 + l, 96 + l (high nibbles); high byte l gives their fifth and sixth bits at
+    shifts 0, 2, 4, 6. w = d sc[i // 16] (q - 32)."""
+    import gguf
+
+    if kind != gguf.GGMLQuantizationType.Q6_K:
+        return None
+    out, n = shape
+    blocks = np.ascontiguousarray(data).reshape(-1, 210)
+    ql = blocks[:, :128].reshape(-1, 2, 2, 32)  # [sb, half, byte run, l]
+    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32)  # [sb, half, 1, l]
+    low = np.stack([ql[:, :, 0] & 0x0F, ql[:, :, 1] & 0x0F, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2)
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3  # [sb, half, 4, 32]
+    q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(-1, 256)
+    sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)  # [sb, 16]
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)  # [sb, 1]
+    return Int6Groups(torch.from_numpy(np.ascontiguousarray(q).reshape(out, n)),
+                      torch.from_numpy((d * sc).reshape(out, n // 16)))  # fmt: skip
+
+
 def _gguf_field(reader, key: str, default=None):
     f = reader.fields.get(key)
     if f is None:
@@ -474,6 +537,7 @@ def _load_gguf(path: Path) -> LoadedWeights:
     tensors: dict[str, torch.Tensor] = {}
     int4: dict[str, Int4Groups] = {}
     int8: dict[str, Int8Groups] = {}
+    int6: dict[str, Int6Groups] = {}
     digest = hashlib.sha256()
     T = gguf.GGMLQuantizationType
     widened: dict[str, int] = {}  # quantized types this engine widens to float32, tensors each
@@ -517,6 +581,15 @@ def _load_gguf(path: Path) -> LoadedWeights:
             int8[hf] = groups8
             tensors[hf] = groups8.dequantize()
             continue
+        groups6 = _int6_groups(t.data, t.tensor_type, shape) if shape else None
+        if groups6 is not None:
+            if permute:
+                n = heads_of[parts[2]]
+                groups6 = Int6Groups(*(torch.from_numpy(_reverse_rope_permute(x.numpy(), n).copy())
+                                       for x in (groups6.q, groups6.scale)))  # fmt: skip
+            int6[hf] = groups6
+            tensors[hf] = groups6.dequantize()
+            continue
         if shape is not None and t.tensor_type not in (T.F32, T.F16, T.BF16):
             widened[t.tensor_type.name] = widened.get(t.tensor_type.name, 0) + 1
         try:
@@ -525,7 +598,7 @@ def _load_gguf(path: Path) -> LoadedWeights:
             raise UnsupportedModelError(
                 f"{path.name}: tensor {t.name} is stored as {t.tensor_type.name}, a GGUF type this "
                 f"engine cannot read ({e}); supported from the file's integers: Q4_0, Q4_1, Q4_K, "
-                "Q5_0, Q5_1, Q5_K, Q8_0; widened at load: the other types the gguf package dequantizes"
+                "Q5_0, Q5_1, Q5_K, Q6_K, Q8_0; widened at load: the other types the gguf package dequantizes"
             ) from None
         if permute:
             arr = _reverse_rope_permute(arr, heads_of[parts[2]])
@@ -534,7 +607,7 @@ def _load_gguf(path: Path) -> LoadedWeights:
         log.warning("%s: %s widened to float32 at load (not run from the file's integers; the "
                     "exact path makes 8-bit groups of them)", path.name,
                     ", ".join(f"{n} ({c} tensors)" for n, c in sorted(widened.items())))  # fmt: skip
-    return LoadedWeights(config, tensors, path, digest.hexdigest(), int4, int8)
+    return LoadedWeights(config, tensors, path, digest.hexdigest(), int4, int8, int6)
 
 
 def load_weights(model: str | Path | None) -> LoadedWeights:
