@@ -20,8 +20,11 @@
 // Integer sums are exact, so they do not depend on the ISA, the blocking or which queries share
 // a pass: the AVX512-VNNI path (vpdpwssd, 32 multiply-adds an instruction) and the AVX2 path
 // (vpmaddwd + vpaddd) give the same int32. The float steps around them run on ymm (AVX2) or zmm
-// (AVX512 hosts) with the same operations lane by lane and the one order-dependent sum in the same
-// order, so they agree too. So a token's output is the same bits in any chunk, batch, decode,
+// (AVX512 hosts) with the same roundings lane by lane (where zmm uses another instruction, as
+// vscalefps for the multiply by 2^n, it rounds the same exact product once) and the one
+// order-dependent sum in the same order, so they agree too. Steps whose result is known exactly
+// are skipped on both: the rescale when a block leaves the maximum where it was (2^0 = 1, o * 1
+// = o) and, on zmm, the masks of a block every key of which the query sees. So a token's output is the same bits in any chunk, batch, decode,
 // thread count or ISA path: the exact path's contract (docs/design.md section 2).
 //
 // Quality (benchmarks/probes/attention_quant_quality.py): 13-bit K/V, 12-bit q and 14-bit weights
@@ -257,6 +260,12 @@ inline __m256 exp2_neg(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// 2^(m - m_new), the running output's rescale: exactly 1 when the maximum did not move (as
+// exp2_neg computes 2^0: the polynomial's last step is 0 * p + 1), so most blocks skip it.
+inline float rescale(float m, float m_new) {
+  return m_new == m ? 1.f : _mm256_cvtss_f32(exp2_neg(_mm256_set1_ps(m - m_new)));
+}
+
 // One query's step over one block, from its integer scores: the online softmax in base 2 and the
 // block's value weights.
 //   z_j = (float(dot_j) * sk_j) * qa2 for keys from <= j < visible (qa2 = sq * scale * log2 e),
@@ -281,7 +290,7 @@ inline float softmax_weights(const int32_t* dot, const Units& un, float qa2, int
     bm = _mm256_max_ps(bm, z[c]);
   }
   const float m_new = std::max(m, hmax(bm));
-  const float w_old = _mm256_cvtss_f32(exp2_neg(_mm256_set1_ps(m - m_new)));
+  const float w_old = rescale(m, m_new);
   const __m256 vm = _mm256_set1_ps(m_new);
   __m256 p[4], w[4];
   __m256 sum = _mm256_setzero_ps(), wm = _mm256_setzero_ps();
@@ -312,11 +321,14 @@ inline float softmax_weights(const int32_t* dot, const Units& un, float qa2, int
 }
 
 // o = o * w_old + float(acc) * us, d values.
+// o * 1 is o exactly, so an unmoved maximum (w_old == 1) skips that multiply: the same bits.
 inline void fold_values(float* o, const int32_t* acc, int64_t d, float w_old, float us) {
   const __m256 vw = _mm256_set1_ps(w_old), vu = _mm256_set1_ps(us);
+  const bool keep = w_old == 1.f;
   for (int64_t c = 0; c < d; c += 8) {
     const __m256 a = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + c)));
-    _mm256_storeu_ps(o + c, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(o + c), vw), _mm256_mul_ps(a, vu)));
+    const __m256 oc = _mm256_loadu_ps(o + c);
+    _mm256_storeu_ps(o + c, _mm256_add_ps(keep ? oc : _mm256_mul_ps(oc, vw), _mm256_mul_ps(a, vu)));
   }
 }
 
@@ -332,44 +344,60 @@ __attribute__((target("avx512f"))) inline __m512 exp2_neg512(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  // p 2^n in one instruction: vscalefps rounds p x 2^n once, as the AVX2 code's multiply by
+  // the power of two built in the exponent bits does (n is an integer in [-126, 0])
+  return _mm512_scalef_ps(p, n);
 }
 
-__attribute__((target("avx512f,avx512dq"))) inline __m256 halves_max(__m512 v) {
-  return _mm256_max_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+// The maximum of v's 16 lanes in every lane (max is exact: any order gives the same value).
+__attribute__((target("avx512f"))) inline __m512 lanes_max(__m512 v) {
+  v = _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  v = _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+  v = _mm512_max_ps(v, _mm512_permute_ps(v, 0x4E));
+  return _mm512_max_ps(v, _mm512_permute_ps(v, 0xB1));
 }
+
 __attribute__((target("avx512f,avx512dq"))) inline __m256 halves_add(__m512 v) {
   return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
+// Full: every key of the block visible (no window start, no future), so no masks (the same
+// values: masking with all ones is the identity).
+template <bool Full>
 __attribute__((target("avx512f,avx512bw,avx512dq"))) inline float softmax_weights512(
     const int32_t* dot, const Units& un, float qa2, int64_t from, int64_t visible, float& m, float& l,
     int32_t* u32, float& us) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), va = _mm512_set1_ps(qa2);
-  const __m512i vis = _mm512_set1_epi32(static_cast<int32_t>(visible));
-  const __m512i fr = _mm512_set1_epi32(static_cast<int32_t>(from) - 1);
   __m512 z[2];
-  __mmask16 keep[2];
+  __mmask16 keep[2] = {0xFFFF, 0xFFFF};
   for (int c = 0; c < 2; ++c) {  // keys 16c .. 16c + 15: unit c
     const __m512 t = _mm512_cvtepi32_ps(_mm512_load_si512(dot + 16 * c));
-    const __m512i j = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                       _mm512_set1_epi32(16 * c));
-    keep[c] = _mm512_cmpgt_epi32_mask(vis, j) & _mm512_cmpgt_epi32_mask(j, fr);
-    z[c] = _mm512_mask_blend_ps(keep[c], ninf, _mm512_mul_ps(_mm512_mul_ps(t, _mm512_loadu_ps(un.sk[c])), va));
+    z[c] = _mm512_mul_ps(_mm512_mul_ps(t, _mm512_loadu_ps(un.sk[c])), va);
+    if constexpr (!Full) {
+      const __m512i vis = _mm512_set1_epi32(static_cast<int32_t>(visible));
+      const __m512i fr = _mm512_set1_epi32(static_cast<int32_t>(from) - 1);
+      const __m512i j = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(16 * c));
+      keep[c] = _mm512_cmpgt_epi32_mask(vis, j) & _mm512_cmpgt_epi32_mask(j, fr);
+      z[c] = _mm512_mask_blend_ps(keep[c], ninf, z[c]);
+    }
   }
-  const float m_new = std::max(m, hmax(halves_max(_mm512_max_ps(z[0], z[1]))));
-  const float w_old = _mm256_cvtss_f32(exp2_neg(_mm256_set1_ps(m - m_new)));
-  const __m512 vm = _mm512_set1_ps(m_new);
+  const __m512 vm = _mm512_max_ps(_mm512_set1_ps(m), lanes_max(_mm512_max_ps(z[0], z[1])));
+  const float m_new = _mm512_cvtss_f32(vm);
+  const float w_old = rescale(m, m_new);
   __m512 p[2], w[2];
   for (int c = 0; c < 2; ++c) {
-    p[c] = _mm512_maskz_mov_ps(keep[c], exp2_neg512(_mm512_sub_ps(z[c], vm)));
-    w[c] = _mm512_maskz_mov_ps(keep[c], _mm512_mul_ps(p[c], _mm512_loadu_ps(un.sv[c])));
+    p[c] = exp2_neg512(_mm512_sub_ps(z[c], vm));
+    w[c] = _mm512_mul_ps(p[c], _mm512_loadu_ps(un.sv[c]));
+    if constexpr (!Full) {
+      p[c] = _mm512_maskz_mov_ps(keep[c], p[c]);
+      w[c] = _mm512_maskz_mov_ps(keep[c], w[c]);
+    }
   }
   // (keys 0-7 + 8-15) + (16-23 + 24-31), as softmax_weights adds them
   l = l * w_old + hsum(_mm256_add_ps(halves_add(p[0]), halves_add(p[1])));
   m = m_new;
-  const float mx = hmax(halves_max(_mm512_max_ps(w[0], w[1])));
+  const float mx = _mm512_cvtss_f32(lanes_max(_mm512_max_ps(w[0], w[1])));
   if (!(mx > 0.f)) {
     std::memset(u32, 0, kKeys / 2 * sizeof(int32_t));
     us = 0.f;
@@ -390,9 +418,11 @@ __attribute__((target("avx512f,avx512bw,avx512dq"))) inline float softmax_weight
 __attribute__((target("avx512f"))) inline void fold_values512(float* o, const int32_t* acc, int64_t d, float w_old,
                                                               float us) {
   const __m512 vw = _mm512_set1_ps(w_old), vu = _mm512_set1_ps(us);
+  const bool keep = w_old == 1.f;
   for (int64_t c = 0; c < d; c += 16) {
     const __m512 a = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + c));
-    _mm512_storeu_ps(o + c, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(o + c), vw), _mm512_mul_ps(a, vu)));
+    const __m512 oc = _mm512_loadu_ps(o + c);
+    _mm512_storeu_ps(o + c, _mm512_add_ps(keep ? oc : _mm512_mul_ps(oc, vw), _mm512_mul_ps(a, vu)));
   }
 }
 
@@ -498,9 +528,13 @@ inline void attend_rows_int(const float* q, const PagedInt16Keys& keys, float* o
       for (int64_t qi = ps; qi < pe; ++qi) {
         const int32_t* dq = dots + (qi - ps) * kKeys;
         int32_t* uq = z.upairs.data() + qi * (kKeys / 2);
-        z.w[qi] = isa >= kIsaVnni
-                      ? softmax_weights512(dq, un, z.qa[qi], from(qi), visible(qi), z.m[qi], z.l[qi], uq, z.us[qi])
-                      : softmax_weights(dq, un, z.qa[qi], from(qi), visible(qi), z.m[qi], z.l[qi], uq, z.us[qi]);
+        const int64_t fq = from(qi), vq = visible(qi);
+        if (isa < kIsaVnni)
+          z.w[qi] = softmax_weights(dq, un, z.qa[qi], fq, vq, z.m[qi], z.l[qi], uq, z.us[qi]);
+        else if (fq == 0 && vq == kKeys)
+          z.w[qi] = softmax_weights512<true>(dq, un, z.qa[qi], fq, vq, z.m[qi], z.l[qi], uq, z.us[qi]);
+        else
+          z.w[qi] = softmax_weights512<false>(dq, un, z.qa[qi], fq, vq, z.m[qi], z.l[qi], uq, z.us[qi]);
       }
       for (int64_t qs = ps; qs < pe; qs += kGroupQ) {
         const int n = static_cast<int>(std::min<int64_t>(kGroupQ, pe - qs));
