@@ -2,10 +2,11 @@
 Llama-3.2-1B's), per ISA path this CPU has, at several batch sizes M: what ``IntLinear`` runs
 for w4a8x16 (mixed activations: the default model's layers), w4a16, w4a8, w8a16 (a bf16
 checkpoint's default) and w8a8x16 (8-bit groups with mixed activations: a GGUF Q8_0's default,
-opt-in on a bf16 checkpoint), next to ``torch._int_mm`` and float32 ``F.linear``. The activations are Gaussian, so mixed rows have few wide groups here
+opt-in on a bf16 checkpoint), w6a16 and w6a8x16 (6-bit groups of 16 as GGUF Q6_K loads: 8-bit pairs
+with an epilogue per 16 weights), next to ``torch._int_mm`` and float32 ``F.linear``. The activations are Gaussian, so mixed rows have few wide groups here
 (real activations' outlier groups are wider: docs/design.md "Mixed activations").
 
-    .venv/bin/python benchmarks/kernel_rates.py [--shapes 135m|1b] [--json results/kernel_rates.json]
+    .venv/bin/python benchmarks/kernel_rates.py [--shapes 135m|1b|head] [--json results/kernel_rates.json]
 
 On AVX2 a w4a16 call of ``WIDE_ROWS`` rows or more runs the 4-bit weights held as int8
 (model/int_linear.py), so its figure at M >= 8 is that path's.
@@ -27,9 +28,18 @@ from engine_bench import median_time
 from prefixcache import kernels
 from prefixcache.model.int_linear import IntLinear
 from prefixcache.model.linear import quantize_int4, quantize_int8
+from prefixcache.model.loader import Int6Groups
 
 # (K, N): the default model's MLP up (one half of gate_up) and down; Llama-3.2-1B's fused qkv, gate_up, down.
-SHAPES = {"135m": [(576, 1536), (1536, 576)], "1b": [(2048, 3072), (2048, 16384), (8192, 2048)]}
+SHAPES = {"135m": [(576, 1536), (1536, 576)], "1b": [(2048, 3072), (2048, 16384), (8192, 2048)],
+          "head": [(576, 49152)]}  # the default model's output projection (a Llama Q4_K_M file's is Q6_K)
+
+
+def quantize_q6(w: torch.Tensor) -> Int6Groups:
+    """6-bit groups of 16 with one scale each, as a GGUF Q6_K tensor loads."""
+    g = w.view(w.shape[0], -1, 16)
+    scale = (g.abs().amax(-1) / 31).clamp_min(1e-8)
+    return Int6Groups(torch.round(g / scale.unsqueeze(-1)).clamp(-32, 31).to(torch.int8).view(w.shape), scale)
 
 
 def main() -> None:
@@ -47,14 +57,15 @@ def main() -> None:
             break
     for k, n in SHAPES[args.shapes]:
         w = torch.randn(n, k)
-        g4, g8 = quantize_int4(w), quantize_int8(w)
+        g4, g8, g6 = quantize_int4(w), quantize_int8(w), quantize_q6(w)
         for m in rows:
             x = torch.randn(m, k)
             flops = 2 * m * k * n
             for isa in kernels.supported_isas():
                 for name, g, bits, mixed in [("w4a16", g4, 16, False), ("w4a8x16", g4, 16, True),
                                              ("w4a8", g4, 8, False), ("w8a16", g8, 16, False),
-                                             ("w8a8x16", g8, 16, True)]:
+                                             ("w8a8x16", g8, 16, True), ("w6a16", g6, 16, False),
+                                             ("w6a8x16", g6, 16, True)]:
                     lin = IntLinear(g, None, bits, isa, mixed)
                     res["gops"][f"{name} {isa} K={k} N={n} M={m}"] = round(flops / median_time(lambda lin=lin, x=x: lin(x), 15) / 1e9, 1)
             res["gops"][f"F.linear float32 K={k} N={n} M={m}"] = round(

@@ -84,8 +84,8 @@ def _int6_sixteens(w: torch.Tensor) -> Int6Groups:
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 16), (5, 96, 40), (70, 576, 200)])
 def test_kernel_equals_the_integer_reference_on_every_isa(weights, bits, m, k, n):
     """w5m: 8-bit groups with a minimum (Q5_1/Q5_K), int4's offset epilogue on the 8-bit
-    layouts (pairs, and quads on AVX512-VNNI). w6: 6-bit groups of 16 (Q6_K), as two halves of
-    8-bit groups whose outputs are added; its reference also close to the float product."""
+    layouts (pairs, and quads on AVX512-VNNI). w6: 6-bit groups of 16 (Q6_K), 8-bit pairs with an
+    epilogue per 16 weights; its reference also close to the float product."""
     gen = torch.Generator().manual_seed(m * k + n)
     quantize = {"w4": quantize_int4, "w8": quantize_int8, "w5m": _int5_offsets, "w6": _int6_sixteens}[weights]
     groups = quantize(torch.randn(n, k, generator=gen))
@@ -98,7 +98,7 @@ def test_kernel_equals_the_integer_reference_on_every_isa(weights, bits, m, k, n
         wide = wide_groups(x.view(m, -1, 32).abs().amax(-1))
         assert wide.any() and not wide.all()
     ref = reference(x, groups, bits, mixed)
-    if weights == "w6" and bits == 16 and not mixed:  # the halves compute this weight's product
+    if weights == "w6" and bits == 16 and not mixed:  # the groups of 16 compute this weight's product
         dense = x @ groups.dequantize().T
         assert float((ref - dense).abs().max()) < 1e-3 * float(dense.abs().max())
     for isa in kernels.supported_isas():

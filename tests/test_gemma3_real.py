@@ -39,7 +39,7 @@ def test_real_gemma3_matches_transformers(path, ref):
     assert cfg.architecture == "Gemma3ForCausalLM" and cfg.vocab_size == 262144
     assert cfg.local_layers == tuple((i + 1) % 6 != 0 for i in range(18)) and cfg.sliding_window == 512
     # auto runs Gemma's activations in 16 bits everywhere (mixed was over the quality floor)
-    # every layer from the file's own integers (Q4_K, Q5_0, Q8_0, and Q6_K as halves): none requantized
+    # every layer from the file's own integers (Q4_K, Q5_0, Q8_0, and Q6_K with a scale per 16): none requantized
     model = exact.engine.runner.model
     assert model.exact and model.arithmetic == "w4a16+w6a16+w8a16" and not model.requantized
     ids = [2] + exact.get_tokenizer().encode(PROMPT)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _exact import Recorder, assert_same, run
 from _helpers import add_default_vocab, cold_equals_warm, prefill_logits
 
-from prefixcache import LLM
+from prefixcache import LLM, SamplingParams
 from prefixcache.model.loader import _int4_groups, _int6_groups, _int8_groups
 
 gguf = pytest.importorskip("gguf")
@@ -56,10 +57,8 @@ def test_groups_equal_gguf_dequantization(kind):
         assert int(groups.q.min()) >= -16 and int(groups.q.max()) <= 15
     if kind in (T.Q5_1, T.Q5_K):  # 5-bit values with a minimum: every value and fifth bit seen
         assert groups.offset is not None and int(groups.q.min()) == 0 and int(groups.q.max()) == 31
-    if kind == T.Q6_K:  # 6-bit values in groups of 16, every value seen; the halves are the same weight
+    if kind == T.Q6_K:  # 6-bit values in groups of 16, every value seen
         assert groups.group_size == 16 and int(groups.q.min()) == -32 and int(groups.q.max()) == 31
-        halves = groups.halves().dequantize()
-        assert torch.equal(halves[:out] + halves[out:], theirs)
 
 
 def test_other_types_are_not_taken_as_groups():
@@ -165,11 +164,10 @@ def test_a_q5_model_runs_its_own_groups_exactly(kind, tmp_path):
 
 
 def test_a_q6_k_model_runs_its_own_groups_exactly(tmp_path):
-    """Q6_K layers run from the file's 6-bit values and their scales per 16 weights (as 8-bit
-    groups of 32 over twice the outputs, the two halves added: not widened, not requantized),
-    with 16-bit and mixed activations: near the float reference of the same weights, and bit for
-    bit the same cold, warm, batched and decoded (the op-by-op decode: the one-call native step
-    does not take halves)."""
+    """Q6_K layers run from the file's 6-bit values and their scales per 16 weights (8-bit
+    pairs with two epilogues a group of 32: not widened, not requantized), with 16-bit and mixed
+    activations: near the float reference of the same weights, and bit for bit the same cold,
+    warm, batched and decoded (in the one-call native decode step too)."""
     from prefixcache.model.int_linear import IntLinear
     from prefixcache.model.loader import load_weights
 
@@ -185,8 +183,8 @@ def test_a_q6_k_model_runs_its_own_groups_exactly(tmp_path):
         model = llm.engine.runner.model
         assert model.exact and model.arithmetic == kind, llm.engine.weights_format  # (the F16 head: 8-bit groups)
         lins = [lin for layer in model.layers for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-        assert all(isinstance(lin, IntLinear) and lin.halves for lin in lins)
-        assert model._exact_layers() is None
+        assert all(isinstance(lin, IntLinear) and lin.sixteens for lin in lins)
+        assert model._exact_layers() is not None  # decodes take the one-call native step
         ours = prefill_logits(llm, ids)
         # measured (int16): mean 0.034, max 0.23 on logits of std 8, as Q4_K's model (the F16
         # head made into 8-bit groups here is most of it); mixed 8-bit activations on these
@@ -195,4 +193,10 @@ def test_a_q6_k_model_runs_its_own_groups_exactly(tmp_path):
         if activations == "int16":
             assert float(err.mean()) < 0.01 * float(theirs.std()) and float(err.max()) < 0.1 * float(theirs.std())
         cold_equals_warm(llm, ids)
+        # decoded (the native step's two epilogues a group) == prefilled (the per-layer kernel's)
+        with Recorder(llm.engine) as decoded:
+            out = llm.generate([ids[:40]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                               cache_salt="dec")  # fmt: skip
+        prefilled = run(llm, [ids[:40] + out[0].outputs[0].token_ids[:5]], max_tokens=1, salt="pre")
+        assert_same(decoded, prefilled, min_kv=45, min_logits=1)
         llm.check_integrity()

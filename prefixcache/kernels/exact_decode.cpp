@@ -52,25 +52,29 @@ struct Linear {
 };
 
 // code per linear: bit 0 = 8-bit weights (int8_linear's layout for the scheme), bit 1 = mixed activations,
-// bit 2 = 16-bit activations (else 8).
+// bit 2 = 16-bit activations (else 8), bit 3 = a weight scale per 16 (8-bit pairs; GGUF Q6_K).
 Linear make_linear(const at::Tensor& wq, const at::Tensor& wd, const at::Tensor& wm, int64_t code,
                    int64_t n, int64_t k, int64_t isa) {
   const bool w8 = code & 1;
   const int bits = (code & 4) ? 16 : 8;
   const bool mixed = code & 2;
+  const bool s16 = code & 8;
   TORCH_CHECK(!mixed || bits == 16, "mixed activations with 16 bits");
+  TORCH_CHECK(!s16 || w8, "scales per 16 weights: 8-bit weights");
   const IntScheme sc{bits, mixed, isa};
   const int64_t groups = k / prefixcache::kGroup, blocks = (n + prefixcache::kCols - 1) / prefixcache::kCols;
   TORCH_CHECK(wq.is_contiguous() && wq.numel() == blocks * groups * (w8 ? prefixcache::kBlockBytes8 : prefixcache::kBlockBytes) &&
-                  wq.scalar_type() == (w8 && !prefixcache::w8_quads(sc) ? at::kChar : at::kByte),
+                  wq.scalar_type() == (w8 && (s16 || !prefixcache::w8_quads(sc)) ? at::kChar : at::kByte),
               "packed weights of the wrong size or type");
-  TORCH_CHECK(wd.is_contiguous() && wd.scalar_type() == at::kFloat && wd.numel() == blocks * groups * prefixcache::kCols,
-              "weight scales [blocks, groups, 16] float32");
+  TORCH_CHECK(wd.is_contiguous() && wd.scalar_type() == at::kFloat &&
+                  wd.numel() == (s16 ? 2 : 1) * blocks * groups * prefixcache::kCols,
+              "weight scales [blocks, groups, 16] float32 ([blocks, 2 groups, 16] with scales per 16)");
   const bool off = wm.numel() > 0;
+  TORCH_CHECK(!(off && s16), "scales per 16 weights carry no offsets");
   TORCH_CHECK(off || w8, "4-bit groups need their offsets");
   TORCH_CHECK(!off || (wm.is_contiguous() && wm.scalar_type() == at::kFloat && wm.numel() == wd.numel()),
               "weight offsets [blocks, groups, 16] float32");
-  return Linear{IntWeights{w8, wq.data_ptr(), wd.data_ptr<float>(), off ? wm.data_ptr<float>() : nullptr, n, k}, sc};
+  return Linear{IntWeights{w8, wq.data_ptr(), wd.data_ptr<float>(), off ? wm.data_ptr<float>() : nullptr, n, k, s16}, sc};
 }
 
 void check_f32(const at::Tensor& t, const char* name) {
@@ -216,7 +220,8 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
     }
   };
   const auto quantize = [&](const Linear& L, const float* src, int64_t k, int64_t r0, int64_t r1) {
-    prefixcache::quantize_rows(src, k, r0, r1, L.sc.bits, prefixcache::whole_activations(L.w.w8, L.sc), L.sc.mixed, qa);
+    prefixcache::quantize_rows(src, k, r0, r1, L.sc.bits, prefixcache::whole_activations(L.w.w8, L.sc, L.w.s16),
+                               L.sc.mixed, qa);
   };
 
   prefixcache::run_team(threads, [&](const int t, const int nt, prefixcache::SpinBarrier* barrier) {

@@ -554,27 +554,41 @@ inline void rows_avx2(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, co
 // ---- 8-bit weights, AVX512-VNNI: R rows x one block of 16 columns; per pair p of the group
 // one widened weight operand serves every row (vpdpwssd: lane c += a[2p] q[c, 2p] +
 // a[2p + 1] q[c, 2p + 1]).
-template <int R, bool OFF>
+// S16 (GGUF Q6_K: a weight scale per 16): each group of 32 is two sub-groups of 8 pairs, each
+// its own exact int32 sum and its own epilogue with its scale (wd [blocks, 2 groups, 16]), the
+// first before the second; the activations' scale stays the group of 32's. No offsets.
+template <bool S16>
+constexpr int kSubs = S16 ? 2 : 1;
+template <bool S16>
+inline const float* sub_scales(const float* wd, int64_t b, int64_t groups, int64_t g, int h) {
+  return wd + ((b * groups + g) * kSubs<S16> + h) * kCols;
+}
+
+template <int R, bool OFF, bool S16>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512_w8(
     const Quantized& qa, int64_t r0, int64_t k, const int8_t* wq, const float* wd, const float* wm,
     int64_t b, float* y, int64_t ldy, int64_t n) {
+  static_assert(!(OFF && S16), "16-weight groups carry no offsets");
+  constexpr int kPairs = kGroup / 2 / kSubs<S16>;
   const int64_t groups = k / kGroup;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* blk = wq + (b * groups + g) * kBlockBytes8;
-    __m512i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-    for (int p = 0; p < kGroup / 2; ++p) {
-      const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + p * 32)));
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, qa.a16.data() + (r0 + r) * k + g * kGroup + 2 * p, 4);
-        dot[r] = _mm512_dpwssd_epi32(dot[r], _mm512_set1_epi32(pair), w);
+    for (int h = 0; h < kSubs<S16>; ++h) {
+      __m512i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+      for (int p = h * kPairs; p < (h + 1) * kPairs; ++p) {
+        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + p * 32)));
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, qa.a16.data() + (r0 + r) * k + g * kGroup + 2 * p, 4);
+          dot[r] = _mm512_dpwssd_epi32(dot[r], _mm512_set1_epi32(pair), w);
+        }
       }
+      group_epilogue<R, false, OFF>(qa, r0, groups, g, sub_scales<S16>(wd, b, groups, g, h),
+                                    OFF ? wm + (b * groups + g) * kCols : nullptr, dot, acc);
     }
-    group_epilogue<R, false, OFF>(qa, r0, groups, g, wd + (b * groups + g) * kCols,
-                                  OFF ? wm + (b * groups + g) * kCols : nullptr, dot, acc);
   }
   store_block<R>(acc, y, ldy, r0, b * kCols, n);
 }
@@ -582,17 +596,20 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512_w8(
 // ---- 8-bit weights, AVX512-VNNI, narrow calls (1-3 rows): R rows x C blocks, R C independent
 // vpdpwssd chains (one block's 16 dependent ones were latency-bound); tile512_w8's integers and
 // epilogue, so its bits.
-template <int R, int C, bool OFF>
+template <int R, int C, bool OFF, bool S16>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512n_w8(
     const Quantized& qa, int64_t r0, int64_t k, const int8_t* wq, const float* wd, const float* wm,
     int64_t b, float* y, int64_t ldy, int64_t n) {
+  static_assert(!(OFF && S16), "16-weight groups carry no offsets");
+  constexpr int kPairs = kGroup / 2 / kSubs<S16>;
   const int64_t groups = k / kGroup;
   __m512 acc[C][R];
   fill(acc, _mm512_setzero_ps());
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t g = 0; g < groups; ++g)
+  for (int h = 0; h < kSubs<S16>; ++h) {
     __m512i dot[C][R];
     fill(dot, _mm512_setzero_si512());
-    for (int p = 0; p < kGroup / 2; ++p) {
+    for (int p = h * kPairs; p < (h + 1) * kPairs; ++p) {
       __m512i w[C];
       for (int c = 0; c < C; ++c)
         w[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
@@ -605,32 +622,35 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512n_w8(
       }
     }
     for (int c = 0; c < C; ++c)
-      group_epilogue<R, false, OFF>(qa, r0, groups, g, wd + ((b + c) * groups + g) * kCols,
+      group_epilogue<R, false, OFF>(qa, r0, groups, g, sub_scales<S16>(wd, b + c, groups, g, h),
                                     OFF ? wm + ((b + c) * groups + g) * kCols : nullptr, dot[c], acc[c]);
   }
   for (int c = 0; c < C; ++c) store_block<R>(acc[c], y, ldy, r0, (b + c) * kCols, n);
 }
 
-template <int R, bool OFF>
+template <int R, bool OFF, bool S16>
 inline void narrow512_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t* wq, const float* wd,
                          const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
   over_blocks<R>(b0, b1, [&](int64_t b, auto c) {
-    tile512n_w8<R, decltype(c)::value, OFF>(qa, r0, k, wq, wd, wm, b, y, n, n);
+    tile512n_w8<R, decltype(c)::value, OFF, S16>(qa, r0, k, wq, wd, wm, b, y, n, n);
   });
 }
 
 // ---- 8-bit weights, AVX2: half a block (8 columns), vpmaddwd on the widened pairs.
-template <int R, bool OFF>
+template <int R, bool OFF, bool S16>
 inline void tile256_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t* wq, const float* wd,
                        const float* wm, int64_t b, int half, float* y, int64_t ldy, int64_t n) {
+  static_assert(!(OFF && S16), "16-weight groups carry no offsets");
+  constexpr int kPairs = kGroup / 2 / kSubs<S16>;
   const int64_t groups = k / kGroup;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t g = 0; g < groups; ++g)
+  for (int h = 0; h < kSubs<S16>; ++h) {
     const int8_t* blk = wq + (b * groups + g) * kBlockBytes8 + half * 16;
     __m256i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
-    for (int p = 0; p < kGroup / 2; ++p) {
+    for (int p = h * kPairs; p < (h + 1) * kPairs; ++p) {
       const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + p * 32)));
       for (int r = 0; r < R; ++r) {
         int32_t pair;
@@ -638,7 +658,7 @@ inline void tile256_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t*
         dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_set1_epi32(pair), w));
       }
     }
-    const __m256 vd = _mm256_loadu_ps(wd + (b * groups + g) * kCols + half * 8);
+    const __m256 vd = _mm256_loadu_ps(sub_scales<S16>(wd, b, groups, g, h) + half * 8);
     const __m256 vm = OFF ? _mm256_loadu_ps(wm + (b * groups + g) * kCols + half * 8) : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int64_t rg = (r0 + r) * groups + g;
@@ -650,32 +670,32 @@ inline void tile256_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t*
   store_half<R>(acc, y + r0 * ldy, ldy, b * kCols + half * 8, n);
 }
 
-template <bool OFF>
+template <bool OFF, bool S16>
 inline void rows_w8(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const int8_t* wq, const float* wd,
              const float* wm, int64_t b0, int64_t b1, float* y, int64_t n, int64_t isa) {
   if (isa >= 2 && r1 - r0 < 4) {  // narrow calls: several blocks per tile (tile512n_w8)
     switch (r1 - r0) {
-      case 1: narrow512_w8<1, OFF>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
-      case 2: narrow512_w8<2, OFF>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
-      case 3: narrow512_w8<3, OFF>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
+      case 1: narrow512_w8<1, OFF, S16>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
+      case 2: narrow512_w8<2, OFF, S16>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
+      case 3: narrow512_w8<3, OFF, S16>(qa, r0, k, wq, wd, wm, b0, b1, y, n); return;
       default: return;
     }
   }
   for (int64_t b = b0; b < b1; ++b) {
     if (isa >= 2) {  // pairs: AMX has no 16-bit products, the VNNI tiles run them
       int64_t r = r0;
-      for (; r + 4 <= r1; r += 4) tile512_w8<4, OFF>(qa, r, k, wq, wd, wm, b, y, n, n);
+      for (; r + 4 <= r1; r += 4) tile512_w8<4, OFF, S16>(qa, r, k, wq, wd, wm, b, y, n, n);
       switch (r1 - r) {
-        case 3: tile512_w8<3, OFF>(qa, r, k, wq, wd, wm, b, y, n, n); break;
-        case 2: tile512_w8<2, OFF>(qa, r, k, wq, wd, wm, b, y, n, n); break;
-        case 1: tile512_w8<1, OFF>(qa, r, k, wq, wd, wm, b, y, n, n); break;
+        case 3: tile512_w8<3, OFF, S16>(qa, r, k, wq, wd, wm, b, y, n, n); break;
+        case 2: tile512_w8<2, OFF, S16>(qa, r, k, wq, wd, wm, b, y, n, n); break;
+        case 1: tile512_w8<1, OFF, S16>(qa, r, k, wq, wd, wm, b, y, n, n); break;
         default: break;
       }
     } else {
       for (int half = 0; half < 2; ++half) {
         int64_t r = r0;
-        for (; r + 4 <= r1; r += 4) tile256_w8<4, OFF>(qa, r, k, wq, wd, wm, b, half, y, n, n);
-        for (; r < r1; ++r) tile256_w8<1, OFF>(qa, r, k, wq, wd, wm, b, half, y, n, n);
+        for (; r + 4 <= r1; r += 4) tile256_w8<4, OFF, S16>(qa, r, k, wq, wd, wm, b, half, y, n, n);
+        for (; r < r1; ++r) tile256_w8<1, OFF, S16>(qa, r, k, wq, wd, wm, b, half, y, n, n);
       }
     }
   }
@@ -694,13 +714,15 @@ inline int64_t blocks_per_item(int64_t row_chunks, int64_t blocks) {
 
 // One layer's packed weights (model/int_linear.py): 4-bit nibble blocks (w4), or 8-bit quads
 // or pairs (w8, the layout by scheme: w8_quads; with ``wm`` when they are 4-bit values held
-// as 8-bit).
+// as 8-bit); s16: 8-bit pairs with a scale per 16 weights (GGUF Q6_K; wd [blocks, 2 groups,
+// 16]), whatever the scheme.
 struct IntWeights {
   bool w8;
   const void* wq;
   const float* wd;
   const float* wm;  // null for symmetric 8-bit groups
   int64_t n, k;
+  bool s16 = false;
   int64_t blocks() const { return (n + kCols - 1) / kCols; }
 };
 
@@ -717,14 +739,17 @@ struct IntScheme {
 // a16) otherwise.
 inline bool w8_quads(const IntScheme& sc) { return sc.isa >= 2 && (sc.bits == 8 || sc.mixed); }
 
-// Whether a layer's activations are quantized as whole 16-bit integers (8-bit weight pairs)
+// Whether a layer's activations are quantized as whole 16-bit integers (8-bit weight pairs,
+// which 16-weight groups always are: mixed and 8-bit activations are 16-bit integers there too)
 // rather than hi/lo int8 parts.
-inline bool whole_activations(bool w8, const IntScheme& sc) { return w8 && !w8_quads(sc); }
+inline bool whole_activations(bool w8, const IntScheme& sc, bool s16 = false) {
+  return w8 && (s16 || !w8_quads(sc));
+}
 
 // Buffers of m rows for a layer of input width k.
-inline void size_quantized(Quantized& qa, int64_t m, int64_t k, const IntScheme& sc, bool w8) {
+inline void size_quantized(Quantized& qa, int64_t m, int64_t k, const IntScheme& sc, bool w8, bool s16 = false) {
   const int64_t groups = k / kGroup;
-  if (whole_activations(w8, sc)) {
+  if (whole_activations(w8, sc, s16)) {
     qa.a16.resize(static_cast<size_t>(m * k));
   } else {
     qa.lo.resize(static_cast<size_t>(m * k));
@@ -739,7 +764,7 @@ inline void size_quantized(Quantized& qa, int64_t m, int64_t k, const IntScheme&
 // Rows [r0, r1) x column blocks [b0, b1) of y [m, n] = x W^T, from the quantized rows.
 inline void gemm_item(const Quantized& qa, const IntWeights& w, const IntScheme& sc, int64_t r0,
                       int64_t r1, int64_t b0, int64_t b1, float* y) {
-  if (w.w8 && w8_quads(sc)) {  // quads: 8-bit or mixed activations
+  if (w.w8 && w8_quads(sc) && !w.s16) {  // quads: 8-bit or mixed activations
     const auto* wq = static_cast<const uint8_t*>(w.wq);
     const bool off = w.wm != nullptr;
     if (sc.mixed) {
@@ -753,8 +778,9 @@ inline void gemm_item(const Quantized& qa, const IntWeights& w, const IntScheme&
   }
   if (w.w8) {
     const auto* wq = static_cast<const int8_t*>(w.wq);
-    if (w.wm != nullptr) rows_w8<true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n, sc.isa);
-    else rows_w8<false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n, sc.isa);
+    if (w.s16) rows_w8<false, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n, sc.isa);
+    else if (w.wm != nullptr) rows_w8<true, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n, sc.isa);
+    else rows_w8<false, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n, sc.isa);
     return;
   }
   const auto* wq = static_cast<const uint8_t*>(w.wq);

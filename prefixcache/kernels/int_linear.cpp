@@ -82,9 +82,9 @@ at::Tensor run(const at::Tensor& x, const IntWeights& w, const IntScheme& sc) {
   if (m == 0) return y;
   const float* xp = xc.data_ptr<float>();
   Quantized qa;
-  size_quantized(qa, m, k, sc, w.w8);
+  size_quantized(qa, m, k, sc, w.w8, w.s16);
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    quantize_rows(xp, k, r0, r1, sc.bits, whole_activations(w.w8, sc), sc.mixed, qa);
+    quantize_rows(xp, k, r0, r1, sc.bits, whole_activations(w.w8, sc, w.s16), sc.mixed, qa);
   });
   float* yp = y.data_ptr<float>();
   const int64_t row_chunks = (m + kRowChunk - 1) / kRowChunk;
@@ -122,16 +122,20 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
   check_scheme(x, bits, isa, mixed);
   const int64_t k = x.size(1), groups = k / kGroup, blocks = (n + kCols - 1) / kCols;
   const IntScheme sc{static_cast<int>(bits), mixed, isa};
-  TORCH_CHECK(wq.is_contiguous() && wq.scalar_type() == (w8_quads(sc) ? at::kByte : at::kChar) &&
+  // a scale per 16 weights (twice the groups' scales): GGUF Q6_K, always int8 pairs, no offsets
+  const bool s16 = wd.numel() == 2 * blocks * groups * kCols;
+  TORCH_CHECK(wq.is_contiguous() && wq.scalar_type() == (w8_quads(sc) && !s16 ? at::kByte : at::kChar) &&
                   wq.numel() == blocks * groups * kBlockBytes8,
               "wq: packed 8-bit weights [blocks * groups * 512]: uint8 quads (avx512-vnni with 8-bit or mixed "
-              "activations) or int8 pairs");
-  TORCH_CHECK(wd.is_contiguous() && wd.scalar_type() == at::kFloat && wd.numel() == blocks * groups * kCols,
-              "wd: [blocks, groups, 16] float32");
+              "activations, scales per 32) or int8 pairs");
+  TORCH_CHECK(wd.is_contiguous() && wd.scalar_type() == at::kFloat &&
+                  (wd.numel() == blocks * groups * kCols || s16),
+              "wd: [blocks, groups, 16] float32 (or [blocks, 2 groups, 16]: a scale per 16 weights)");
   const bool off = wm.has_value();
-  TORCH_CHECK(!off || (wm->is_contiguous() && wm->scalar_type() == at::kFloat && wm->numel() == wd.numel()),
-              "wm: [blocks, groups, 16] float32");
-  const IntWeights w{true, wq.data_ptr(), wd.data_ptr<float>(), off ? wm->data_ptr<float>() : nullptr, n, k};
+  TORCH_CHECK(!off || (!s16 && wm->is_contiguous() && wm->scalar_type() == at::kFloat &&
+                       wm->numel() == blocks * groups * kCols),
+              "wm: [blocks, groups, 16] float32 (none with a scale per 16 weights)");
+  const IntWeights w{true, wq.data_ptr(), wd.data_ptr<float>(), off ? wm->data_ptr<float>() : nullptr, n, k, s16};
   return run(x, w, sc);
 }
 

@@ -46,8 +46,8 @@ WIDE_ROWS = 8
 
 class IntLinear:
     """y = x W^T (+ b) for W in 4-bit (``Int4Groups``) or 8-bit (``Int8Groups``) groups of 32,
-    or 6-bit groups of 16 (``Int6Groups``, run as 8-bit groups over twice the outputs whose two
-    halves are added: ``Int6Groups.halves``), ``bits``-bit activations."""
+    or 6-bit groups of 16 (``Int6Groups``: 8-bit pairs with a scale per 16), ``bits``-bit
+    activations."""
 
     def __init__(self, groups: Int4Groups | Int6Groups | Int8Groups, bias: torch.Tensor | None, bits: int,
                  isa: str, mixed: bool = False):  # fmt: skip
@@ -60,19 +60,20 @@ class IntLinear:
         if mixed and bits != 16:
             raise ValueError("mixed activations are 8 or 16 bits per group: bits must be 16")
         self.out_features, self.in_features = groups.q.shape
-        # Q6_K's groups of 16: y = (rows [0, out) + rows [out, 2 out)) of the halves' product
-        self.halves = isinstance(groups, Int6Groups)
-        width = 6 if self.halves else 8 if isinstance(groups, Int8Groups) else 4
-        if self.halves:
-            groups = groups.halves()
-        self.wide = isinstance(groups, Int8Groups)
+        # Q6_K's groups of 16: 8-bit pairs, two epilogues a group of 32 (one per scale), the
+        # activations whole 16-bit integers in every scheme (mixed and 8-bit ones are such
+        # integers: the same numbers, without the quads' low-pass skip)
+        self.sixteens = isinstance(groups, Int6Groups)
+        width = 6 if self.sixteens else 8 if isinstance(groups, Int8Groups) else 4
+        self.wide = isinstance(groups, (Int8Groups, Int6Groups))
         self.kind = f"w{width}a{'8x16' if mixed else bits}"
         self.bits, self.isa, self.mixed = bits, isa, mixed
         self.wq8 = None  # 4-bit groups as int8, for wide calls on AVX2
         if self.wide:
-            self.wq, self.wd = pack8(groups, quads=w8_quads(isa, bits, mixed))
+            self.wq, self.wd = pack8(groups, quads=w8_quads(isa, bits, mixed) and not self.sixteens)
             # 8-bit groups with a minimum (GGUF Q5_1/Q5_K): int4_linear's offset epilogue
-            self.wm = None if groups.offset is None else _block_scales(groups.offset, *_blocks(groups.q.shape[0]))
+            offset = getattr(groups, "offset", None)
+            self.wm = None if offset is None else _block_scales(offset, *_blocks(groups.q.shape[0]))
         else:
             self.wq, self.wd, self.wm = pack(groups)
             if isa == "avx2" and bits == 16 and not mixed:
@@ -94,7 +95,7 @@ class IntLinear:
     @property
     def rows_readable(self) -> bool:
         """Whether ``rows`` can read W back: 8-bit groups in pack8's pairs layout."""
-        return self.wide and self.wq.dtype == torch.int8 and self.wm is None and not self.halves
+        return self.wide and self.wq.dtype == torch.int8 and self.wm is None and not self.sixteens
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of W as stored, dequantized ([n, in] float32, ``q * d`` per group: the
@@ -111,10 +112,7 @@ class IntLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, bits, isa, mixed = self.out_features, self.bits, self.isa, self.mixed
-        if self.halves:
-            y = kernels.int8_linear(x.float(), self.wq, self.wd, 2 * n, bits, isa, self.wm, mixed)
-            y = y[:, :n] + y[:, n:]
-        elif self.wide:
+        if self.wide:
             y = kernels.int8_linear(x.float(), self.wq, self.wd, n, bits, isa, self.wm, mixed)
         elif self.wq8 is not None and x.shape[0] >= WIDE_ROWS:
             y = kernels.int8_linear(x.float(), self.wq8, self.wd, n, bits, isa, self.wm, mixed)
@@ -163,9 +161,10 @@ def w8_quads(isa: str, bits: int, mixed: bool) -> bool:
     return isa in ("amx", "avx512-vnni") and (bits == 8 or mixed)
 
 
-def pack8(groups: Int8Groups, quads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def pack8(groups: Int8Groups | Int6Groups, quads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``int8_linear``'s layout: per block of 16 output columns and group of 32 inputs, 512
-    bytes; then d as [blocks, groups, 16] float32. Columns past the layer's end are zero
+    bytes; then d as [blocks, groups, 16] float32 (``Int6Groups``: [blocks, 2 groups, 16], a
+    scale per 16 weights, in pairs only). Columns past the layer's end are zero
     weights, zero scales. ``quads`` (``w8_quads``): uint8 ``q + 128`` ordered
     [j 0..7][column 0..15][4], weights 4 j .. 4 j + 3 of the group (a vpdpbusd operand per j);
     else int8 pairs ordered [p 0..15][column 0..15][2], weights 2 p and 2 p + 1."""
@@ -219,12 +218,17 @@ def reference(x: torch.Tensor, groups: Int4Groups | Int6Groups | Int8Groups, bit
               mixed: bool = False) -> torch.Tensor:  # fmt: skip
     """The kernel's arithmetic in plain PyTorch: exact integer sums per group (int64), then the
     float32 epilogue in group order, each multiply and add rounded on its own. [M, N] float32.
-    6-bit groups of 16: each half's sums so, then the two halves added."""
-    if isinstance(groups, Int6Groups):
-        y = reference(x, groups.halves(), bits, mixed)
-        n = groups.q.shape[0]
-        return y[:, :n] + y[:, n:]
+    6-bit groups of 16: the integer sum and the epilogue per group of 16, in order, each with
+    the activations' scale of its group of 32."""
     m, k = x.shape
+    if isinstance(groups, Int6Groups):
+        a, s = quantize_activations(x, bits, mixed)
+        dots = torch.einsum("mjk,njk->mnj", a.view(m, k // 16, 16), groups.q.to(torch.int64).view(-1, k // 16, 16))
+        acc = torch.zeros(m, groups.q.shape[0], dtype=torch.float32)
+        for j in range(k // 16):
+            p = s[:, j // 2 : j // 2 + 1] * groups.scale[:, j].float().unsqueeze(0)
+            acc = acc + dots[:, :, j].to(torch.int32).to(torch.float32) * p
+        return acc
     ng = k // GROUP
     a, s = quantize_activations(x, bits, mixed)
     ag = a.view(m, ng, GROUP)

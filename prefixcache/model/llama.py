@@ -373,8 +373,8 @@ class LlamaModel:
         if not self.exact or not _plain(self.config):
             return None
         lins = [lin for layer in self.layers for lin in _linears(layer)]
-        if not all(isinstance(lin, IntLinear) and not lin.halves for lin in lins):
-            return None  # (6-bit groups of 16 run as two halves the native step does not add)
+        if not all(isinstance(lin, IntLinear) for lin in lins):
+            return None
         biases = [layer.qkv_proj.bias for layer in self.layers]
         if any(lin.bias is not None for layer in self.layers for lin in _linears(layer)[1:]):
             return None  # only qkv biases (Qwen2) are fused
@@ -387,7 +387,7 @@ class LlamaModel:
             [lin.wq for lin in lins],
             [lin.wd for lin in lins],
             [empty if lin.wm is None else lin.wm for lin in lins],
-            [int(lin.wide) | 2 * int(lin.mixed) | 4 * int(lin.bits == 16) for lin in lins],
+            [int(lin.wide) | 2 * int(lin.mixed) | 4 * int(lin.bits == 16) | 8 * int(lin.sixteens) for lin in lins],
             [] if biases[0] is None else biases,
             [w for layer in self.layers for w in (layer.qk_norms or ())],
         )  # fmt: skip

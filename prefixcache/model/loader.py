@@ -141,11 +141,8 @@ class Int6Groups:
     11-bit by 8-bit product, exact in float32; times q, 5 bits more, still exact: the file's
     numbers as gguf's own dequantization computes them).
 
-    The integer kernels take groups of 32, so ``halves`` gives the same weight as 8-bit groups
-    of 32 over twice the outputs: rows [0, out) hold each 32-group's first 16 weights (its second
-    16 zero) with the first scale, rows [out, 2 out) the second 16 with the second scale; the
-    layer's output is the two halves added (``model/int_linear.py``). Exact, at twice the
-    multiply-adds of a kernel with 16-groups (which does not exist yet)."""
+    The integer kernels run them as 8-bit weight pairs whose groups of 32 have two scales, one
+    per 16 (``model/int_linear.py``, kernels/int_gemm.h ``S16``)."""
 
     q: torch.Tensor  # [out, in] int8, values -32..31
     scale: torch.Tensor  # [out, in / 16] float32
@@ -154,17 +151,6 @@ class Int6Groups:
     def dequantize(self) -> torch.Tensor:  # [out, in] float32
         out, n = self.q.shape
         return (self.q.view(out, n // 16, 16).float() * self.scale.unsqueeze(-1)).view(out, n)
-
-    def halves(self) -> Int8Groups:
-        """The weight as 8-bit groups of 32 over [2 out, in] (above)."""
-        out, n = self.q.shape
-        q = self.q.view(out, n // 32, 2, 16)
-        first, second = torch.zeros_like(q), torch.zeros_like(q)
-        first[:, :, 0] = q[:, :, 0]
-        second[:, :, 1] = q[:, :, 1]
-        s = self.scale.view(out, n // 32, 2)
-        return Int8Groups(torch.cat([first.view(out, n), second.view(out, n)]),
-                          torch.cat([s[:, :, 0], s[:, :, 1]]).contiguous())  # fmt: skip
 
     @staticmethod
     def cat(parts: list[Int6Groups]) -> Int6Groups:
