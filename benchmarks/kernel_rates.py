@@ -28,18 +28,18 @@ from engine_bench import median_time
 from prefixcache import kernels
 from prefixcache.model.int_linear import IntLinear
 from prefixcache.model.linear import quantize_int4, quantize_int8
-from prefixcache.model.loader import Int6Groups
+from prefixcache.model.loader import Int8Groups16
 
 # (K, N): the default model's MLP up (one half of gate_up) and down; Llama-3.2-1B's fused qkv, gate_up, down.
 SHAPES = {"135m": [(576, 1536), (1536, 576)], "1b": [(2048, 3072), (2048, 16384), (8192, 2048)],
           "head": [(576, 49152)]}  # the default model's output projection (a Llama Q4_K_M file's is Q6_K)
 
 
-def quantize_q6(w: torch.Tensor) -> Int6Groups:
+def quantize_q6(w: torch.Tensor) -> Int8Groups16:
     """6-bit groups of 16 with one scale each, as a GGUF Q6_K tensor loads."""
     g = w.view(w.shape[0], -1, 16)
     scale = (g.abs().amax(-1) / 31).clamp_min(1e-8)
-    return Int6Groups(torch.round(g / scale.unsqueeze(-1)).clamp(-32, 31).to(torch.int8).view(w.shape), scale)
+    return Int8Groups16(torch.round(g / scale.unsqueeze(-1)).clamp(-32, 31).to(torch.int8).view(w.shape), scale)
 
 
 def main() -> None:

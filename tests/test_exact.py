@@ -34,7 +34,7 @@ from prefixcache.model.int_linear import (
     wide_groups,
 )
 from prefixcache.model.linear import quantize_int4, quantize_int8
-from prefixcache.model.loader import Int4Groups, Int6Groups, Int8Groups
+from prefixcache.model.loader import Int4Groups, Int8Groups, Int8Groups16
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the exact path needs the CPU kernels")
 
@@ -71,12 +71,12 @@ def _int5_offsets(w: torch.Tensor) -> Int8Groups:
     return Int8Groups(q.view(w.shape), d, lo)
 
 
-def _int6_sixteens(w: torch.Tensor) -> Int6Groups:
+def _int6_sixteens(w: torch.Tensor) -> Int8Groups16:
     """6-bit groups of 16, as GGUF Q6_K loads: q in -32..31, w = q scale."""
     g = w.view(w.shape[0], -1, 16)
     scale = (g.abs().amax(-1) / 31).clamp_min(1e-8)
     q = torch.round(g / scale.unsqueeze(-1)).clamp(-32, 31).to(torch.int8)
-    return Int6Groups(q.view(w.shape), scale)
+    return Int8Groups16(q.view(w.shape), scale)
 
 
 @pytest.mark.parametrize("weights", ["w4", "w8", "w5m", "w6"])

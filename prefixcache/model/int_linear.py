@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from prefixcache import kernels
-from prefixcache.model.loader import Int4Groups, Int6Groups, Int8Groups
+from prefixcache.model.loader import Int4Groups, Int8Groups, Int8Groups16
 
 GROUP = 32
 COLS = 16  # output columns per packed block
@@ -46,10 +46,10 @@ WIDE_ROWS = 8
 
 class IntLinear:
     """y = x W^T (+ b) for W in 4-bit (``Int4Groups``) or 8-bit (``Int8Groups``) groups of 32,
-    or 6-bit groups of 16 (``Int6Groups``: 8-bit pairs with a scale per 16), ``bits``-bit
+    or 6-bit groups of 16 (``Int8Groups16``: 8-bit pairs with a scale per 16), ``bits``-bit
     activations."""
 
-    def __init__(self, groups: Int4Groups | Int6Groups | Int8Groups, bias: torch.Tensor | None, bits: int,
+    def __init__(self, groups: Int4Groups | Int8Groups16 | Int8Groups, bias: torch.Tensor | None, bits: int,
                  isa: str, mixed: bool = False):  # fmt: skip
         if isinstance(groups, Int4Groups) and groups.group_size != GROUP:  # Int8Groups are always 32
             raise ValueError(f"weight groups of {groups.group_size}; the kernel takes {GROUP}")
@@ -63,9 +63,9 @@ class IntLinear:
         # Q6_K's groups of 16: 8-bit pairs, two epilogues a group of 32 (one per scale), the
         # activations whole 16-bit integers in every scheme (mixed and 8-bit ones are such
         # integers: the same numbers, without the quads' low-pass skip)
-        self.sixteens = isinstance(groups, Int6Groups)
-        width = 6 if self.sixteens else 8 if isinstance(groups, Int8Groups) else 4
-        self.wide = isinstance(groups, (Int8Groups, Int6Groups))
+        self.sixteens = isinstance(groups, Int8Groups16)
+        width = groups.bits if self.sixteens else 8 if isinstance(groups, Int8Groups) else 4
+        self.wide = isinstance(groups, (Int8Groups, Int8Groups16))
         self.kind = f"w{width}a{'8x16' if mixed else bits}"
         self.bits, self.isa, self.mixed = bits, isa, mixed
         self.wq8 = None  # 4-bit groups as int8, for wide calls on AVX2
@@ -161,9 +161,9 @@ def w8_quads(isa: str, bits: int, mixed: bool) -> bool:
     return isa in ("amx", "avx512-vnni") and (bits == 8 or mixed)
 
 
-def pack8(groups: Int8Groups | Int6Groups, quads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def pack8(groups: Int8Groups | Int8Groups16, quads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``int8_linear``'s layout: per block of 16 output columns and group of 32 inputs, 512
-    bytes; then d as [blocks, groups, 16] float32 (``Int6Groups``: [blocks, 2 groups, 16], a
+    bytes; then d as [blocks, groups, 16] float32 (``Int8Groups16``: [blocks, 2 groups, 16], a
     scale per 16 weights, in pairs only). Columns past the layer's end are zero
     weights, zero scales. ``quads`` (``w8_quads``): uint8 ``q + 128`` ordered
     [j 0..7][column 0..15][4], weights 4 j .. 4 j + 3 of the group (a vpdpbusd operand per j);
@@ -214,14 +214,14 @@ def quantize_activations(x: torch.Tensor, bits: int, mixed: bool = False):
     return a.to(torch.int64).view(m, k), s
 
 
-def reference(x: torch.Tensor, groups: Int4Groups | Int6Groups | Int8Groups, bits: int,
+def reference(x: torch.Tensor, groups: Int4Groups | Int8Groups16 | Int8Groups, bits: int,
               mixed: bool = False) -> torch.Tensor:  # fmt: skip
     """The kernel's arithmetic in plain PyTorch: exact integer sums per group (int64), then the
     float32 epilogue in group order, each multiply and add rounded on its own. [M, N] float32.
     6-bit groups of 16: the integer sum and the epilogue per group of 16, in order, each with
     the activations' scale of its group of 32."""
     m, k = x.shape
-    if isinstance(groups, Int6Groups):
+    if isinstance(groups, Int8Groups16):
         a, s = quantize_activations(x, bits, mixed)
         dots = torch.einsum("mjk,njk->mnj", a.view(m, k // 16, 16), groups.q.to(torch.int64).view(-1, k // 16, 16))
         acc = torch.zeros(m, groups.q.shape[0], dtype=torch.float32)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache import kernels
-from prefixcache.model.loader import Int4Groups, Int6Groups, Int8Groups
+from prefixcache.model.loader import Int4Groups, Int8Groups, Int8Groups16
 
 GROUP = 32
 # Rows above which a group layer runs the float32 GEMM over its dequantized weights instead of
@@ -183,7 +183,7 @@ def make_linear(
     fmt: str,
     dtype: torch.dtype,
     device: torch.device,
-    groups: Int4Groups | Int6Groups | Int8Groups | None = None,
+    groups: Int4Groups | Int8Groups16 | Int8Groups | None = None,
 ):
     """The layer for one weight. ``fmt``: "dense"; "file" (the file's own groups when it has
     them, else dense); "int4" / "int8" (the file's groups of that width when it has them, else

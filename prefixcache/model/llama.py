@@ -16,7 +16,13 @@ from prefixcache.kv.pool import KVCache, LayerKV
 from prefixcache.model.attention import AttentionMetadata, paged_attention
 from prefixcache.model.int_linear import IntLinear
 from prefixcache.model.linear import LARGE_M, GroupLinear, make_linear, quantize_int4, quantize_int8
-from prefixcache.model.loader import Int4Groups, Int6Groups, Int8Groups, LoadedWeights, ModelConfig
+from prefixcache.model.loader import (
+    Int4Groups,
+    Int8Groups,
+    Int8Groups16,
+    LoadedWeights,
+    ModelConfig,
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool = False) -> torch.Tensor:
@@ -212,7 +218,7 @@ class LlamaModel:
 
         def stored_groups(names: list[str]):
             for table, cat in ((weights.int4, Int4Groups.cat), (weights.int8, Int8Groups.cat),
-                               (weights.int6, Int6Groups.cat)):  # fmt: skip
+                               (weights.groups16, Int8Groups16.cat)):  # fmt: skip
                 if all(n in table for n in names):
                     return cat([table[n] for n in names]) if len(names) > 1 else table[names[0]]
             return None
@@ -496,7 +502,7 @@ class LlamaModel:
         return x if self.embed_scale is None else x.mul_(self.embed_scale)
 
 
-_KIND = {Int4Groups: "q4", Int8Groups: "q8", Int6Groups: "q6"}
+_KIND = {Int4Groups: "q4", Int8Groups: "q8", Int8Groups16: "q6"}
 
 # Architectures whose activations need 16 bits everywhere under "auto": Gemma 3 270M Q4_K_M,
 # KL vs float32 over 8 ShareGPT texts: mixed 1.9e-3 (over the 1e-3 floor), int16 4.6e-4

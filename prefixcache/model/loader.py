@@ -134,18 +134,20 @@ class Int8Groups:
 
 
 @dataclass(frozen=True)
-class Int6Groups:
-    """A weight the file stores as 6-bit integers in groups of 16 with one scale each (GGUF Q6_K:
-    a super-block of 256 weights holds 16 int8 sub-block scales sc and a float16 d), kept as
-    stored: ``w[o, i] = q[o, i] * scale[o, i // 16]`` with q in [-32, 31] and scale = d sc (an
-    11-bit by 8-bit product, exact in float32; times q, 5 bits more, still exact: the file's
-    numbers as gguf's own dequantization computes them).
+class Int8Groups16:
+    """A weight the file stores as small integers in groups of 16 with one scale each, kept as
+    stored: ``w[o, i] = q[o, i] * scale[o, i // 16]`` (``bits`` the file's width of q).
+    GGUF Q6_K: q in [-32, 31], scale = d sc (a super-block of 256 weights holds 16 int8 scales sc
+    and a float16 d). GGUF Q3_K: q in [-4, 3], scale = d (sc - 32) (16 6-bit scales). Each scale
+    is an 11-bit by at most 8-bit product, exact in float32, and so is its product with q: the
+    file's numbers as gguf's own dequantization computes them.
 
     The integer kernels run them as 8-bit weight pairs whose groups of 32 have two scales, one
     per 16 (``model/int_linear.py``, kernels/int_gemm.h ``S16``)."""
 
-    q: torch.Tensor  # [out, in] int8, values -32..31
+    q: torch.Tensor  # [out, in] int8
     scale: torch.Tensor  # [out, in / 16] float32
+    bits: int = 6
     group_size: int = 16
 
     def dequantize(self) -> torch.Tensor:  # [out, in] float32
@@ -153,8 +155,9 @@ class Int6Groups:
         return (self.q.view(out, n // 16, 16).float() * self.scale.unsqueeze(-1)).view(out, n)
 
     @staticmethod
-    def cat(parts: list[Int6Groups]) -> Int6Groups:
-        return Int6Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+    def cat(parts: list[Int8Groups16]) -> Int8Groups16:
+        return Int8Groups16(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                            max(p.bits for p in parts))  # fmt: skip
 
 
 @dataclass
@@ -171,7 +174,7 @@ class LoadedWeights:
     # which is also its output projection).
     int8: dict[str, Int8Groups] = field(default_factory=dict)
     # And as 6-bit groups of 16 (GGUF Q6_K).
-    int6: dict[str, Int6Groups] = field(default_factory=dict)
+    groups16: dict[str, Int8Groups16] = field(default_factory=dict)
 
 
 # ---- Hugging Face directory -----------------------------------------------------------------
@@ -408,27 +411,49 @@ def _int8_groups(data: np.ndarray, kind, shape: tuple[int, int]) -> Int8Groups |
     return Int8Groups(torch.from_numpy(q.reshape(out, n)), torch.from_numpy(d.reshape(out, n // 32)))
 
 
-def _int6_groups(data: np.ndarray, kind, shape: tuple[int, int]) -> Int6Groups | None:
-    """The 6-bit groups of a GGUF Q6_K tensor, or None for another type. A super-block of 256
-    weights is 210 bytes: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, float16
-    d. In each half of 128 weights, low-nibble bytes l and 32 + l give weights l, 32 + l (low
-    nibbles) and 64 + l, 96 + l (high nibbles); high byte l gives their fifth and sixth bits at
-    shifts 0, 2, 4, 6. w = d sc[i // 16] (q - 32)."""
+def _groups16(data: np.ndarray, kind, shape: tuple[int, int]) -> Int8Groups16 | None:
+    """The groups of 16 of a GGUF Q6_K or Q3_K tensor, or None for another type.
+
+    Q6_K: a super-block of 256 weights is 210 bytes: 128 bytes of low nibbles, 64 of high bit
+    pairs, 16 int8 scales, float16 d. In each half of 128 weights, low-nibble bytes l and 32 + l
+    give weights l, 32 + l (low nibbles) and 64 + l, 96 + l (high nibbles); high byte l gives
+    their fifth and sixth bits at shifts 0, 2, 4, 6. w = d sc[i // 16] (q - 32).
+
+    Q3_K: 110 bytes: 32 bytes of high bits (weight 32 b + l: bit b of byte l), 64 bytes of
+    2-bit values (in each half of 128, byte l at shifts 0, 2, 4, 6 gives weights l, 32 + l,
+    64 + l, 96 + l), 12 bytes packing 16 6-bit scales (low nibbles in bytes 0-7, low then high;
+    their top two bits in bytes 8-11 at shifts 0, 2, 4, 6), float16 d. q = low - 4 where the
+    high bit is 0 (else low), w = d (sc - 32) q."""
     import gguf
 
-    if kind != gguf.GGMLQuantizationType.Q6_K:
-        return None
+    T = gguf.GGMLQuantizationType
     out, n = shape
-    blocks = np.ascontiguousarray(data).reshape(-1, 210)
-    ql = blocks[:, :128].reshape(-1, 2, 2, 32)  # [sb, half, byte run, l]
-    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32)  # [sb, half, 1, l]
-    low = np.stack([ql[:, :, 0] & 0x0F, ql[:, :, 1] & 0x0F, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2)
-    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3  # [sb, half, 4, 32]
-    q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(-1, 256)
-    sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)  # [sb, 16]
-    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)  # [sb, 1]
-    return Int6Groups(torch.from_numpy(np.ascontiguousarray(q).reshape(out, n)),
-                      torch.from_numpy((d * sc).reshape(out, n // 16)))  # fmt: skip
+    if kind == T.Q6_K:
+        blocks = np.ascontiguousarray(data).reshape(-1, 210)
+        ql = blocks[:, :128].reshape(-1, 2, 2, 32)  # [sb, half, byte run, l]
+        qh = blocks[:, 128:192].reshape(-1, 2, 1, 32)  # [sb, half, 1, l]
+        low = np.stack([ql[:, :, 0] & 0x0F, ql[:, :, 1] & 0x0F, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2)
+        high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3  # [sb, half, 4, 32]
+        q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(-1, 256)
+        sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)  # [sb, 16]
+        d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)  # [sb, 1]
+        bits = 6
+    elif kind == T.Q3_K:
+        blocks = np.ascontiguousarray(data).reshape(-1, 110)
+        shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        low = ((blocks[:, 32:96].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 256)
+        high = ((blocks[:, :32].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1).reshape(-1, 256)
+        q = (low.astype(np.int8) - 4 * (1 - high.astype(np.int8))).astype(np.int8)
+        packed = blocks[:, 96:108]
+        lo4 = (packed[:, :8].reshape(-1, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(-1, 16) & 0x0F
+        hi2 = (packed[:, 8:12].reshape(-1, 1, 4) >> shifts.reshape(1, 4, 1)).reshape(-1, 16) & 3
+        sc = ((lo4 | (hi2 << 4)).astype(np.int16) - 32).astype(np.float32)  # [sb, 16]
+        d = blocks[:, 108:110].copy().view(np.float16).astype(np.float32)
+        bits = 3
+    else:
+        return None
+    return Int8Groups16(torch.from_numpy(np.ascontiguousarray(q).reshape(out, n)),
+                        torch.from_numpy((d * sc).reshape(out, n // 16)), bits)  # fmt: skip
 
 
 def _gguf_field(reader, key: str, default=None):
@@ -523,7 +548,7 @@ def _load_gguf(path: Path) -> LoadedWeights:
     tensors: dict[str, torch.Tensor] = {}
     int4: dict[str, Int4Groups] = {}
     int8: dict[str, Int8Groups] = {}
-    int6: dict[str, Int6Groups] = {}
+    groups16: dict[str, Int8Groups16] = {}
     digest = hashlib.sha256()
     T = gguf.GGMLQuantizationType
     widened: dict[str, int] = {}  # quantized types this engine widens to float32, tensors each
@@ -567,13 +592,13 @@ def _load_gguf(path: Path) -> LoadedWeights:
             int8[hf] = groups8
             tensors[hf] = groups8.dequantize()
             continue
-        groups6 = _int6_groups(t.data, t.tensor_type, shape) if shape else None
+        groups6 = _groups16(t.data, t.tensor_type, shape) if shape else None
         if groups6 is not None:
             if permute:
                 n = heads_of[parts[2]]
-                groups6 = Int6Groups(*(torch.from_numpy(_reverse_rope_permute(x.numpy(), n).copy())
-                                       for x in (groups6.q, groups6.scale)))  # fmt: skip
-            int6[hf] = groups6
+                groups6 = Int8Groups16(*(torch.from_numpy(_reverse_rope_permute(x.numpy(), n).copy())
+                                         for x in (groups6.q, groups6.scale)), groups6.bits)  # fmt: skip
+            groups16[hf] = groups6
             tensors[hf] = groups6.dequantize()
             continue
         if shape is not None and t.tensor_type not in (T.F32, T.F16, T.BF16):
@@ -584,7 +609,7 @@ def _load_gguf(path: Path) -> LoadedWeights:
             raise UnsupportedModelError(
                 f"{path.name}: tensor {t.name} is stored as {t.tensor_type.name}, a GGUF type this "
                 f"engine cannot read ({e}); supported from the file's integers: Q4_0, Q4_1, Q4_K, "
-                "Q5_0, Q5_1, Q5_K, Q6_K, Q8_0; widened at load: the other types the gguf package dequantizes"
+                "Q3_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0; widened at load: the other types the gguf package dequantizes"
             ) from None
         if permute:
             arr = _reverse_rope_permute(arr, heads_of[parts[2]])
@@ -593,7 +618,7 @@ def _load_gguf(path: Path) -> LoadedWeights:
         log.warning("%s: %s widened to float32 at load (not run from the file's integers; the "
                     "exact path makes 8-bit groups of them)", path.name,
                     ", ".join(f"{n} ({c} tensors)" for n, c in sorted(widened.items())))  # fmt: skip
-    return LoadedWeights(config, tensors, path, digest.hexdigest(), int4, int8, int6)
+    return LoadedWeights(config, tensors, path, digest.hexdigest(), int4, int8, groups16)
 
 
 def load_weights(model: str | Path | None) -> LoadedWeights:
