@@ -7,6 +7,12 @@
 #
 #   benchmarks/peers/llamacpp.sh install          # download the sdist, build llama-server (~6 min)
 #   benchmarks/peers/llamacpp.sh serve [PORT]     # start the server in the foreground
+#   benchmarks/peers/llamacpp.sh quantize [TYPE]  # the default model requantized to TYPE (default
+#       Q4_K_M: Q4_K layers, Q6_K for half of ffn_down and attn_v and for the embedding) with
+#       llama.cpp's own llama-quantize (built on first use), written to
+#       $BENCH_DIR/models/SmolLM2-135M-Instruct-TYPE.gguf; the default GGUF is Q4_1/Q8_0, so
+#       this is a requantization (--allow-requantize): a k-quant file for the k-quant figures, not
+#       a better model
 #   benchmarks/peers/llamacpp.sh                  # install if needed, then serve on 8001
 #
 # Environment: BENCH_DIR (default $ROOT/.bench; several worktrees can share one, e.g.
@@ -25,6 +31,7 @@ VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 SRC="$BENCH/src/llama_cpp_python-$VERSION"
 BUILD="$BENCH/build/llama.cpp-$VERSION"
 BIN="$BUILD/bin/llama-server"
+QUANTIZE="$BUILD/bin/llama-quantize"
 PROJECT_PY="${PROJECT_PYTHON:-$ROOT/.venv/bin/python}"
 
 install() {
@@ -68,9 +75,22 @@ serve() {
         --alias "${MODEL_ALIAS:-SmolLM2-135M-Instruct}" ${EXTRA_ARGS:-}
 }
 
+quantize() {
+    local type="${1:-Q4_K_M}"
+    install
+    [ -x "$QUANTIZE" ] || cmake --build "$BUILD" --target llama-quantize -j "$(nproc)"
+    local src out
+    src="$("$PROJECT_PY" -c 'from prefixcache.model.paths import default_model_path; print(default_model_path())')"
+    out="$BENCH/models/SmolLM2-135M-Instruct-$type.gguf"
+    mkdir -p "$BENCH/models"
+    [ -f "$out" ] || "$QUANTIZE" --allow-requantize "$src" "$out" "$type" "${N_THREADS:-2}"
+    echo "$out"
+}
+
 case "${1:-all}" in
     install) install ;;
     serve) shift; serve "$@" ;;
+    quantize) shift; quantize "$@" ;;
     all) install; serve "${2:-8001}" ;;
-    *) echo "usage: $0 [install | serve [PORT]]" >&2; exit 2 ;;
+    *) echo "usage: $0 [install | serve [PORT] | quantize [TYPE]]" >&2; exit 2 ;;
 esac
