@@ -79,15 +79,26 @@ def _int6_sixteens(w: torch.Tensor) -> Int8Groups16:
     return Int8Groups16(q.view(w.shape), scale)
 
 
-@pytest.mark.parametrize("weights", ["w4", "w8", "w5m", "w6"])
+def _int2_sixteens(w: torch.Tensor) -> Int8Groups16:
+    """2-bit groups of 16 with a minimum, as GGUF Q2_K loads: q in 0..3, w = q scale + offset."""
+    g = w.view(w.shape[0], -1, 16)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d = ((hi - lo) / 3).clamp_min(1e-8)
+    q = torch.round((g - lo.unsqueeze(-1)) / d.unsqueeze(-1)).clamp(0, 3).to(torch.int8)
+    return Int8Groups16(q.view(w.shape), d, 2, 16, lo)
+
+
+@pytest.mark.parametrize("weights", ["w4", "w8", "w5m", "w6", "w2m"])
 @pytest.mark.parametrize("bits", [16, 8, "mixed"])
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 16), (5, 96, 40), (70, 576, 200)])
 def test_kernel_equals_the_integer_reference_on_every_isa(weights, bits, m, k, n):
     """w5m: 8-bit groups with a minimum (Q5_1/Q5_K), int4's offset epilogue on the 8-bit
     layouts (pairs, and quads on AVX512-VNNI). w6: 6-bit groups of 16 (Q6_K), 8-bit pairs with an
-    epilogue per 16 weights; its reference also close to the float product."""
+    epilogue per 16 weights; its reference also close to the float product. w2m: the same with
+    a minimum per 16 (Q2_K), its offset term over each 16 activations."""
     gen = torch.Generator().manual_seed(m * k + n)
-    quantize = {"w4": quantize_int4, "w8": quantize_int8, "w5m": _int5_offsets, "w6": _int6_sixteens}[weights]
+    quantize = {"w4": quantize_int4, "w8": quantize_int8, "w5m": _int5_offsets, "w6": _int6_sixteens,
+                "w2m": _int2_sixteens}[weights]
     groups = quantize(torch.randn(n, k, generator=gen))
     x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
     x[:, 32:64] *= 6  # a group that stands out of its row (16 bits under mixed)
@@ -98,7 +109,7 @@ def test_kernel_equals_the_integer_reference_on_every_isa(weights, bits, m, k, n
         wide = wide_groups(x.view(m, -1, 32).abs().amax(-1))
         assert wide.any() and not wide.all()
     ref = reference(x, groups, bits, mixed)
-    if weights == "w6" and bits == 16 and not mixed:  # the groups of 16 compute this weight's product
+    if weights in ("w6", "w2m") and bits == 16 and not mixed:  # the groups of 16 compute this weight's product
         dense = x @ groups.dequantize().T
         assert float((ref - dense).abs().max()) < 1e-3 * float(dense.abs().max())
     for isa in kernels.supported_isas():

@@ -31,6 +31,7 @@ LAYOUT = {
     T.Q5_K: (176, 256, (0, 2)),
     T.Q6_K: (210, 256, (208,)),
     T.Q3_K: (110, 256, (108,)),
+    T.Q2_K: (84, 256, (80, 82)),
 }
 
 
@@ -62,11 +63,13 @@ def test_groups_equal_gguf_dequantization(kind):
         assert groups.group_size == 16 and int(groups.q.min()) == -32 and int(groups.q.max()) == 31
     if kind == T.Q3_K:  # 3-bit values in groups of 16, every value seen
         assert groups.group_size == 16 and int(groups.q.min()) == -4 and int(groups.q.max()) == 3
+    if kind == T.Q2_K:  # 2-bit values and a minimum per 16
+        assert groups.offset is not None and int(groups.q.min()) == 0 and int(groups.q.max()) == 3
 
 
 def test_other_types_are_not_taken_as_groups():
-    data = np.zeros((1, 84), dtype=np.uint8)  # one Q2_K super-block (its groups of 16 have minimums)
-    assert all(f(data, T.Q2_K, (1, 256)) is None for f in (_int4_groups, _int8_groups, _groups16))
+    data = np.zeros((1, 18), dtype=np.uint8)  # one IQ4_NL block (a non-linear grid: widened)
+    assert all(f(data, T.IQ4_NL, (1, 32)) is None for f in (_int4_groups, _int8_groups, _groups16))
 
 
 HIDDEN, INTER, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
@@ -166,7 +169,7 @@ def test_a_q5_model_runs_its_own_groups_exactly(kind, tmp_path):
     llm.check_integrity()
 
 
-@pytest.mark.parametrize("kind", [T.Q6_K, T.Q3_K], ids=lambda k: k.name)
+@pytest.mark.parametrize("kind", [T.Q6_K, T.Q3_K, T.Q2_K], ids=lambda k: k.name)
 def test_a_q6_k_model_runs_its_own_groups_exactly(kind, tmp_path):
     """Q6_K and Q3_K layers run from the file's 6- or 3-bit values and their scales per 16 weights (8-bit
     pairs with two epilogues a group of 32: not widened, not requantized), with 16-bit and mixed
@@ -182,7 +185,7 @@ def test_a_q6_k_model_runs_its_own_groups_exactly(kind, tmp_path):
     ref = LLM(model=str(path), kv_cache_memory="8MiB", quantization="none")
     ids = list(range(1000, 1070))
     theirs = prefill_logits(ref, ids)
-    w = 6 if kind == T.Q6_K else 3
+    w = {T.Q6_K: 6, T.Q3_K: 3, T.Q2_K: 2}[kind]
     for activations, arithmetic in (("int16", f"w{w}a16"), ("auto", f"w{w}a8x16")):
         llm = LLM(model=str(path), kv_cache_memory="8MiB", activations=activations)
         model = llm.engine.runner.model
@@ -207,3 +210,16 @@ def test_a_q6_k_model_runs_its_own_groups_exactly(kind, tmp_path):
         prefilled = run(llm, [ids[:40] + out[0].outputs[0].token_ids[:5]], max_tokens=1, salt="pre")
         assert_same(decoded, prefilled, min_kv=45, min_logits=1)
         llm.check_integrity()
+
+
+@pytest.mark.parametrize("kind", [T.Q6_K, T.Q2_K], ids=lambda k: k.name)
+def test_an_embedding_in_groups_of_16_looks_up_its_rows_exactly(kind):
+    """A table stored as Q6_K or Q2_K (a tied embedding on the exact path) stays in its groups of
+    16: a looked-up row is bit for bit that row of the table dequantized whole."""
+    from prefixcache.model.llama import GroupEmbedding
+
+    out, n = 40, 512
+    groups = _groups16(random_blocks(kind, out, n, seed=3), kind, (out, n))
+    table = GroupEmbedding(groups, torch.device("cpu"), torch.float32)
+    ids = torch.tensor([0, 7, 39, 7])
+    assert torch.equal(table.lookup(ids), groups.dequantize()[ids])

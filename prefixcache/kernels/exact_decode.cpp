@@ -70,7 +70,6 @@ Linear make_linear(const at::Tensor& wq, const at::Tensor& wd, const at::Tensor&
                   wd.numel() == (s16 ? 2 : 1) * blocks * groups * prefixcache::kCols,
               "weight scales [blocks, groups, 16] float32 ([blocks, 2 groups, 16] with scales per 16)");
   const bool off = wm.numel() > 0;
-  TORCH_CHECK(!(off && s16), "scales per 16 weights carry no offsets");
   TORCH_CHECK(off || w8, "4-bit groups need their offsets");
   TORCH_CHECK(!off || (wm.is_contiguous() && wm.scalar_type() == at::kFloat && wm.numel() == wd.numel()),
               "weight offsets [blocks, groups, 16] float32");
@@ -193,6 +192,7 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
     qa.wide.resize(b * widest / prefixcache::kGroup);
     qa.s.resize(b * widest / prefixcache::kGroup), qa.ssum.resize(b * widest / prefixcache::kGroup);
     qa.isum.resize(b * widest / prefixcache::kGroup);
+    qa.ssum16.resize(2 * b * widest / prefixcache::kGroup);
   }
   // Work counters of the dynamic phases: per layer, qkv / o / gate_up / down / attention.
   std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[5 * layers]);

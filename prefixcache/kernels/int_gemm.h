@@ -33,6 +33,7 @@ struct Quantized {
   std::vector<int16_t> a16;  // the integers whole (8-bit weight pairs) instead of hi/lo
   std::vector<float> s, ssum;
   std::vector<int32_t> isum;  // per (row, group): sum of a (8-bit weight quads' offset term)
+  std::vector<float> ssum16;  // per (row, group, half): s * sum of a over 16 (offsets per 16 weights)
 };
 
 // The group maxima of row xr (|x|, 8 lanes at a time) into amax[0 .. groups).
@@ -75,7 +76,7 @@ inline void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int
       int8_t* lo = whole ? nullptr : qa.lo.data() + r * k + g * kGroup;
       int8_t* hi = !whole && bits == 16 ? qa.hi.data() + r * k + g * kGroup : nullptr;
       int16_t* a16 = whole ? qa.a16.data() + r * k + g * kGroup : nullptr;
-      __m256i vsum = _mm256_setzero_si256();
+      __m256i vsum = _mm256_setzero_si256(), vhalf = _mm256_setzero_si256();  // vhalf: the first 16
       if (s > 0.f) {
         const __m256 vs = _mm256_set1_ps(s);
         const __m256 hiq = narrow ? _mm256_set1_ps(127.f) : vq, loq = narrow ? _mm256_set1_ps(-127.f) : vnq;
@@ -86,6 +87,7 @@ inline void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int
           __m256i a = _mm256_cvtps_epi32(v);  // exact: v is an integer
           if (narrow) a = _mm256_slli_epi32(a, 8);  // 256 a8
           vsum = _mm256_add_epi32(vsum, a);
+          if (i < kGroup / 2) vhalf = _mm256_add_epi32(vhalf, a);
           alignas(32) int32_t lo32[8];
           if (whole) {
             _mm256_store_si256(reinterpret_cast<__m256i*>(lo32), a);
@@ -109,14 +111,19 @@ inline void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int
         if (hi != nullptr) std::memset(hi, 0, kGroup);
         if (a16 != nullptr) std::memset(a16, 0, kGroup * sizeof(int16_t));
       }
-      alignas(32) int32_t s32[8];
+      alignas(32) int32_t s32[8], h32[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(s32), vsum);
-      int32_t sum = 0;
-      for (int j = 0; j < 8; ++j) sum += s32[j];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(h32), vhalf);
+      int32_t sum = 0, first = 0;
+      for (int j = 0; j < 8; ++j) sum += s32[j], first += h32[j];
       const float se = narrow ? s8 / 256.f : s;  // the scale of a (exact: a power of two)
       qa.s[r * groups + g] = se;
       qa.ssum[r * groups + g] = se * static_cast<float>(sum);
       if (!qa.isum.empty()) qa.isum[r * groups + g] = sum;
+      if (!qa.ssum16.empty()) {
+        qa.ssum16[2 * (r * groups + g)] = se * static_cast<float>(first);
+        qa.ssum16[2 * (r * groups + g) + 1] = se * static_cast<float>(sum - first);
+      }
     }
   }
 }
@@ -186,10 +193,12 @@ template <bool QUADS>
 constexpr int kPerStep = QUADS ? 1 : 2;
 
 // One output block's group epilogue for R rows: acc += float(dot) (s d) [+ m (s sum(a))].
+// half >= 0: the epilogue of that half of the group (a scale and offset per 16 weights), whose
+// sum(a) is over its 16 activations.
 template <int R, bool QUADS, bool OFF>
 __attribute__((target("avx512f"))) inline void group_epilogue(const Quantized& qa, int64_t r0, int64_t groups,
                                                            int64_t g, const float* d, const float* m,
-                                                           const __m512i* dot, __m512* acc) {
+                                                           const __m512i* dot, __m512* acc, int half = -1) {
   const __m512 vd = _mm512_loadu_ps(d);
   const __m512 vm = OFF ? _mm512_loadu_ps(m) : _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) {
@@ -198,7 +207,10 @@ __attribute__((target("avx512f"))) inline void group_epilogue(const Quantized& q
     if constexpr (QUADS) di = _mm512_sub_epi32(di, _mm512_set1_epi32(128 * qa.isum[rg]));
     const __m512 p = _mm512_mul_ps(_mm512_set1_ps(qa.s[rg]), vd);
     acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(di), p));
-    if (OFF) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(vm, _mm512_set1_ps(qa.ssum[rg])));
+    if (OFF) {
+      const float ss = half < 0 ? qa.ssum[rg] : qa.ssum16[2 * rg + half];
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(vm, _mm512_set1_ps(ss)));
+    }
   }
 }
 
@@ -568,7 +580,6 @@ template <int R, bool OFF, bool S16>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512_w8(
     const Quantized& qa, int64_t r0, int64_t k, const int8_t* wq, const float* wd, const float* wm,
     int64_t b, float* y, int64_t ldy, int64_t n) {
-  static_assert(!(OFF && S16), "16-weight groups carry no offsets");
   constexpr int kPairs = kGroup / 2 / kSubs<S16>;
   const int64_t groups = k / kGroup;
   __m512 acc[R];
@@ -587,7 +598,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512_w8(
         }
       }
       group_epilogue<R, false, OFF>(qa, r0, groups, g, sub_scales<S16>(wd, b, groups, g, h),
-                                    OFF ? wm + (b * groups + g) * kCols : nullptr, dot, acc);
+                                    OFF ? sub_scales<S16>(wm, b, groups, g, h) : nullptr, dot, acc, S16 ? h : -1);
     }
   }
   store_block<R>(acc, y, ldy, r0, b * kCols, n);
@@ -600,7 +611,6 @@ template <int R, int C, bool OFF, bool S16>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512n_w8(
     const Quantized& qa, int64_t r0, int64_t k, const int8_t* wq, const float* wd, const float* wm,
     int64_t b, float* y, int64_t ldy, int64_t n) {
-  static_assert(!(OFF && S16), "16-weight groups carry no offsets");
   constexpr int kPairs = kGroup / 2 / kSubs<S16>;
   const int64_t groups = k / kGroup;
   __m512 acc[C][R];
@@ -623,7 +633,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile512n_w8(
     }
     for (int c = 0; c < C; ++c)
       group_epilogue<R, false, OFF>(qa, r0, groups, g, sub_scales<S16>(wd, b + c, groups, g, h),
-                                    OFF ? wm + ((b + c) * groups + g) * kCols : nullptr, dot[c], acc[c]);
+                                    OFF ? sub_scales<S16>(wm, b + c, groups, g, h) : nullptr, dot[c], acc[c],
+                                    S16 ? h : -1);
   }
   for (int c = 0; c < C; ++c) store_block<R>(acc[c], y, ldy, r0, (b + c) * kCols, n);
 }
@@ -640,7 +651,6 @@ inline void narrow512_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_
 template <int R, bool OFF, bool S16>
 inline void tile256_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t* wq, const float* wd,
                        const float* wm, int64_t b, int half, float* y, int64_t ldy, int64_t n) {
-  static_assert(!(OFF && S16), "16-weight groups carry no offsets");
   constexpr int kPairs = kGroup / 2 / kSubs<S16>;
   const int64_t groups = k / kGroup;
   __m256 acc[R];
@@ -659,12 +669,12 @@ inline void tile256_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t*
       }
     }
     const __m256 vd = _mm256_loadu_ps(sub_scales<S16>(wd, b, groups, g, h) + half * 8);
-    const __m256 vm = OFF ? _mm256_loadu_ps(wm + (b * groups + g) * kCols + half * 8) : _mm256_setzero_ps();
+    const __m256 vm = OFF ? _mm256_loadu_ps(sub_scales<S16>(wm, b, groups, g, h) + half * 8) : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int64_t rg = (r0 + r) * groups + g;
       const __m256 sd = _mm256_mul_ps(_mm256_set1_ps(qa.s[rg]), vd);
       acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r]), sd));
-      if (OFF) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(vm, _mm256_set1_ps(qa.ssum[rg])));
+      if (OFF) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(vm, _mm256_set1_ps(S16 ? qa.ssum16[2 * rg + h] : qa.ssum[rg])));
     }
   }
   store_half<R>(acc, y + r0 * ldy, ldy, b * kCols + half * 8, n);
@@ -714,8 +724,8 @@ inline int64_t blocks_per_item(int64_t row_chunks, int64_t blocks) {
 
 // One layer's packed weights (model/int_linear.py): 4-bit nibble blocks (w4), or 8-bit quads
 // or pairs (w8, the layout by scheme: w8_quads; with ``wm`` when they are 4-bit values held
-// as 8-bit); s16: 8-bit pairs with a scale per 16 weights (GGUF Q6_K; wd [blocks, 2 groups,
-// 16]), whatever the scheme.
+// as 8-bit); s16: 8-bit pairs with a scale (and with ``wm`` an offset) per 16 weights (GGUF
+// Q6_K, Q3_K, Q2_K; wd, wm [blocks, 2 groups, 16]), whatever the scheme.
 struct IntWeights {
   bool w8;
   const void* wq;
@@ -756,6 +766,7 @@ inline void size_quantized(Quantized& qa, int64_t m, int64_t k, const IntScheme&
     if (sc.bits == 16) qa.hi.resize(static_cast<size_t>(m * k));
   }
   if (w8 && w8_quads(sc)) qa.isum.resize(static_cast<size_t>(m * groups));
+  if (s16) qa.ssum16.resize(static_cast<size_t>(2 * m * groups));
   if (sc.mixed) qa.wide.resize(static_cast<size_t>(m * groups));
   qa.s.resize(static_cast<size_t>(m * groups));
   qa.ssum.resize(static_cast<size_t>(m * groups));
@@ -778,7 +789,8 @@ inline void gemm_item(const Quantized& qa, const IntWeights& w, const IntScheme&
   }
   if (w.w8) {
     const auto* wq = static_cast<const int8_t*>(w.wq);
-    if (w.s16) rows_w8<false, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n, sc.isa);
+    if (w.s16 && w.wm != nullptr) rows_w8<true, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n, sc.isa);
+    else if (w.s16) rows_w8<false, true>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n, sc.isa);
     else if (w.wm != nullptr) rows_w8<true, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n, sc.isa);
     else rows_w8<false, false>(qa, r0, r1, w.k, wq, w.wd, w.wm, b0, b1, y, w.n, sc.isa);
     return;

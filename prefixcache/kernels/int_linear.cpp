@@ -132,9 +132,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
                   (wd.numel() == blocks * groups * kCols || s16),
               "wd: [blocks, groups, 16] float32 (or [blocks, 2 groups, 16]: a scale per 16 weights)");
   const bool off = wm.has_value();
-  TORCH_CHECK(!off || (!s16 && wm->is_contiguous() && wm->scalar_type() == at::kFloat &&
-                       wm->numel() == blocks * groups * kCols),
-              "wm: [blocks, groups, 16] float32 (none with a scale per 16 weights)");
+  TORCH_CHECK(!off || (wm->is_contiguous() && wm->scalar_type() == at::kFloat && wm->numel() == wd.numel()),
+              "wm: [blocks, groups, 16] float32 (per 16 weights: as wd)");
   const IntWeights w{true, wq.data_ptr(), wd.data_ptr<float>(), off ? wm->data_ptr<float>() : nullptr, n, k, s16};
   return run(x, w, sc);
 }

@@ -221,13 +221,17 @@ def reference(x: torch.Tensor, groups: Int4Groups | Int8Groups16 | Int8Groups, b
     6-bit groups of 16: the integer sum and the epilogue per group of 16, in order, each with
     the activations' scale of its group of 32."""
     m, k = x.shape
-    if isinstance(groups, Int8Groups16):
+    if isinstance(groups, Int8Groups16):  # (with offsets: s sum(a) over each 16 activations)
         a, s = quantize_activations(x, bits, mixed)
-        dots = torch.einsum("mjk,njk->mnj", a.view(m, k // 16, 16), groups.q.to(torch.int64).view(-1, k // 16, 16))
+        a16 = a.view(m, k // 16, 16)
+        dots = torch.einsum("mjk,njk->mnj", a16, groups.q.to(torch.int64).view(-1, k // 16, 16))
+        ssum16 = s.repeat_interleave(2, dim=1) * a16.sum(-1).to(torch.float32)  # [M, K / 16]
         acc = torch.zeros(m, groups.q.shape[0], dtype=torch.float32)
         for j in range(k // 16):
             p = s[:, j // 2 : j // 2 + 1] * groups.scale[:, j].float().unsqueeze(0)
             acc = acc + dots[:, :, j].to(torch.int32).to(torch.float32) * p
+            if groups.offset is not None:
+                acc = acc + groups.offset[:, j].float().unsqueeze(0) * ssum16[:, j : j + 1]
         return acc
     ng = k // GROUP
     a, s = quantize_activations(x, bits, mixed)

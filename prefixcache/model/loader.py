@@ -136,11 +136,13 @@ class Int8Groups:
 @dataclass(frozen=True)
 class Int8Groups16:
     """A weight the file stores as small integers in groups of 16 with one scale each, kept as
-    stored: ``w[o, i] = q[o, i] * scale[o, i // 16]`` (``bits`` the file's width of q).
+    stored: ``w[o, i] = q[o, i] * scale[o, i // 16]`` (``+ offset[o, i // 16]`` with a minimum;
+    ``bits`` the file's width of q).
     GGUF Q6_K: q in [-32, 31], scale = d sc (a super-block of 256 weights holds 16 int8 scales sc
-    and a float16 d). GGUF Q3_K: q in [-4, 3], scale = d (sc - 32) (16 6-bit scales). Each scale
-    is an 11-bit by at most 8-bit product, exact in float32, and so is its product with q: the
-    file's numbers as gguf's own dequantization computes them.
+    and a float16 d). GGUF Q3_K: q in [-4, 3], scale = d (sc - 32) (16 6-bit scales). GGUF Q2_K:
+    q in [0, 3], scale = d sc and offset = -(dmin m) (4-bit sc and m per 16). Each scale is an
+    11-bit by at most 8-bit product, exact in float32, and so is its product with q: the file's
+    numbers as gguf's own dequantization computes them.
 
     The integer kernels run them as 8-bit weight pairs whose groups of 32 have two scales, one
     per 16 (``model/int_linear.py``, kernels/int_gemm.h ``S16``)."""
@@ -149,15 +151,20 @@ class Int8Groups16:
     scale: torch.Tensor  # [out, in / 16] float32
     bits: int = 6
     group_size: int = 16
+    offset: torch.Tensor | None = None  # [out, in / 16] float32
 
     def dequantize(self) -> torch.Tensor:  # [out, in] float32
         out, n = self.q.shape
-        return (self.q.view(out, n // 16, 16).float() * self.scale.unsqueeze(-1)).view(out, n)
+        w = self.q.view(out, n // 16, 16).float() * self.scale.unsqueeze(-1)
+        return (w if self.offset is None else w + self.offset.unsqueeze(-1)).view(out, n)
 
     @staticmethod
     def cat(parts: list[Int8Groups16]) -> Int8Groups16:
+        offsets = None
+        if any(p.offset is not None for p in parts):
+            offsets = torch.cat([p.offset if p.offset is not None else torch.zeros_like(p.scale) for p in parts])
         return Int8Groups16(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                            max(p.bits for p in parts))  # fmt: skip
+                            max(p.bits for p in parts), 16, offsets)  # fmt: skip
 
 
 @dataclass
@@ -412,7 +419,7 @@ def _int8_groups(data: np.ndarray, kind, shape: tuple[int, int]) -> Int8Groups |
 
 
 def _groups16(data: np.ndarray, kind, shape: tuple[int, int]) -> Int8Groups16 | None:
-    """The groups of 16 of a GGUF Q6_K or Q3_K tensor, or None for another type.
+    """The groups of 16 of a GGUF Q6_K, Q3_K or Q2_K tensor, or None for another type.
 
     Q6_K: a super-block of 256 weights is 210 bytes: 128 bytes of low nibbles, 64 of high bit
     pairs, 16 int8 scales, float16 d. In each half of 128 weights, low-nibble bytes l and 32 + l
@@ -423,7 +430,10 @@ def _groups16(data: np.ndarray, kind, shape: tuple[int, int]) -> Int8Groups16 | 
     2-bit values (in each half of 128, byte l at shifts 0, 2, 4, 6 gives weights l, 32 + l,
     64 + l, 96 + l), 12 bytes packing 16 6-bit scales (low nibbles in bytes 0-7, low then high;
     their top two bits in bytes 8-11 at shifts 0, 2, 4, 6), float16 d. q = low - 4 where the
-    high bit is 0 (else low), w = d (sc - 32) q."""
+    high bit is 0 (else low), w = d (sc - 32) q.
+
+    Q2_K: 84 bytes: 16 bytes of 4-bit scales (low nibble) and minimums (high nibble), 64 bytes
+    of 2-bit values (as Q3_K's), float16 d and dmin. w = (d sc) q - (dmin m)."""
     import gguf
 
     T = gguf.GGMLQuantizationType
@@ -450,6 +460,17 @@ def _groups16(data: np.ndarray, kind, shape: tuple[int, int]) -> Int8Groups16 | 
         sc = ((lo4 | (hi2 << 4)).astype(np.int16) - 32).astype(np.float32)  # [sb, 16]
         d = blocks[:, 108:110].copy().view(np.float16).astype(np.float32)
         bits = 3
+    elif kind == T.Q2_K:
+        blocks = np.ascontiguousarray(data).reshape(-1, 84)
+        shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        q = ((blocks[:, 16:80].reshape(-1, 2, 1, 32) >> shifts) & 3).astype(np.int8).reshape(-1, 256)
+        sc = (blocks[:, :16] & 0x0F).astype(np.float32)
+        mn = (blocks[:, :16] >> 4).astype(np.float32)
+        d = blocks[:, 80:82].copy().view(np.float16).astype(np.float32)
+        dmin = blocks[:, 82:84].copy().view(np.float16).astype(np.float32)
+        return Int8Groups16(torch.from_numpy(np.ascontiguousarray(q).reshape(out, n)),
+                            torch.from_numpy((d * sc).reshape(out, n // 16)), 2, 16,
+                            torch.from_numpy((-(dmin * mn)).reshape(out, n // 16)))  # fmt: skip
     else:
         return None
     return Int8Groups16(torch.from_numpy(np.ascontiguousarray(q).reshape(out, n)),
@@ -596,8 +617,9 @@ def _load_gguf(path: Path) -> LoadedWeights:
         if groups6 is not None:
             if permute:
                 n = heads_of[parts[2]]
-                groups6 = Int8Groups16(*(torch.from_numpy(_reverse_rope_permute(x.numpy(), n).copy())
-                                         for x in (groups6.q, groups6.scale)), groups6.bits)  # fmt: skip
+                q, sc, off = (None if x is None else torch.from_numpy(_reverse_rope_permute(x.numpy(), n).copy())
+                              for x in (groups6.q, groups6.scale, groups6.offset))  # fmt: skip
+                groups6 = Int8Groups16(q, sc, groups6.bits, 16, off)
             groups16[hf] = groups6
             tensors[hf] = groups6.dequantize()
             continue
@@ -609,7 +631,7 @@ def _load_gguf(path: Path) -> LoadedWeights:
             raise UnsupportedModelError(
                 f"{path.name}: tensor {t.name} is stored as {t.tensor_type.name}, a GGUF type this "
                 f"engine cannot read ({e}); supported from the file's integers: Q4_0, Q4_1, Q4_K, "
-                "Q3_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0; widened at load: the other types the gguf package dequantizes"
+                "Q2_K, Q3_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0; widened at load: the other types the gguf package dequantizes"
             ) from None
         if permute:
             arr = _reverse_rope_permute(arr, heads_of[parts[2]])
