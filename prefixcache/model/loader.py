@@ -110,6 +110,21 @@ class Int4Groups:
         )  # fmt: skip
 
 
+def _dequantize_groups(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, size: int) -> torch.Tensor:
+    """``q * scale (+ offset)`` per group of ``size`` along the input: [out, in] float32, each
+    weight one multiply (and one add) in float32, as gguf computes them."""
+    out, n = q.shape
+    w = q.view(out, n // size, size).float() * scale.unsqueeze(-1)
+    return (w if offset is None else w + offset.unsqueeze(-1)).view(out, n)
+
+
+def _cat_offsets(parts) -> torch.Tensor | None:
+    """The parts' offsets concatenated (zeros for a part without), or None when none has one."""
+    if all(p.offset is None for p in parts):
+        return None
+    return torch.cat([p.offset if p.offset is not None else torch.zeros_like(p.scale) for p in parts])
+
+
 @dataclass(frozen=True)
 class Int8Groups:
     """A weight the file stores as int8 groups of 32 with one scale each (GGUF Q8_0, Q5_0), kept
@@ -121,16 +136,11 @@ class Int8Groups:
     offset: torch.Tensor | None = None  # [out, in / 32] float32
 
     def dequantize(self) -> torch.Tensor:  # [out, in] float32
-        out, n = self.q.shape
-        w = self.q.view(out, n // 32, 32).float() * self.scale.unsqueeze(-1)
-        return (w if self.offset is None else w + self.offset.unsqueeze(-1)).view(out, n)
+        return _dequantize_groups(self.q, self.scale, self.offset, 32)
 
     @staticmethod
     def cat(parts: list[Int8Groups]) -> Int8Groups:
-        if any((p.offset is None) != (parts[0].offset is None) for p in parts):  # one of each kind
-            parts = [p if p.offset is not None else Int8Groups(p.q, p.scale, torch.zeros_like(p.scale)) for p in parts]
-        offset = None if parts[0].offset is None else torch.cat([p.offset for p in parts])
-        return Int8Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), offset)
+        return Int8Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), _cat_offsets(parts))
 
 
 @dataclass(frozen=True)
@@ -154,17 +164,12 @@ class Int8Groups16:
     offset: torch.Tensor | None = None  # [out, in / 16] float32
 
     def dequantize(self) -> torch.Tensor:  # [out, in] float32
-        out, n = self.q.shape
-        w = self.q.view(out, n // 16, 16).float() * self.scale.unsqueeze(-1)
-        return (w if self.offset is None else w + self.offset.unsqueeze(-1)).view(out, n)
+        return _dequantize_groups(self.q, self.scale, self.offset, 16)
 
     @staticmethod
     def cat(parts: list[Int8Groups16]) -> Int8Groups16:
-        offsets = None
-        if any(p.offset is not None for p in parts):
-            offsets = torch.cat([p.offset if p.offset is not None else torch.zeros_like(p.scale) for p in parts])
         return Int8Groups16(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                            max(p.bits for p in parts), 16, offsets)  # fmt: skip
+                            max(p.bits for p in parts), 16, _cat_offsets(parts))  # fmt: skip
 
 
 @dataclass
