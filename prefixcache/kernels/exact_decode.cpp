@@ -27,6 +27,7 @@
 #include <omp.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <vector>
@@ -52,7 +53,8 @@ struct Linear {
 };
 
 // code per linear: bit 0 = 8-bit weights (int8_linear's layout for the scheme), bit 1 = mixed activations,
-// bit 2 = 16-bit activations (else 8), bit 3 = a weight scale per 16 (8-bit pairs; GGUF Q6_K).
+// bit 2 = 16-bit activations (else 8), bit 3 = a weight scale (and offset) per 16 (8-bit pairs; GGUF
+// Q6_K, Q3_K, Q2_K).
 Linear make_linear(const at::Tensor& wq, const at::Tensor& wd, const at::Tensor& wm, int64_t code,
                    int64_t n, int64_t k, int64_t isa) {
   const bool w8 = code & 1;
@@ -192,7 +194,8 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
     qa.wide.resize(b * widest / prefixcache::kGroup);
     qa.s.resize(b * widest / prefixcache::kGroup), qa.ssum.resize(b * widest / prefixcache::kGroup);
     qa.isum.resize(b * widest / prefixcache::kGroup);
-    qa.ssum16.resize(2 * b * widest / prefixcache::kGroup);
+    if (std::any_of(lin.begin(), lin.end(), [](const Linear& L) { return L.w.s16; }))
+      qa.ssum16.resize(2 * b * widest / prefixcache::kGroup);
   }
   // Work counters of the dynamic phases: per layer, qkv / o / gate_up / down / attention.
   std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[5 * layers]);

@@ -24,8 +24,9 @@
 // vscalefps for the multiply by 2^n, it rounds the same exact product once) and the one
 // order-dependent sum in the same order, so they agree too. Steps whose result is known exactly
 // are skipped on both: the rescale when a block leaves the maximum where it was (2^0 = 1, o * 1
-// = o) and, on zmm, the masks of a block every key of which the query sees. So a token's output is the same bits in any chunk, batch, decode,
-// thread count or ISA path: the exact path's contract (docs/design.md section 2).
+// = o) and, on zmm, the masks of a block every key of which the query sees. So a token's output
+// is the same bits in any chunk, batch, decode, thread count or ISA path: the exact path's
+// contract (docs/design.md section 2).
 //
 // Quality (benchmarks/probes/attention_quant_quality.py): 13-bit K/V, 12-bit q and 14-bit weights
 // are each far finer than int8's 8 bits, which missed the 1e-3 KL floor at 2k-token contexts.

@@ -59,6 +59,7 @@ inline void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int
   const __m256 vq = _mm256_set1_ps(amax_q), vnq = _mm256_set1_ps(-amax_q);
   const __m256i c128 = _mm256_set1_epi32(128);
   std::vector<float> maxima(static_cast<size_t>(groups));
+  const bool halves = !qa.ssum16.empty();  // sums per 16 as well (offsets per 16 weights)
   for (int64_t r = r0; r < r1; ++r) {
     const float* xr = x + r * k;
     group_maxima(xr, groups, maxima.data());
@@ -76,7 +77,8 @@ inline void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int
       int8_t* lo = whole ? nullptr : qa.lo.data() + r * k + g * kGroup;
       int8_t* hi = !whole && bits == 16 ? qa.hi.data() + r * k + g * kGroup : nullptr;
       int16_t* a16 = whole ? qa.a16.data() + r * k + g * kGroup : nullptr;
-      __m256i vsum = _mm256_setzero_si256(), vhalf = _mm256_setzero_si256();  // vhalf: the first 16
+      // vhalf: the first 16's sum, kept only where offsets per 16 read it (ssum16)
+      __m256i vsum = _mm256_setzero_si256(), vhalf = _mm256_setzero_si256();
       if (s > 0.f) {
         const __m256 vs = _mm256_set1_ps(s);
         const __m256 hiq = narrow ? _mm256_set1_ps(127.f) : vq, loq = narrow ? _mm256_set1_ps(-127.f) : vnq;
@@ -87,7 +89,7 @@ inline void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int
           __m256i a = _mm256_cvtps_epi32(v);  // exact: v is an integer
           if (narrow) a = _mm256_slli_epi32(a, 8);  // 256 a8
           vsum = _mm256_add_epi32(vsum, a);
-          if (i < kGroup / 2) vhalf = _mm256_add_epi32(vhalf, a);
+          if (halves && i < kGroup / 2) vhalf = _mm256_add_epi32(vhalf, a);
           alignas(32) int32_t lo32[8];
           if (whole) {
             _mm256_store_si256(reinterpret_cast<__m256i*>(lo32), a);
@@ -115,12 +117,12 @@ inline void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int
       _mm256_store_si256(reinterpret_cast<__m256i*>(s32), vsum);
       _mm256_store_si256(reinterpret_cast<__m256i*>(h32), vhalf);
       int32_t sum = 0, first = 0;
-      for (int j = 0; j < 8; ++j) sum += s32[j], first += h32[j];
+      for (int j = 0; j < 8; ++j) sum += s32[j], first += h32[j];  // (first: 0 unless halves)
       const float se = narrow ? s8 / 256.f : s;  // the scale of a (exact: a power of two)
       qa.s[r * groups + g] = se;
       qa.ssum[r * groups + g] = se * static_cast<float>(sum);
       if (!qa.isum.empty()) qa.isum[r * groups + g] = sum;
-      if (!qa.ssum16.empty()) {
+      if (halves) {
         qa.ssum16[2 * (r * groups + g)] = se * static_cast<float>(first);
         qa.ssum16[2 * (r * groups + g) + 1] = se * static_cast<float>(sum - first);
       }

@@ -122,7 +122,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
   check_scheme(x, bits, isa, mixed);
   const int64_t k = x.size(1), groups = k / kGroup, blocks = (n + kCols - 1) / kCols;
   const IntScheme sc{static_cast<int>(bits), mixed, isa};
-  // a scale per 16 weights (twice the groups' scales): GGUF Q6_K, always int8 pairs, no offsets
+  // a scale (and an offset, if any) per 16 weights, twice the groups' count: GGUF Q6_K, Q3_K, Q2_K;
+  // always int8 pairs
   const bool s16 = wd.numel() == 2 * blocks * groups * kCols;
   TORCH_CHECK(wq.is_contiguous() && wq.scalar_type() == (w8_quads(sc) && !s16 ? at::kByte : at::kChar) &&
                   wq.numel() == blocks * groups * kBlockBytes8,

@@ -46,8 +46,8 @@ WIDE_ROWS = 8
 
 class IntLinear:
     """y = x W^T (+ b) for W in 4-bit (``Int4Groups``) or 8-bit (``Int8Groups``) groups of 32,
-    or 6-bit groups of 16 (``Int8Groups16``: 8-bit pairs with a scale per 16), ``bits``-bit
-    activations."""
+    or small integers in groups of 16 (``Int8Groups16``: 8-bit pairs with a scale, and an offset
+    where the file has minimums, per 16), ``bits``-bit activations."""
 
     def __init__(self, groups: Int4Groups | Int8Groups16 | Int8Groups, bias: torch.Tensor | None, bits: int,
                  isa: str, mixed: bool = False):  # fmt: skip
@@ -60,7 +60,7 @@ class IntLinear:
         if mixed and bits != 16:
             raise ValueError("mixed activations are 8 or 16 bits per group: bits must be 16")
         self.out_features, self.in_features = groups.q.shape
-        # Q6_K's groups of 16: 8-bit pairs, two epilogues a group of 32 (one per scale), the
+        # Groups of 16 (Q6_K, Q3_K, Q2_K): 8-bit pairs, two epilogues a group of 32 (one per scale), the
         # activations whole 16-bit integers in every scheme (mixed and 8-bit ones are such
         # integers: the same numbers, without the quads' low-pass skip)
         self.sixteens = isinstance(groups, Int8Groups16)
@@ -71,7 +71,7 @@ class IntLinear:
         self.wq8 = None  # 4-bit groups as int8, for wide calls on AVX2
         if self.wide:
             self.wq, self.wd = pack8(groups, quads=w8_quads(isa, bits, mixed) and not self.sixteens)
-            # 8-bit groups with a minimum (GGUF Q5_1/Q5_K): int4_linear's offset epilogue
+            # groups with a minimum (GGUF Q5_1/Q5_K; per 16: Q2_K): int4_linear's offset epilogue
             offset = getattr(groups, "offset", None)
             self.wm = None if offset is None else _block_scales(offset, *_blocks(groups.q.shape[0]))
         else:
@@ -218,8 +218,8 @@ def reference(x: torch.Tensor, groups: Int4Groups | Int8Groups16 | Int8Groups, b
               mixed: bool = False) -> torch.Tensor:  # fmt: skip
     """The kernel's arithmetic in plain PyTorch: exact integer sums per group (int64), then the
     float32 epilogue in group order, each multiply and add rounded on its own. [M, N] float32.
-    6-bit groups of 16: the integer sum and the epilogue per group of 16, in order, each with
-    the activations' scale of its group of 32."""
+    Groups of 16: the integer sum and the epilogue per group of 16, in order, each with the
+    activations' scale of its group of 32."""
     m, k = x.shape
     if isinstance(groups, Int8Groups16):  # (with offsets: s sum(a) over each 16 activations)
         a, s = quantize_activations(x, bits, mixed)

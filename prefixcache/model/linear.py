@@ -189,8 +189,8 @@ def make_linear(
     them, else dense); "int4" / "int8" (the file's groups of that width when it has them, else
     quantized here). ``weight`` is the float32 weight (equal to ``groups.dequantize()``)."""
     if (isinstance(groups, Int8Groups) and groups.offset is not None) or not isinstance(groups, (Int4Groups, Int8Groups)):
-        # (the float kernels' 8-bit records hold no minimum, and take groups of 32 only (not
-        # Q6_K's 16): dense, or requantized)
+        # (the float kernels' 8-bit records hold no minimum, and take groups of 32 only, not
+        # Q6_K/Q3_K/Q2_K's 16: dense, or requantized)
         groups = None
     if fmt == "file" and groups is not None:
         return GroupLinear(groups, bias, dequantized=weight)

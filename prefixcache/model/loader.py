@@ -185,7 +185,7 @@ class LoadedWeights:
     # The same for weights stored as 8-bit groups (GGUF Q8_0; the default model's embedding,
     # which is also its output projection).
     int8: dict[str, Int8Groups] = field(default_factory=dict)
-    # And as 6-bit groups of 16 (GGUF Q6_K).
+    # And as small integers in groups of 16 (GGUF Q6_K, Q3_K, Q2_K).
     groups16: dict[str, Int8Groups16] = field(default_factory=dict)
 
 
@@ -443,20 +443,25 @@ def _groups16(data: np.ndarray, kind, shape: tuple[int, int]) -> Int8Groups16 | 
 
     T = gguf.GGMLQuantizationType
     out, n = shape
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+
+    def two_bits(b: np.ndarray) -> np.ndarray:  # [sb, 64] bytes -> [sb, 256]: byte l of each half of 128
+        return ((b.reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 256)  # at shifts 0-6: l, 32 + l, ...
+
+    offset = None
     if kind == T.Q6_K:
         blocks = np.ascontiguousarray(data).reshape(-1, 210)
         ql = blocks[:, :128].reshape(-1, 2, 2, 32)  # [sb, half, byte run, l]
         qh = blocks[:, 128:192].reshape(-1, 2, 1, 32)  # [sb, half, 1, l]
         low = np.stack([ql[:, :, 0] & 0x0F, ql[:, :, 1] & 0x0F, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2)
-        high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3  # [sb, half, 4, 32]
+        high = (qh >> shifts) & 3  # [sb, half, 4, 32]
         q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(-1, 256)
         sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)  # [sb, 16]
         d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)  # [sb, 1]
         bits = 6
     elif kind == T.Q3_K:
         blocks = np.ascontiguousarray(data).reshape(-1, 110)
-        shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-        low = ((blocks[:, 32:96].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 256)
+        low = two_bits(blocks[:, 32:96])
         high = ((blocks[:, :32].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1).reshape(-1, 256)
         q = (low.astype(np.int8) - 4 * (1 - high.astype(np.int8))).astype(np.int8)
         packed = blocks[:, 96:108]
@@ -467,19 +472,17 @@ def _groups16(data: np.ndarray, kind, shape: tuple[int, int]) -> Int8Groups16 | 
         bits = 3
     elif kind == T.Q2_K:
         blocks = np.ascontiguousarray(data).reshape(-1, 84)
-        shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-        q = ((blocks[:, 16:80].reshape(-1, 2, 1, 32) >> shifts) & 3).astype(np.int8).reshape(-1, 256)
+        q = two_bits(blocks[:, 16:80]).astype(np.int8)
         sc = (blocks[:, :16] & 0x0F).astype(np.float32)
         mn = (blocks[:, :16] >> 4).astype(np.float32)
         d = blocks[:, 80:82].copy().view(np.float16).astype(np.float32)
         dmin = blocks[:, 82:84].copy().view(np.float16).astype(np.float32)
-        return Int8Groups16(torch.from_numpy(np.ascontiguousarray(q).reshape(out, n)),
-                            torch.from_numpy((d * sc).reshape(out, n // 16)), 2, 16,
-                            torch.from_numpy((-(dmin * mn)).reshape(out, n // 16)))  # fmt: skip
+        offset = torch.from_numpy((-(dmin * mn)).reshape(out, n // 16))
+        bits = 2
     else:
         return None
     return Int8Groups16(torch.from_numpy(np.ascontiguousarray(q).reshape(out, n)),
-                        torch.from_numpy((d * sc).reshape(out, n // 16)), bits)  # fmt: skip
+                        torch.from_numpy((d * sc).reshape(out, n // 16)), bits, 16, offset)  # fmt: skip
 
 
 def _gguf_field(reader, key: str, default=None):
@@ -618,15 +621,15 @@ def _load_gguf(path: Path) -> LoadedWeights:
             int8[hf] = groups8
             tensors[hf] = groups8.dequantize()
             continue
-        groups6 = _groups16(t.data, t.tensor_type, shape) if shape else None
-        if groups6 is not None:
+        g16 = _groups16(t.data, t.tensor_type, shape) if shape else None
+        if g16 is not None:
             if permute:
                 n = heads_of[parts[2]]
                 q, sc, off = (None if x is None else torch.from_numpy(_reverse_rope_permute(x.numpy(), n).copy())
-                              for x in (groups6.q, groups6.scale, groups6.offset))  # fmt: skip
-                groups6 = Int8Groups16(q, sc, groups6.bits, 16, off)
-            groups16[hf] = groups6
-            tensors[hf] = groups6.dequantize()
+                              for x in (g16.q, g16.scale, g16.offset))  # fmt: skip
+                g16 = Int8Groups16(q, sc, g16.bits, 16, off)
+            groups16[hf] = g16
+            tensors[hf] = g16.dequantize()
             continue
         if shape is not None and t.tensor_type not in (T.F32, T.F16, T.BF16):
             widened[t.tensor_type.name] = widened.get(t.tensor_type.name, 0) + 1
