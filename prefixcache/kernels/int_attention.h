@@ -84,27 +84,48 @@ inline float quantize_query(const float* q, int64_t d, float scale, int32_t* pai
 
 // ---- the integer products, per ISA; NQ queries share each load ---------------------------------
 
-// dot[i][j] for NQ queries and the block's 32 keys (AVX2: vpmaddwd pairs summed by vpaddd).
-template <int NQ>
-inline void scores_avx2(const Units& u, int64_t pairs, const int32_t* const* q, int32_t* const* dot) {
-  __m256i a[NQ][4];
-  for (int i = 0; i < NQ; ++i)
-    for (int c = 0; c < 4; ++c) a[i][c] = _mm256_setzero_si256();
-  for (int64_t p = 0; p < pairs; ++p) {
-    const __m256i* ra = reinterpret_cast<const __m256i*>(u.k[0] + p * kUnit);
-    const __m256i* rb = reinterpret_cast<const __m256i*>(u.k[1] + p * kUnit);
-    const __m256i k0 = _mm256_loadu_si256(ra), k1 = _mm256_loadu_si256(ra + 1);
-    const __m256i k2 = _mm256_loadu_si256(rb), k3 = _mm256_loadu_si256(rb + 1);
-    for (int i = 0; i < NQ; ++i) {
-      const __m256i b = _mm256_set1_epi32(q[i][p]);
-      a[i][0] = _mm256_add_epi32(a[i][0], _mm256_madd_epi16(k0, b));
-      a[i][1] = _mm256_add_epi32(a[i][1], _mm256_madd_epi16(k1, b));
-      a[i][2] = _mm256_add_epi32(a[i][2], _mm256_madd_epi16(k2, b));
-      a[i][3] = _mm256_add_epi32(a[i][3], _mm256_madd_epi16(k3, b));
-    }
+// Up to four int32 accumulators of 8 lanes for the AVX2 products, in named members: GCC 12 keeps
+// an array of __m256i accumulators in registers but copies each one every iteration (vpaddd into
+// the product's register, then vmovdqa back: 8 extra instructions per 16 vpmaddwd, which made the
+// loops dispatch-bound on Zen 3; measured in the kernels' disassembly). The two product loops are
+// kept out of line (noinline): inlined into attend_rows_int, GCC brought the copies back in one
+// of their inlined instances.
+template <int NV>
+struct Acc8 {
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  // a_c += x_c . b (vpmaddwd: pairs of int16 products summed into int32), c < NV
+  inline void madd(__m256i x0, __m256i x1, __m256i x2, __m256i x3, __m256i b) {
+    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(x0, b));
+    if constexpr (NV > 1) a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(x1, b));
+    if constexpr (NV > 2) a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(x2, b));
+    if constexpr (NV > 3) a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(x3, b));
   }
-  for (int i = 0; i < NQ; ++i)
-    for (int c = 0; c < 4; ++c) _mm256_store_si256(reinterpret_cast<__m256i*>(dot[i]) + c, a[i][c]);
+  inline void store(int32_t* dst) const {
+    __m256i* p = reinterpret_cast<__m256i*>(dst);
+    _mm256_storeu_si256(p, a0);
+    if constexpr (NV > 1) _mm256_storeu_si256(p + 1, a1);
+    if constexpr (NV > 2) _mm256_storeu_si256(p + 2, a2);
+    if constexpr (NV > 3) _mm256_storeu_si256(p + 3, a3);
+  }
+};
+
+// dot[i][j] for NQ (1 or 2) queries and the block's 32 keys (AVX2: vpmaddwd pairs summed by vpaddd).
+template <int NQ>
+__attribute__((noinline)) void scores_avx2(const Units& u, int64_t pairs, const int32_t* const* q, int32_t* const* dot) {
+  static_assert(NQ == 1 || NQ == 2);
+  Acc8<4> x, y;
+  const int32_t* ka = u.k[0];
+  const int32_t* kb = u.k[1];
+  for (int64_t p = 0; p < pairs; ++p, ka += kUnit, kb += kUnit) {
+    const __m256i k0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ka));
+    const __m256i k1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ka) + 1);
+    const __m256i k2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb));
+    const __m256i k3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb) + 1);
+    x.madd(k0, k1, k2, k3, _mm256_set1_epi32(q[0][p]));
+    if constexpr (NQ == 2) y.madd(k0, k1, k2, k3, _mm256_set1_epi32(q[1][p]));
+  }
+  x.store(dot[0]);
+  if constexpr (NQ == 2) y.store(dot[1]);
 }
 
 template <int NQ>
@@ -127,24 +148,29 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void scores_vnni(c
   }
 }
 
-// acc[i][c0 .. c0 + 8 NV) = sum over key pairs jp < npairs of u[i][jp] . vp[jp][..] (AVX2).
+// acc[i][c0 .. c0 + 8 NV) = sum over key pairs jp < npairs of u[i][jp] . vp[jp][..] (AVX2), NQ
+// (1 or 2) queries. A unit's 8 key pairs are rows d int32 apart: one pointer steps through them.
 template <int NQ, int NV>
-inline void values_avx2(const Units& un, int64_t d, int64_t c0, int64_t npairs, const int32_t* const* u,
+__attribute__((noinline)) void values_avx2(const Units& un, int64_t d, int64_t c0, int64_t npairs, const int32_t* const* u,
                         int32_t* const* acc) {
-  __m256i a[NQ][NV];
-  for (int i = 0; i < NQ; ++i)
-    for (int c = 0; c < NV; ++c) a[i][c] = _mm256_setzero_si256();
-  for (int64_t jp = 0; jp < npairs; ++jp) {
-    const __m256i* row = reinterpret_cast<const __m256i*>(un.v[jp >> 3] + (jp & 7) * d + c0);
-    __m256i v[NV];
-    for (int c = 0; c < NV; ++c) v[c] = _mm256_loadu_si256(row + c);
-    for (int i = 0; i < NQ; ++i) {
-      const __m256i b = _mm256_set1_epi32(u[i][jp]);
-      for (int c = 0; c < NV; ++c) a[i][c] = _mm256_add_epi32(a[i][c], _mm256_madd_epi16(v[c], b));
+  static_assert(NQ == 1 || NQ == 2);
+  Acc8<NV> x, y;
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t j0 = 0; j0 < npairs; j0 += 8) {
+    const int32_t* row = un.v[j0 >> 3] + c0;
+    const int64_t je = std::min<int64_t>(npairs, j0 + 8);
+    for (int64_t jp = j0; jp < je; ++jp, row += d) {
+      const __m256i* r = reinterpret_cast<const __m256i*>(row);
+      const __m256i v0 = _mm256_loadu_si256(r);
+      const __m256i v1 = NV > 1 ? _mm256_loadu_si256(r + 1) : zero;
+      const __m256i v2 = NV > 2 ? _mm256_loadu_si256(r + 2) : zero;
+      const __m256i v3 = NV > 3 ? _mm256_loadu_si256(r + 3) : zero;
+      x.madd(v0, v1, v2, v3, _mm256_set1_epi32(u[0][jp]));
+      if constexpr (NQ == 2) y.madd(v0, v1, v2, v3, _mm256_set1_epi32(u[1][jp]));
     }
   }
-  for (int i = 0; i < NQ; ++i)
-    for (int c = 0; c < NV; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc[i] + c0) + c, a[i][c]);
+  x.store(acc[0] + c0);
+  if constexpr (NQ == 2) y.store(acc[1] + c0);
 }
 
 template <int NQ, int NV>
@@ -275,19 +301,25 @@ inline float rescale(float m, float m_new) {
 //   w_j = p_j sv_j; u_j = round(w_j * (16383 / max w)) as pairs (keys 2jp, 2jp + 1) in u32[jp]
 // Returns 2^(m - m'), the factor the running output is rescaled by; us = max w / 16383, the float
 // one unit of u stands for (0, with u all 0, when every weight is 0).
+// Full: every key of the block visible (no window start, no future), so no masks: masking with
+// all ones is the identity, so the same values (as softmax_weights512<true>).
+template <bool Full>
 inline float softmax_weights(const int32_t* dot, const Units& un, float qa2, int64_t from, int64_t visible,
                              float& m, float& l, int32_t* u32, float& us) {
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), va = _mm256_set1_ps(qa2);
-  const __m256i vis = _mm256_set1_epi32(static_cast<int32_t>(visible));
-  const __m256i fr = _mm256_set1_epi32(static_cast<int32_t>(from) - 1);
   __m256 z[4], keep[4];
   __m256 bm = ninf;
   for (int c = 0; c < 4; ++c) {
     const __m256 t = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dot + 8 * c)));
-    const __m256i j = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * c));
-    keep[c] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(vis, j), _mm256_cmpgt_epi32(j, fr)));
     const __m256 sk = _mm256_loadu_ps(un.sk[c >> 1] + 8 * (c & 1));
-    z[c] = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_mul_ps(t, sk), va), keep[c]);
+    z[c] = _mm256_mul_ps(_mm256_mul_ps(t, sk), va);
+    if constexpr (!Full) {
+      const __m256i vis = _mm256_set1_epi32(static_cast<int32_t>(visible));
+      const __m256i fr = _mm256_set1_epi32(static_cast<int32_t>(from) - 1);
+      const __m256i j = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * c));
+      keep[c] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(vis, j), _mm256_cmpgt_epi32(j, fr)));
+      z[c] = _mm256_blendv_ps(ninf, z[c], keep[c]);
+    }
     bm = _mm256_max_ps(bm, z[c]);
   }
   const float m_new = std::max(m, hmax(bm));
@@ -296,9 +328,13 @@ inline float softmax_weights(const int32_t* dot, const Units& un, float qa2, int
   __m256 p[4], w[4];
   __m256 sum = _mm256_setzero_ps(), wm = _mm256_setzero_ps();
   for (int c = 0; c < 4; ++c) {
-    p[c] = _mm256_and_ps(exp2_neg(_mm256_sub_ps(z[c], vm)), keep[c]);
-    // masked again: a slot past the context may hold any bytes, its scale a NaN (0 * NaN)
-    w[c] = _mm256_and_ps(_mm256_mul_ps(p[c], _mm256_loadu_ps(un.sv[c >> 1] + 8 * (c & 1))), keep[c]);
+    p[c] = exp2_neg(_mm256_sub_ps(z[c], vm));
+    w[c] = _mm256_mul_ps(p[c], _mm256_loadu_ps(un.sv[c >> 1] + 8 * (c & 1)));
+    if constexpr (!Full) {
+      // masked again: a slot past the context may hold any bytes, its scale a NaN (0 * NaN)
+      p[c] = _mm256_and_ps(p[c], keep[c]);
+      w[c] = _mm256_and_ps(w[c], keep[c]);
+    }
     wm = _mm256_max_ps(wm, w[c]);
   }
   sum = _mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3]));
@@ -530,8 +566,10 @@ inline void attend_rows_int(const float* q, const PagedInt16Keys& keys, float* o
         const int32_t* dq = dots + (qi - ps) * kKeys;
         int32_t* uq = z.upairs.data() + qi * (kKeys / 2);
         const int64_t fq = from(qi), vq = visible(qi);
-        if (isa < kIsaVnni)
-          z.w[qi] = softmax_weights(dq, un, z.qa[qi], fq, vq, z.m[qi], z.l[qi], uq, z.us[qi]);
+        if (isa < kIsaVnni && fq == 0 && vq == kKeys)
+          z.w[qi] = softmax_weights<true>(dq, un, z.qa[qi], fq, vq, z.m[qi], z.l[qi], uq, z.us[qi]);
+        else if (isa < kIsaVnni)
+          z.w[qi] = softmax_weights<false>(dq, un, z.qa[qi], fq, vq, z.m[qi], z.l[qi], uq, z.us[qi]);
         else if (fq == 0 && vq == kKeys)
           z.w[qi] = softmax_weights512<true>(dq, un, z.qa[qi], fq, vq, z.m[qi], z.l[qi], uq, z.us[qi]);
         else
