@@ -508,49 +508,86 @@ inline void store_half(const __m256* acc, float* y, int64_t ldy, int64_t col, in
 // overflow), and one vpmaddwd with ones per group widens the pairs of lanes to the column's
 // int32 sum: the same integers as a widening per product, with one multiply-port op in place of
 // eight (the kernel is bound by those ports on AVX2).
+// Up to four rows' vectors in named members, visited by a compile-time row loop: with arrays of
+// __m256i here GCC 12 kept the accumulators in registers but copied each one per update (vpaddw
+// into a temporary, vmovdqa back) and spilled the float sums to the stack (measured in the
+// disassembly: 23 register copies in tile256<4, true, true>, the AVX2 host's hottest loop).
+template <typename V>
+struct RowRegs {
+  V v0, v1, v2, v3;
+  template <int r>
+  V& at() {
+    if constexpr (r == 0) return v0;
+    else if constexpr (r == 1) return v1;
+    else if constexpr (r == 2) return v2;
+    else return v3;
+  }
+};
+// f(std::integral_constant<int, r>) for r = 0 .. R - 1 (R = 1 or 4).
+template <int R, typename F>
+inline void each_row(F&& f) {
+  static_assert(R == 1 || R == 4);
+  f(std::integral_constant<int, 0>{});
+  if constexpr (R == 4) {
+    f(std::integral_constant<int, 1>{});
+    f(std::integral_constant<int, 2>{});
+    f(std::integral_constant<int, 3>{});
+  }
+}
+
 template <int R, bool TWO, bool MIXED>
 inline void tile256(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd,
                     const float* wm, int64_t b, int half, float* y, int64_t ldy, int64_t n) {
   const int64_t groups = k / kGroup;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  RowRegs<__m256> acc;
+  each_row<R>([&](auto r) { acc.template at<r>() = _mm256_setzero_ps(); });
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < groups; ++g) {
-    __m256i dh[R], dl[R];  // 16-bit pair sums of the group, per row
-    for (int r = 0; r < R; ++r) dh[r] = dl[r] = _mm256_setzero_si256();
+    RowRegs<__m256i> dh, dl;  // 16-bit pair sums of the group, per row
+    each_row<R>([&](auto r) { dh.template at<r>() = dl.template at<r>() = _mm256_setzero_si256(); });
+    // per row, once a group: where its activations start, and whether its low bytes count (a
+    // narrow group's are 0)
+    const int8_t* lo[R];
+    const int8_t* hi[R];
+    bool low[R];
+    each_row<R>([&](auto r) {
+      const int64_t off = (r0 + r) * k + g * kGroup;
+      lo[r] = qa.lo.data() + off;
+      hi[r] = TWO ? qa.hi.data() + off : nullptr;
+      low[r] = !MIXED || qa.wide[(r0 + r) * groups + g];
+    });
+    const uint8_t* wg = wq + (b * groups + g) * kBlockBytes + half * 32;
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m256i p = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(wq + (b * groups + g) * kBlockBytes + j * 64 + half * 32));
+      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64));
       const __m256i w0 = _mm256_and_si256(p, mask);
       const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);
-      for (int r = 0; r < R; ++r) {
-        const int64_t off = (r0 + r) * k + g * kGroup + 4 * j;
-        if (!MIXED || qa.wide[(r0 + r) * groups + g]) {  // a narrow group's low bytes are 0
-          const __m256i l0 = _mm256_set1_epi32(load_i32(qa.lo.data() + off));
-          const __m256i l1 = _mm256_set1_epi32(load_i32(qa.lo.data() + off + 16));
-          dl[r] = _mm256_add_epi16(dl[r], _mm256_maddubs_epi16(w0, l0));
-          dl[r] = _mm256_add_epi16(dl[r], _mm256_maddubs_epi16(w1, l1));
-        }
-        if (TWO) {
-          const __m256i h0 = _mm256_set1_epi32(load_i32(qa.hi.data() + off));
-          const __m256i h1 = _mm256_set1_epi32(load_i32(qa.hi.data() + off + 16));
-          dh[r] = _mm256_add_epi16(dh[r], _mm256_maddubs_epi16(w0, h0));
-          dh[r] = _mm256_add_epi16(dh[r], _mm256_maddubs_epi16(w1, h1));
-        }
-      }
+      // the pair products of 4 activations against w0 and of the 4 sixteen later against w1,
+      // summed then added (16-bit sums that never overflow: integer adds in any order, same bits)
+      auto pass = [&](const int8_t* a) {
+        return _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(load_i32(a + 4 * j))),
+                                _mm256_maddubs_epi16(w1, _mm256_set1_epi32(load_i32(a + 4 * j + 16))));
+      };
+      each_row<R>([&](auto r) {
+        if (TWO) dh.template at<r>() = _mm256_add_epi16(dh.template at<r>(), pass(hi[r]));
+        if (low[r]) dl.template at<r>() = _mm256_add_epi16(dl.template at<r>(), pass(lo[r]));
+      });
     }
     const __m256 vd = _mm256_loadu_ps(wd + (b * groups + g) * kCols + half * 8);
     const __m256 vm = _mm256_loadu_ps(wm + (b * groups + g) * kCols + half * 8);
-    for (int r = 0; r < R; ++r) {
+    each_row<R>([&](auto r) {
       const int64_t rg = (r0 + r) * groups + g;
-      __m256i dot = _mm256_madd_epi16(dl[r], ones);
-      if (TWO) dot = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(dh[r], ones), 8), dot);
+      __m256i dot = _mm256_madd_epi16(dl.template at<r>(), ones);
+      if (TWO) dot = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(dh.template at<r>(), ones), 8), dot);
       const __m256 p = _mm256_mul_ps(_mm256_set1_ps(qa.s[rg]), vd);
-      acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(dot), p));
-      acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(vm, _mm256_set1_ps(qa.ssum[rg])));
-    }
+      __m256& a = acc.template at<r>();
+      a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_cvtepi32_ps(dot), p));
+      a = _mm256_add_ps(a, _mm256_mul_ps(vm, _mm256_set1_ps(qa.ssum[rg])));
+    });
   }
-  store_half<R>(acc, y + r0 * ldy, ldy, b * kCols + half * 8, n);
+  __m256 out[R];
+  each_row<R>([&](auto r) { out[r] = acc.template at<r>(); });
+  store_half<R>(out, y + r0 * ldy, ldy, b * kCols + half * 8, n);
 }
 
 template <bool TWO, bool MIXED>
@@ -655,31 +692,40 @@ inline void tile256_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t*
                        const float* wm, int64_t b, int half, float* y, int64_t ldy, int64_t n) {
   constexpr int kPairs = kGroup / 2 / kSubs<S16>;
   const int64_t groups = k / kGroup;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  RowRegs<__m256> acc;  // named registers, the loop unrolled: see RowRegs
+  each_row<R>([&](auto r) { acc.template at<r>() = _mm256_setzero_ps(); });
   for (int64_t g = 0; g < groups; ++g)
   for (int h = 0; h < kSubs<S16>; ++h) {
     const int8_t* blk = wq + (b * groups + g) * kBlockBytes8 + half * 16;
-    __m256i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+    RowRegs<__m256i> dot;
+    const int16_t* a[R];  // each row's activations of this group
+    each_row<R>([&](auto r) {
+      dot.template at<r>() = _mm256_setzero_si256();
+      a[r] = qa.a16.data() + (r0 + r) * k + g * kGroup;
+    });
+#pragma GCC unroll 4
     for (int p = h * kPairs; p < (h + 1) * kPairs; ++p) {
       const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + p * 32)));
-      for (int r = 0; r < R; ++r) {
+      each_row<R>([&](auto r) {
         int32_t pair;
-        std::memcpy(&pair, qa.a16.data() + (r0 + r) * k + g * kGroup + 2 * p, 4);
-        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_set1_epi32(pair), w));
-      }
+        std::memcpy(&pair, a[r] + 2 * p, 4);
+        __m256i& d = dot.template at<r>();
+        d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_set1_epi32(pair), w));
+      });
     }
     const __m256 vd = _mm256_loadu_ps(sub_scales<S16>(wd, b, groups, g, h) + half * 8);
     const __m256 vm = OFF ? _mm256_loadu_ps(sub_scales<S16>(wm, b, groups, g, h) + half * 8) : _mm256_setzero_ps();
-    for (int r = 0; r < R; ++r) {
+    each_row<R>([&](auto r) {
       const int64_t rg = (r0 + r) * groups + g;
       const __m256 sd = _mm256_mul_ps(_mm256_set1_ps(qa.s[rg]), vd);
-      acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(dot[r]), sd));
-      if (OFF) acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(vm, _mm256_set1_ps(S16 ? qa.ssum16[2 * rg + h] : qa.ssum[rg])));
-    }
+      __m256& o = acc.template at<r>();
+      o = _mm256_add_ps(o, _mm256_mul_ps(_mm256_cvtepi32_ps(dot.template at<r>()), sd));
+      if (OFF) o = _mm256_add_ps(o, _mm256_mul_ps(vm, _mm256_set1_ps(S16 ? qa.ssum16[2 * rg + h] : qa.ssum[rg])));
+    });
   }
-  store_half<R>(acc, y + r0 * ldy, ldy, b * kCols + half * 8, n);
+  __m256 out[R];
+  each_row<R>([&](auto r) { out[r] = acc.template at<r>(); });
+  store_half<R>(out, y + r0 * ldy, ldy, b * kCols + half * 8, n);
 }
 
 template <bool OFF, bool S16>
