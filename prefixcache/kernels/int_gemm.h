@@ -468,8 +468,9 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni"))) inline 
 // The ISA code a caller passed (the Python side chooses; PREFIXCACHE_ISA forces a lower one).
 inline void check_isa(int64_t isa) {
   TORCH_CHECK(isa >= 1 && isa <= 3, "isa: 1 (avx2), 2 (avx512-vnni) or 3 (amx)");
-  TORCH_CHECK(isa == 1 || cpu_has_vnni512(), "this CPU lacks AVX512-VNNI");
+  // AMX first: a host without AVX512-VNNI lacks AMX too, and the refusal names what was asked
   TORCH_CHECK(isa != 3 || cpu_has_amx(), "this CPU or its OS does not provide AMX-INT8");
+  TORCH_CHECK(isa == 1 || cpu_has_vnni512(), "this CPU lacks AVX512-VNNI");
 }
 
 // rows512 or, on AMX (isa 3), rows_amx: the same bits. Mixed activations stay on the VNNI
