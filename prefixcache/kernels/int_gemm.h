@@ -503,12 +503,6 @@ inline void store_half(const __m256* acc, float* y, int64_t ldy, int64_t col, in
   }
 }
 
-// ---- AVX2: the same tile in two halves of 8 columns; vpmaddubsw (u8 weight x s8 activation)
-// gives 16-bit pair sums, |pair| <= 2 * 15 * 128 = 3840, that never saturate; a group's eight
-// of them per lane are summed in 16 bits (|sum| <= 8 * 3840 = 30720 < 2^15: exact, no
-// overflow), and one vpmaddwd with ones per group widens the pairs of lanes to the column's
-// int32 sum: the same integers as a widening per product, with one multiply-port op in place of
-// eight (the kernel is bound by those ports on AVX2).
 // Up to four rows' vectors in named members, visited by a compile-time row loop: with arrays of
 // __m256i here GCC 12 kept the accumulators in registers but copied each one per update (vpaddw
 // into a temporary, vmovdqa back) and spilled the float sums to the stack (measured in the
@@ -536,6 +530,12 @@ inline void each_row(F&& f) {
   }
 }
 
+// ---- AVX2: the same tile in two halves of 8 columns; vpmaddubsw (u8 weight x s8 activation)
+// gives 16-bit pair sums, |pair| <= 2 * 15 * 128 = 3840, that never saturate; a group's eight
+// of them per lane are summed in 16 bits (|sum| <= 8 * 3840 = 30720 < 2^15: exact, no
+// overflow), and one vpmaddwd with ones per group widens the pairs of lanes to the column's
+// int32 sum: the same integers as a widening per product, with one multiply-port op in place of
+// eight (the kernel is bound by those ports on AVX2).
 template <int R, bool TWO, bool MIXED>
 inline void tile256(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* wq, const float* wd,
                     const float* wm, int64_t b, int half, float* y, int64_t ldy, int64_t n) {
@@ -563,8 +563,9 @@ inline void tile256(const Quantized& qa, int64_t r0, int64_t k, const uint8_t* w
       const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64));
       const __m256i w0 = _mm256_and_si256(p, mask);
       const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);
-      // the pair products of 4 activations against w0 and of the 4 sixteen later against w1,
-      // summed then added (16-bit sums that never overflow: integer adds in any order, same bits)
+      // pass: a row's pair products of activations 4j..4j+3 (against w0) and of the four 16
+      // places later (against w1), summed, then added to its sum: 16-bit sums that never
+      // overflow, so integer adds in this order give the same bits as one product at a time
       auto pass = [&](const int8_t* a) {
         return _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(load_i32(a + 4 * j))),
                                 _mm256_maddubs_epi16(w1, _mm256_set1_epi32(load_i32(a + 4 * j + 16))));
