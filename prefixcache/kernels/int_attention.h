@@ -566,14 +566,15 @@ inline void attend_rows_int(const float* q, const PagedInt16Keys& keys, float* o
         const int32_t* dq = dots + (qi - ps) * kKeys;
         int32_t* uq = z.upairs.data() + qi * (kKeys / 2);
         const int64_t fq = from(qi), vq = visible(qi);
-        if (isa < kIsaVnni && fq == 0 && vq == kKeys)
-          z.w[qi] = softmax_weights<true>(dq, un, z.qa[qi], fq, vq, z.m[qi], z.l[qi], uq, z.us[qi]);
-        else if (isa < kIsaVnni)
-          z.w[qi] = softmax_weights<false>(dq, un, z.qa[qi], fq, vq, z.m[qi], z.l[qi], uq, z.us[qi]);
-        else if (fq == 0 && vq == kKeys)
-          z.w[qi] = softmax_weights512<true>(dq, un, z.qa[qi], fq, vq, z.m[qi], z.l[qi], uq, z.us[qi]);
+        const bool full = fq == 0 && vq == kKeys;  // every key seen: no masks
+        float& m = z.m[qi];
+        float& l = z.l[qi];
+        if (isa < kIsaVnni)
+          z.w[qi] = full ? softmax_weights<true>(dq, un, z.qa[qi], fq, vq, m, l, uq, z.us[qi])
+                         : softmax_weights<false>(dq, un, z.qa[qi], fq, vq, m, l, uq, z.us[qi]);
         else
-          z.w[qi] = softmax_weights512<false>(dq, un, z.qa[qi], fq, vq, z.m[qi], z.l[qi], uq, z.us[qi]);
+          z.w[qi] = full ? softmax_weights512<true>(dq, un, z.qa[qi], fq, vq, m, l, uq, z.us[qi])
+                         : softmax_weights512<false>(dq, un, z.qa[qi], fq, vq, m, l, uq, z.us[qi]);
       }
       for (int64_t qs = ps; qs < pe; qs += kGroupQ) {
         const int n = static_cast<int>(std::min<int64_t>(kGroupQ, pe - qs));

@@ -503,10 +503,11 @@ inline void store_half(const __m256* acc, float* y, int64_t ldy, int64_t col, in
   }
 }
 
-// Up to four rows' vectors in named members, visited by a compile-time row loop: with arrays of
-// __m256i here GCC 12 kept the accumulators in registers but copied each one per update (vpaddw
-// into a temporary, vmovdqa back) and spilled the float sums to the stack (measured in the
-// disassembly: 23 register copies in tile256<4, true, true>, the AVX2 host's hottest loop).
+// Up to four rows' vectors in named members, visited by a compile-time row loop: arrays of
+// __m256i made GCC 12 copy every accumulator per update and spill the float sums (23 register
+// copies in tile256<4, true, true>, the AVX2 host's hottest loop). The same cause as the
+// attention's Acc8 (int_attention.h); docs/design.md section 6, "AVX2 loops keep their sums in
+// named registers".
 template <typename V>
 struct RowRegs {
   V v0, v1, v2, v3;
