@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _exact import Recorder, assert_same, key, run
 from _helpers import PROSE, prefill_logits, token_budget, write_tiny_gguf
 from test_model_loading import LOGIT_TOL, hf_greedy, hf_logits, save_tokenizer
 
-from prefixcache import LLM, SamplingParams
+from prefixcache import LLM, SamplingParams, kernels
 from prefixcache.model.loader import load_weights
 from prefixcache.model.tokenizer import load_tokenizer
 
@@ -200,6 +201,33 @@ def test_gemma3_chunked_batched_decoded(exact, tokenizer):
     assert again.outputs[0].token_ids == gen[3:4]
     assert again.outputs[0].logprobs == whole.outputs[0].logprobs[3:4]
     exact.check_integrity()
+
+
+def test_gemma3_decodes_in_one_native_call_with_the_layer_paths_bits(gemma, exact, tokenizer, monkeypatch):
+    """Decode-only steps run every layer in kernels.exact_decode (exact_decode.cpp): GeGLU, the
+    sandwich norms, the score scale, the window layers' rotary and window, their K/V in window
+    parts (and, with a budget too small for parts, on blocks). Decoding past the window, each
+    decoded token's K/V and logits are the bits a prefill of the same tokens gives (the prefill
+    runs layer by layer), beside a batch companion."""
+    calls = []
+    real = kernels.exact_decode
+    monkeypatch.setattr(kernels, "exact_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids = tokenizer.encode(PROSE * 2)[:20]  # the window is 24: the decodes cross it
+    small = LLM(model=str(gemma[0]), kv_cache_memory="1MiB", max_model_len=512)
+    assert small.engine.runner.kv.wk is None and exact.engine.runner.kv.wk is not None
+    for llm in (exact, small):
+        calls.clear()
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        with Recorder(llm.engine) as decoded:
+            out = llm.generate([ids, ids[3:17]], params, cache_salt=_fresh())
+        assert len(calls) >= 10  # the first step prefills; each later one is a one-call decode
+        full = ids + out[0].outputs[0].token_ids[:11]
+        prefilled = run(llm, [full], max_tokens=1, salt=_fresh())
+        assert_same(decoded, prefilled, min_kv=len(full), min_logits=1)
+        every = llm.engine.runner.all_logits(full)
+        for p in range(len(ids) - 1, len(full)):
+            assert torch.equal(decoded.logits[key(full[: p + 1])], every[p]), p
+        llm.check_integrity()
 
 
 def test_gemma3_exact_is_close_to_transformers(gemma, exact, tokenizer):

@@ -15,12 +15,19 @@
 //
 // Per layer, B rows (one new token per sequence), phases separated by barriers:
 //   rows   xn = rms_norm(x), quantized                 cols  qkv = xn Wqkv (+ bias)
-//   rows   rotate q, k; K, V -> cache slots; q copy    items attention (sequence, KV head)
+//   rows   q/k norms; rotate q, k; K, V -> cache slots items attention (sequence, KV head)
 //   rows   attn quantized                              cols  x += attn Wo
 //   rows   xn = rms_norm(x), quantized                 cols  gu = xn Wgu
 //   rows   h = silu(gate) up, quantized                cols  x += h Wdown
 // "rows" phases split the B rows between threads; "cols" and "items" phases hand out column
 // runs and attention items to whichever thread is free.
+//
+// Gemma 3's layers run here too, each difference the op path's own step: GeGLU for SwiGLU
+// (gelu_tanh_mul_row, fused_ops.cpp's gelu_mul), the sandwich norms (Wo's and Wdown's outputs
+// RMS-normed before the residual add: those two "cols" phases write y, and a "rows" phase
+// norms it and adds), its score scale, and the sliding-window layers: their own rotary tables,
+// the window passed to attention, and, where the pool keeps their K/V in window parts
+// (kv/pool.py), the parts' tensors and the step's window slot tables (a second KV side).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -82,15 +89,75 @@ void check_f32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.is_cpu(), name, ": float32 contiguous on CPU");
 }
 
+// Where a layer's K/V live and which slots a step's rows read there: the pool's block tensors
+// with the step's slot tables, or (Gemma 3) its window parts' tensors with the window tables.
+struct Side {
+  uint8_t* k = nullptr;
+  uint8_t* v = nullptr;
+  float* ks = nullptr;
+  float* vs = nullptr;
+  int64_t n_slots = 0, layers = 0;
+  const int64_t* slot = nullptr;  // [B] the new token's slot
+  const int64_t* cx = nullptr;    // [B] context length (the new token included)
+  const int64_t* so = nullptr;    // [B + 1] offsets into sl
+  const int64_t* sl = nullptr;    // every row's context slots
+};
+
+// One side's tensors and tables, checked: shapes, dtypes, slots in range, the new token last,
+// and int16 contexts in whole units (what attention reads in place).
+Side make_side(const at::Tensor& kv_k, const at::Tensor& kv_v, const c10::optional<at::Tensor>& kv_k_scale,
+               const c10::optional<at::Tensor>& kv_v_scale, int64_t kv_code, const at::Tensor& slot_mapping,
+               const at::Tensor& ctx, const at::Tensor& slots_off, const at::Tensor& slots, int64_t b, int64_t kvh,
+               int64_t d) {
+  const bool scaled = prefixcache::kv_scaled(kv_code);
+  TORCH_CHECK(kv_k.is_contiguous() && kv_v.is_contiguous() && kv_v.sizes() == kv_k.sizes() && kv_k.dim() == 4 &&
+                  kv_k.size(1) == kvh && kv_k.size(3) == d && kv_k.element_size() == prefixcache::kv_elem_size(kv_code),
+              "kv: [L, KVH, N, D] contiguous, in the storage of kv_code");
+  TORCH_CHECK(kv_k_scale.has_value() == scaled && kv_v_scale.has_value() == scaled, "scales iff int8/fp8");
+  Side s;
+  s.layers = kv_k.size(0), s.n_slots = kv_k.size(2);
+  TORCH_CHECK(kv_code != prefixcache::kI16 || s.n_slots % prefixcache::kUnit == 0, "int16 K/V: a pool of whole units");
+  if (scaled) {
+    TORCH_CHECK(kv_k_scale->scalar_type() == at::kFloat && kv_k_scale->is_contiguous() &&
+                    kv_k_scale->numel() == s.layers * kvh * s.n_slots && kv_v_scale->sizes() == kv_k_scale->sizes() &&
+                    kv_v_scale->is_contiguous(),
+                "scales: [L, KVH, N] float32 contiguous");
+    s.ks = kv_k_scale->data_ptr<float>(), s.vs = kv_v_scale->data_ptr<float>();
+  }
+  s.k = static_cast<uint8_t*>(kv_k.data_ptr()), s.v = static_cast<uint8_t*>(kv_v.data_ptr());
+  for (const at::Tensor* t : {&slot_mapping, &ctx, &slots_off, &slots})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1, "index tensors: int64 vectors");
+  TORCH_CHECK(slot_mapping.numel() == b && ctx.numel() == b && slots_off.numel() == b + 1, "one sequence per row");
+  s.slot = slot_mapping.data_ptr<int64_t>(), s.cx = ctx.data_ptr<int64_t>();
+  s.so = slots_off.data_ptr<int64_t>(), s.sl = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < b; ++r) {
+    TORCH_CHECK(s.slot[r] >= 0 && s.slot[r] < s.n_slots, "slot out of range");
+    TORCH_CHECK(s.cx[r] >= 1 && s.so[r] >= 0 && s.so[r] + s.cx[r] <= slots.numel(), "context slots");
+    TORCH_CHECK(s.sl[s.so[r] + s.cx[r] - 1] == s.slot[r], "a row's last context slot is its new token's");
+    for (int64_t j = 0; j < s.cx[r]; ++j) {
+      const int64_t at_ = s.sl[s.so[r] + j];
+      TORCH_CHECK(at_ >= 0 && at_ < s.n_slots, "slot out of range");
+      TORCH_CHECK(kv_code != prefixcache::kI16 || (at_ % prefixcache::kUnit == j % prefixcache::kUnit &&
+                                                   (j % prefixcache::kUnit == 0 || at_ == s.sl[s.so[r] + j - 1] + 1)),
+                  "int16 K/V: a context's slots in whole units of 16");
+    }
+  }
+  return s;
+}
+
 at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
                         at::TensorList input_norms, at::TensorList post_norms, at::TensorList wq,
                         at::TensorList wd, at::TensorList wm, at::IntArrayRef codes,
-                        at::TensorList qkv_bias, at::TensorList qk_norms, int64_t isa, const at::Tensor& kv_k,
-                        const at::Tensor& kv_v, const c10::optional<at::Tensor>& kv_k_scale,
+                        at::TensorList qkv_bias, at::TensorList qk_norms, at::TensorList out_norms,
+                        at::IntArrayRef windows, at::IntArrayRef in_parts, int64_t gelu, int64_t isa,
+                        const at::Tensor& kv_k, const at::Tensor& kv_v, const c10::optional<at::Tensor>& kv_k_scale,
                         const c10::optional<at::Tensor>& kv_v_scale, int64_t kv_code,
                         const at::Tensor& slot_mapping, const at::Tensor& ctx,
-                        const at::Tensor& slots_off, const at::Tensor& slots, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t ffn, double eps_d, double scale_d) {
+                        const at::Tensor& slots_off, const at::Tensor& slots,
+                        const c10::optional<at::Tensor>& local_cos, const c10::optional<at::Tensor>& local_sin,
+                        at::TensorList parts, const c10::optional<at::Tensor>& parts_k_scale,
+                        const c10::optional<at::Tensor>& parts_v_scale, at::TensorList parts_tables,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t ffn, double eps_d, double scale_d) {
   check_f32(x_in, "x");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
@@ -101,19 +168,47 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
               "four linears per layer, each with weights, scales, offsets and a code");
   TORCH_CHECK(qkv_bias.empty() || static_cast<int64_t>(qkv_bias.size()) == layers, "qkv bias per layer or none");
   TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers, "q and k norms per layer or none");
-  const bool scaled = prefixcache::kv_scaled(kv_code);
+  TORCH_CHECK(out_norms.empty() || static_cast<int64_t>(out_norms.size()) == 2 * layers,
+              "attention and MLP output norms per layer or none");
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == layers && static_cast<int64_t>(in_parts.size()) == layers,
+              "a window (0: global) and a KV side per layer");
+  TORCH_CHECK(gelu == 0 || gelu == 1, "gelu: 0 (SwiGLU) or 1 (GeGLU, gelu_tanh)");
   TORCH_CHECK(prefixcache::kv_code_known(kv_code), "unknown kv code");
-  TORCH_CHECK(kv_k.is_contiguous() && kv_v.is_contiguous() && kv_v.sizes() == kv_k.sizes() && kv_k.dim() == 4 &&
-                  kv_k.size(0) >= layers && kv_k.element_size() == prefixcache::kv_elem_size(kv_code),
-              "kv: [L, KVH, N, D] contiguous, in the storage of kv_code");
-  TORCH_CHECK(kv_k_scale.has_value() == scaled && kv_v_scale.has_value() == scaled, "scales iff int8/fp8");
   const int64_t b = x_in.size(0), hid = x_in.size(1);
-  const int64_t h = num_heads, kvh = num_kv_heads, d = kv_k.size(3), n_slots = kv_k.size(2);
-  TORCH_CHECK(kv_k.size(1) == kvh && h % kvh == 0 && d % 16 == 0 && d <= prefixcache::exact::kMaxD, "head shapes");
+  const int64_t h = num_heads, kvh = num_kv_heads, d = kv_k.dim() == 4 ? kv_k.size(3) : 0;
+  TORCH_CHECK(kvh > 0 && h % kvh == 0 && d % 16 == 0 && d > 0 && d <= prefixcache::exact::kMaxD, "head shapes");
+  // The two KV sides: the blocks' tensors, and the window parts' where the pool has them.
+  Side sides[2];
+  sides[0] = make_side(kv_k, kv_v, kv_k_scale, kv_v_scale, kv_code, slot_mapping, ctx, slots_off, slots, b, kvh, d);
+  const bool has_parts = !parts.empty();
+  TORCH_CHECK(parts.size() == (has_parts ? 2u : 0u) && parts_tables.size() == (has_parts ? 4u : 0u),
+              "window parts: K and V tensors and four tables, or none");
+  if (has_parts) {
+    sides[1] = make_side(parts[0], parts[1], parts_k_scale, parts_v_scale, kv_code, parts_tables[0], parts_tables[1],
+                         parts_tables[2], parts_tables[3], b, kvh, d);
+  }
+  // layer -> its index in its side's tensors (the pool's order: kv/pool.py KVCache._where)
+  std::vector<int64_t> kv_index(static_cast<size_t>(layers));
+  {
+    int64_t count[2] = {0, 0};
+    for (int64_t l = 0; l < layers; ++l) {
+      TORCH_CHECK(windows[l] >= 0 && (in_parts[l] == 0 || in_parts[l] == 1), "window >= 0, side 0 or 1");
+      TORCH_CHECK(!in_parts[l] || (has_parts && windows[l] > 0), "only sliding-window layers live in window parts");
+      kv_index[l] = count[in_parts[l]]++;
+    }
+    TORCH_CHECK(count[0] <= sides[0].layers && count[1] <= sides[1].layers, "more layers than the pool holds");
+  }
+  const bool windowed = std::any_of(windows.begin(), windows.end(), [](int64_t w) { return w > 0; });
+  TORCH_CHECK(local_cos.has_value() == windowed && local_sin.has_value() == windowed,
+              "the local rotary tables iff some layer has a window");
   const bool integer = kv_code == prefixcache::kI16;  // int16 K/V: the integer units (int_attention.h)
-  TORCH_CHECK(!integer || n_slots % prefixcache::kUnit == 0, "int16 K/V: a pool of whole units");
   const int64_t attn_isa = std::min<int64_t>(isa, prefixcache::exact::kIsaVnni);
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == b && cos.size(1) == d && sin.sizes() == cos.sizes(), "cos, sin: [B, D]");
+  if (windowed) {
+    check_f32(*local_cos, "local_cos");
+    check_f32(*local_sin, "local_sin");
+    TORCH_CHECK(local_cos->sizes() == cos.sizes() && local_sin->sizes() == cos.sizes(), "local cos, sin: [B, D]");
+  }
   const int64_t width = (h + 2 * kvh) * d;
   TORCH_CHECK(ffn > 0 && ffn % prefixcache::kGroup == 0 && hid % prefixcache::kGroup == 0 &&
                   (h * d) % prefixcache::kGroup == 0,
@@ -134,37 +229,19 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
       check_f32(qk_norms[2 * l + 1], "k_norm");
       TORCH_CHECK(qk_norms[2 * l].numel() == d && qk_norms[2 * l + 1].numel() == d, "q/k norm widths");
     }
+    if (!out_norms.empty()) {
+      check_f32(out_norms[2 * l], "attention output norm");
+      check_f32(out_norms[2 * l + 1], "MLP output norm");
+      TORCH_CHECK(out_norms[2 * l].numel() == hid && out_norms[2 * l + 1].numel() == hid, "output norm widths");
+    }
     if (!qkv_bias.empty()) {
       check_f32(qkv_bias[l], "qkv_bias");
       TORCH_CHECK(qkv_bias[l].numel() == width, "qkv bias width");
     }
   }
-  for (const at::Tensor* t : {&slot_mapping, &ctx, &slots_off, &slots})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1, "index tensors: int64 vectors");
-  TORCH_CHECK(slot_mapping.numel() == b && ctx.numel() == b && slots_off.numel() == b + 1, "one sequence per row");
-  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  const int64_t* cx = ctx.data_ptr<int64_t>();
-  const int64_t* so = slots_off.data_ptr<int64_t>();
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  for (int64_t r = 0; r < b; ++r) {
-    TORCH_CHECK(slot[r] >= 0 && slot[r] < n_slots, "slot out of range");
-    TORCH_CHECK(cx[r] >= 1 && so[r] >= 0 && so[r] + cx[r] <= slots.numel(), "context slots");
-    TORCH_CHECK(sl[so[r] + cx[r] - 1] == slot[r], "a row's last context slot is its new token's");
-    for (int64_t j = 0; j < cx[r]; ++j) {
-      TORCH_CHECK(sl[so[r] + j] >= 0 && sl[so[r] + j] < n_slots, "slot out of range");
-      TORCH_CHECK(kv_code != prefixcache::kI16 || (sl[so[r] + j] % prefixcache::kUnit == j % prefixcache::kUnit &&
-                                                   (j % prefixcache::kUnit == 0 || sl[so[r] + j] == sl[so[r] + j - 1] + 1)),
-                  "int16 K/V: a context's slots in whole units of 16");
-    }
-  }
-  const int64_t layer_stride = kvh * n_slots;  // elements per layer of the scales; x d for K/V
   const int64_t es = prefixcache::kv_elem_size(kv_code);
-  if (scaled) {
-    TORCH_CHECK(kv_k_scale->scalar_type() == at::kFloat && kv_k_scale->is_contiguous() &&
-                    kv_k_scale->numel() == kv_k.size(0) * layer_stride &&
-                    kv_v_scale->sizes() == kv_k_scale->sizes() && kv_v_scale->is_contiguous(),
-                "scales: [L, KVH, N] float32 contiguous");
-  }
+  const bool scaled = prefixcache::kv_scaled(kv_code);
+  const bool sandwich = !out_norms.empty();
 
   const auto opts = x_in.options();
   at::Tensor x = x_in.clone();
@@ -178,13 +255,9 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
   float* attnp = attn.data_ptr<float>();
   float* projp = proj.data_ptr<float>();
   float* gup = gu.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* snp = sin.data_ptr<float>();
+  const float* rot_cos[2] = {cos.data_ptr<float>(), windowed ? local_cos->data_ptr<float>() : nullptr};
+  const float* rot_sin[2] = {sin.data_ptr<float>(), windowed ? local_sin->data_ptr<float>() : nullptr};
   const float eps = static_cast<float>(eps_d), scale = static_cast<float>(scale_d);
-  auto* kbase = static_cast<uint8_t*>(kv_k.data_ptr());
-  auto* vbase = static_cast<uint8_t*>(kv_v.data_ptr());
-  float* ksbase = scaled ? kv_k_scale->data_ptr<float>() : nullptr;
-  float* vsbase = scaled ? kv_v_scale->data_ptr<float>() : nullptr;
 
   // The quantized activations of each linear's input, sized for the widest scheme it needs.
   Quantized qa;
@@ -237,12 +310,24 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
       const Linear& Lo = lin[4 * l + 1];
       const Linear& Lgu = lin[4 * l + 2];
       const Linear& Ldown = lin[4 * l + 3];
-      uint8_t* kl = kbase + l * layer_stride * d * es;
-      uint8_t* vl = vbase + l * layer_stride * d * es;
-      float* ksl = scaled ? ksbase + l * layer_stride : nullptr;
-      float* vsl = scaled ? vsbase + l * layer_stride : nullptr;
+      const Side& S = sides[in_parts[l]];
+      const int64_t window = windows[l], stride = kvh * S.n_slots;  // scales per layer; x d for K/V
+      uint8_t* kl = S.k + kv_index[l] * stride * d * es;
+      uint8_t* vl = S.v + kv_index[l] * stride * d * es;
+      float* ksl = scaled ? S.ks + kv_index[l] * stride : nullptr;
+      float* vsl = scaled ? S.vs + kv_index[l] * stride : nullptr;
+      const float* cp = rot_cos[window > 0];
+      const float* snp = rot_sin[window > 0];
       const float* in_norm = input_norms[l].data_ptr<float>();
       const float* post_norm = post_norms[l].data_ptr<float>();
+      // x += rms_norm(y) row by row (the sandwich norms), as the op path's o.add_(x)
+      const auto norm_add = [&](const float* w) {
+        for (int64_t r = r0; r < r1; ++r) {
+          float* y = projp + r * hid;
+          prefixcache::rms_norm_row(y, w, eps, hid, y);
+          for (int64_t c = 0; c < hid; ++c) xp[r * hid + c] = y[c] + xp[r * hid + c];
+        }
+      };
       for (int64_t r = r0; r < r1; ++r) prefixcache::rms_norm_row(xp + r * hid, in_norm, eps, hid, xnp + r * hid);
       quantize(Lqkv, xnp, hid, r0, r1);
       barrier->wait();
@@ -251,7 +336,7 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
       // rotate q and k; K and V into their cache slots (attention reads them back as stored)
       for (int64_t r = r0; r < r1; ++r) {
         float* row = qkvp + r * width;
-        if (!qk_norms.empty()) {  // Qwen3: each q head, then each k head, RMS-normed in place
+        if (!qk_norms.empty()) {  // Qwen3, Gemma 3: each q head, then each k head, RMS-normed in place
           const float* qn = qk_norms[2 * l].data_ptr<float>();
           const float* kn = qk_norms[2 * l + 1].data_ptr<float>();
           for (int64_t j = 0; j < h + kvh; ++j)
@@ -259,11 +344,11 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
         }
         prefixcache::rope_row(row, h + kvh, cp + r * d, snp + r * d, d);
         for (int64_t kh = 0; kh < kvh; ++kh) {
-          const int64_t at_ = kh * n_slots + slot[r];
-          prefixcache::store_token(kv_code, row + (h + kh) * d, d, kl + kh * n_slots * d * es, slot[r], false,
+          const int64_t at_ = kh * S.n_slots + S.slot[r];
+          prefixcache::store_token(kv_code, row + (h + kh) * d, d, kl + kh * S.n_slots * d * es, S.slot[r], false,
                                    scaled ? ksl + at_ : &unused_scale, seen.data());
-          prefixcache::store_token(kv_code, row + (h + kvh + kh) * d, d, vl + kh * n_slots * d * es, slot[r], true,
-                                   scaled ? vsl + at_ : &unused_scale, seen.data());
+          prefixcache::store_token(kv_code, row + (h + kvh + kh) * d, d, vl + kh * S.n_slots * d * es, S.slot[r],
+                                   true, scaled ? vsl + at_ : &unused_scale, seen.data());
         }
         std::memcpy(qp + r * h * d, row, h * d * sizeof(float));
       }
@@ -274,34 +359,44 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
         for (int64_t it = counter.fetch_add(1, std::memory_order_relaxed); it < items;
              it = counter.fetch_add(1, std::memory_order_relaxed)) {
           const int64_t r = it / kvh, kh = it % kvh;
+          const int64_t* ctx_slots = S.sl + S.so[r];
           if (integer) {
             const prefixcache::exact::PagedInt16Keys keys{reinterpret_cast<const int16_t*>(kl),
                                                           reinterpret_cast<const int16_t*>(vl), ksl, vsl,
-                                                          n_slots, d, sl + so[r]};
-            prefixcache::exact::attend_rows_int(qp + r * h * d, keys, attnp + r * h * d, 1, cx[r], h, kvh, d, kh,
-                                                0, 1, scale, attn_isa, *z);
+                                                          S.n_slots, d, ctx_slots};
+            prefixcache::exact::attend_rows_int(qp + r * h * d, keys, attnp + r * h * d, 1, S.cx[r], h, kvh, d, kh,
+                                                0, 1, scale, attn_isa, *z, window);
             continue;
           }
-          const prefixcache::exact::PagedKeys keys{kl, vl, ksl, vsl, kv_code, n_slots, d, sl + so[r]};
-          prefixcache::exact::attend_rows(qp + r * h * d, keys, attnp + r * h * d, 1, cx[r], h, kvh, d, kh, 0,
-                                          1, scale, kt, vbuf);
+          const prefixcache::exact::PagedKeys keys{kl, vl, ksl, vsl, kv_code, S.n_slots, d, ctx_slots};
+          prefixcache::exact::attend_rows(qp + r * h * d, keys, attnp + r * h * d, 1, S.cx[r], h, kvh, d, kh, 0,
+                                          1, scale, kt, vbuf, window);
         }
       }
       barrier->wait();
       quantize(Lo, attnp, h * d, r0, r1);
       barrier->wait();
-      gemm_cols(Lo, next[5 * l + 1], projp, nullptr, xp);
+      gemm_cols(Lo, next[5 * l + 1], projp, nullptr, sandwich ? nullptr : xp);
       barrier->wait();
+      if (sandwich) norm_add(out_norms[2 * l].data_ptr<float>());
       for (int64_t r = r0; r < r1; ++r) prefixcache::rms_norm_row(xp + r * hid, post_norm, eps, hid, xnp + r * hid);
       quantize(Lgu, xnp, hid, r0, r1);
       barrier->wait();
       gemm_cols(Lgu, next[5 * l + 2], gup, nullptr, nullptr);
       barrier->wait();
-      for (int64_t r = r0; r < r1; ++r) prefixcache::silu_mul_row(gup + r * 2 * ffn, ffn, xnp + r * ffn);
+      for (int64_t r = r0; r < r1; ++r) {
+        if (gelu)
+          prefixcache::gelu_tanh_mul_row(gup + r * 2 * ffn, ffn, xnp + r * ffn);
+        else
+          prefixcache::silu_mul_row(gup + r * 2 * ffn, ffn, xnp + r * ffn);
+      }
       quantize(Ldown, xnp, ffn, r0, r1);
       barrier->wait();
-      gemm_cols(Ldown, next[5 * l + 3], projp, nullptr, xp);
+      gemm_cols(Ldown, next[5 * l + 3], projp, nullptr, sandwich ? nullptr : xp);
       barrier->wait();
+      // No barrier after it: the next layer's first phase reads x of this thread's own rows
+      // (the same static shares), and y is next written after three more barriers.
+      if (sandwich) norm_add(out_norms[2 * l + 1].data_ptr<float>());
     }
   });
   return x;
@@ -312,10 +407,12 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
 TORCH_LIBRARY_FRAGMENT(prefixcache, lib) {
   lib.def(
       "exact_decode(Tensor x, Tensor cos, Tensor sin, Tensor[] input_norms, Tensor[] post_norms, "
-      "Tensor[] wq, Tensor[] wd, Tensor[] wm, int[] codes, Tensor[] qkv_bias, Tensor[] qk_norms, int isa, "
+      "Tensor[] wq, Tensor[] wd, Tensor[] wm, int[] codes, Tensor[] qkv_bias, Tensor[] qk_norms, "
+      "Tensor[] out_norms, int[] windows, int[] in_parts, int gelu, int isa, "
       "Tensor(a!) kv_k, Tensor(b!) kv_v, Tensor(c!)? kv_k_scale, Tensor(d!)? kv_v_scale, int kv_code, "
-      "Tensor slot_mapping, Tensor ctx, Tensor slots_off, Tensor slots, int num_heads, "
-      "int num_kv_heads, int ffn, float eps, float scale) -> Tensor");
+      "Tensor slot_mapping, Tensor ctx, Tensor slots_off, Tensor slots, Tensor? local_cos, Tensor? local_sin, "
+      "Tensor(e!)[] parts, Tensor(f!)? parts_k_scale, Tensor(g!)? parts_v_scale, Tensor[] parts_tables, "
+      "int num_heads, int num_kv_heads, int ffn, float eps, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, lib) {

@@ -376,7 +376,7 @@ class LlamaModel:
     def _exact_layers(self):
         """The per-layer arguments of ``kernels.exact_decode`` (an exact decode-only step in one
         native call), or None off the exact path."""
-        if not self.exact or not _plain(self.config):
+        if not self.exact or self.config.hidden_act not in ("silu", "gelu_tanh"):
             return None
         lins = [lin for layer in self.layers for lin in _linears(layer)]
         if not all(isinstance(lin, IntLinear) for lin in lins):
@@ -396,6 +396,10 @@ class LlamaModel:
             [int(lin.wide) | 2 * int(lin.mixed) | 4 * int(lin.bits == 16) | 8 * int(lin.sixteens) for lin in lins],
             [] if biases[0] is None else biases,
             [w for layer in self.layers for w in (layer.qk_norms or ())],
+            [w for layer in self.layers for w in (layer.out_norms or ())],  # Gemma 3's sandwich
+            [layer.window for layer in self.layers],
+            [0] * len(self.layers),  # which layers' K/V live in window parts: the pool says, per step
+            int(self.config.hidden_act == "gelu_tanh"),
         )  # fmt: skip
 
     def _fused_layers(self):
@@ -450,14 +454,18 @@ class LlamaModel:
                 cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, cfg.head_dim**-0.5,
             )  # fmt: skip
         elif (self.exact_layers is not None and meta.paged is not None
-              and x.shape[0] == meta.paged.q_len.numel()):  # fmt: skip
+              and x.shape[0] == meta.paged.q_len.numel()
+              and (not kv.windowed or meta.window is not None)):  # fmt: skip
             # an exact decode-only step (one new token per sequence): every layer in one native
             # call, the same bits as the loop below
             cfg = self.config
+            layers = self.exact_layers
+            if kv.windowed:  # the window layers' K/V in the pool's window parts
+                layers = (*layers[:10], [int(kv.is_window_layer(i)) for i in range(len(self.layers))], layers[11])
+            local = self.local_rotary.tables(positions, x.dtype, self.native) if self.windowed else None
             x = kernels.exact_decode(
-                x, cos, sin, self.exact_layers, kv, meta.slot_mapping, meta.paged, self.isa,
-                cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.rms_norm_eps,
-                cfg.head_dim**-0.5,
+                x, cos, sin, layers, kv, meta, self.isa, cfg.num_heads, cfg.num_kv_heads,
+                cfg.intermediate_size, cfg.rms_norm_eps, cfg.score_scale, local,
             )  # fmt: skip
         else:
             if kv.windowed and meta.window is None:
@@ -539,8 +547,9 @@ class GroupEmbedding:
 
 
 def _plain(config: ModelConfig) -> bool:
-    """Whether the one-call native decode steps run this architecture: SwiGLU, two norms a
-    layer, no sliding window, the default score scale (not Gemma 3, which runs layer by layer)."""
+    """Whether the float32 one-call decode step (decode_forward.cpp) runs this architecture:
+    SwiGLU, two norms a layer, no sliding window, the default score scale (not Gemma 3, which
+    runs layer by layer there; the exact one-call step, exact_decode.cpp, runs it)."""
     return (config.hidden_act == "silu" and not config.sandwich_norms and not config.local_layers
             and config.attn_scale is None and config.embed_scale == 1.0)  # fmt: skip
 
