@@ -32,7 +32,13 @@ LAYOUT = {
     T.Q6_K: (210, 256, (208,)),
     T.Q3_K: (110, 256, (108,)),
     T.Q2_K: (84, 256, (80, 82)),
+    T.IQ4_NL: (18, 32, (0,)),
+    T.IQ4_XS: (136, 256, (0,)),
 }
+IQ4_GRID = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}
+# Float16 scales' spread: 0.01, and for the IQ4 types (grid values up to 127, times a 6-bit
+# scale of up to 32 in IQ4_XS) what gives weights the range of the other 4-bit types' (15 d).
+SCALE_STD = {T.IQ4_NL: 0.01 * 15 / 127, T.IQ4_XS: 0.01 * 15 / 127 / 16}
 
 
 def random_blocks(kind, out: int, n: int, seed: int = 0) -> np.ndarray:
@@ -41,7 +47,7 @@ def random_blocks(kind, out: int, n: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(out * n // per, size), dtype=np.uint8)
     for at in halves:  # finite scales of either sign, as a quantizer writes them
-        scale = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
+        scale = (rng.standard_normal(len(blocks)) * SCALE_STD.get(kind, 0.01)).astype(np.float16)
         blocks[:, at : at + 2] = scale.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(out, -1)
 
@@ -57,6 +63,13 @@ def test_groups_equal_gguf_dequantization(kind):
     assert torch.equal(ours, theirs), float((ours - theirs).abs().max())
     if kind == T.Q5_0:
         assert int(groups.q.min()) >= -16 and int(groups.q.max()) <= 15
+    if kind in (T.IQ4_NL, T.IQ4_XS):  # the grid's 16 values, every one seen, no offset
+        assert set(groups.q.unique().tolist()) == IQ4_GRID and groups.offset is None
+    if kind == T.IQ4_XS:  # the 6-bit scales d (ls - 32), ls in 0..63: both signs, many values
+        d = torch.from_numpy(data.reshape(-1, 136)[:, :2].copy().view(np.float16).astype(np.float32))
+        ls = groups.scale.reshape(-1, 8) / d + 32
+        assert torch.equal(ls, ls.round()) and int(ls.min()) >= 0 and int(ls.max()) <= 63
+        assert int(ls.min()) < 8 and int(ls.max()) > 56 and len(ls.unique()) > 40
     if kind in (T.Q5_1, T.Q5_K):  # 5-bit values with a minimum: every value and fifth bit seen
         assert groups.offset is not None and int(groups.q.min()) == 0 and int(groups.q.max()) == 31
     if kind == T.Q6_K:  # 6-bit values in groups of 16, every value seen
@@ -68,8 +81,8 @@ def test_groups_equal_gguf_dequantization(kind):
 
 
 def test_other_types_are_not_taken_as_groups():
-    data = np.zeros((1, 18), dtype=np.uint8)  # one IQ4_NL block (a non-linear grid: widened)
-    assert all(f(data, T.IQ4_NL, (1, 32)) is None for f in (_int4_groups, _int8_groups, _groups16))
+    data = np.zeros((1, 66), dtype=np.uint8)  # one IQ2_XXS block (a lattice of 8-weight codes: widened)
+    assert all(f(data, T.IQ2_XXS, (1, 256)) is None for f in (_int4_groups, _int8_groups, _groups16))
 
 
 HIDDEN, INTER, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
@@ -77,9 +90,9 @@ HIDDEN, INTER, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
 
 def write_q4k_llama(path, kind=None) -> None:
     """A tiny Llama GGUF (hidden 256: one Q4_K super-block a row) whose every decoder linear
-    weight is ``kind`` (Q4_K), the norms F32, the embedding F16 (also the output projection,
-    tied)."""
-    kind = T.Q4_K if kind is None else kind
+    weight is ``kind`` (Q4_K; a list: its types in turn), the norms F32, the embedding F16 (also
+    the output projection, tied)."""
+    kinds = [T.Q4_K] if kind is None else kind if isinstance(kind, list) else [kind]
     rng = np.random.default_rng(1)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(LAYERS)
@@ -104,6 +117,7 @@ def write_q4k_llama(path, kind=None) -> None:
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(HIDDEN, dtype=np.float32))
         for j, (name, (o, n)) in enumerate(shapes.items()):
+            kind = kinds[(len(shapes) * i + j) % len(kinds)]
             w.add_tensor(f"blk.{i}.{name}.weight", random_blocks(kind, o, n, seed=10 * i + j), raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -163,6 +177,36 @@ def test_a_q5_model_runs_its_own_groups_exactly(kind, tmp_path):
     ours, theirs = prefill_logits(llm, ids), prefill_logits(ref, ids)
     # measured: mean 0.036 (Q4_K's model: 0.034), max 0.62 / 0.23 on logits of std 8 (the F16
     # head made into 8-bit groups here is most of it)
+    err = (ours - theirs).abs()
+    assert float(err.mean()) < 0.01 * float(theirs.std()) and float(err.max()) < 0.1 * float(theirs.std())
+    cold_equals_warm(llm, ids)
+    llm.check_integrity()
+
+
+def test_an_iq4_model_runs_its_grid_values_exactly(tmp_path, caplog):
+    """IQ4_NL and IQ4_XS layers (in turn) run from the file's grid values and scales as 8-bit
+    groups: not widened (no warning), not requantized; near the float reference of the same
+    weights, and bit for bit the same cold, warm and batched, decoded in the one-call step."""
+    import logging
+
+    from prefixcache.model.int_linear import IntLinear
+    from prefixcache.model.loader import load_weights
+
+    path = tmp_path / "tiny-iq4.gguf"
+    write_q4k_llama(path, [T.IQ4_NL, T.IQ4_XS])
+    with caplog.at_level(logging.WARNING, logger="prefixcache.model.loader"):
+        weights = load_weights(path)
+    assert len(weights.int8) == 7 * LAYERS and not weights.int4 and "widened" not in caplog.text
+    llm = LLM(model=str(path), kv_cache_memory="8MiB", activations="int16")
+    model = llm.engine.runner.model
+    assert model.exact and model.arithmetic == "w8a16", llm.engine.weights_format
+    lins = [lin for layer in model.layers for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+    assert all(isinstance(lin, IntLinear) and lin.wide and lin.wm is None for lin in lins)
+    assert model._exact_layers() is not None  # decodes take the one-call native step
+    ref = LLM(model=str(path), kv_cache_memory="8MiB", quantization="none")
+    ids = list(range(1000, 1070))
+    ours, theirs = prefill_logits(llm, ids), prefill_logits(ref, ids)
+    # measured: mean 0.050, max 0.43 on logits of std 8 (Q5_1's model: 0.036, 0.62)
     err = (ours - theirs).abs()
     assert float(err.mean()) < 0.01 * float(theirs.std()) and float(err.max()) < 0.1 * float(theirs.std())
     cold_equals_warm(llm, ids)

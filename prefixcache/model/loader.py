@@ -127,7 +127,8 @@ def _cat_offsets(parts) -> torch.Tensor | None:
 
 @dataclass(frozen=True)
 class Int8Groups:
-    """A weight the file stores as int8 groups of 32 with one scale each (GGUF Q8_0, Q5_0), kept
+    """A weight the file stores as int8 groups of 32 with one scale each (GGUF Q8_0, Q5_0;
+    IQ4_NL and IQ4_XS: q the grid values), kept
     as stored: ``w[o, i] = q[o, i] * scale[o, i // 32]`` (exact in float32); with ``offset``
     (GGUF Q5_1, Q5_K: 5-bit q in 0..31 and a minimum per group) ``+ offset[o, i // 32]``."""
 
@@ -371,11 +372,23 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+# The non-linear grid of GGUF IQ4_NL and IQ4_XS: a 4-bit index selects one of these int8 values
+# (llama.cpp's kvalues_iq4nl).
+_IQ4_GRID = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+
+
 def _int8_groups(data: np.ndarray, kind, shape: tuple[int, int]) -> Int8Groups | None:
     """The 8-bit groups of a GGUF Q8_0 tensor (a float16 d, then 32 int8) or Q5_0 tensor (a
     float16 d, 4 bytes of the weights' fifth bits, 16 bytes of their low nibbles as in Q4_0;
     w = d (q - 16), so q - 16 in [-16, 15] is an int8 group with the file's scale), or None for
     another type. Q5_0 kept this way runs the 8-bit kernels at 8 bits a weight (the file's 5.5).
+
+    IQ4_NL (a float16 d, then 16 bytes of 4-bit indices, low nibbles first as in Q4_0; w = d
+    grid[i]) and IQ4_XS (a super-block of 8 groups of 32: float16 d, 2 bytes of the groups'
+    scales' high bit pairs, 4 bytes of their low nibbles, then each group's 16 bytes of indices;
+    w = d (ls - 32) grid[i], ls the 6-bit scale): the grid values are int8 (|v| <= 127), so a
+    group is an int8 group of grid values with the scale d or d (ls - 32), an 11-bit by 6-bit
+    product exact in float32: the file's numbers, 8 bits a weight against its 4.5-4.25.
 
     With a minimum per group (``offset``): Q5_1 (d, m, the fifth bits, the low nibbles; w = d q
     + m, q in 0..31) and Q5_K (a super-block of 8 groups of 32 as Q4_K: d, dmin, the 12 bytes of
@@ -415,6 +428,20 @@ def _int8_groups(data: np.ndarray, kind, shape: tuple[int, int]) -> Int8Groups |
         low = np.concatenate([blocks[:, 6:] & 0x0F, blocks[:, 6:] >> 4], axis=1)
         q = ((low | (high << 4)).astype(np.int16) - 16).astype(np.int8)
         return Int8Groups(torch.from_numpy(q.reshape(out, n)), torch.from_numpy(d.reshape(out, n // 32)))
+    if kind == T.IQ4_NL:
+        blocks = np.ascontiguousarray(data).reshape(-1, 18)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        q = _IQ4_GRID[np.concatenate([blocks[:, 2:] & 0x0F, blocks[:, 2:] >> 4], axis=1)]
+        return Int8Groups(torch.from_numpy(q.reshape(out, n)), torch.from_numpy(d.reshape(out, n // 32)))
+    if kind == T.IQ4_XS:
+        blocks = np.ascontiguousarray(data).reshape(-1, 136)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [sb, 1]
+        high = (blocks[:, 2:4].copy().view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [sb, 8]
+        low = (blocks[:, 4:8, None] >> np.array([0, 4], dtype=np.uint8)).reshape(-1, 8) & 0x0F
+        scale = d * ((low | (high << 4)).astype(np.float32) - 32.0)
+        idx = blocks[:, 8:].reshape(-1, 8, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = _IQ4_GRID[(idx & 0x0F).reshape(-1, 256)]
+        return Int8Groups(torch.from_numpy(q.reshape(out, n)), torch.from_numpy(scale.reshape(out, n // 32)))
     if kind != T.Q8_0:
         return None
     blocks = np.ascontiguousarray(data).reshape(-1, 34)
@@ -639,7 +666,7 @@ def _load_gguf(path: Path) -> LoadedWeights:
             raise UnsupportedModelError(
                 f"{path.name}: tensor {t.name} is stored as {t.tensor_type.name}, a GGUF type this "
                 f"engine cannot read ({e}); supported from the file's integers: Q4_0, Q4_1, Q4_K, "
-                "Q2_K, Q3_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0; widened at load: the other types the gguf package dequantizes"
+                "Q2_K, Q3_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL, IQ4_XS; widened at load: the other types the gguf package dequantizes"
             ) from None
         if permute:
             arr = _reverse_rope_permute(arr, heads_of[parts[2]])
