@@ -1,5 +1,6 @@
 """Gemma 3 270M Q4_K_M on the exact path (issue #38): start time, memory at ready, a cold
-prefill, a hit's TTFT over a cached prefix, and decode time per token at batch 1.
+prefill, a hit's TTFT over a cached prefix, decode time per token at batch 1, and a decode
+step's time at ``--batch`` sequences (each of ``--batch-context`` cached tokens).
 
     make gemma && .venv/bin/python benchmarks/gemma_bench.py [--prefix 1024] [--repeats 3]
 
@@ -43,6 +44,8 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv-cache-memory", default="256MiB")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch-context", type=int, default=200)
     a = ap.parse_args()
     path = resolve_model_path("gemma-3-270m")
     base = rss_mib()
@@ -75,6 +78,20 @@ def main() -> None:
                      cache_salt=salt)  # fmt: skip
         full = time.perf_counter() - t
         tpot.append((full - warm[-1]) / a.decode)
+    # A decode step of --batch sequences: their prompts cached first, then (hit + decode steps)
+    # minus the hit alone, per step.
+    steps = []
+    for r in range(a.repeats):
+        salt = f"batch-{r}-{time.time()}"
+        prompts = [ids[i * 50 : i * 50 + a.batch_context] for i in range(a.batch)]
+        llm.generate(prompts, one, cache_salt=salt)
+        t = time.perf_counter()
+        llm.generate(prompts, one, cache_salt=salt)
+        hit = time.perf_counter() - t
+        t = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=a.decode + 1, temperature=0, ignore_eos=True),
+                     cache_salt=salt)  # fmt: skip
+        steps.append((time.perf_counter() - t - hit) / a.decode)
     m = llm.engine.runner.model
     print(json.dumps({
         "model": path.name, "file_mib": round(path.stat().st_size / 2**20, 1),
@@ -88,6 +105,7 @@ def main() -> None:
         f"hit_ttft_{a.prefix}+{a.suffix}_ms": round(1000 * statistics.median(warm), 1),
         "cold_ttft_ms": round(1000 * statistics.median(cold), 1),
         "tpot_ms": round(1000 * statistics.median(tpot), 2),
+        f"decode_step_ms_batch{a.batch}": round(1000 * statistics.median(steps), 2),
     }, indent=1))  # fmt: skip
 
 
