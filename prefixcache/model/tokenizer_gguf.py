@@ -103,13 +103,14 @@ class GGUFTokenizer:
     unmatched_special_tokens: dict[str, int]
 
 
-def _read_gguf_tokenizer_metadata(path: Path) -> dict[str, Any]:
+def _read_gguf_tokenizer_metadata(path: Path, reader=None) -> dict[str, Any]:
     import gguf  # 0.2 s to import; only GGUF files need it
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # corrupt or truncated file
-        raise ModelNotFoundError(f"cannot read GGUF file {path}: {exc}") from exc
+    if reader is None:
+        try:
+            reader = gguf.GGUFReader(str(path))
+        except Exception as exc:  # corrupt or truncated file
+            raise ModelNotFoundError(f"cannot read GGUF file {path}: {exc}") from exc
     return {
         key: field.contents()
         for key, field in reader.fields.items()
@@ -322,9 +323,10 @@ def _add_gguf_special_tokens(backend: Backend, meta: dict[str, Any], named: list
             added.add(token)
 
 
-def read_gguf_tokenizer(path: Path) -> GGUFTokenizer:
-    """The tokenizer a GGUF file describes, as transformers would build it (see module doc)."""
-    meta = _read_gguf_tokenizer_metadata(path)
+def read_gguf_tokenizer(path: Path, reader=None) -> GGUFTokenizer:
+    """The tokenizer a GGUF file describes, as transformers would build it (see module doc).
+    ``reader``: the file's ``gguf.GGUFReader`` when the caller already opened one."""
+    meta = _read_gguf_tokenizer_metadata(path, reader)
     kind = meta.get("tokenizer.ggml.model")
     if kind is None or "tokenizer.ggml.tokens" not in meta:
         raise ValueError(f"GGUF file has no tokenizer metadata: {path}")
