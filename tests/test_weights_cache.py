@@ -100,7 +100,7 @@ def fast_rebuild(entry, monkeypatch):
         return dataclasses.replace(entry.fresh, source=Path(path))
 
     monkeypatch.setattr(wc._loader, "load_weights", load_weights)
-    monkeypatch.setattr(wc, "_open_gguf", lambda path: None)
+    monkeypatch.setattr(wc, "open_gguf", lambda path: None)
     monkeypatch.setattr(wc, "read_gguf_tokenizer", lambda path, reader=None: entry.spec)
     monkeypatch.setattr(wc, "_fsync", lambda path: None)  # durability is not what these test
     return asked

@@ -217,19 +217,21 @@ def exact_decode(x, cos, sin, layers, kv, meta, isa_name: str, num_heads: int, n
                  ffn: int, eps: float, scale: float, local=None):
     """Every decoder layer of an exact decode-only step in one call (exact_decode.cpp): the bits
     of the op-by-op path. ``layers`` is (input_norms, post_norms, wq, wd, wm, codes, qkv_bias,
-    qk_norms, out_norms, windows, in_parts, gelu) from model/llama.py; ``meta`` the step's
+    qk_norms, out_norms, windows, gelu) from model/llama.py; ``meta`` the step's
     AttentionMetadata (one query per sequence; ``meta.window`` the window parts' tables where
     the pool has parts); ``local`` the sliding-window layers' (cos, sin), None without them."""
     parts, tables, pks, pvs = [], [], None, None
+    in_parts = [0] * kv.num_layers  # which layers' K/V live in the pool's window parts
     if kv.windowed:
         w = meta.window
         parts, pks, pvs = [kv.wk, kv.wv], kv.wk_scale, kv.wv_scale
         tables = [w.slot_mapping, w.paged.ctx, w.paged.slots_off, w.paged.slots]
+        in_parts = [int(kv.is_window_layer(i)) for i in range(kv.num_layers)]
     lc, ls = local if local is not None else (None, None)
     p = meta.paged
     return torch.ops.prefixcache.exact_decode(
         x, cos, sin, *layers, _ISA_CODE[isa_name], kv.k, kv.v, kv.k_scale, kv.v_scale,
-        kv.fmt.code, meta.slot_mapping, p.ctx, p.slots_off, p.slots, lc, ls, parts, pks, pvs, tables,
+        kv.fmt.code, meta.slot_mapping, p.ctx, p.slots_off, p.slots, lc, ls, parts, in_parts, pks, pvs, tables,
         num_heads, num_kv_heads, ffn, eps, scale,
     )  # fmt: skip
 

@@ -149,13 +149,13 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
                         at::TensorList input_norms, at::TensorList post_norms, at::TensorList wq,
                         at::TensorList wd, at::TensorList wm, at::IntArrayRef codes,
                         at::TensorList qkv_bias, at::TensorList qk_norms, at::TensorList out_norms,
-                        at::IntArrayRef windows, at::IntArrayRef in_parts, int64_t gelu, int64_t isa,
+                        at::IntArrayRef windows, int64_t gelu, int64_t isa,
                         const at::Tensor& kv_k, const at::Tensor& kv_v, const c10::optional<at::Tensor>& kv_k_scale,
                         const c10::optional<at::Tensor>& kv_v_scale, int64_t kv_code,
                         const at::Tensor& slot_mapping, const at::Tensor& ctx,
                         const at::Tensor& slots_off, const at::Tensor& slots,
                         const c10::optional<at::Tensor>& local_cos, const c10::optional<at::Tensor>& local_sin,
-                        at::TensorList parts, const c10::optional<at::Tensor>& parts_k_scale,
+                        at::TensorList parts, at::IntArrayRef in_parts, const c10::optional<at::Tensor>& parts_k_scale,
                         const c10::optional<at::Tensor>& parts_v_scale, at::TensorList parts_tables,
                         int64_t num_heads, int64_t num_kv_heads, int64_t ffn, double eps_d, double scale_d) {
   check_f32(x_in, "x");
@@ -408,10 +408,10 @@ TORCH_LIBRARY_FRAGMENT(prefixcache, lib) {
   lib.def(
       "exact_decode(Tensor x, Tensor cos, Tensor sin, Tensor[] input_norms, Tensor[] post_norms, "
       "Tensor[] wq, Tensor[] wd, Tensor[] wm, int[] codes, Tensor[] qkv_bias, Tensor[] qk_norms, "
-      "Tensor[] out_norms, int[] windows, int[] in_parts, int gelu, int isa, "
+      "Tensor[] out_norms, int[] windows, int gelu, int isa, "
       "Tensor(a!) kv_k, Tensor(b!) kv_v, Tensor(c!)? kv_k_scale, Tensor(d!)? kv_v_scale, int kv_code, "
       "Tensor slot_mapping, Tensor ctx, Tensor slots_off, Tensor slots, Tensor? local_cos, Tensor? local_sin, "
-      "Tensor(e!)[] parts, Tensor(f!)? parts_k_scale, Tensor(g!)? parts_v_scale, Tensor[] parts_tables, "
+      "Tensor(e!)[] parts, int[] in_parts, Tensor(f!)? parts_k_scale, Tensor(g!)? parts_v_scale, Tensor[] parts_tables, "
       "int num_heads, int num_kv_heads, int ffn, float eps, float scale) -> Tensor");
 }
 

@@ -398,7 +398,6 @@ class LlamaModel:
             [w for layer in self.layers for w in (layer.qk_norms or ())],
             [w for layer in self.layers for w in (layer.out_norms or ())],  # Gemma 3's sandwich
             [layer.window for layer in self.layers],
-            [0] * len(self.layers),  # which layers' K/V live in window parts: the pool says, per step
             int(self.config.hidden_act == "gelu_tanh"),
         )  # fmt: skip
 
@@ -459,12 +458,9 @@ class LlamaModel:
             # an exact decode-only step (one new token per sequence): every layer in one native
             # call, the same bits as the loop below
             cfg = self.config
-            layers = self.exact_layers
-            if kv.windowed:  # the window layers' K/V in the pool's window parts
-                layers = (*layers[:10], [int(kv.is_window_layer(i)) for i in range(len(self.layers))], layers[11])
             local = self.local_rotary.tables(positions, x.dtype, self.native) if self.windowed else None
             x = kernels.exact_decode(
-                x, cos, sin, layers, kv, meta, self.isa, cfg.num_heads, cfg.num_kv_heads,
+                x, cos, sin, self.exact_layers, kv, meta, self.isa, cfg.num_heads, cfg.num_kv_heads,
                 cfg.intermediate_size, cfg.rms_norm_eps, cfg.score_scale, local,
             )  # fmt: skip
         else:

@@ -30,7 +30,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
-from prefixcache.model.paths import ModelNotFoundError
+from prefixcache.model.paths import open_gguf
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
 _CONTROL = 3
@@ -104,13 +104,7 @@ class GGUFTokenizer:
 
 
 def _read_gguf_tokenizer_metadata(path: Path, reader=None) -> dict[str, Any]:
-    import gguf  # 0.2 s to import; only GGUF files need it
-
-    if reader is None:
-        try:
-            reader = gguf.GGUFReader(str(path))
-        except Exception as exc:  # corrupt or truncated file
-            raise ModelNotFoundError(f"cannot read GGUF file {path}: {exc}") from exc
+    reader = reader if reader is not None else open_gguf(path)
     return {
         key: field.contents()
         for key, field in reader.fields.items()

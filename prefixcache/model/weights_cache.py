@@ -66,7 +66,7 @@ import xxhash
 
 from prefixcache.model import loader as _loader
 from prefixcache.model.loader import LoadedWeights, ModelConfig
-from prefixcache.model.paths import resolve_model_path
+from prefixcache.model.paths import open_gguf, resolve_model_path
 from prefixcache.model.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf_spec
 from prefixcache.model.tokenizer_gguf import GGUFTokenizer, read_gguf_tokenizer
 
@@ -210,10 +210,9 @@ def _load_gguf_cached(path: Path, weights_dir: Path) -> tuple[LoadedWeights, Tok
                      path.name, entry, time.perf_counter() - t0)
             return loaded
     stats["miss"] += 1
-    # One reader for both: gguf.GGUFReader parses every metadata field when opened, element by
-    # element (Gemma 3's 262k-token vocabulary: ~20-40 s on 2 cores), and the weights and the
-    # tokenizer each opened their own (a first start of Gemma 3 took 69 s on a Zen 3).
-    reader = _open_gguf(path)
+    # One reader for both (paths.open_gguf: opening one parses every metadata field; the weights
+    # and the tokenizer each opening their own made a first start of Gemma 3 69 s on a Zen 3).
+    reader = open_gguf(path)
     weights = _loader.load_weights(path, reader)
     spec = read_gguf_tokenizer(path, reader)
     del reader
@@ -228,17 +227,6 @@ def _load_gguf_cached(path: Path, weights_dir: Path) -> tuple[LoadedWeights, Tok
         log.warning("cannot write the weights cache in %s (%s: %s); %s loads from its file at "
                     "every start", weights_dir, type(e).__name__, e, path.name)
     return weights, tokenizer
-
-
-def _open_gguf(path: Path):
-    """The file's gguf.GGUFReader, or None where it cannot be opened (the loader then says why in
-    its own words)."""
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception:  # noqa: BLE001 - reported by load_weights, which opens it again
-        return None
 
 
 def _read_entry(entry: Path, path: Path, digest: str, build: str) -> tuple[LoadedWeights, Tokenizer]:
