@@ -1,4 +1,4 @@
-"""Engine-core figures for docs/benchmarks.md (issue: engine core).
+"""Engine-core figures for docs/benchmarks-journal.md (issue: engine core).
 
 Measures, on the default model and in one run:
   - the torch matmul rate of this machine (the model's own MLP shape, float32);

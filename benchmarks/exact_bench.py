@@ -1,4 +1,4 @@
-"""The exact integer path against the float32 path, side by side in one process (docs/benchmarks.md
+"""The exact integer path against the float32 path, side by side in one process (docs/benchmarks-journal.md
 "Exact integer path"): the VM's speed drifts by tens of percent between runs, so the two engines
 alternate, repetition by repetition, and each ratio is taken within a repetition.
 

@@ -1,6 +1,6 @@
 """Where a prefix-cache hit's time goes: TTFT of 50 new tokens over a cached prefix, and the
 kernels' self time in it (torch.profiler): attention vs the linear layers. Default model,
-offline, one run per prefix length (docs/benchmarks.md "Where a hit's time goes now").
+offline, one run per prefix length (docs/benchmarks-journal.md "Where a hit's time goes now").
 
 Usage: .venv/bin/python benchmarks/hit_time_split.py [--contexts 2000,8000] [--new 50] [--json results/hit_time_split.json]
        (--contexts 0 --new 1000: a cold prefill of 1,000 tokens)

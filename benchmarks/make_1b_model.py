@@ -8,7 +8,7 @@ default model's own shapes (SmolLM2-135M: hidden 576, 30 layers, 9 / 3 heads, in
 1536, rope theta 100,000) with random weights, so that long contexts run in minutes on 2 cores.
 ``--context N`` sets the context (``max_position_embeddings``; default 8192, the default
 model's), e.g. 16384 for 16k-token prefixes (benchmarks/side_by_side.py --workloads long16k).
-Its text is noise: use it for speed and memory figures only (docs/benchmarks.md), quality comes
+Its text is noise: use it for speed and memory figures only (docs/benchmarks-journal.md), quality comes
 from the default model.
 
 Usage: .venv/bin/python benchmarks/make_1b_model.py [--shape 1b|default] [--context N] [--out DIR]
@@ -47,7 +47,7 @@ ALL_SHAPES = {"1b": SHAPES, "default": DEFAULT_SHAPES}
 def default_out(shape: str, context: int) -> Path:
     bench = Path(os.environ.get("BENCH_DIR") or Path(__file__).resolve().parents[1] / ".bench")
     if shape == "1b" and context == SHAPES["max_position_embeddings"]:
-        return bench / "models/llama-1b-shaped"  # the name docs/benchmarks.md has used
+        return bench / "models/llama-1b-shaped"  # the name docs/benchmarks-journal.md has used
     return bench / f"models/{shape}-shaped-ctx{context}"
 
 

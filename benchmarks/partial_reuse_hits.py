@@ -1,5 +1,5 @@
 """Hit tokens with token-exact reuse on and off, and vLLM's whole-block rule, on the same requests
-(docs/benchmarks.md "Token-exact reuse: hit tokens").
+(docs/benchmarks-journal.md "Token-exact reuse: hit tokens").
 
 Each workload's requests are rendered through the default model's chat template and served one
 at a time (``bench serve --max-concurrency 1``), in arrival order, through the engine's own cache

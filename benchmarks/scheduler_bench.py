@@ -1,4 +1,4 @@
-"""Scheduler figures for docs/benchmarks.md (issue: scheduler), offline, caching on vs off.
+"""Scheduler figures for docs/benchmarks-journal.md (issue: scheduler), offline, caching on vs off.
 
   - generated-shared-prefix: G groups x P questions, a 1,000-token group prefix, 64-token
     questions, 32 output tokens: total throughput ratio (on / off) and hit rate;

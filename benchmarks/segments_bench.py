@@ -1,4 +1,4 @@
-"""Segment caching on a RAG workload: speed and quality (docs/benchmarks.md, "Segment caching").
+"""Segment caching on a RAG workload: speed and quality (docs/benchmarks-journal.md, "Segment caching").
 
 Workload (generated, deterministic from --seed): --docs documents of ~--doc-tokens tokens of
 filler prose, each holding one planted fact "The access code of <name> is <number>."; prompts

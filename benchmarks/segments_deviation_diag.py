@@ -1,5 +1,5 @@
 """Does layer 1's KV deviation predict the deeper layers'? A diagnostic for segment_selection
-"deviation" (docs/benchmarks.md, "Recompute selection").
+"deviation" (docs/benchmarks-journal.md, "Recompute selection").
 
 On the prompts of segments_bench.py (same generator and seed), for each document: the per-token
 deviation ||V_l(cold) - V_l(placed)||^2 at every layer l, where V(cold) is a cold prefill of the

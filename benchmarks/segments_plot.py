@@ -1,4 +1,4 @@
-"""The segment caching trade-off curve from a segments_bench.py result (docs/benchmarks.md):
+"""The segment caching trade-off curve from a segments_bench.py result (docs/benchmarks-journal.md):
 TTFT against first-token KL and planted-fact accuracy, one line per selection, a point per
 budget, cold / seg-all and no-documents as references.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Segment caching through the server, measured by `prefixcache bench serve` (docs/benchmarks.md,
+# Segment caching through the server, measured by `prefixcache bench serve` (docs/benchmarks-journal.md,
 # "Segment caching through the server"). One `prefixcache serve` with default settings; the rag
 # dataset with documents in random order, each a `document` message; the same requests sent in
 # cache_mode prefix (the default) and segments: prefix, segments (every document's first sight:

@@ -1,4 +1,4 @@
-"""Segments from the disk tier after a restart (docs/benchmarks.md, "Segment caching").
+"""Segments from the disk tier after a restart (docs/benchmarks-journal.md, "Segment caching").
 
 The RAG workload of segments_bench.py (same generator, same seed). A first engine warms every
 document as a segment, which writes each through to the disk tier, and is dropped; a second

@@ -1,4 +1,4 @@
-"""The serving figures of docs/benchmarks.md: our server with prefix caching on and off, and peer
+"""The serving figures of docs/benchmarks-journal.md: our server with prefix caching on and off, and peer
 servers, on ShareGPT (run twice: first pass, second pass) and generated-shared-prefix.
 
 Each server runs alone (started here, stopped before the next), every workload goes through

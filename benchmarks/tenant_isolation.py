@@ -38,7 +38,7 @@ load with ``--background`` (one loop of 8 prompts x 32 tokens), and ``/health`` 
 
 ``--attacker-process`` runs issue #37's attack loops in a process of their own: an attacker is
 never inside the victim's process, and 64 loops in the probes' event loop delay the probes by
-the client's own work (docs/benchmarks.md "Tenant isolation": 6.3x against 1.2x for ``/health``
+the client's own work (docs/benchmarks-journal.md "Tenant isolation": 6.3x against 1.2x for ``/health``
 during keyless metrics scrapes, the same server).
 
 TTFT is measured by the client: from sending the request to the first SSE event with text.

@@ -20,7 +20,7 @@ policies instead: the window's requests arrive at their trace times divided by S
 once, so a queue forms and its order matters (the engine model then no longer applies:
 requests overlap); TTFT percentiles and throughput per policy.
 
-Usage (docs/benchmarks.md "Real traces: eviction" has the recorded run):
+Usage (docs/benchmarks-journal.md "Real traces: eviction" has the recorded run):
   PYTHONPATH=. .venv/bin/python benchmarks/trace_replay.py TRACE --start-s 928.334 \\
       --requests 300 --block-tokens 8 --cache-fraction 0.2 --eviction-policy lru,hit-density
 """

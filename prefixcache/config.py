@@ -104,7 +104,7 @@ class EngineConfig:
     # two short steps rather than a full chunk (engine/fairness.py 4.); 0 turns the bound off.
     # The victim's wait is about half a step plus its own: 150 ms kept every attack of
     # benchmarks/tenant_isolation.py within 3x on Zen 4 (250 ms: up to 3.5x) at 0-4% of the
-    # attacker's throughput (docs/benchmarks.md "Tenant isolation").
+    # attacker's throughput (docs/benchmarks-journal.md "Tenant isolation").
     shared_step_ms: float = 150.0
     shared_window_s: float = 60.0
     # While two or more sequences have work (a burst of prompts, prompts beside decodes), a step
@@ -113,7 +113,7 @@ class EngineConfig:
     # another instead of all when the whole burst is done, and decodes are not held behind a
     # full chunk. A sequence alone gets full steps; 0 turns the bound off. The pace is that of
     # prefill-dominated steps only (scheduler.prefill_pace). Measured on Zen 4
-    # (docs/benchmarks.md): 200 ms beat 100 on throughput and TTFT at concurrency 8.
+    # (docs/benchmarks-journal.md): 200 ms beat 100 on throughput and TTFT at concurrency 8.
     busy_step_ms: float = 200.0
     scheduling_policy: str = "fcfs"
     # Which cached block the pool evicts (docs/design.md §4 "Eviction policy"): lru (least

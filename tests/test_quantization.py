@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 B = 16
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # int8 groups of the 4-bit weights vs those weights: share of prompts whose first 8 greedy
-# tokens are identical (measured 20/24 on this set; docs/benchmarks.md "Weight formats" has KL
+# tokens are identical (measured 20/24 on this set; docs/benchmarks-journal.md "Weight formats" has KL
 # and agreement on a larger text set). Deterministic on one machine; the margin is for others.
 INT8_AGREEMENT = 0.7
 

@@ -8,7 +8,7 @@ on the event loop or in the default executor, whose threads parse and tokenize e
 requests (the failure of the metrics scrapes and the pinned warms). Each test has attackers of
 its own (a refusal penalty never carries over), sends a victim's request during the attack
 (it completes), and finds ``/health`` answering and no 5xx. The timing ratios are measured by
-benchmarks/tenant_isolation.py (docs/benchmarks.md "Tenant isolation").
+benchmarks/tenant_isolation.py (docs/benchmarks-journal.md "Tenant isolation").
 """
 
 from __future__ import annotations

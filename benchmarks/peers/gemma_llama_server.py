@@ -1,7 +1,7 @@
 """llama.cpp's own llama-server on Gemma 3 270M Q4_K_M, the workload of benchmarks/gemma_bench.py (a
 1,024-token prefix of the README cold, then hit with 32 new tokens, then 64 decoded), its own
 timings (predicted_per_token_ms) for the decode; needs `make gemma` and the llama-server build
-under .bench/ (docs/benchmarks.md).
+under .bench/ (docs/benchmarks-journal.md).
 
     flock /tmp/cpu.lock .venv/bin/python benchmarks/peers/gemma_llama_server.py
 """

@@ -1,5 +1,5 @@
 // Probe: the exact integer attention's products (prefixcache/kernels/int_attention.h) on
-// AMX-INT8 tiles. Result (docs/benchmarks.md "AMX tiles for attention, tried"): the same int32
+// AMX-INT8 tiles. Result (docs/benchmarks-journal.md "AMX tiles for attention, tried"): the same int32
 // bit for bit, 2.3x / 1.5x faster than the VNNI products for scores / values in isolation, but
 // 12% slower in place (the kernel's groups of 16 queries on the tiles, the rest on VNNI): not kept.
 //

@@ -8,7 +8,7 @@
 // (tdpbssd) against a scalar reference of the same arithmetic (bitwise) and reports GOP/s, to
 // compare with benchmarks/kernel_rates.py on the same host (ours, and torch._int_mm).
 //
-// Build and run (a host with amx_int8; docs/benchmarks.md "A GPU machine"):
+// Build and run (a host with amx_int8; docs/benchmarks-journal.md "A GPU machine"):
 //   g++ -O3 -march=sapphirerapids -fopenmp -ffp-contract=off benchmarks/probes/amx_groups.cpp -o /tmp/amx_groups
 //   /tmp/amx_groups            # OMP_NUM_THREADS sets the threads
 #include <immintrin.h>

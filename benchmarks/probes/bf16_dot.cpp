@@ -1,5 +1,5 @@
 // Probe: which scalar float32 sequence reproduces vdpbf16ps (AVX512-BF16) bit for bit on this CPU,
-// the question an AVX2 twin of a bf16 attention path has to answer (docs/benchmarks.md, "Where a
+// the question an AVX2 twin of a bf16 attention path has to answer (docs/benchmarks-journal.md, "Where a
 // hit's time goes now"). Random bf16 pairs and float32 accumulators: a sixteenth of the inputs
 // subnormal, a sixteenth tiny normals (their products are subnormal), the rest moderate; each
 // candidate emulation is compared with the instruction lane by lane.

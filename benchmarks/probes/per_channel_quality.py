@@ -3,7 +3,7 @@ torch._int_mm (AMX/VNNI at full rate, whole-K int32 sums, one epilogue per outpu
 Simulated in float32 on the default model: the decoder's weights (the GGUF's Q4_1 values)
 requantized per output channel to int8, activations rounded per token (or per group) to 16 or
 8 bits; KL of the next-token distribution against the dense float32 model, 8 texts
-(benchmarks/quality.py's). Results in docs/benchmarks.md ("Where a cold prefill goes").
+(benchmarks/quality.py's). Results in docs/benchmarks-journal.md ("Where a cold prefill goes").
 
 Usage: .venv/bin/python benchmarks/probes/per_channel_quality.py
 """

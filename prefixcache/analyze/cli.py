@@ -69,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="also simulate a disk tier of N x the RAM capacity behind it")
     t.add_argument("--restore-cost", type=float, default=None,
                    help="a disk restore's cost as a fraction of recomputing (default: the "
-                        "measured ratio in docs/benchmarks.md)")
+                        "measured ratio in docs/benchmarks-journal.md)")
     g = p.add_argument_group("bench datasets (instead of a log)")
     g.add_argument("--dataset", default=None,
                    help="analyse a `prefixcache bench` dataset by name (e.g. rag, multi-turn)")

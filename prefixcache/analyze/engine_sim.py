@@ -9,7 +9,7 @@ way the scheduler drives it for one request at a time:
 - **a partial tail is never cached**: only full blocks are hashed and shared; a prompt's last
   partial block is hit only token-exactly, when a cached full block starts with its tokens (the
   same hash id, full in another request), by copying them (token-exact reuse, on by default as
-  in the engine; the figures of docs/benchmarks.md "Real traces: eviction" predate it);
+  in the engine; the figures of docs/benchmarks-journal.md "Real traces: eviction" predate it);
 - **a hit is at most len - 1 tokens**: a fully cached prompt still computes its last token (its
   logits are needed), so it recomputes its last block (and then shares the cached copy);
 - **in-flight blocks**: a request holds its hits and its new blocks while it runs; eviction
@@ -19,7 +19,7 @@ way the scheduler drives it for one request at a time:
 The fourth difference, **generated blocks** (the engine caches the blocks its answers fill),
 is removed by the replay's conditions instead: one output token (its KV is never computed), one
 request at a time (``bench serve --max-concurrency 1 --extra-body '{"max_tokens": 1}'``). Under
-those conditions a live server's hit rate is this simulation's (docs/benchmarks.md "Real
+those conditions a live server's hit rate is this simulation's (docs/benchmarks-journal.md "Real
 traces: eviction" compares the three).
 
 Token ids: each hash id stands for ``block_tokens`` ids drawn from a generator seeded by the id

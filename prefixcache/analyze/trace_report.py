@@ -22,7 +22,7 @@ from prefixcache.analyze.engine_sim import simulate_engine, trace_prompts
 from prefixcache.analyze.mooncake import infinite_hit_rate, read_trace, working_set_blocks
 from prefixcache.analyze.trace_sim import capacity_for, next_uses, simulate_trace, size_label
 
-# Restore cost as a fraction of recomputing, from docs/benchmarks.md (disk restore seen by the
+# Restore cost as a fraction of recomputing, from docs/benchmarks-journal.md (disk restore seen by the
 # client 4,886 tok/s against a 229 tok/s prefill on the CPU machine).
 DEFAULT_RESTORE_COST = 229 / 4886
 

@@ -21,7 +21,7 @@ Policies:
 
 - ``lru``: least recently used first (what vLLM, SGLang and the engine do).
 - ``lru-demote`` (ours, docs/design.md "Eviction policy"): LRU with *quick demotion* of blocks
-  never reused. What predicts reuse in both Mooncake traces (docs/benchmarks.md "Real traces:
+  never reused. What predicts reuse in both Mooncake traces (docs/benchmarks-journal.md "Real traces:
   eviction"): a block that has been hit once is reused again with probability 0.42-0.84, a
   block seen once only 0.24-0.42, and the last block of a prompt (a leaf no later request
   extended) 0.01-0.05. So blocks enter a *probation* queue and move to the *main* LRU on their

@@ -198,7 +198,7 @@ class PrefixAffinityRouter(RequestRouter):
             # A new prefix: the replica holding the fewest recorded blocks, so prefixes spread
             # evenly and each replica's share fits its pool (a random pick put 10 of 16 prefixes
             # on one replica whose pool held 9: measured 92% of the ideal hit rate, see
-            # docs/benchmarks.md); the lighter queue breaks ties and a busy replica is skipped.
+            # docs/benchmarks-journal.md); the lighter queue breaks ties and a busy replica is skipped.
             shortest = min(self._queue_len(r.replica_id) for r in candidate_replicas)
             fits = [r for r in candidate_replicas if self._queue_len(r.replica_id) - shortest <= self.imbalance]
             best = min(fits, key=lambda r: (len(self._keys.get(r.replica_id, ())), self._queue_len(r.replica_id)))

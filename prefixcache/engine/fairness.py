@@ -37,7 +37,7 @@ Two rules, both pure functions of the queues:
    steps, so one that keeps arriving anew (one-token requests that finish in their first step)
    has at most 1/(2N) of the steps to itself, not every other one (issue #37). A tenant alone
    keeps the full ``max_num_batched_tokens``. What it costs a busy tenant is the per-step overhead of smaller
-   steps (docs/benchmarks.md "Tenant isolation"); outputs never change with step sizes (the
+   steps (docs/benchmarks-journal.md "Tenant isolation"); outputs never change with step sizes (the
    exact path is batch-invariant, docs/design.md section 2).
 
 5. **Memory preemption** (``memory_victim``): when blocks run out, the newest sequence of the

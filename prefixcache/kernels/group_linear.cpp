@@ -21,7 +21,7 @@
 // aten's int4/int8 CPU kernels take bf16 activations only, and rounding activations to bf16
 // turns float32 noise into whole bf16 steps (measured: cold != warm on greedy outputs).
 //
-// Measured on a 2-core AVX2 EPYC (docs/benchmarks.md, "Linear kernels"): the step at small M
+// Measured on a 2-core AVX2 EPYC (docs/benchmarks-journal.md, "Linear kernels"): the step at small M
 // is bound by how fast two cores pull weight bytes while rebuilding them, so the layout keeps
 // one stream per row, a lone x row walks two weight rows at once, and a software prefetch runs
 // 16 records ahead (the scales in a separate array, and four rows at once, were 2x slower).

@@ -17,7 +17,7 @@ prefix served from the cache gives attention exactly what a cold run gives it.
 int16 keeps 13 bits (|x| <= 4095) so that attention's integer products stay exact in int32
 (kernels/int_attention.h: K/V times a 12-bit query and 14-bit softmax weights, head_dim <= 256);
 on the exact path it is ``auto``'s choice: float32-like quality (KL vs float32 K/V at 2k-8k-token
-contexts in docs/benchmarks.md), half of float32's bytes, and attention on the integer units.
+contexts in docs/benchmarks-journal.md), half of float32's bytes, and attention on the integer units.
 int8 measured KL ~1e-3 at 2k-token contexts (over the floor), so it stays opt-in.
 
 Layout. Every format stores a token's row of a KV head whole at its slot, except int16, whose

@@ -175,7 +175,7 @@ def paged_attention(
 # Queries are processed in chunks of this many rows: each chunk attends only to the keys up to
 # its last position (skipping most of the causal upper triangle) and its score matrix stays in
 # cache. On CPU this is several times faster than SDPA for GQA prefill (measured, see
-# docs/benchmarks.md), and it is one code path for decodes, chunks and whole prompts.
+# docs/benchmarks-journal.md), and it is one code path for decodes, chunks and whole prompts.
 _Q_CHUNK = 64
 
 

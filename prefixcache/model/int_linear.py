@@ -157,7 +157,7 @@ def w8_quads(isa: str, bits: int, mixed: bool) -> bool:
     """Whether 8-bit weights are packed as quads (int_gemm.h ``w8_quads``, the same rule): on
     AVX512-VNNI (and AMX, whose B tiles they are) with 8-bit or mixed activations, where vpdpbusd
     runs them in one pass; with
-    16 bits everywhere the pairs' vpdpwssd was faster (docs/benchmarks.md)."""
+    16 bits everywhere the pairs' vpdpwssd was faster (docs/benchmarks-journal.md)."""
     return isa in ("amx", "avx512-vnni") and (bits == 8 or mixed)
 
 

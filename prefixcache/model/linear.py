@@ -19,7 +19,7 @@ step (1 for a single decode, thousands for a prefill). Two kinds of layer:
   prefill, which is what cold == warm rests on.
 
 Why not aten's ``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm`` (measured, see
-docs/benchmarks.md): they take bf16 activations only and return bf16. Rounding activations to
+docs/benchmarks-journal.md): they take bf16 activations only and return bf16. Rounding activations to
 bf16 at every layer turns float32 summation noise (different batch shapes in a cold and a warm
 run) into whole bf16 steps on some elements, and greedy outputs of the same prompt then differed
 cold vs warm in the engine tests.
@@ -39,7 +39,7 @@ GROUP = 32
 # Rows above which a group layer runs the float32 GEMM over its dequantized weights instead of
 # the fused kernel, whose cost grows with M (it rebuilds each weight once per tile of up to 8
 # rows) while the GEMM's stays flat until it is compute-bound. Measured on the default model's
-# 30 layers, 2 threads (docs/benchmarks.md, "Linear kernels"): kernel / dense 10 / 37 ms at
+# 30 layers, 2 threads (docs/benchmarks-journal.md, "Linear kernels"): kernel / dense 10 / 37 ms at
 # M = 1, 27 / 85 at 8, 88 / 106 at 32, 131 / 174 at 48, 218 / 193 at 64.
 LARGE_M = 48
 

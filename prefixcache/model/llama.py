@@ -510,7 +510,7 @@ _KIND = {Int4Groups: "q4", Int8Groups: "q8", Int8Groups16: "q6"}
 
 # Architectures whose activations need 16 bits everywhere under "auto": Gemma 3 270M Q4_K_M,
 # KL vs float32 over 8 ShareGPT texts: mixed 1.9e-3 (over the 1e-3 floor), int16 4.6e-4
-# (docs/benchmarks.md "Gemma 3 270M Q4_K_M"); its embeddings are scaled by sqrt(hidden) and
+# (docs/benchmarks-journal.md "Gemma 3 270M Q4_K_M"); its embeddings are scaled by sqrt(hidden) and
 # GeGLU leaves wider rows than SwiGLU.
 _AUTO_INT16 = frozenset({"Gemma3ForCausalLM"})
 

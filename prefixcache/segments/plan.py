@@ -27,7 +27,7 @@ SEGMENT_KEY_VERSION = 2
 _TAG = b"prefixcache/segment-key"
 # Segments are computed after the prompt's first SINK_TOKENS tokens (the attention sink: v1
 # computed them from position 0, where a document's own first token became the sink of all its
-# other tokens; docs/benchmarks.md has both).
+# other tokens; docs/benchmarks-journal.md has both).
 SINK_TOKENS = 1
 BOUNDARY = f"after-prompt-head-{SINK_TOKENS}"
 

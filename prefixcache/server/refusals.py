@@ -5,7 +5,7 @@ length check can say 400 (a chat of 64 documents of ~300 tokens is ~128 KiB of J
 tokens to count). Sent back to back, such requests keep the CPU and the interpreter's lock
 busy and every tenant's steps slow down with them: measured on 2 cores, two clients of one
 tenant sending over-long segments chats raised another tenant's time to first token 14x while
-every one of their requests was a 400 (docs/benchmarks.md "Tenant isolation"). Decisions:
+every one of their requests was a 400 (docs/benchmarks-journal.md "Tenant isolation"). Decisions:
 
 - **Count refusals, not requests.** A tenant may have ``max_refusals_per_second`` answers of
   400, 404, 413, 422 or 429 in any second; past that, for ``refusal_penalty`` seconds, its
