@@ -6,13 +6,16 @@ import argparse
 import sys
 import time
 
-from prefixcache.config import KV_CACHE_DTYPES
+from prefixcache.config import COMPONENTS, add_cli_arguments
+
+# The engine options an offline run takes (each defined once, in config.py)
+_ENGINE_FLAGS = ("model", "kv_cache_memory", "dtype", "quantization", "activations",
+                 "kv_cache_dtype", "device", "enable_prefix_caching")  # fmt: skip
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for a prompt with the offline engine")
     p.add_argument("--prompt", required=True, help="prompt text (use --chat to apply the template)")
-    p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--chat", action="store_true", help="treat the prompt as a user chat message")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -21,15 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--repeat", type=int, default=1, help="run the prompt N times (shows the cache hit on runs 2..N)")
-    p.add_argument("--kv-cache-memory", default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4"))
-    p.add_argument("--activations", default="auto", choices=("auto", "int16", "int8", "float32"))
-    p.add_argument(
-        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES
-    )
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--no-enable-prefix-caching", action="store_true")
+    engine = p.add_argument_group("engine (the same flags as prefixcache serve's)")
+    for component in COMPONENTS:
+        add_cli_arguments(engine, component, only=_ENGINE_FLAGS)
     p.set_defaults(func=run)
 
 
@@ -43,16 +40,7 @@ def run(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
             top_k=args.top_k, seed=args.seed,
         )  # fmt: skip
-        llm = LLM(
-            args.model,
-            kv_cache_memory=args.kv_cache_memory,
-            dtype=args.dtype,
-            quantization=args.quantization,
-            activations=args.activations,
-            kv_cache_dtype=args.kv_cache_dtype,
-            device=args.device,
-            enable_prefix_caching=not args.no_enable_prefix_caching,
-        )
+        llm = LLM(**{name: getattr(args, name) for name in _ENGINE_FLAGS})
     except (ValueError, ModelNotFoundError, UnsupportedModelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -207,6 +207,50 @@ def test_serve_command_line():
         ServerLimits(send_timeout=0)
 
 
+
+def test_the_engine_flags_are_the_config_fields():
+    """Issue #40: the flags are generated from config.py's fields, so a default is written once:
+    no flags give EngineConfig() exactly, every field but the internal ones has exactly one
+    flag, and the flags whose words need converting (a 'none', a renamed flag) land right."""
+    from dataclasses import fields
+
+    from prefixcache.config import COMPONENTS, EngineConfig
+
+    assert _engine_config(build_parser().parse_args(["serve"])) == EngineConfig()
+    off_cli = {f.name for c in COMPONENTS for f in fields(c) if f.metadata["cli"] is None}
+    assert off_cli == {"lpm_max_wait_steps", "lpm_max_queue", "kv_events_rank"}
+    names = [f.name for c in COMPONENTS for f in fields(c)]
+    assert sorted(names) == sorted(f.name for f in fields(EngineConfig))  # each field once
+    parser = build_parser()._subparsers._group_actions[0].choices["serve"]
+    dests = [a.dest for a in parser._actions]
+    assert all(dests.count(n) == 1 for n in names if n not in off_cli)
+    cfg = _engine_config(build_parser().parse_args([
+        "serve", "--weights-cache-dir", "none", "--shared-window", "5", "--health-stall-timeout",
+        "9", "--kv-events-endpoint", "tcp://127.0.0.1:5999", "--kv-events-token-ids",
+        "--no-partial-block-reuse", "--tier-compression", "lz4", "--max-model-len", "300",
+    ]))  # fmt: skip
+    assert cfg.weights_cache_dir is None and cfg.shared_window_s == 5.0
+    assert cfg.health_stall_seconds == 9.0 and cfg.kv_events_token_ids is True
+    assert (cfg.partial_block_reuse, cfg.tier_compression, cfg.max_model_len) == (False, "lz4", 300)
+    with pytest.raises(SystemExit):  # choices come from the config's tuples
+        build_parser().parse_args(["serve", "--eviction-policy", "fifo"])
+
+
+def test_each_config_component_checks_its_own_fields_alone():
+    from prefixcache.config import CacheConfig, EngineConfig, SchedulerConfig, TiersConfig
+
+    with pytest.raises(ValueError, match="block_size"):
+        CacheConfig(block_size=3)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="remote cache URL"):
+        TiersConfig(remote_cache="http://x:1")
+    with pytest.raises(ValueError, match="max_num_seqs"):  # and as part of the whole
+        EngineConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig(block_size=3)
+    assert isinstance(EngineConfig(), CacheConfig)
+
 def test_an_open_server_on_a_non_loopback_address_needs_an_explicit_flag(tmp_path, capsys):
     """Issue #37: with no API key every caller is the admin; bound beyond loopback that was
     served without a word. Now it is refused (exit 2, before the model loads) unless

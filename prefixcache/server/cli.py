@@ -7,7 +7,7 @@ import logging
 import sys
 from dataclasses import fields
 
-from prefixcache.config import EVICTION_POLICIES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, parse_bytes
+from prefixcache.config import COMPONENTS, add_cli_arguments, config_from_cli, parse_bytes
 from prefixcache.server.limits import ServerLimits
 
 DEFAULT_HOST = "127.0.0.1"
@@ -62,255 +62,20 @@ def register(subparsers) -> None:
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Every flag of ``prefixcache serve`` (``prefixcache cluster`` takes them all too)."""
-    m = p.add_argument_group("model and engine")
-    m.add_argument(
-        "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)"
-    )
-    m.add_argument(
+    # The engine's flags: each config component's fields (config.py), in its help group
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for component in COMPONENTS:
+        if component.CLI_GROUP not in groups:
+            groups[component.CLI_GROUP] = p.add_argument_group(component.CLI_GROUP)
+        add_cli_arguments(groups[component.CLI_GROUP], component)
+    s = p.add_argument_group("server")
+    s.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
         metavar="NAME",
         help="name(s) clients use in 'model' (default: the model's name)",
     )
-    m.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV cache of shared prompt prefixes",
-    )
-    m.add_argument(
-        "--partial-block-reuse",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse a cached block's leading tokens when a prompt diverges inside it, so a "
-        "hit is the whole common prefix, not its floor to a block (docs/design.md §4)",
-    )
-    m.add_argument(
-        "--kv-cache-memory",
-        default=None,
-        help="KV cache size, e.g. 2GiB or 512MiB (default: the engine's)",
-    )
-    m.add_argument("--block-size", type=int, default=16)
-    m.add_argument("--max-model-len", type=int, default=None)
-    m.add_argument("--max-num-seqs", type=int, default=128)
-    m.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    m.add_argument(
-        "--busy-step-ms",
-        type=float,
-        default=200.0,
-        metavar="MS",
-        help="while two or more requests have work, steps carry only the tokens that fit in "
-        "about this long, so a burst's prompts get first tokens one after another and decodes "
-        "never wait behind a full chunk (0: off)",
-    )
-    m.add_argument(
-        "--shared-step-ms",
-        type=float,
-        default=150.0,
-        metavar="MS",
-        help="while several tenants are active, steps carry only the tokens that fit in about "
-        "this long, so a short request never waits behind a long chunk (0: off)",
-    )
-    m.add_argument(
-        "--shared-window",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
-        help="a tenant counts as active this long after its last request",
-    )
-    m.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
-                   help="fcfs; lpm: longest cached prefix first; sjf: fewest uncached prompt "
-                   "tokens first (both with a starvation guard)")
-    m.add_argument(
-        "--eviction-policy",
-        choices=EVICTION_POLICIES,
-        default="lru",
-        help="which cached KV block goes when the pool is full (docs/engine.md \"Eviction\")",
-    )
-    m.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=256,
-        help="more waiting requests than this are refused with 429",
-    )
-    m.add_argument(
-        "--max-waiting-per-tenant",
-        type=int,
-        default=None,
-        help="waiting sequences one tenant may hold; more get 429 (default: half of "
-        "--max-waiting-requests)",
-    )
-    m.add_argument(
-        "--pin-budget-fraction",
-        type=float,
-        default=0.25,
-        help="share of the KV pool pinned prompts may hold",
-    )
-    m.add_argument(
-        "--pin-quota-fraction",
-        type=float,
-        default=0.5,
-        help="share of the pin budget one non-admin tenant may hold",
-    )
-    m.add_argument(
-        "--max-pin-ttl",
-        type=float,
-        default=3600.0,
-        metavar="SECONDS",
-        help="longest pin; a pin without ttl_seconds gets this one",
-    )
-    m.add_argument(
-        "--max-pending-deltas",
-        type=int,
-        default=1024,
-        help="a stream whose reader leaves more deltas unread is cancelled",
-    )
-    m.add_argument(
-        "--health-stall-timeout",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
-        help="/health is 503 when work waits and no step finished for this long",
-    )
-    m.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    m.add_argument(
-        "--quantization",
-        default="auto",
-        choices=("auto", "none", "int8", "int4"),
-        help="weight-only quantization of the linear layers; auto: int4 for a 4-bit GGUF on "
-        "CPU (the file's own weights), else none",
-    )
-    m.add_argument(
-        "--activations",
-        default="auto",
-        choices=("auto", "int16", "mixed", "int8", "float32"),
-        help="arithmetic of the linear layers, all but float32 exact (outputs bit-for-bit "
-        "independent of cache, batch and chunking); int16: 16-bit activations, float32-like "
-        "quality; mixed: 8 or 16 bits per group, 1.4x faster (auto's choice for 4-bit groups on "
-        "CPU, int16 for 8-bit ones); int8: faster, below the quality floor; float32: the float "
-        "reference",
-    )
-    m.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=KV_CACHE_DTYPES,
-        help="how K/V are stored in the cache; auto: int16 on the exact integer path (CPU: half "
-        "of float32's bytes, attention on the integer units), else the model's dtype. int8/fp8_e4m3 "
-        "hold ~3.8x the tokens of float32 but cost more quality than the floor at long contexts",
-    )
-    m.add_argument(
-        "--weights-cache-dir",
-        default="auto",
-        help="where converted weights are kept between starts ('auto': the user cache "
-        "directory; 'none': off)",
-    )
-    t = p.add_argument_group("persistent KV tiers (docs/engine.md, 'Cache tiers')")
-    t.add_argument(
-        "--disk-cache-dir",
-        default=None,
-        metavar="DIR",
-        help="keep KV blocks on disk under DIR ('auto': kv/ in the user cache directory): a "
-        "restart finds them. Off by default",
-    )
-    t.add_argument(
-        "--disk-cache-size",
-        default="10GiB",
-        metavar="SIZE",
-        help="most bytes the disk tier holds (LRU), e.g. 10GiB",
-    )
-    t.add_argument(
-        "--segment-cache-memory",
-        default="512MiB",
-        metavar="SIZE",
-        help="RAM for documents' KV kept as segments, used only by requests with "
-        "cache_mode \"segments\" (docs/segments.md)",
-    )
-    t.add_argument(
-        "--max-segments-per-request",
-        type=int,
-        default=64,
-        metavar="N",
-        help="most document messages one cache_mode \"segments\" request (chat or warm) may "
-        "have; more is a 400 segment_limit_exceeded",
-    )
-    t.add_argument(
-        "--max-segment-record",
-        default="64MiB",
-        metavar="SIZE",
-        help="most bytes of one document's KV computed alone (its segment record, ~46 KB/token "
-        "for the default model); a document that would make a larger one is a 400 "
-        "segment_limit_exceeded",
-    )
-    t.add_argument(
-        "--remote-cache",
-        default=None,
-        metavar="URL",
-        help="share KV blocks with other replicas through Redis/Valkey: "
-        "redis://[:password@]host:port/db (rediss:// for TLS)",
-    )
-    t.add_argument(
-        "--remote-cache-max-record",
-        default="64MiB",
-        metavar="SIZE",
-        help="records larger than this are not sent to Redis (one huge SET would outlast the "
-        "socket timeout)",
-    )
-    t.add_argument(
-        "--remote-cache-size",
-        default="auto",
-        metavar="SIZE",
-        help="bytes of records this deployment keeps in Redis, shared fairly between tenants "
-        "(auto: half the server's maxmemory; none: no bound of ours)",
-    )
-    t.add_argument(
-        "--tier-secret-file",
-        default=None,
-        metavar="FILE",
-        help="32+ random bytes that authenticate and name every disk/Redis record "
-        "(head -c 32 /dev/urandom > FILE); replicas sharing a Redis must share it. Default: "
-        "one generated once, kept 0600 next to the disk tier",
-    )
-    t.add_argument(
-        "--tier-compression",
-        default="none",
-        choices=("none", "lz4", "zstd"),
-        help="compress stored blocks where it pays (float32 KV hardly compresses)",
-    )
-    ev = p.add_argument_group("KV events for external routers (docs/cluster.md, 'KV events')")
-    ev.add_argument(
-        "--kv-events-endpoint",
-        default=None,
-        help="ZMQ PUB endpoint to bind, e.g. tcp://127.0.0.1:5557: BlockStored/BlockRemoved/"
-        "AllBlocksCleared in vLLM's msgpack format (off by default). Every tenant's cache "
-        "traffic: loopback or ipc:// unless CURVE or --kv-events-allow-remote",
-    )
-    ev.add_argument(
-        "--kv-events-replay-endpoint",
-        default=None,
-        help="ZMQ ROUTER endpoint answering replay requests, e.g. tcp://127.0.0.1:5558",
-    )
-    ev.add_argument("--kv-events-topic", default="", help="topic frame of every event message")
-    ev.add_argument(
-        "--kv-events-curve-secret-file",
-        default=None,
-        metavar="FILE",
-        help="CURVE server secret key (z85; `prefixcache events keygen FILE`): both sockets "
-        "encrypt, and only subscribers given FILE.pub connect. Allows a non-loopback bind",
-    )
-    ev.add_argument(
-        "--kv-events-allow-remote",
-        action="store_true",
-        help="allow a non-loopback bind without CURVE: anyone reaching the port reads the stream",
-    )
-    ev.add_argument(
-        "--kv-events-token-ids",
-        action="store_true",
-        help="send each BlockStored's token ids (the tenants' prompts); empty by default",
-    )
-    m.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    m.add_argument("--seed", type=int, default=0)
-    s = p.add_argument_group("server")
     s.add_argument("--host", default=DEFAULT_HOST)
     s.add_argument("--port", type=int, default=DEFAULT_PORT)
     s.add_argument(
@@ -465,53 +230,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _engine_config(args: argparse.Namespace):
-    from prefixcache.config import EngineConfig
-
-    return EngineConfig(
-        model=args.model,
-        kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        partial_block_reuse=args.partial_block_reuse,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        shared_step_ms=args.shared_step_ms,
-        busy_step_ms=args.busy_step_ms,
-        shared_window_s=args.shared_window,
-        scheduling_policy=args.scheduling_policy,
-        eviction_policy=args.eviction_policy,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        activations=args.activations,
-        kv_cache_dtype=args.kv_cache_dtype,
-        weights_cache_dir=None if args.weights_cache_dir == "none" else args.weights_cache_dir,
-        device=args.device,
-        seed=args.seed,
-        max_waiting_requests=args.max_waiting_requests,
-        max_waiting_per_tenant=args.max_waiting_per_tenant,
-        pin_budget_fraction=args.pin_budget_fraction,
-        pin_quota_fraction=args.pin_quota_fraction,
-        max_pin_ttl_seconds=args.max_pin_ttl,
-        max_pending_deltas=args.max_pending_deltas,
-        health_stall_seconds=args.health_stall_timeout,
-        disk_cache_dir=args.disk_cache_dir,
-        disk_cache_size=args.disk_cache_size,
-        segment_cache_memory=args.segment_cache_memory,
-        max_segments_per_request=args.max_segments_per_request,
-        max_segment_record=args.max_segment_record,
-        remote_cache=args.remote_cache,
-        tier_compression=args.tier_compression,
-        tier_secret_file=args.tier_secret_file,
-        remote_cache_max_record=args.remote_cache_max_record,
-        remote_cache_size=args.remote_cache_size,
-        kv_events_endpoint=args.kv_events_endpoint,
-        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-        kv_events_topic=args.kv_events_topic,
-        kv_events_curve_secret_file=args.kv_events_curve_secret_file,
-        kv_events_allow_remote=args.kv_events_allow_remote,
-        kv_events_token_ids=args.kv_events_token_ids,
-    )
+    return config_from_cli(args)
 
 
 def _limits(args: argparse.Namespace) -> ServerLimits:
