@@ -538,7 +538,7 @@ def test_index_match_tokens_collision_guard():
     assert idx.match(keys, toks, root).block_ids == [1]
 
 
-# ---- eviction policies in the pool (cache/eviction.py) ------------------------------------------
+# ---- eviction policies in the pool (cache/eviction/) ---------------------------------------------
 POLICIES = ["lru", "lru-demote", "hit-density", "adaptive"]
 
 

@@ -1,6 +1,6 @@
 """Retention priorities (TensorRT-LLM's 0-100): eviction takes the lowest-ranked candidate of
 the policy's own victim's group, so a group's ranks decide which of *its* blocks go, never whose
-(cache/eviction.py, docs/design.md §4 "Retention priority").
+(cache/eviction/policy.py, docs/design.md §4 "Retention priority").
 
 First the policies alone (every online one, as the trace simulator drives them), then the block
 pool (groups, deadlines on an injected clock, invariants under random operations), then the

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixcache.analyze.belady import BeladyPolicy
 from prefixcache.analyze.mooncake import (
     TraceFormatError,
     infinite_hit_rate,
@@ -20,7 +21,6 @@ from prefixcache.analyze.simulate import lru_distance_histogram, lru_hits
 from prefixcache.analyze.trace_sim import simulate_trace
 from prefixcache.cache.eviction import (
     AdaptivePolicy,
-    BeladyPolicy,
     EvictionError,
     HitDensityPolicy,
     NoEvictableBlock,

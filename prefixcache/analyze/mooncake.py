@@ -8,7 +8,7 @@ Mooncake repository's FAST25-release traces, also replayed by NVIDIA aiperf as
 
 Hash ids name prefixes, not contents: the same id always follows the same parent (checked on
 both published traces), so the ids of all requests form a forest, the shape the eviction
-policies (``cache/eviction.py``) work on. The rule, checked as the trace is read
+policies (``cache/eviction/``) work on. The rule, checked as the trace is read
 (``PrefixForest``): **within one request no id repeats, and an id always follows the same
 parent (the id before it, or none: the request's first block) in every request**. An id that
 repeats names a block that would be its own ancestor; one under two parents names two prefixes.

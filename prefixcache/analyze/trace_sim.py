@@ -6,9 +6,9 @@ The cache model (the issue's, and the one ``analyze/simulate.py`` uses for reque
   blocks, worth ``min(k * 512, input_length)`` tokens; then all its blocks are cached and the
   policy evicts down to C (leaves first, never a block a request holds: here nothing is held
   between requests, the engine's in-flight blocks are not modelled);
-- the policy is ``cache/eviction.py``'s, the very classes the engine's pool is to use; Belady's
-  optimum is the same forest with every block's next use known (a child is never needed before
-  its parent, so leaves-first costs the optimum nothing);
+- the policy is ``cache/eviction/``'s, the very classes the engine's pool is to use; Belady's
+  optimum (``analyze/belady.py``) is the same forest with every block's next use known (a
+  child is never needed before its parent, so leaves-first costs the optimum nothing);
 - with a disk tier of ``D`` blocks behind RAM (two levels): write-through, as the engine's disk
   tier (docs/design.md §6b): every block computed is written, and the disk is an LRU over
   writes and restores (the engine's disk shares, one owner). A block missing from RAM but on
@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from prefixcache.analyze.belady import BeladyPolicy
 from prefixcache.analyze.mooncake import TraceRequest
-from prefixcache.cache.eviction import BeladyPolicy, EvictionPolicy, make_policy
+from prefixcache.cache.eviction import EvictionPolicy, make_policy
 
 NEVER = 1 << 62
 

@@ -7,7 +7,7 @@ eviction policy (docs/design.md §4).
 
 Every block is either free (``_free``: ref 0, no key), cached (ref 0, a key in the index), or
 in use (ref ≥ 1, with or without a key). Every block with a key, in use or not, is known to the
-eviction policy (``cache/eviction.py``, the same classes the trace simulator runs) under its
+eviction policy (``cache/eviction/``, the same classes the trace simulator runs) under its
 *key*, as a child of the block before it in its prompt; a pin counts there as one more
 reference. The policy picks the victims: never a block in use or pinned, never a block with a
 cached child (leaves go first), the deeper block on ties. Allocation takes free blocks first and
@@ -16,7 +16,7 @@ asks the policy for a victim only when none are left.
 Retention priorities: each indexed block belongs to a *group* (the engine's: the tenant whose
 namespace it is in; a shared namespace is a group of its own) and may be ranked 0-100 for a
 while (``set_retention``; a deadline on the pool's clock, as pins). The policy evicts its own
-victim's group's lowest-ranked candidate first (``cache/eviction.py``), so a group's ranks
+victim's group's lowest-ranked candidate first (``cache/eviction/policy.py``), so a group's ranks
 decide which of *its* blocks go, never whose.
 
 Time for the policy: one tick per admitted request (``tick``, from the cache manager: hit
