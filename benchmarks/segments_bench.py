@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache import LLM, SamplingParams
-from prefixcache.segments.plan import SegmentRequest
+from prefixcache.api.segments import SegmentRequest
 
 FILLER = [
     "The archive keeps letters, ledgers and maps from the old harbour office.",

@@ -455,7 +455,7 @@ def test_segments_are_refused_for_sliding_window_models(exact, tokenizer):
     """A segments request reuses a document's K/V at another position; window layers keep none
     past the window: a clear InvalidRequestError (a 400 from the server), nothing run."""
     from prefixcache.api.errors import InvalidRequestError
-    from prefixcache.segments.plan import SegmentRequest
+    from prefixcache.api.segments import SegmentRequest
 
     ids = tokenizer.encode(PROSE)[:40]
     with pytest.raises(InvalidRequestError, match="sliding-window"):

@@ -105,9 +105,9 @@ RULES = [
     ("prefixcache.events.access", ["prefixcache"]),
     ("prefixcache.api.errors", ["prefixcache"]),
     ("prefixcache.kernels", ["prefixcache"]),
-    # api/ is the boundary: plain data and protocols (segments.plan: the request's SegmentRequest)
-    ("prefixcache.api", [*CORE, *FEATURES, *CONNECTORS, *ENGINE, *UPPER, "prefixcache.model", "prefixcache.kv"],
-     ["prefixcache.segments.plan"]),
+    # api/ is the boundary: plain data and protocols, the lowest layer (a segments request's
+    # SegmentRequest and SegmentOptions are api/segments.py's, not the segments feature's)
+    ("prefixcache.api", [*CORE, *FEATURES, *CONNECTORS, *ENGINE, *UPPER, "prefixcache.model", "prefixcache.kv"]),
     # The cache core knows no feature: connectors plug in through cache/connector.py.
     ("prefixcache.cache", [*FEATURES, *CONNECTORS, *ENGINE, *UPPER, "prefixcache.model", "prefixcache.kv"]),
     ("prefixcache.sequence", [*FEATURES, *CONNECTORS, *ENGINE, *UPPER, "prefixcache.model"]),
@@ -123,9 +123,8 @@ RULES = [
                               "prefixcache.kv", "prefixcache.model"], ["prefixcache.model.runner"]),
     ("prefixcache.connectors", [*ENGINE, *UPPER]),
     # The engine knows the connector protocol, never a concrete connector (connectors/build.py
-    # does); segments.plan is the request's data (SegmentRequest), as api/engine.py has it.
-    ("prefixcache.engine", [*FEATURES, *CONNECTORS, *UPPER],
-     ["prefixcache.connectors.build", "prefixcache.segments.plan"]),
+    # does), and no feature: a segments request's data is api/segments.py's.
+    ("prefixcache.engine", [*FEATURES, *CONNECTORS, *UPPER], ["prefixcache.connectors.build"]),
     ("prefixcache.engine.scheduler", ["prefixcache.model", "prefixcache.kv"]),
     ("prefixcache.server", ["prefixcache.engine.llm_engine", "prefixcache.engine.scheduler",
                             "prefixcache.model.runner", "prefixcache.cache.manager",

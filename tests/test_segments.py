@@ -10,10 +10,10 @@ from _helpers import BYTES_PER_TOKEN, shared_default_weights
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.api.errors import InvalidRequestError
+from prefixcache.api.segments import SegmentOptions
 from prefixcache.kv.pool import KVCache, KVLayout
 from prefixcache.model.attention import build_metadata
 from prefixcache.model.llama import rerotate, rotate
-from prefixcache.segments.plan import SegmentOptions
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 ALL = 10**6  # segment_recompute_tokens above any span: recompute everything

@@ -16,11 +16,11 @@ import pytest
 from _helpers import PROSE, shared_default_weights
 
 from prefixcache.api.request import SamplingParams
+from prefixcache.api.segments import SegmentOptions, SegmentRequest
 from prefixcache.config import EngineConfig
 from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.engine.fairness import StepPace
 from prefixcache.engine.llm_engine import LLMEngine
-from prefixcache.segments.plan import SegmentOptions, SegmentRequest
 from prefixcache.segments.record import payload_bytes
 from prefixcache.server.app import create_app
 

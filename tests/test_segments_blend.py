@@ -13,11 +13,11 @@ from test_segments import ALL, GREEDY, _messages, _tokens
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.api.errors import InvalidRequestError
+from prefixcache.api.segments import SegmentOptions
 from prefixcache.kv.pool import KVCache, KVLayout
 from prefixcache.model.attention import build_metadata
 from prefixcache.model.decode_attention import slots_of
 from prefixcache.segments import blend
-from prefixcache.segments.plan import SegmentOptions
 from prefixcache.server.errors import APIError
 from prefixcache.server.protocol import ChatCompletionRequest
 from prefixcache.server.serving import Serving

@@ -22,8 +22,8 @@ from prefixcache.api.request import (
     SharedPrefix,
     StreamDelta,
 )
+from prefixcache.api.segments import SegmentRequest
 from prefixcache.config import EngineConfig
-from prefixcache.segments.plan import SegmentRequest
 
 
 @dataclass(frozen=True)

@@ -47,9 +47,9 @@ from prefixcache.api.errors import (
     TenantQuotaError,
 )
 from prefixcache.api.request import CacheExplanation, SamplingParams, SharedPrefix, StreamDelta
+from prefixcache.api.segments import SegmentRequest
 from prefixcache.config import EngineConfig
 from prefixcache.engine.llm_engine import BatchFailedError, LLMEngine
-from prefixcache.segments.plan import SegmentRequest
 
 log = logging.getLogger(__name__)
 

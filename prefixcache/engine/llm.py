@@ -7,14 +7,14 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 
 from prefixcache.api.request import RequestOutput, RetentionPriority, SamplingParams, SharedPrefix
-from prefixcache.config import EngineConfig
-from prefixcache.engine.llm_engine import LLMEngine
-from prefixcache.segments.plan import (
+from prefixcache.api.segments import (
     CACHE_MODES,
     DEFAULT_RECOMPUTE_TOKENS,
     SegmentOptions,
     SegmentRequest,
 )
+from prefixcache.config import EngineConfig
+from prefixcache.engine.llm_engine import LLMEngine
 
 Prompt = str | list[int]
 

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixcache.api.errors import InvalidRequestError, SegmentLimitError
+from prefixcache.api.segments import SegmentRequest
 from prefixcache.cache.manager import KVCacheManager
 from prefixcache.model.runner import ModelRunner, Piece
 from prefixcache.segments import record
@@ -57,7 +58,6 @@ from prefixcache.segments.blend import blend_pieces
 from prefixcache.segments.plan import (
     SINK_TOKENS,
     SegmentPlan,
-    SegmentRequest,
     SegmentSpan,
     check_spans,
     segment_key,

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import torch
 
+from prefixcache.api.segments import SegmentOptions
 from prefixcache.model.runner import ModelRunner
-from prefixcache.segments.plan import SegmentOptions, SegmentSpan
+from prefixcache.segments.plan import SegmentSpan
 from prefixcache.sequence import Sequence
 
 
