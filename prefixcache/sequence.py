@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prefixcache.api.keys import BlockHash
 from prefixcache.api.request import (
     CacheExplanation,
     RequestMetrics,
@@ -18,7 +19,6 @@ from prefixcache.api.request import (
     RetentionPriority,
     SamplingParams,
 )
-from prefixcache.cache.hashing import BlockHash
 
 
 @dataclass(eq=False)

@@ -110,7 +110,8 @@ RULES = [
     ("prefixcache.api", [*CORE, *FEATURES, *CONNECTORS, *ENGINE, *UPPER, "prefixcache.model", "prefixcache.kv"]),
     # The cache core knows no feature: connectors plug in through cache/connector.py.
     ("prefixcache.cache", [*FEATURES, *CONNECTORS, *ENGINE, *UPPER, "prefixcache.model", "prefixcache.kv"]),
-    ("prefixcache.sequence", [*FEATURES, *CONNECTORS, *ENGINE, *UPPER, "prefixcache.model"]),
+    # The cache core imports sequence.py, never the reverse (a block key's type: api/keys.py).
+    ("prefixcache.sequence", [*CORE, *FEATURES, *CONNECTORS, *ENGINE, *UPPER, "prefixcache.model"]),
     ("prefixcache.kv", [*FEATURES, *CONNECTORS, *ENGINE, *UPPER]),
     ("prefixcache.model", [*FEATURES, *CONNECTORS, *ENGINE, *UPPER]),
     # Features are libraries: they know no connector, no engine, no server.

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefixcache.cache.hashing import BlockHash, hash_blocks
+from prefixcache.api.keys import BlockHash
+from prefixcache.cache.hashing import hash_blocks
 
 _LEVELS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 

@@ -36,9 +36,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from prefixcache.api.keys import BlockHash
 from prefixcache.api.request import DEFAULT_RETENTION_PRIORITY
 from prefixcache.cache.eviction import EvictionPolicy, make_policy
-from prefixcache.cache.hashing import BlockHash
 from prefixcache.cache.prefix_index import PrefixIndex, PrefixMatch
 
 

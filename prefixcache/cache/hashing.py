@@ -54,7 +54,7 @@ from collections.abc import Sequence
 import numpy as np
 from xxhash import xxh3_128_digest
 
-BlockHash = bytes  # 16 bytes
+from prefixcache.api.keys import BlockHash
 
 KEY_FORMAT_VERSION = 2
 KEY_BYTES = 16

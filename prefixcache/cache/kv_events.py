@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixcache.cache.hashing import BlockHash
+from prefixcache.api.keys import BlockHash
 
 
 @dataclass(frozen=True, slots=True)
