@@ -16,8 +16,8 @@ from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.server.app import create_app
 from prefixcache.server.auth import Tenant, TenantDirectory
 from prefixcache.server.cache_gate import CacheCallGate
-from prefixcache.server.errors import APIError
-from prefixcache.server.limits import ServerLimits
+from prefixcache.server.edge.errors import APIError
+from prefixcache.server.edge.limits import ServerLimits
 from prefixcache.server.protocol import CompletionRequest
 
 pytestmark = pytest.mark.slow
@@ -92,7 +92,7 @@ def test_a_flooding_tenant_gets_429_while_others_and_tokenization_go_on(engine):
 
 
 def test_a_tenant_whose_requests_keep_being_refused_is_refused_early_alone(engine):
-    """server/refusals.py: past max_refusals_per_second refusals (400, 422) a tenant's requests
+    """server/edge/refusals.py: past max_refusals_per_second refusals (400, 422) a tenant's requests
     are 429 too_many_refusals before their body is read, for refusal_penalty seconds, then at
     most max_refusals_per_second a second for as long; another tenant and the admin are not
     affected, and admins' refusals are not counted."""

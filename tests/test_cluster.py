@@ -352,7 +352,7 @@ def test_prefix_routing_keeps_each_prefix_on_one_replica_and_tenants_apart(clust
 
 @pytest.mark.slow
 def test_the_browser_checks_hold_through_the_ingress(cluster):
-    """server/origin.py behind the ingress: it passes Host on, so the replicas refuse what one
+    """server/edge/origin.py behind the ingress: it passes Host on, so the replicas refuse what one
     server bound to loopback refuses, and its own /v1/cluster route does too."""
     auth = {"Authorization": "Bearer sk-ops"}
     url = cluster.base_url + "/v1/cache/invalidate"

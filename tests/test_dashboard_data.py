@@ -10,11 +10,11 @@ from _helpers import GRAFANA, grafana_metric_names, served_series
 
 from prefixcache.api.engine import EngineStats, TenantStats
 from prefixcache.api.request import RequestMetrics, StreamDelta
-from prefixcache.server import activity as activity_mod
-from prefixcache.server.activity import Activity
 from prefixcache.server.auth import Tenant
-from prefixcache.server.dashboard import namespaces, summary
-from prefixcache.server.metrics import ServerMetrics
+from prefixcache.server.observability import activity as activity_mod
+from prefixcache.server.observability.activity import Activity
+from prefixcache.server.observability.dashboard import namespaces, summary
+from prefixcache.server.observability.metrics import ServerMetrics
 
 
 def decode(ids: list[int]) -> str:
@@ -182,14 +182,14 @@ class _Counting(_Engine):
 
 
 def test_polls_of_one_tenant_share_one_read_of_the_engine(monkeypatch):
-    from prefixcache.server import dashboard
+    from prefixcache.server.observability import dashboard
 
     class Tenants:
         def owns(self, tenant, ns):
             return tenant.admin
 
     from prefixcache.server.cache_gate import CacheCallGate
-    from prefixcache.server.cache_keys import PromptCacheKeyStats
+    from prefixcache.server.observability.cache_keys import PromptCacheKeyStats
 
     class Serving:  # what the route reads of the server's Serving
         engine = _Counting()

@@ -13,7 +13,7 @@ from prefixcache.model.tokenizer import load_tokenizer
 from prefixcache.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from prefixcache.server.auth import credential
 from prefixcache.server.cache_breakpoints import lease_report, usage
-from prefixcache.server.errors import APIError
+from prefixcache.server.edge.errors import APIError
 from prefixcache.server.messages_prompt import Breakpoint, MessagesRenderer
 from prefixcache.server.tool_calls import ToolCall, ToolCallReader, split_output
 

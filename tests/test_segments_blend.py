@@ -18,7 +18,7 @@ from prefixcache.kv.pool import KVCache, KVLayout
 from prefixcache.model.attention import build_metadata
 from prefixcache.model.decode_attention import slots_of
 from prefixcache.segments import blend
-from prefixcache.server.errors import APIError
+from prefixcache.server.edge.errors import APIError
 from prefixcache.server.protocol import ChatCompletionRequest
 from prefixcache.server.serving import Serving
 

@@ -303,7 +303,7 @@ def test_request_log(server, client, model):
 
 
 def test_a_web_page_cannot_drive_an_open_server(server, client, model):
-    """CSRF and DNS rebinding (server/origin.py): this server has no keys, so every caller is
+    """CSRF and DNS rebinding (server/edge/origin.py): this server has no keys, so every caller is
     the admin. A page in the operator's browser can send a text/plain POST without a preflight,
     send a POST from its own Origin, or re-point its name at 127.0.0.1 (Host: its name). Each is
     refused before it reaches a route; the openai client is not affected."""

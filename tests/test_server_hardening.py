@@ -32,8 +32,8 @@ from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.server import protocol
 from prefixcache.server.app import create_app
 from prefixcache.server.auth import TenantDirectory
-from prefixcache.server.http import protocol_class
-from prefixcache.server.limits import ServerLimits
+from prefixcache.server.edge.http import protocol_class
+from prefixcache.server.edge.limits import ServerLimits
 
 pytestmark = pytest.mark.slow
 

@@ -12,11 +12,11 @@ from pydantic import ValidationError
 from prefixcache.api.request import SharedPrefix
 from prefixcache.cli import build_parser
 from prefixcache.server.auth import CacheScope, Tenant, TenantDirectory, load_keys_file
-from prefixcache.server.body import json_containers, parse_json
 from prefixcache.server.cli import _engine_config, _limits, origin_policy
-from prefixcache.server.errors import APIError, validation_error
-from prefixcache.server.limits import ServerLimits
-from prefixcache.server.origin import LOOPBACK_NAMES, OriginPolicy
+from prefixcache.server.edge.body import json_containers, parse_json
+from prefixcache.server.edge.errors import APIError, validation_error
+from prefixcache.server.edge.limits import ServerLimits
+from prefixcache.server.edge.origin import LOOPBACK_NAMES, OriginPolicy
 from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -329,7 +329,7 @@ def test_engine_errors_map_to_openai_statuses_by_type():
         SequenceFailedError,
         TenantQuotaError,
     )
-    from prefixcache.server.errors import from_engine_error
+    from prefixcache.server.edge.errors import from_engine_error
 
     down = from_engine_error(EngineShutDownError("no new requests"))
     assert isinstance(down, APIError) and down.status == 503
@@ -374,12 +374,12 @@ def test_malformed_bodies_are_400s_naming_the_problem(raw, code, param):
 
 
 def test_a_snapshot_is_read_by_one_reader_at_a_time_on_its_own_thread():
-    """server/snapshot.py: callers that arrive while a read is under way share it; an untrusted
+    """server/observability/snapshot.py: callers that arrive while a read is under way share it; an untrusted
     caller reuses a read younger than max_age, a fresh one never does; a caller that leaves
     does not cancel the read the others wait for."""
     import threading
 
-    from prefixcache.server.snapshot import Snapshot, SnapshotReader
+    from prefixcache.server.observability.snapshot import Snapshot, SnapshotReader
 
     reads, release = [], threading.Event()
 

@@ -12,7 +12,7 @@
   as one server. The ingress checks two things itself, before it reads a body (issue #37): a
   request to an API route (``/v1/...``) with a body must carry a known key (else the 401 the
   replica would give, unread), and a non-admin tenant over its refusal limit is answered 429
-  ``too_many_refusals`` (server/refusals.py): the ingress counts the refusals its replicas
+  ``too_many_refusals`` (server/edge/refusals.py): the ingress counts the refusals its replicas
   answer (400, 404, 413, 422, 429), so a tenant the replicas would refuse early is refused
   here before its body is read, parsed, rendered and tokenized for routing.
 """
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from prefixcache.server.limits import ServerLimits
-from prefixcache.server.origin import OriginPolicy
+from prefixcache.server.edge.limits import ServerLimits
+from prefixcache.server.edge.origin import OriginPolicy
 
 log = logging.getLogger("prefixcache.cluster")
 
@@ -52,7 +52,7 @@ class IngressSpec:
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
-    from prefixcache.server.errors import error_body
+    from prefixcache.server.edge.errors import error_body
 
     return JSONResponse(error_body(status, message, code=code), status_code=status)
 
@@ -80,7 +80,7 @@ def build_ingress(serve):
             self.infos: dict[str, dict] = {}
             self.retries = 0
             self._keys_lock = asyncio.Lock()
-            from prefixcache.server.refusals import RefusalLimiter
+            from prefixcache.server.edge.refusals import RefusalLimiter
 
             lim = spec.limits
             self.refusals = RefusalLimiter(lim.max_refusals_per_second, lim.refusal_penalty)
@@ -171,10 +171,10 @@ def build_ingress(serve):
         # -- routes -----------------------------------------------------------------------------
         @app.get("/v1/cluster")
         async def cluster(self, request: Request):
-            from prefixcache.server.errors import APIError
+            from prefixcache.server.edge.errors import APIError
 
             refusal = self.spec.origin.check(request.method, dict(request.headers.items()))
-            if refusal is not None:  # DNS rebinding (server/origin.py); the rest: the replicas
+            if refusal is not None:  # DNS rebinding (server/edge/origin.py); the rest: the replicas
                 return refusal.response()
             try:
                 tenant = self.tenants.authenticate(request.headers.get("authorization"))
@@ -199,8 +199,8 @@ def build_ingress(serve):
 
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
         async def proxy(self, request: Request, path: str):
-            from prefixcache.server.body import read_body
-            from prefixcache.server.errors import APIError
+            from prefixcache.server.edge.body import read_body
+            from prefixcache.server.edge.errors import APIError
 
             path = "/" + path
             method = request.method
@@ -211,7 +211,7 @@ def build_ingress(serve):
             except APIError as e:
                 return e.response_for(path)
             # Host goes along (unlike the other hop headers): the replica's app checks it
-            # against the cluster's allowed hosts (server/origin.py), as one server would.
+            # against the cluster's allowed hosts (server/edge/origin.py), as one server would.
             headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS - {"host"}]
             query = request.url.query
             if (method, path) in FANOUT_ROUTES:
@@ -329,7 +329,7 @@ def build_ingress(serve):
             return JSONResponse({"replicas": [{"replica": i["rank"], **b} for i, b in bodies]})
 
         def _is_admin(self, headers) -> bool:
-            from prefixcache.server.errors import APIError
+            from prefixcache.server.edge.errors import APIError
 
             auth = next((v for k, v in headers if k.lower() == "authorization"), None)
             try:
@@ -361,7 +361,7 @@ def _credential(headers) -> str | None:
     take it); None when the two headers disagree: then it is routed by load, and the replica
     answers the 401."""
     from prefixcache.server.auth import credential
-    from prefixcache.server.errors import APIError
+    from prefixcache.server.edge.errors import APIError
 
     try:
         return credential(headers)

@@ -19,8 +19,8 @@ import socket
 from dataclasses import dataclass, field
 
 from prefixcache.config import EngineConfig
-from prefixcache.server.limits import ServerLimits
-from prefixcache.server.origin import OriginPolicy
+from prefixcache.server.edge.limits import ServerLimits
+from prefixcache.server.edge.origin import OriginPolicy
 
 log = logging.getLogger("prefixcache.cluster")
 

@@ -30,9 +30,9 @@ from prefixcache.cache.hashing import hash_blocks, hash_blocks_after_shared, key
 from prefixcache.model.tokenizer import Tokenizer
 from prefixcache.server.anthropic_protocol import MessagesRequest
 from prefixcache.server.auth import TenantDirectory
-from prefixcache.server.body import check_containers
 from prefixcache.server.cache_breakpoints import shared_tokens
-from prefixcache.server.limits import ServerLimits
+from prefixcache.server.edge.body import check_containers
+from prefixcache.server.edge.limits import ServerLimits
 from prefixcache.server.messages_prompt import MessagesRenderer, text_chars
 from prefixcache.server.protocol import ChatMessage, template_text_chars
 

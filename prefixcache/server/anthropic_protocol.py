@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictInt
 
-from prefixcache.server.errors import APIError
+from prefixcache.server.edge.errors import APIError
 from prefixcache.server.protocol import _Body
 
 # The ``anthropic-version`` header: a date, at least Anthropic's first version; later ones (the

@@ -22,16 +22,17 @@ from fastapi.responses import JSONResponse, Response
 
 import prefixcache
 from prefixcache.api.engine import EngineAPI
-from prefixcache.server import cache_routes, completions, dashboard, messages
+from prefixcache.server import cache_routes, completions, messages
 from prefixcache.server.auth import TenantDirectory
-from prefixcache.server.errors import APIError, RequestIdMiddleware, install_error_handlers
-from prefixcache.server.limits import ServerLimits
-from prefixcache.server.metrics import CONTENT_TYPE, ServerMetrics
-from prefixcache.server.origin import BrowserGuard, OriginPolicy
-from prefixcache.server.refusals import PeerGuard
-from prefixcache.server.request_log import BackgroundRequestLog
+from prefixcache.server.edge.errors import APIError, RequestIdMiddleware, install_error_handlers
+from prefixcache.server.edge.limits import ServerLimits
+from prefixcache.server.edge.origin import BrowserGuard, OriginPolicy
+from prefixcache.server.edge.refusals import PeerGuard
+from prefixcache.server.observability import dashboard
+from prefixcache.server.observability.metrics import CONTENT_TYPE, ServerMetrics
+from prefixcache.server.observability.request_log import BackgroundRequestLog
+from prefixcache.server.observability.snapshot import Snapshot
 from prefixcache.server.serving import Serving
-from prefixcache.server.snapshot import Snapshot
 
 log = logging.getLogger("prefixcache.server")
 

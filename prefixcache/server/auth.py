@@ -55,7 +55,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from prefixcache.api.request import SharedPrefix
-from prefixcache.server.errors import APIError
+from prefixcache.server.edge.errors import APIError
 
 DEFAULT_TENANT = "default"
 ADMIN_TENANT = "admin"

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from prefixcache.server.errors import APIError
+from prefixcache.server.edge.errors import APIError
 
 T = TypeVar("T")
 

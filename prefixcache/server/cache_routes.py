@@ -20,7 +20,12 @@ from dataclasses import asdict, is_dataclass
 from fastapi import APIRouter, Request
 
 from prefixcache.server.auth import CacheScope, Tenant
-from prefixcache.server.errors import APIError, from_engine_error, internal_error, request_id_of
+from prefixcache.server.edge.errors import (
+    APIError,
+    from_engine_error,
+    internal_error,
+    request_id_of,
+)
 from prefixcache.server.protocol import (
     CacheInvalidateRequest,
     CacheLookupRequest,

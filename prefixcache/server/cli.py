@@ -8,7 +8,7 @@ import sys
 from dataclasses import fields
 
 from prefixcache.config import COMPONENTS, add_cli_arguments, config_from_cli, parse_bytes
-from prefixcache.server.limits import ServerLimits
+from prefixcache.server.edge.limits import ServerLimits
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -188,7 +188,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from prefixcache.engine.async_engine import AsyncEngine
     from prefixcache.server.app import create_app
-    from prefixcache.server.http import protocol_class
+    from prefixcache.server.edge.http import protocol_class
 
     try:
         engine = AsyncEngine(config)
@@ -241,7 +241,7 @@ def check_open_bind(tenants, args: argparse.Namespace) -> None:
     """An open server (no API key) makes every caller the admin: on a non-loopback address only
     with ``--allow-open-remote`` (as the KV events stream needs ``--kv-events-allow-remote``).
     With ``--fd``, --host names the address of the inherited socket."""
-    from prefixcache.server.origin import is_loopback
+    from prefixcache.server.edge.origin import is_loopback
 
     if tenants.auth_required or is_loopback(args.host) or args.allow_open_remote:
         return
@@ -254,7 +254,7 @@ def check_open_bind(tenants, args: argparse.Namespace) -> None:
 
 def origin_policy(args: argparse.Namespace):
     """The browser checks of a server bound to --host (with --fd, --host names the address)."""
-    from prefixcache.server.origin import OriginPolicy
+    from prefixcache.server.edge.origin import OriginPolicy
 
     return OriginPolicy.for_bind(args.host, args.allowed_hosts)
 

@@ -24,8 +24,13 @@ from fastapi.responses import JSONResponse, Response
 
 from prefixcache.api.request import StreamDelta
 from prefixcache.server.comparison import PromptRecord, openai_diagnostics
-from prefixcache.server.errors import APIError, from_engine_error, internal_error, request_id_of
-from prefixcache.server.http import TimedStreamingResponse
+from prefixcache.server.edge.errors import (
+    APIError,
+    from_engine_error,
+    internal_error,
+    request_id_of,
+)
+from prefixcache.server.edge.http import TimedStreamingResponse
 from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixcache.server.run import Choice, Run
 from prefixcache.server.serving import Serving, accept

@@ -38,13 +38,13 @@ from prefixcache.server.anthropic_protocol import (
     _MessagesPrompt,
 )
 from prefixcache.server.comparison import PromptRecord, anthropic_diagnostics
-from prefixcache.server.errors import (
+from prefixcache.server.edge.errors import (
     APIError,
     from_engine_error,
     internal_error,
     request_id_of,
 )
-from prefixcache.server.http import TimedStreamingResponse
+from prefixcache.server.edge.http import TimedStreamingResponse
 from prefixcache.server.messages_prompt import MessagesPrompt, text_chars
 from prefixcache.server.run import Choice, Run
 from prefixcache.server.serving import PRIORITY_BOUND, Serving, accept, as_api_error

@@ -40,7 +40,7 @@ from prefixcache.server.anthropic_protocol import (
     ToolUseBlock,
     _MessagesPrompt,
 )
-from prefixcache.server.errors import APIError
+from prefixcache.server.edge.errors import APIError
 
 MAX_BREAKPOINTS = 4  # Anthropic's limit, automatic mode included
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"

@@ -17,9 +17,9 @@ from typing import Literal, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from prefixcache.server.body import check_containers, parse_json, read_body
-from prefixcache.server.errors import APIError, validation_error
-from prefixcache.server.limits import ServerLimits
+from prefixcache.server.edge.body import check_containers, parse_json, read_body
+from prefixcache.server.edge.errors import APIError, validation_error
+from prefixcache.server.edge.limits import ServerLimits
 
 PromptInput = str | list[int] | list[str] | list[list[int]]
 

@@ -20,11 +20,11 @@ from typing import Protocol
 
 from prefixcache.api.engine import EngineAPI
 from prefixcache.api.request import CacheExplanation, SharedPrefix, StreamDelta
-from prefixcache.server.activity import Activity
 from prefixcache.server.auth import Tenant
-from prefixcache.server.cache_keys import PromptCacheKeyStats
-from prefixcache.server.metrics import ServerMetrics
-from prefixcache.server.request_log import LogRecord
+from prefixcache.server.observability.activity import Activity
+from prefixcache.server.observability.cache_keys import PromptCacheKeyStats
+from prefixcache.server.observability.metrics import ServerMetrics
+from prefixcache.server.observability.request_log import LogRecord
 
 
 class RunHost(Protocol):

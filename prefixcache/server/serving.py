@@ -21,15 +21,17 @@ from prefixcache.api.engine import EngineAPI, EngineRequest
 from prefixcache.api.errors import InvalidRequestError
 from prefixcache.api.request import CacheLease, RetentionPriority, SamplingParams, SharedPrefix
 from prefixcache.api.segments import DEFAULT_RECOMPUTE_TOKENS, SegmentOptions, SegmentRequest
-from prefixcache.server.activity import Activity
 from prefixcache.server.auth import CacheScope, Tenant, TenantDirectory
 from prefixcache.server.cache_gate import CacheCallGate
-from prefixcache.server.cache_keys import PromptCacheKeyStats
 from prefixcache.server.comparison import Comparison, PromptRecord, ResponseStore, compare
-from prefixcache.server.errors import APIError, from_engine_error
-from prefixcache.server.limits import ServerLimits
+from prefixcache.server.edge.errors import APIError, from_engine_error
+from prefixcache.server.edge.limits import ServerLimits
+from prefixcache.server.edge.refusals import RefusalLimiter
 from prefixcache.server.messages_prompt import MessagesRenderer
-from prefixcache.server.metrics import ServerMetrics
+from prefixcache.server.observability.activity import Activity
+from prefixcache.server.observability.cache_keys import PromptCacheKeyStats
+from prefixcache.server.observability.metrics import ServerMetrics
+from prefixcache.server.observability.snapshot import Snapshot, SnapshotReader
 from prefixcache.server.protocol import (
     ChatMessage,
     CompletionRequest,
@@ -38,9 +40,7 @@ from prefixcache.server.protocol import (
     parse_body,
     template_text_chars,
 )
-from prefixcache.server.refusals import RefusalLimiter
 from prefixcache.server.run import Choice, Run
-from prefixcache.server.snapshot import Snapshot, SnapshotReader
 
 PRIORITY_BOUND = 2**31 - 1
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 class ServerLimits:
     max_body_bytes: int = 4 << 20  # 413 above; the whole context as JSON ids is ~60 KiB
     max_json_depth: int = 32  # our bodies nest 4 levels; a deeper document is an attack
-    # Objects and arrays in a body, counted before it is parsed (server/body.py): parsing costs
+    # Objects and arrays in a body, counted before it is parsed (server/edge/body.py): parsing costs
     # per value (~3 us a content part), not per byte. A chat of max_messages messages with
     # list contents has ~3,000.
     max_json_containers: int = 8192
@@ -45,14 +45,14 @@ class ServerLimits:
     # ... and at most this many a second per non-admin tenant (a token bucket; 429 above).
     max_cache_calls_per_second: float = 20.0
     # A non-admin tenant with more refused requests (400, 404, 413, 422, 429) than this in a second gets
-    # 429s for refusal_penalty seconds before its bodies are read (server/refusals.py).
+    # 429s for refusal_penalty seconds before its bodies are read (server/edge/refusals.py).
     max_refusals_per_second: int = 8
     refusal_penalty: float = 2.0
     # A client address answered more 401s than this in a second has its connections closed
-    # and refused for refusal_penalty seconds (server/refusals.py PeerGuard).
+    # and refused for refusal_penalty seconds (server/edge/refusals.py PeerGuard).
     max_unauthenticated_per_second: int = 64
     # /metrics is rendered by one reader at a time; keyless readers (--public-metrics) get a
-    # read at most this old (server/snapshot.py): their scrape storm costs one read a second.
+    # read at most this old (server/observability/snapshot.py): their scrape storm costs one read a second.
     metrics_max_age: float = 1.0
 
     def __post_init__(self) -> None:

@@ -26,7 +26,7 @@ from fastapi.responses import Response
 
 from prefixcache.server.auth import Tenant
 from prefixcache.server.cache_routes import stats_for
-from prefixcache.server.errors import APIError
+from prefixcache.server.edge.errors import APIError
 from prefixcache.server.serving import Serving
 
 router = APIRouter()
@@ -49,7 +49,7 @@ _HEADERS = {
 
 
 def _static(name: str) -> Response:
-    body = resources.files("prefixcache.server").joinpath("static", name).read_bytes()
+    body = resources.files("prefixcache.server.observability").joinpath("static", name).read_bytes()
     return Response(body, media_type=_STATIC[name], headers=_HEADERS)
 
 

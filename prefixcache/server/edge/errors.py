@@ -181,7 +181,7 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
 
 
 def _count_refusal(request: Request, status: int) -> None:
-    """A refusal of a tenant's request counts toward its refusal limit (server/refusals.py);
+    """A refusal of a tenant's request counts toward its refusal limit (server/edge/refusals.py);
     ``accept`` names the tenant on the request when it is counted. A 401 has no tenant: it
     counts toward its client address's (``PeerGuard``)."""
     tenant = getattr(request.state, "refusal_tenant", None)

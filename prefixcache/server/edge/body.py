@@ -30,8 +30,8 @@ from typing import Any
 
 from fastapi import Request
 
-from prefixcache.server.errors import APIError
-from prefixcache.server.limits import ServerLimits
+from prefixcache.server.edge.errors import APIError
+from prefixcache.server.edge.limits import ServerLimits
 
 
 async def read_body(request: Request, limits: ServerLimits) -> bytes:

@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from prefixcache.server.errors import APIError
+from prefixcache.server.edge.errors import APIError
 
 REFUSED = frozenset({400, 404, 413, 422, 429})
 
