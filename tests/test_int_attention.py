@@ -16,7 +16,7 @@ from prefixcache import LLM, kernels
 from prefixcache.kv.formats import kv_format
 from prefixcache.kv.pool import KVCache, KVLayout, LayerKV
 from prefixcache.model.attention import PagedBatch
-from prefixcache.model.loader import ModelConfig
+from prefixcache.model.config import ModelConfig
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable")
 FMT = kv_format("int16", torch.float32, exact=True)

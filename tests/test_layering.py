@@ -112,7 +112,11 @@ RULES = [
     ("prefixcache.cache", [*FEATURES, *CONNECTORS, *ENGINE, *UPPER, "prefixcache.model", "prefixcache.kv"]),
     # The cache core imports sequence.py, never the reverse (a block key's type: api/keys.py).
     ("prefixcache.sequence", [*CORE, *FEATURES, *CONNECTORS, *ENGINE, *UPPER, "prefixcache.model"]),
-    ("prefixcache.kv", [*FEATURES, *CONNECTORS, *ENGINE, *UPPER]),
+    # The model imports kv/, never the reverse: the architecture kv/ is sized by is
+    # model/config.py's ModelConfig, a leaf (not the loader's).
+    ("prefixcache.kv", [*FEATURES, *CONNECTORS, *ENGINE, *UPPER, "prefixcache.model"],
+     ["prefixcache.model.config"]),
+    ("prefixcache.model.config", ["prefixcache"]),
     ("prefixcache.model", [*FEATURES, *CONNECTORS, *ENGINE, *UPPER]),
     # Features are libraries: they know no connector, no engine, no server.
     ("prefixcache.tiers", [*CONNECTORS, *ENGINE, *UPPER, "prefixcache.model", "prefixcache.kv",

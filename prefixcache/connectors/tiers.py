@@ -45,7 +45,7 @@ from prefixcache.cache.manager import KVCacheManager
 from prefixcache.cache.shares import owner_of
 from prefixcache.config import EngineConfig, parse_bytes
 from prefixcache.kv.pool import KVCache
-from prefixcache.model.loader import ModelConfig
+from prefixcache.model.config import ModelConfig
 from prefixcache.sequence import Sequence
 from prefixcache.tiers.jobs import RestoreJob, take_mine
 from prefixcache.tiers.keys import StoreLayout

@@ -19,7 +19,7 @@ import torch
 from prefixcache import kernels
 from prefixcache.config import parse_bytes
 from prefixcache.kv.formats import KVFormat
-from prefixcache.model.loader import ModelConfig
+from prefixcache.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

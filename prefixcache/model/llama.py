@@ -14,15 +14,10 @@ import torch.nn.functional as F
 from prefixcache import kernels
 from prefixcache.kv.pool import KVCache, LayerKV
 from prefixcache.model.attention import AttentionMetadata, paged_attention
+from prefixcache.model.config import ModelConfig
 from prefixcache.model.int_linear import IntLinear
 from prefixcache.model.linear import LARGE_M, GroupLinear, make_linear, quantize_int4, quantize_int8
-from prefixcache.model.loader import (
-    Int4Groups,
-    Int8Groups,
-    Int8Groups16,
-    LoadedWeights,
-    ModelConfig,
-)
+from prefixcache.model.loader import Int4Groups, Int8Groups, Int8Groups16, LoadedWeights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, native: bool = False) -> torch.Tensor:

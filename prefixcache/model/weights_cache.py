@@ -27,9 +27,10 @@ copy the model never reads (the int4 kernels run the groups) costs neither time 
 
 Key: the model file's content (xxh3_128 over its bytes, ~0.05 s for 98 MB; a renamed or copied
 file hits, a file changed in place misses) and the build: FORMAT_VERSION, the source of the code
-that converts (``loader.py``, ``tokenizer_gguf.py``, this module) and the versions of gguf, numpy,
-torch, tokenizers and safetensors. A changed file, conversion or library lands on a new key, so a
-stale entry is never read; writing the new entry removes the other builds of the same file.
+that converts (``loader.py`` and the ``config.py`` it fills, ``tokenizer_gguf.py``, this module)
+and the versions of gguf, numpy, torch, tokenizers and safetensors. A changed file, conversion
+or library lands on a new key, so a stale entry is never read; writing the new entry removes the
+other builds of the same file.
 
 Safety: an entry is written into a temporary directory beside it, fsynced, then renamed into
 place, so a crash or a concurrent start never leaves a half entry under the key; a second process
@@ -65,7 +66,8 @@ import torch
 import xxhash
 
 from prefixcache.model import loader as _loader
-from prefixcache.model.loader import LoadedWeights, ModelConfig
+from prefixcache.model.config import ModelConfig
+from prefixcache.model.loader import LoadedWeights
 from prefixcache.model.paths import open_gguf, resolve_model_path
 from prefixcache.model.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf_spec
 from prefixcache.model.tokenizer_gguf import GGUFTokenizer, read_gguf_tokenizer
@@ -78,7 +80,8 @@ log = logging.getLogger(__name__)
 # source anyway; the number makes the change visible in the directory names).
 FORMAT_VERSION = 1
 # Code and libraries whose change may change what a load returns.
-_BUILD_MODULES = ("prefixcache.model.loader", "prefixcache.model.tokenizer_gguf", __name__)
+_BUILD_MODULES = ("prefixcache.model.loader", "prefixcache.model.config", "prefixcache.model.tokenizer_gguf",
+                  __name__)  # fmt: skip
 _BUILD_PACKAGES = ("gguf", "numpy", "torch", "tokenizers", "safetensors")
 # LoadedWeights fields stored as themselves. Every other field must be a dict of name -> a
 # dataclass of loader.py (Int4Groups, ...) whose fields are tensors or JSON values: a "group
