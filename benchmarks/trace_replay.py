@@ -37,8 +37,8 @@ import httpx
 import servers  # benchmarks/servers.py
 
 from prefixcache.analyze.engine_sim import simulate_engine, trace_prompts
-from prefixcache.analyze.mooncake import infinite_hit_rate, read_trace, working_set_blocks
 from prefixcache.analyze.trace_sim import capacity_for, simulate_trace
+from prefixcache.bench.mooncake import infinite_hit_rate, read_trace, working_set_blocks
 
 BYTES_PER_TOKEN = 46080  # the default model's float32 KV (checked against the server's pool)
 

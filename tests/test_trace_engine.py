@@ -11,8 +11,8 @@ import pytest
 
 from prefixcache import LLM, SamplingParams
 from prefixcache.analyze.engine_sim import simulate_engine, trace_prompts
-from prefixcache.analyze.mooncake import parse_request
 from prefixcache.analyze.trace_sim import simulate_trace
+from prefixcache.bench.mooncake import parse_request
 
 BT = 4  # tokens per hash block, and the engine's block size
 # blocks of 4 tokens: the KV stays float32 (int16's layout needs multiples of 16), default model

@@ -11,14 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.analyze.belady import BeladyPolicy
-from prefixcache.analyze.mooncake import (
+from prefixcache.analyze.simulate import lru_distance_histogram, lru_hits
+from prefixcache.analyze.trace_sim import simulate_trace
+from prefixcache.bench.mooncake import (
     TraceFormatError,
     infinite_hit_rate,
     read_trace,
     working_set_blocks,
 )
-from prefixcache.analyze.simulate import lru_distance_histogram, lru_hits
-from prefixcache.analyze.trace_sim import simulate_trace
 from prefixcache.cache.eviction import (
     AdaptivePolicy,
     EvictionError,
@@ -185,7 +185,7 @@ def test_lru_module_matches_the_stack_distance_simulator():
 
 
 def read_trace_row(row):
-    from prefixcache.analyze.mooncake import parse_request
+    from prefixcache.bench.mooncake import parse_request
 
     return parse_request(json.dumps(row))
 

@@ -133,13 +133,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_trace(args: argparse.Namespace) -> int:
-    from prefixcache.analyze.mooncake import TraceFormatError
     from prefixcache.analyze.trace_report import (
         DEFAULT_RESTORE_COST,
         text_table,
         trace_summary,
         write_trace_report,
     )
+    from prefixcache.bench.mooncake import TraceFormatError
     from prefixcache.cache.eviction import parse_policies
 
     def fail(msg: str) -> int:

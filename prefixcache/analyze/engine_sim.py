@@ -33,8 +33,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from prefixcache.analyze.mooncake import TraceRequest
 from prefixcache.api.request import SamplingParams
+from prefixcache.bench.mooncake import TraceRequest
 from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.manager import kv_cache_manager
 from prefixcache.sequence import Sequence

@@ -19,8 +19,8 @@ import json
 from pathlib import Path
 
 from prefixcache.analyze.engine_sim import simulate_engine, trace_prompts
-from prefixcache.analyze.mooncake import infinite_hit_rate, read_trace, working_set_blocks
 from prefixcache.analyze.trace_sim import capacity_for, next_uses, simulate_trace, size_label
+from prefixcache.bench.mooncake import infinite_hit_rate, read_trace, working_set_blocks
 
 # Restore cost as a fraction of recomputing, from docs/benchmarks-journal.md (disk restore seen by the
 # client 4,886 tok/s against a 229 tok/s prefill on the CPU machine).

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from prefixcache.analyze.belady import BeladyPolicy
-from prefixcache.analyze.mooncake import TraceRequest
+from prefixcache.bench.mooncake import TraceRequest
 from prefixcache.cache.eviction import EvictionPolicy, make_policy
 
 NEVER = 1 << 62

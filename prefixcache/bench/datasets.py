@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from prefixcache.bench.mooncake import TRACE_BLOCK_TOKENS, TraceFormatError, read_trace
 from prefixcache.bench.sharegpt import default_sharegpt_path, first_exchange, iter_conversations
 from prefixcache.bench.text import SyntheticText
 
@@ -334,7 +335,7 @@ def _custom(tok, n, rng, *, dataset_path, custom_output_len):
 
 def _mooncake_trace(tok, n, rng, *, dataset_path, block_tokens, time_scale, max_requests,
                     trace_start_s, trace_duration_s):
-    """A Mooncake trace (``analyze/mooncake.py``) replayed with synthetic token ids.
+    """A Mooncake trace (``bench/mooncake.py``) replayed with synthetic token ids.
 
     Each 512-token hash block becomes ``block_tokens`` word-token ids drawn from a generator
     seeded by the hash id alone, so equal ids give equal tokens in every request (a partial last
@@ -345,8 +346,6 @@ def _mooncake_trace(tok, n, rng, *, dataset_path, block_tokens, time_scale, max_
     ``--request-rate``). ``extra["ideal_cached_tokens"]``: what an infinite cache of the
     replayed window would serve, for the trace's own ideal hit rate next to the measured one.
     """
-    from prefixcache.analyze.mooncake import TRACE_BLOCK_TOKENS, TraceFormatError, read_trace
-
     if dataset_path is None:
         raise DatasetError("mooncake-trace needs --dataset-path TRACE.jsonl")
     if block_tokens < 1 or time_scale <= 0:

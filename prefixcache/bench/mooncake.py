@@ -16,6 +16,11 @@ repeats names a block that would be its own ancestor; one under two parents name
 A bad line is a :class:`TraceFormatError` naming the file and line (and, for the rule above,
 the id and the line where it was first seen): a trace is an input we replay, not a log to
 salvage, so nothing is skipped silently.
+
+The reader lives in bench/, the lower of its two users: ``bench serve --dataset-name
+mooncake-trace`` replays a trace (``datasets.py``), ``analyze --trace-format mooncake``
+simulates one (``analyze/trace_sim.py``, ``analyze/engine_sim.py``), and analyze may import
+bench, never the reverse.
 """
 
 from __future__ import annotations
