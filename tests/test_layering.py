@@ -1,11 +1,13 @@
 """The import rules of docs/design.md section 5, checked on the source: no import cycle among
 our modules (imports inside functions and under TYPE_CHECKING count: a cycle is a cycle however
-it is spelled), and no forbidden edge (an upper layer imported by a lower one, a concrete KV
-connector imported by the engine, torch in the torch-free core)."""
+it is spelled), no forbidden edge (an upper layer imported by a lower one, a concrete KV
+connector imported by the engine, torch in the torch-free core), no two packages importing each
+other, and design.md's may-import table true to the code."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -191,3 +193,124 @@ def test_the_rules_see_the_imports():
     assert "torch" in GRAPH["prefixcache.model.llama"]
     assert "prefixcache.engine.llm_engine" in GRAPH["prefixcache.engine.async_engine"]
     assert "prefixcache.engine.async_engine" in GRAPH["prefixcache.server.cli"]  # inside a function
+
+
+# ---- docs/design.md's may-import table, read as rules -----------------------------------------
+DESIGN = ROOT.parent / "docs" / "design.md"
+ALL = "*"  # "everything of ours"
+# The words a cell may use besides backticked modules and packages (relative to prefixcache;
+# `prefixcache` itself is the package's __init__ only).
+WORDS = {"features": FEATURES, "connectors": CONNECTORS, "upper layers": UPPER,
+         "everything of ours": [ALL], "nothing of ours": []}  # fmt: skip
+THIRD_PARTY = {"torch", "ray"}
+
+
+def _covers(item: str, mod: str) -> bool:
+    if item == ALL:
+        return True
+    return mod == item or (item != "prefixcache" and mod.startswith(item + "."))
+
+
+def _cell(text: str) -> tuple[list, set]:
+    """A cell: (our modules and packages, third-party names; groups as their members). Words
+    in parentheses are remarks; items are separated by commas and semicolons."""
+    while re.search(r"\([^()]*\)", text):
+        text = re.sub(r"\([^()]*\)", "", text)
+    ours, theirs = [], set()
+    for item in (i.strip() for i in re.split(r"[,;]", text)):
+        if m := re.fullmatch(r"`([\w.]+)/?`", item):
+            ours.append("prefixcache" if m[1] == "prefixcache" else f"prefixcache.{m[1]}")
+        elif item in WORDS:
+            ours.append(tuple(WORDS[item]))  # a group: any member counts as its use
+        elif item in THIRD_PARTY:
+            theirs.add(item)
+        elif item:
+            raise AssertionError(f"design.md's import table: {item!r} is not a module, a group "
+                                 f"({', '.join(WORDS)}) or {' or '.join(sorted(THIRD_PARTY))}")
+    return ours, theirs
+
+
+def _flat(items) -> list[str]:
+    return [x for i in items for x in (i if isinstance(i, tuple) else (i,))]
+
+
+def _design_table() -> list[tuple[list, tuple, tuple]]:
+    lines = DESIGN.read_text().splitlines()
+    start = lines.index("| package | may import | never |") + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        who, may, never = (c.strip() for c in line.strip().strip("|").split("|"))
+        rows.append((_flat(_cell(who)[0]), _cell(may), _cell(never)))
+    return rows
+
+
+TABLE = _design_table()
+
+
+def _row_of(mod: str):
+    """The most specific row naming ``mod`` (``engine.scheduler`` before ``engine/``)."""
+    named = [(len(w), i) for i, row in enumerate(TABLE) for w in row[0] if _covers(w, mod)]
+    return TABLE[max(named)[1]] if named else None
+
+
+def test_design_md_import_table_is_true():
+    """design.md section 5's table, cell by cell, against the import graph: a false cell fails.
+
+    - every module has a row, and what it imports outside its own package is under its row's
+      "may import" (its most specific row's);
+    - nothing a row covers imports what is under its "never", unless it is under a "may import"
+      entry more specific than that (`kv/` may import `model.config`, never the rest of `model`);
+    - every "may import" entry is imported by some module of its row (none is stale), and every
+      name in the table exists."""
+    problems = []
+    for row in TABLE:
+        for name in [*row[0], *_flat(row[1][0]), *_flat(row[2][0])]:
+            if not any(_covers(name, m) for m in MODULES):
+                problems.append(f"{name}: no such module or package")
+    used = set()
+    for mod, deps in sorted(GRAPH.items()):
+        row = _row_of(mod)
+        if row is None:
+            problems.append(f"{mod}: no row in the table")
+            continue
+        may = _flat(row[1][0])
+        for dep in sorted(deps):
+            if dep in row[1][1]:
+                used.add((id(row), dep))
+            if dep not in MODULES or _package(dep) == _package(mod):
+                continue
+            found = [m for m in may if _covers(m, dep)]
+            used.update((id(row), m) for m in found)
+            if not found:
+                problems.append(f"{mod} imports {dep}: not in its row's may-import cell")
+        for other in TABLE:
+            if not any(_covers(w, mod) for w in other[0]):
+                continue
+            for dep in sorted(deps):
+                if dep in other[2][1]:
+                    problems.append(f"{mod} imports {dep}: its row says never")
+                if dep not in MODULES or _package(dep) == _package(mod):
+                    continue
+                for never in _flat(other[2][0]):
+                    exempt = any(_covers(never, m) and _covers(m, dep) and m != never
+                                 for m in _flat(other[1][0]))  # fmt: skip
+                    if _covers(never, dep) and not exempt:
+                        problems.append(f"{mod} imports {dep}: its row says never {never}")
+    for row in TABLE:
+        for item in [*row[1][0], *sorted(row[1][1])]:
+            members = item if isinstance(item, tuple) else (item,)
+            if members and not any((id(row), m) in used for m in members):
+                problems.append(f"row {row[0]}: no module of it imports {item}")
+    assert problems == []
+
+
+def test_the_table_is_read():
+    """The check above would pass on an empty table: it must not."""
+    assert len(TABLE) >= 15
+    assert _row_of("prefixcache.engine.scheduler")[0] == ["prefixcache.engine.scheduler",
+                                                         "prefixcache.engine.fairness"]
+    assert _row_of("prefixcache.engine.llm_engine")[0] == ["prefixcache.engine"]
+    with pytest.raises(AssertionError, match="not a module"):
+        _cell("`cache`, the cache core")
