@@ -1,4 +1,4 @@
-"""The cache routes' own threads and per-tenant cap (server/cache_gate.py), in process: the real
+"""The cache routes' own threads and per-tenant cap (server/base/cache_gate.py), in process: the real
 app and a real AsyncEngine on the default model, its lock held as a long step holds it, so the
 cache calls that need the engine stay in flight for as long as the test wants."""
 
@@ -14,11 +14,12 @@ from _helpers import shared_default_weights
 from prefixcache.config import EngineConfig
 from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.server.app import create_app
-from prefixcache.server.auth import Tenant, TenantDirectory
-from prefixcache.server.cache_gate import CacheCallGate
+from prefixcache.server.base.auth import Tenant, TenantDirectory
+from prefixcache.server.base.cache_gate import CacheCallGate
 from prefixcache.server.edge.errors import APIError
 from prefixcache.server.edge.limits import ServerLimits
-from prefixcache.server.protocol import CompletionRequest
+from prefixcache.server.openai.prompt import completion_prompts
+from prefixcache.server.openai.protocol import CompletionRequest
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +76,7 @@ def test_a_flooding_tenant_gets_429_while_others_and_tokenization_go_on(engine):
                 await _until(lambda: gate.num_admitted("bob") == 1)
                 # ... and tokenization runs while every cache call waits for the engine.
                 req = CompletionRequest(prompt="The capital of France is", max_tokens=1)
-                prompts = await asyncio.wait_for(serving.completion_prompts(req), LIVENESS_S)
+                prompts = await asyncio.wait_for(completion_prompts(serving, req), LIVENESS_S)
                 assert prompts and prompts[0]
             finally:
                 engine._lock.release()

@@ -107,7 +107,7 @@ def served():
     from prefixcache.config import EngineConfig
     from prefixcache.engine.async_engine import AsyncEngine
     from prefixcache.server.app import create_app
-    from prefixcache.server.auth import Tenant, TenantDirectory
+    from prefixcache.server.base.auth import Tenant, TenantDirectory
 
     clock = Clock()
     # 34 blocks of 16 tokens, 8 of them pinnable: alice and bob 4 each.

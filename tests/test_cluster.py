@@ -145,7 +145,7 @@ def test_the_specs_carry_no_key(tmp_path):
     from prefixcache.cli import build_parser
     from prefixcache.cluster.cli import _specs
     from prefixcache.cluster.secrets import SecretsFile, read_secrets, tenant_options
-    from prefixcache.server.auth import TenantDirectory
+    from prefixcache.server.base.auth import TenantDirectory
 
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"keys": {"sk-file-key-123": "alice"}}))
@@ -178,7 +178,7 @@ def test_the_ingress_tokenizes_nothing_a_replica_would_refuse_unread(monkeypatch
     from prefixcache.cache.hashing import hash_blocks, root_hash
     from prefixcache.cluster.route_keys import RouteKeys
     from prefixcache.model.tokenizer import load_tokenizer
-    from prefixcache.server.auth import TenantDirectory
+    from prefixcache.server.base.auth import TenantDirectory
 
     tok = load_tokenizer(None)
     keys = RouteKeys(tok, TenantDirectory(), "f" * 64, 16, max_tokens=64)
@@ -205,9 +205,9 @@ def test_prompt_cache_key_leads_the_route_and_messages_route_on_their_own_keys()
     from prefixcache.cache.hashing import hash_blocks, root_hash
     from prefixcache.cluster.route_keys import RouteKeys
     from prefixcache.model.tokenizer import load_tokenizer
-    from prefixcache.server.anthropic_protocol import MessagesRequest
-    from prefixcache.server.auth import Tenant, TenantDirectory
-    from prefixcache.server.messages_prompt import MessagesRenderer
+    from prefixcache.server.anthropic.prompt import MessagesRenderer
+    from prefixcache.server.anthropic.protocol import MessagesRequest
+    from prefixcache.server.base.auth import Tenant, TenantDirectory
 
     tok = load_tokenizer(None)
     keys = RouteKeys(tok, TenantDirectory({"sk-a": Tenant("alice"), "sk-b": Tenant("bob")}),

@@ -1,4 +1,4 @@
-"""Why did this miss (server/comparison.py): a prompt compared with an earlier response's of the
+"""Why did this miss (server/base/comparison.py): a prompt compared with an earlier response's of the
 same tenant: where they diverge (token, message, character) and whether the text or the chat
 template changed; in OpenAI's and Anthropic's shapes; each tenant's store its own and bounded.
 
@@ -15,13 +15,9 @@ import pytest
 from _helpers import shared_default_weights
 
 from prefixcache.model.tokenizer import load_tokenizer
-from prefixcache.server.comparison import (
-    PromptRecord,
-    ResponseStore,
-    anthropic_diagnostics,
-    compare,
-    openai_diagnostics,
-)
+from prefixcache.server.anthropic.diagnostics import anthropic_diagnostics
+from prefixcache.server.base.comparison import PromptRecord, ResponseStore, compare
+from prefixcache.server.openai.diagnostics import openai_diagnostics
 
 SYSTEM = "You are the travel desk of the Example company. Answer in one sentence."
 OTHER_TEMPLATE = (

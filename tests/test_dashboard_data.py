@@ -10,7 +10,7 @@ from _helpers import GRAFANA, grafana_metric_names, served_series
 
 from prefixcache.api.engine import EngineStats, TenantStats
 from prefixcache.api.request import RequestMetrics, StreamDelta
-from prefixcache.server.auth import Tenant
+from prefixcache.server.base.auth import Tenant
 from prefixcache.server.observability import activity as activity_mod
 from prefixcache.server.observability.activity import Activity
 from prefixcache.server.observability.dashboard import namespaces, summary
@@ -188,7 +188,7 @@ def test_polls_of_one_tenant_share_one_read_of_the_engine(monkeypatch):
         def owns(self, tenant, ns):
             return tenant.admin
 
-    from prefixcache.server.cache_gate import CacheCallGate
+    from prefixcache.server.base.cache_gate import CacheCallGate
     from prefixcache.server.observability.cache_keys import PromptCacheKeyStats
 
     class Serving:  # what the route reads of the server's Serving

@@ -1,5 +1,5 @@
-"""Anthropic Messages requests as prompts (server/messages_prompt.py), tool calls read back from
-the output (server/tool_calls.py), the usage of cache breakpoints (server/cache_breakpoints.py)
+"""Anthropic Messages requests as prompts (server/anthropic/prompt.py), tool calls read back from
+the output (server/anthropic/tool_calls.py), the usage of cache breakpoints (server/anthropic/cache_breakpoints.py)
 and Anthropic's error shape: no engine, the default model's tokenizer only."""
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ import json
 import pytest
 
 from prefixcache.model.tokenizer import load_tokenizer
-from prefixcache.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from prefixcache.server.auth import credential
-from prefixcache.server.cache_breakpoints import lease_report, usage
+from prefixcache.server.anthropic.cache_breakpoints import lease_report, usage
+from prefixcache.server.anthropic.errors import DIALECT
+from prefixcache.server.anthropic.prompt import Breakpoint, MessagesRenderer
+from prefixcache.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from prefixcache.server.anthropic.tool_calls import ToolCall, ToolCallReader, split_output
+from prefixcache.server.base.auth import credential
 from prefixcache.server.edge.errors import APIError
-from prefixcache.server.messages_prompt import Breakpoint, MessagesRenderer
-from prefixcache.server.tool_calls import ToolCall, ToolCallReader, split_output
 
 SYSTEM = "You are the handbook assistant of the Example company. Answer in one short sentence."
 TOOLS = [
@@ -266,15 +267,16 @@ def test_usage_adds_up_and_counts_every_cached_prefix_as_a_read():
 
 def test_errors_speak_anthropic_on_the_messages_routes():
     e = APIError(422, "max_tokens: field required", param="max_tokens")
-    r = e.response_for("/v1/messages")
+    r = e.response_for("/v1/messages", [DIALECT])
     assert r.status_code == 400
     assert json.loads(r.body) == {"type": "error", "error": {
         "type": "invalid_request_error", "message": "max_tokens: field required"}}
-    assert json.loads(APIError(429, "slow down").response_for("/v1/messages/count_tokens").body)[
-        "error"]["type"] == "rate_limit_error"
-    openai = e.response_for("/v1/chat/completions")
+    slow = APIError(429, "slow down").response_for("/v1/messages/count_tokens", [DIALECT])
+    assert json.loads(slow.body)["error"]["type"] == "rate_limit_error"
+    openai = e.response_for("/v1/chat/completions", [DIALECT])
     assert openai.status_code == 422 and json.loads(openai.body)["error"]["param"] == "max_tokens"
-    assert APIError(401, "x").response_for("/v1/messagesX").status_code == 401
+    assert APIError(401, "x").response_for("/v1/messagesX", [DIALECT]).status_code == 401
+    assert APIError(422, "x").response_for("/v1/messages").status_code == 422  # no dialect given
 
 
 def test_x_api_key_is_a_bearer_key():

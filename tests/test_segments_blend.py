@@ -19,8 +19,8 @@ from prefixcache.model.attention import build_metadata
 from prefixcache.model.decode_attention import slots_of
 from prefixcache.segments import blend
 from prefixcache.server.edge.errors import APIError
-from prefixcache.server.protocol import ChatCompletionRequest
-from prefixcache.server.serving import Serving
+from prefixcache.server.openai.prompt import segment_request
+from prefixcache.server.openai.protocol import ChatCompletionRequest
 
 MODES = ("deviation", "both")
 
@@ -58,13 +58,13 @@ def test_options_budget_and_validation(llm):
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
                                 segment_selection="random")  # fmt: skip
     with pytest.raises(APIError) as e:
-        Serving.segment_request(req, [(1, 3)])
+        segment_request(req, [(1, 3)])
     assert e.value.status == 400 and e.value.param == "segment_selection"
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
-    assert Serving.segment_request(req, [(1, 3)]).options.selection == "first"
+    assert segment_request(req, [(1, 3)]).options.selection == "first"
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
                                 segment_selection="both", segment_recompute_tokens=8)  # fmt: skip
-    assert Serving.segment_request(req, [(1, 3)]).options == SegmentOptions(8, 0.0, "both")
+    assert segment_request(req, [(1, 3)]).options == SegmentOptions(8, 0.0, "both")
 
 
 @pytest.mark.parametrize("mode", MODES)

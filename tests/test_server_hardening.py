@@ -29,9 +29,10 @@ from prefixcache.api.errors import TenantQuotaError
 from prefixcache.cache.prefix_index import PrefixIndex
 from prefixcache.config import EngineConfig
 from prefixcache.engine.async_engine import AsyncEngine
-from prefixcache.server import protocol
+from prefixcache.server.anthropic.prompt import MessagesRenderer
 from prefixcache.server.app import create_app
-from prefixcache.server.auth import TenantDirectory
+from prefixcache.server.base import protocol
+from prefixcache.server.base.auth import TenantDirectory
 from prefixcache.server.edge.http import protocol_class
 from prefixcache.server.edge.limits import ServerLimits
 
@@ -271,8 +272,9 @@ def test_work_before_admission_is_charged_or_refused_first(live, monkeypatch):
     as refusals, so a stream of them is refused before the bodies are read."""
     s = live.serving
     renders = []
-    real_prompt = s.messages_renderer.prompt
-    monkeypatch.setattr(s.messages_renderer, "prompt", lambda *a: renders.append(1) or real_prompt(*a))
+    renderer = s.renderer(MessagesRenderer)
+    real_prompt = renderer.prompt
+    monkeypatch.setattr(renderer, "prompt", lambda *a: renders.append(1) or real_prompt(*a))
     cc = {"type": "ephemeral"}
     count_body = {"model": MODEL, "system": [{"type": "text", "text": "Be brief.", "cache_control": cc}],
                   "messages": [{"role": "user", "content": "Hi there."}]}  # fmt: skip

@@ -11,13 +11,13 @@ from pydantic import ValidationError
 
 from prefixcache.api.request import SharedPrefix
 from prefixcache.cli import build_parser
-from prefixcache.server.auth import CacheScope, Tenant, TenantDirectory, load_keys_file
+from prefixcache.server.base.auth import CacheScope, Tenant, TenantDirectory, load_keys_file
 from prefixcache.server.cli import _engine_config, _limits, origin_policy
 from prefixcache.server.edge.body import json_containers, parse_json
 from prefixcache.server.edge.errors import APIError, validation_error
 from prefixcache.server.edge.limits import ServerLimits
 from prefixcache.server.edge.origin import LOOPBACK_NAMES, OriginPolicy
-from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest
+from prefixcache.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def test_keys_file_json_yaml_and_flat(tmp_path):
@@ -256,7 +256,7 @@ def test_an_open_server_on_a_non_loopback_address_needs_an_explicit_flag(tmp_pat
     served without a word. Now it is refused (exit 2, before the model loads) unless
     --allow-open-remote says so, as the KV events stream's --kv-events-allow-remote."""
     from prefixcache.cli import main
-    from prefixcache.server.auth import TenantDirectory
+    from prefixcache.server.base.auth import TenantDirectory
     from prefixcache.server.cli import check_open_bind
 
     assert main(["serve", "--host", "0.0.0.0", "--port", "1"]) == 2

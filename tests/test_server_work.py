@@ -24,8 +24,8 @@ from fastapi.responses import JSONResponse
 
 from prefixcache.config import EngineConfig
 from prefixcache.engine.async_engine import AsyncEngine
-from prefixcache.server import completions
 from prefixcache.server.app import create_app
+from prefixcache.server.openai import completions
 
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 SHORT, LONG = 4, 24  # tokens generated

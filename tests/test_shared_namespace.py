@@ -26,7 +26,7 @@ from prefixcache.cache.hashing import hash_blocks, hash_blocks_after_shared, joi
 from prefixcache.config import EngineConfig
 from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.server.app import create_app
-from prefixcache.server.auth import Tenant, TenantDirectory
+from prefixcache.server.base.auth import Tenant, TenantDirectory
 
 B = 16
 KEYS = {"sk-alice": Tenant("alice"), "sk-bob": Tenant("bob"), "sk-ops": Tenant("ops", admin=True)}

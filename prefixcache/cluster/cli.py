@@ -53,7 +53,7 @@ def _specs(args: argparse.Namespace, secrets_path: str | None):
     from prefixcache.cluster.ingress import IngressSpec
     from prefixcache.cluster.replica import ReplicaSpec
     from prefixcache.cluster.secrets import tenant_options as with_secrets
-    from prefixcache.server.auth import TenantDirectory
+    from prefixcache.server.base.auth import TenantDirectory
     from prefixcache.server.cli import _engine_config, _limits, check_open_bind, origin_policy
 
     if args.replicas < 1:

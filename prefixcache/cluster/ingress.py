@@ -71,7 +71,7 @@ def build_ingress(serve):
     class Ingress:
         def __init__(self, replicas, spec: IngressSpec) -> None:
             from prefixcache.cluster.secrets import tenant_options
-            from prefixcache.server.auth import TenantDirectory
+            from prefixcache.server.base.auth import TenantDirectory
 
             self.replicas = replicas
             self.spec = spec
@@ -199,6 +199,7 @@ def build_ingress(serve):
 
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
         async def proxy(self, request: Request, path: str):
+            from prefixcache.server.anthropic.errors import DIALECT as ANTHROPIC_ERRORS
             from prefixcache.server.edge.body import read_body
             from prefixcache.server.edge.errors import APIError
 
@@ -209,7 +210,7 @@ def build_ingress(serve):
                 tenant = self._caller(path, request.headers) if has_body else None
                 body = await read_body(request, self.spec.limits) if has_body else b""
             except APIError as e:
-                return e.response_for(path)
+                return e.response_for(path, (ANTHROPIC_ERRORS,))
             # Host goes along (unlike the other hop headers): the replica's app checks it
             # against the cluster's allowed hosts (server/edge/origin.py), as one server would.
             headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS - {"host"}]
@@ -237,7 +238,7 @@ def build_ingress(serve):
             """The tenant of a request to an API route with a body, checked before the body is
             read: 401 for an unknown key (with keys configured), 429 for a tenant over its
             refusal limit. None where the replicas decide alone (no keys, other routes)."""
-            from prefixcache.server.auth import credential
+            from prefixcache.server.base.auth import credential
 
             if not (path.startswith("/v1/") and self.tenants.auth_required):
                 return None
@@ -360,7 +361,7 @@ def _credential(headers) -> str | None:
     """The request's key as an ``Authorization`` value (``x-api-key`` too, as the replicas
     take it); None when the two headers disagree: then it is routed by load, and the replica
     answers the 401."""
-    from prefixcache.server.auth import credential
+    from prefixcache.server.base.auth import credential
     from prefixcache.server.edge.errors import APIError
 
     try:

@@ -64,7 +64,7 @@ class EngineReplica:
         from prefixcache.engine.async_engine import AsyncEngine
         from prefixcache.events.publisher import offset_endpoint
         from prefixcache.server.app import create_app
-        from prefixcache.server.auth import TenantDirectory
+        from prefixcache.server.base.auth import TenantDirectory
 
         torch.set_num_threads(spec.threads)
         self.rank, local_rank = _rank()
@@ -158,7 +158,7 @@ class EngineReplica:
         SIGHUP does: all or nothing, the old keys stay in force on an error."""
         import asyncio
 
-        from prefixcache.server.app import _set_pin_tenants
+        from prefixcache.server.base.app import _set_pin_tenants
 
         try:
             n = self.tenants.reload()

@@ -4,22 +4,25 @@ The router matches these keys against what each replica has been sent, so they m
 engine's own (docs/design.md "Cache keys"): the same token ids (tokenizer, chat template with
 documents merged, BOS rule), the same namespace (the tenant of the API key and ``cache_salt``,
 derived by the same ``TenantDirectory``; with a shared salt the same declared shared prefix as
-server/serving.py: a chat's leading system messages, an admin's whole warmed prompt, nothing of
-a raw prompt), the same model fingerprint and block size (asked from a replica once). Anything that fails here (no JSON, an unknown key, a bad message) gives
-no keys: the request is routed by load, and the replica answers it with the proper 4xx.
+the server's (server/openai/prompt.py, server/cache/routes.py): a chat's leading system
+messages, an admin's whole warmed prompt, nothing of a raw prompt), the same model
+fingerprint and block size (asked from a replica once). Anything that fails here (no JSON, an
+unknown key, a bad message) gives no keys: the request is routed by load, and the replica
+answers it with the proper 4xx.
 
 A ``prompt_cache_key`` (OpenAI's field) puts one more key in front of the chain: a digest of
 the key and the request's own namespace root. Requests of one tenant with one key then share
 a leading key and go to one replica (the router follows the longest matched run), while the
 same prompt under another key, or of another tenant, starts elsewhere; the namespace, and so
 what a request may hit on that replica, is unchanged. Anthropic's ``/v1/messages`` is rendered
-as its replica will (server/messages_prompt.py), its breakpoints declaring the shared prefix
-under a shared salt (server/cache_breakpoints.py).
+as its replica will (server/anthropic/prompt.py), its breakpoints declaring the shared prefix
+under a shared salt (server/anthropic/cache_breakpoints.py).
 
 Length: the ingress is one process in front of every replica, so it tokenizes nothing a replica
 would refuse unread. A text longer than ``max_tokens`` (the replicas' context length) times
-the vocabulary's longest token in characters cannot fit (the replica's own check, serving.py),
-so it gets no keys, untokenized; a text that may fit is tokenized once, as the replica will.
+the vocabulary's longest token in characters cannot fit (the replica's own check,
+server/base/serving.py), so it gets no keys, untokenized; a text that may fit is tokenized
+once, as the replica will.
 """
 
 from __future__ import annotations
@@ -28,13 +31,13 @@ import json
 
 from prefixcache.cache.hashing import hash_blocks, hash_blocks_after_shared, key_hash, root_hash
 from prefixcache.model.tokenizer import Tokenizer
-from prefixcache.server.anthropic_protocol import MessagesRequest
-from prefixcache.server.auth import TenantDirectory
-from prefixcache.server.cache_breakpoints import shared_tokens
+from prefixcache.server.anthropic.cache_breakpoints import shared_tokens
+from prefixcache.server.anthropic.prompt import MessagesRenderer, text_chars
+from prefixcache.server.anthropic.protocol import MessagesRequest
+from prefixcache.server.base.auth import TenantDirectory
 from prefixcache.server.edge.body import check_containers
 from prefixcache.server.edge.limits import ServerLimits
-from prefixcache.server.messages_prompt import MessagesRenderer, text_chars
-from prefixcache.server.protocol import ChatMessage, template_text_chars
+from prefixcache.server.openai.protocol import ChatMessage, template_text_chars
 
 # The routes whose body names a prompt; everything else is routed by load alone.
 PROMPT_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/cache/warm", "/v1/cache/lookup",

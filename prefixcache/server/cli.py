@@ -167,7 +167,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from prefixcache.server.auth import TenantDirectory
+    from prefixcache.server.base.auth import TenantDirectory
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:  # everything a typo can break, before the model loads

@@ -2,7 +2,7 @@
 bounded store (the disk tier, our part of Redis, the write queue) is full.
 
 **Owner.** The bytes of a namespace belong to its *owner*: the part of the namespace before its
-first "/" (server/auth.py derives "<tenant>", "<tenant>/<salt>" and shared names so that a
+first "/" (server/base/auth.py derives "<tenant>", "<tenant>/<salt>" and shared names so that a
 namespace names exactly one owner, and no tenant name contains "/"). So all of a tenant's salts
 draw on one share, a shared namespace ("public") is an owner of its own, and the offline API's
 ``None`` is one owner. In the stores an owner is a keyed digest (``owner_id``), like a

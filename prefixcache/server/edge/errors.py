@@ -1,6 +1,6 @@
-"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, and on the
-Anthropic Messages routes (``/v1/messages...``) in Anthropic's:
-``{"type": "error", "error": {"type", "message"}}``.
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, unless the
+route's API speaks another dialect (an :class:`ErrorDialect` its package passes to the app:
+Anthropic's, anthropic/errors.py, on ``/v1/messages...``).
 
 Every failure the server returns goes through :class:`APIError` or one of the handlers installed
 by :func:`install_error_handlers`, so clients (the ``openai`` package included) always get a body
@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import re
 import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -52,23 +54,26 @@ _TYPES = {
 }
 
 
-# HTTP status -> Anthropic error type (its documented errors); the Messages routes answer
-# a wrong type or a missing field with a 400, as Anthropic does, where the OpenAI routes say 422.
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-}
-ANTHROPIC_PATHS = "/v1/messages"  # this route and those under it speak Anthropic's dialect
+@dataclass(frozen=True)
+class ErrorDialect:
+    """How an API that is not OpenAI-shaped answers errors on its routes: those at ``path`` and
+    under it. ``status``: the status it answers for ours (a 422 may be its 400); ``body``: its
+    error body for a status and a message."""
 
+    path: str
+    status: Callable[[int], int]
+    body: Callable[[int, str], dict]
 
-def is_anthropic_path(path: str) -> bool:
-    return path == ANTHROPIC_PATHS or path.startswith(ANTHROPIC_PATHS + "/")
+    def covers(self, path: str) -> bool:
+        return path == self.path or path.startswith(self.path + "/")
+
+    def body_of(self, err: APIError) -> dict:
+        return self.body(self.status(err.status), err.message)
+
+    def response(self, err: APIError) -> JSONResponse:
+        return JSONResponse(
+            self.body_of(err), status_code=self.status(err.status), headers=err.headers
+        )
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")
@@ -99,19 +104,13 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
-    def anthropic_status(self) -> int:
-        return 400 if self.status == 422 else self.status
-
-    def anthropic_body(self) -> dict:
-        return anthropic_error_body(self.anthropic_status(), self.message)
-
-    def response_for(self, path: str) -> JSONResponse:
-        """The answer in the dialect of the route at ``path``."""
-        if not is_anthropic_path(path):
-            return self.response()
-        return JSONResponse(
-            self.anthropic_body(), status_code=self.anthropic_status(), headers=self.headers
-        )
+    def response_for(self, path: str, dialects: Iterable[ErrorDialect] = ()) -> JSONResponse:
+        """The answer in the dialect of the route at ``path``: the first of ``dialects`` that
+        covers it, else OpenAI's."""
+        for d in dialects:
+            if d.covers(path):
+                return d.response(self)
+        return self.response()
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None):
@@ -123,11 +122,6 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
             "code": code,
         }
     }
-
-
-def anthropic_error_body(status: int, message: str) -> dict:
-    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def from_engine_error(e: BaseException, request_id: str | None = None) -> APIError | None:
@@ -193,16 +187,19 @@ def _count_refusal(request: Request, status: int) -> None:
             guard.refused(request.client.host)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, dialects: Iterable[ErrorDialect] = ()) -> None:
+    """Every failure answered as an :class:`APIError`, in the dialect of its route's API."""
+    dialects = tuple(dialects)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         _count_refusal(request, exc.status)
-        return exc.response_for(request.url.path)
+        return exc.response_for(request.url.path, dialects)
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         _count_refusal(request, 422)
-        return validation_error(exc).response_for(request.url.path)
+        return validation_error(exc).response_for(request.url.path, dialects)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -210,14 +207,14 @@ def install_error_handlers(app: FastAPI) -> None:
         code = "not_found" if exc.status_code == 404 else None
         return APIError(
             exc.status_code, str(exc.detail), code=code, headers=getattr(exc, "headers", None)
-        ).response_for(request.url.path)
+        ).response_for(request.url.path, dialects)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         rid = request_id_of(request.scope)
         err = from_engine_error(exc, rid) or internal_error(rid, exc)
         _count_refusal(request, err.status)
-        resp = err.response_for(request.url.path)
+        resp = err.response_for(request.url.path, dialects)
         if rid:
             resp.headers["X-Request-Id"] = rid
         return resp

@@ -38,7 +38,7 @@ class ServerLimits:
     keep_alive_timeout: float = 5.0
     send_timeout: float = 30.0
     max_connections: int = 512  # open connections; more are closed at once
-    # Cache control calls (lookup, invalidate, stats: server/cache_gate.py) run on their own
+    # Cache control calls (lookup, invalidate, stats: server/base/cache_gate.py) run on their own
     # threads, at most this many admitted per tenant at once (429 above).
     cache_route_threads: int = 4
     max_cache_calls_per_tenant: int = 2
@@ -52,7 +52,8 @@ class ServerLimits:
     # and refused for refusal_penalty seconds (server/edge/refusals.py PeerGuard).
     max_unauthenticated_per_second: int = 64
     # /metrics is rendered by one reader at a time; keyless readers (--public-metrics) get a
-    # read at most this old (server/observability/snapshot.py): their scrape storm costs one read a second.
+    # read at most this old (server/observability/snapshot.py): their scrape storm costs one
+    # read a second.
     metrics_max_age: float = 1.0
 
     def __post_init__(self) -> None:

@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from prefixcache.server.edge.errors import APIError
+from prefixcache.server.edge.errors import APIError, ErrorDialect
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARD_BINDS = frozenset({"", "0.0.0.0", "::", "*"})
@@ -194,11 +194,13 @@ def _is_json(ctype: str | None) -> bool:
 
 class BrowserGuard:
     """The ASGI middleware applying an :class:`OriginPolicy` to every HTTP request, before
-    routing and before its body is read."""
+    routing and before its body is read; a refusal is answered in the dialect of the route's
+    API (``dialects``: errors.py)."""
 
-    def __init__(self, app, policy: OriginPolicy) -> None:
+    def __init__(self, app, policy: OriginPolicy, dialects: Iterable[ErrorDialect] = ()) -> None:
         self.app = app
         self.policy = policy
+        self.dialects = tuple(dialects)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
@@ -207,6 +209,8 @@ class BrowserGuard:
                 headers.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
             refusal = self.policy.check(scope["method"], headers)
             if refusal is not None:
-                await refusal.response_for(scope.get("path", ""))(scope, receive, send)
+                await refusal.response_for(scope.get("path", ""), self.dialects)(
+                    scope, receive, send
+                )
                 return
         await self.app(scope, receive, send)

@@ -24,10 +24,10 @@ from importlib import resources
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from prefixcache.server.auth import Tenant
-from prefixcache.server.cache_routes import stats_for
+from prefixcache.server.base.auth import Tenant
+from prefixcache.server.base.serving import Serving
 from prefixcache.server.edge.errors import APIError
-from prefixcache.server.serving import Serving
+from prefixcache.server.observability.stats import stats_for
 
 router = APIRouter()
 

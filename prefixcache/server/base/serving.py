@@ -1,4 +1,11 @@
-"""From an API request to engine requests: prompts, limits, sampling, admission.
+"""What every API's routes share: from an authenticated, parsed request to engine requests.
+
+:class:`Serving` holds the server's state (the engine, the tenants, the limits, the metrics,
+the log, the cache-call gate, the remembered prompts) and the checks every API makes the same
+way; ``start`` adds a request's choices to the engine as one :class:`~.run.Run`. It knows no
+API's bodies or rendering: the OpenAI routes render prompts with openai/prompt.py, the
+Anthropic ones with the renderer their package registers here (``renderer``), so this base
+imports neither (tests/test_server_layout.py).
 
 The order of checks is the order of costs: everything bounded by ``ServerLimits`` and the
 context length is checked before anything proportional to the input is done. Text is tokenized
@@ -13,35 +20,28 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from dataclasses import dataclass, replace
-
-import jinja2
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import TypeVar
 
 from prefixcache.api.engine import EngineAPI, EngineRequest
 from prefixcache.api.errors import InvalidRequestError
 from prefixcache.api.request import CacheLease, RetentionPriority, SamplingParams, SharedPrefix
-from prefixcache.api.segments import DEFAULT_RECOMPUTE_TOKENS, SegmentOptions, SegmentRequest
-from prefixcache.server.auth import CacheScope, Tenant, TenantDirectory
-from prefixcache.server.cache_gate import CacheCallGate
-from prefixcache.server.comparison import Comparison, PromptRecord, ResponseStore, compare
+from prefixcache.api.segments import SegmentRequest
+from prefixcache.server.base.auth import Tenant, TenantDirectory
+from prefixcache.server.base.cache_gate import CacheCallGate
+from prefixcache.server.base.comparison import Comparison, PromptRecord, ResponseStore, compare
+from prefixcache.server.base.protocol import parse_body
+from prefixcache.server.base.run import Choice, Run
 from prefixcache.server.edge.errors import APIError, from_engine_error
 from prefixcache.server.edge.limits import ServerLimits
 from prefixcache.server.edge.refusals import RefusalLimiter
-from prefixcache.server.messages_prompt import MessagesRenderer
 from prefixcache.server.observability.activity import Activity
 from prefixcache.server.observability.cache_keys import PromptCacheKeyStats
 from prefixcache.server.observability.metrics import ServerMetrics
 from prefixcache.server.observability.snapshot import Snapshot, SnapshotReader
-from prefixcache.server.protocol import (
-    ChatMessage,
-    CompletionRequest,
-    _CacheQuery,
-    _Generation,
-    parse_body,
-    template_text_chars,
-)
-from prefixcache.server.run import Choice, Run
 
+R = TypeVar("R")
 PRIORITY_BOUND = 2**31 - 1
 
 
@@ -56,17 +56,6 @@ def as_api_error(e: InvalidRequestError) -> APIError:
     return err
 
 
-@dataclass(frozen=True)
-class ChatPrompt:
-    """A rendered chat: its ids, its document spans (cache_mode "segments"), and how many of
-    its leading ids render its leading system/developer messages (counted when asked: the
-    prefix a chat with a shared salt declares shared)."""
-
-    ids: list[int]
-    spans: tuple = ()
-    system_tokens: int = 0
-
-
 class Serving:
     """What the routes share: the engine, the tenants, the limits, the metrics, the log."""
 
@@ -78,7 +67,10 @@ class Serving:
         metrics: ServerMetrics,
         request_log=None,
         limits: ServerLimits | None = None,
+        renderers: Iterable[Callable[[object], object]] = (),
     ) -> None:
+        """``renderers``: each API's prompt renderer, built from the tokenizer (the API's
+        package passes its class: base/app.py ``Surface.renderer``)."""
         self.engine = engine
         self.model_names = served_model_names
         self.tenants = tenants
@@ -93,9 +85,10 @@ class Serving:
             self.limits.max_refusals_per_second, self.limits.refusal_penalty
         )
         self.tokenizer = engine.tokenizer
-        self.messages_renderer = MessagesRenderer(self.tokenizer)  # Anthropic's Messages API
+        self._renderers = {type(r): r for r in (make(self.tokenizer) for make in renderers)}
         self.activity = Activity(lambda ids: self.tokenizer.decode(ids), engine.config.block_size)
-        # /metrics: rendered by one reader at a time off the default executor (snapshot.py).
+        # /metrics: rendered by one reader at a time off the default executor
+        # (observability/snapshot.py).
         self.snapshot_reader = SnapshotReader()
         self.metrics_snapshot = Snapshot(
             self.metrics.render, self.snapshot_reader, self.limits.metrics_max_age
@@ -108,6 +101,10 @@ class Serving:
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    def renderer(self, kind: type[R]) -> R:
+        """The renderer of class ``kind`` an API registered (one per server, built at startup)."""
+        return self._renderers[kind]
 
     def close(self) -> None:
         """At shutdown: the cache routes' and the snapshots' threads (calls not started are
@@ -143,7 +140,7 @@ class Serving:
                 n = max(self.tokenizer.vocab_size, self.engine.vocab_size)
                 self._token_texts = self.tokenizer.decode_each(range(n))
 
-    def _check_text_fits(self, num_chars: int, param: str) -> None:
+    def check_text_fits(self, num_chars: int, param: str) -> None:
         limit = self.engine.max_model_len
         if num_chars > limit and num_chars > limit * self.max_token_chars:
             raise APIError(
@@ -153,115 +150,18 @@ class Serving:
                 param=param, code="context_length_exceeded",
             )  # fmt: skip
 
-    def _ids(self, ids: list[int], param: str) -> list[int]:
+    def prompt_ids(self, ids: list[int], param: str) -> list[int]:
+        """``ids`` checked against the vocabulary and the context (400 naming ``param``)."""
         try:
             self.engine.validate_prompt(ids)
         except InvalidRequestError as e:
             raise as_api_error(replace_param(e, param)) from None
         return ids
 
-    def _text(self, text: str, param: str) -> list[int]:
+    def text_ids(self, text: str, param: str) -> list[int]:
         """A text prompt's ids, BOS included when the model wants one (as the offline API)."""
-        self._check_text_fits(len(text), param)
-        return self._ids(self.tokenizer.encode(text, add_special_tokens=True), param)
-
-    def num_prompts(self, p) -> int:
-        """The prompts of a completion's ``prompt`` (400 when none, or over the limit): known
-        before anything is tokenized."""
-        n = 1 if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)) else len(p)
-        if not n:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        if n > self.limits.max_prompts_per_request:
-            raise APIError(
-                400, f"at most {self.limits.max_prompts_per_request} prompts per request",
-                param="prompt", code="too_many_prompts",
-            )  # fmt: skip
-        return n
-
-    def _completion_prompts(self, p) -> list[list[int]]:
-        self.num_prompts(p)
-        if isinstance(p, str):
-            prompts = [("text", p)]
-        elif p and all(isinstance(x, int) for x in p):
-            prompts = [("ids", p)]
-        else:
-            prompts = [("text" if isinstance(x, str) else "ids", x) for x in p]
-        return [self._text(x, "prompt") if k == "text" else self._ids(list(x), "prompt")
-                for k, x in prompts]  # fmt: skip
-
-    async def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        return await asyncio.to_thread(self._completion_prompts, req.prompt)
-
-    def _chat_prompt(
-        self,
-        messages: list[ChatMessage],
-        add_generation_prompt: bool,
-        segments: bool = False,
-        system_prefix: bool = False,
-    ) -> ChatPrompt:
-        """The prompt ids; with ``segments``, the document spans too, rendered by the segment
-        boundary convention (model/tokenizer_segments.py); with ``system_prefix``, the count
-        of leading ids that are the leading system/developer messages."""
-        if len(messages) > self.limits.max_messages:
-            raise APIError(
-                400, f"at most {self.limits.max_messages} messages per request", param="messages"
-            )
-        dicts = [m.as_template_dict() for m in messages]
-        # A document's heading is its title, else its name (model/tokenizer_chat.py): rendered
-        # and tokenized like its content, so counted with it.
-        chars = template_text_chars(dicts)
-        self._check_text_fits(chars, "messages")
-        spans = ()
-        try:
-            if segments:
-                sp = self.tokenizer.encode_chat_segments(dicts, add_generation_prompt)
-                ids, spans = sp.token_ids, sp.spans
-            else:
-                ids = self.tokenizer.encode_chat(dicts, add_generation_prompt=add_generation_prompt)
-        except (ValueError, KeyError, TypeError, jinja2.TemplateError):
-            # The template's own message may quote internals; say what is wrong in our words.
-            raise APIError(
-                400, "these messages cannot be rendered with the model's chat template "
-                "(check roles and their order)", param="messages",
-            ) from None  # fmt: skip
-        if not ids:
-            raise APIError(400, "messages render to an empty prompt", param="messages")
-        ids = self._ids(list(ids), "messages")
-        system = self._system_tokens(dicts, ids) if system_prefix else 0
-        return ChatPrompt(ids, tuple(spans), system)
-
-    def _system_tokens(self, dicts: list[dict], ids: list[int]) -> int:
-        """The leading ``ids`` that render the chat's leading system messages (developer ones
-        are system messages here) alone: what a chat with a shared salt declares shared. None
-        of them comes from a later message, a document (merged after the system text) or the
-        output (Tokenizer.leading_system_tokens)."""
-        return self.tokenizer.leading_system_tokens(dicts, ids)
-
-    async def chat_prompt(
-        self,
-        messages: list[ChatMessage],
-        add_generation_prompt: bool,
-        segments: bool = False,
-        system_prefix: bool = False,
-    ) -> ChatPrompt:
-        return await asyncio.to_thread(
-            self._chat_prompt, messages, add_generation_prompt, segments, system_prefix
-        )
-
-    @staticmethod
-    def segment_request(req: _Generation, spans) -> SegmentRequest:
-        """cache_mode="segments": the spans and the validated recompute options (400 naming
-        the field when out of range). A chat without documents has no span: a no-op."""
-        try:
-            opts = SegmentOptions(
-                DEFAULT_RECOMPUTE_TOKENS if req.segment_recompute_tokens is None
-                else req.segment_recompute_tokens,
-                req.segment_recompute_ratio or 0.0,
-                "first" if req.segment_selection is None else req.segment_selection,
-            )  # fmt: skip
-        except InvalidRequestError as e:
-            raise as_api_error(e) from None
-        return SegmentRequest(tuple(spans), opts)
+        self.check_text_fits(len(text), param)
+        return self.prompt_ids(self.tokenizer.encode(text, add_special_tokens=True), param)
 
     @staticmethod
     def retention_priority(req) -> RetentionPriority | None:
@@ -276,30 +176,6 @@ class Serving:
             return RetentionPriority(req.retention_priority, req.retention_priority_seconds)
         except InvalidRequestError as e:
             raise as_api_error(e) from None
-
-    async def cache_prompt(
-        self, req: _CacheQuery, tenant: Tenant, scope: CacheScope
-    ) -> tuple[list[int], SharedPrefix | None]:
-        """The prompt of /v1/cache/warm and /lookup, validated like a completion's, and the
-        prefix it declares shared: with a shared salt, an admin's whole prompt (a public
-        prefix), else a chat's leading system messages, as a chat completion declares them;
-        nothing of another tenant's raw prompt."""
-        req.check_one_input()
-        shared = scope.shared is not None
-        if req.messages is not None:
-            chat = await self.chat_prompt(
-                req.messages, req.add_generation_prompt, system_prefix=shared and not tenant.admin
-            )
-            ids, declared = chat.ids, chat.system_tokens
-        else:
-            if isinstance(req.prompt, str):
-                ids = await asyncio.to_thread(self._text, req.prompt, "prompt")
-            else:
-                ids = self._ids(list(req.prompt), "prompt")  # O(1) length check before the scan
-            declared = 0
-        if shared and tenant.admin:
-            declared = len(ids)
-        return ids, scope.prefix(declared)
 
     def shared_tokens(self, shared: SharedPrefix | None) -> int:
         """The tokens of a declared shared prefix that are shared: its whole blocks."""
@@ -323,76 +199,6 @@ class Serving:
         # tenant's cache-call rate, on the cache routes' threads (cache_gate.py).
         return await self.cache_gate.run(tenant.name, compare, previous, record, render_prefix,
                                          rated=not tenant.admin)  # fmt: skip
-
-    def chat_prefix(self, dicts: list[dict]):
-        """``render_prefix`` of a chat: its first k messages alone, no generation prompt."""
-
-        def render(k: int) -> list[int]:
-            try:
-                return self.tokenizer.encode_chat(dicts[:k], add_generation_prompt=False) if k else []
-            except (ValueError, KeyError, TypeError, jinja2.TemplateError):
-                return []
-
-        return render
-
-    # -- sampling -----------------------------------------------------------------------------
-
-    def check_generation_limits(self, req: _Generation, logprobs: int | None) -> None:
-        lim = self.limits
-        if req.n > lim.max_n:
-            raise APIError(400, f"n must be at most {lim.max_n}", param="n")
-        stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-        if len(stop) > lim.max_stop_sequences:
-            raise APIError(
-                400, f"at most {lim.max_stop_sequences} stop sequences", param="stop"
-            )
-        if any(len(s) > lim.max_stop_chars for s in stop):
-            raise APIError(
-                400, f"stop sequences are at most {lim.max_stop_chars} characters", param="stop"
-            )
-        if len(req.stop_token_ids or ()) > lim.max_stop_token_ids:
-            raise APIError(
-                400, f"at most {lim.max_stop_token_ids} stop_token_ids", param="stop_token_ids"
-            )
-        if logprobs is not None and logprobs > lim.max_logprobs:
-            raise APIError(400, f"logprobs must be at most {lim.max_logprobs}", param="logprobs")
-        if abs(req.priority) > PRIORITY_BOUND:
-            raise APIError(400, "priority must be a 32-bit integer", param="priority")
-
-    def sampling_params(
-        self,
-        req: _Generation,
-        prompt_len: int,
-        max_tokens: int | None,
-        default_max_tokens: int | None,
-        logprobs: int | None,
-    ) -> SamplingParams:
-        room = self.engine.max_model_len - prompt_len
-        if max_tokens is None:
-            if room < 1:
-                raise APIError(
-                    400,
-                    f"This model's maximum context length is {self.engine.max_model_len} tokens, "
-                    f"but the prompt has {prompt_len} tokens.",
-                    param="messages" if hasattr(req, "messages") else "prompt",
-                    code="context_length_exceeded",
-                )
-            max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=-1 if req.top_k is None else req.top_k,
-                seed=req.seed,
-                stop=req.stop or (),
-                stop_token_ids=req.stop_token_ids or (),
-                ignore_eos=req.ignore_eos,
-                logprobs=logprobs,
-                include_stop_str_in_output=req.include_stop_str_in_output,
-            )
-        except InvalidRequestError as e:
-            raise as_api_error(e) from None
 
     # -- running ------------------------------------------------------------------------------
     def check_admission(self, tenant: Tenant, num_sequences: int) -> None:
@@ -431,8 +237,8 @@ class Serving:
         ``shared_prefix``: declared by every prompt (a chat's one prompt); ``leases``: asked
         by every prompt (a Messages request's cache breakpoints); ``retention``: how its blocks
         are kept beyond RAM (EngineRequest); ``prompt_cache_key``: the group its per-key
-        stats count in (cache_keys.py); ``retention_priority``: how the blocks it uses rank
-        for eviction among the tenant's own."""
+        stats count in (observability/cache_keys.py); ``retention_priority``: how the blocks
+        it uses rank for eviction among the tenant's own."""
         total = len(prompts) * n
         self._check_sequences(total)
         run = Run(self, new_id(prefix), tenant, namespace, n)
@@ -490,7 +296,7 @@ def replace_param(e: InvalidRequestError, param: str) -> InvalidRequestError:
 def authenticate(request) -> Tenant:
     """The caller of a generation or cache route; a non-admin tenant over its refusal limit is
     refused here, before its body is read, and its refusals are counted by the error handler
-    (refusals.py)."""
+    (edge/refusals.py)."""
     s: Serving = request.app.state.serving
     tenant = s.tenants.authenticate_request(request.headers)
     if not tenant.admin:

@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictInt
 
+from prefixcache.server.base.protocol import _Body
 from prefixcache.server.edge.errors import APIError
-from prefixcache.server.protocol import _Body
 
 # The ``anthropic-version`` header: a date, at least Anthropic's first version; later ones (the
 # official client sends its own) are served with the same behaviour.
@@ -203,7 +203,7 @@ class MessagesRequest(_MessagesPrompt):
     # How the blocks it uses rank for eviction among the tenant's own (as on the OpenAI routes).
     retention_priority: StrictInt | None = None
     retention_priority_seconds: float | None = None
-    # Anthropic's: why the cache could not reuse an earlier response's prefix (comparison.py).
+    # Anthropic's: why the cache could not reuse an earlier response's prefix (base/comparison.py).
     diagnostics: Diagnostics | None = None
 
 

@@ -196,58 +196,11 @@ def _common(a, b) -> int:
     return n
 
 
-# -- the answers, in each vendor's shape ----------------------------------------------------------
+# -- what each API's answer shows (openai/diagnostics.py, anthropic/diagnostics.py) ------------
 
 _DETAIL = ("diverged_at_token", "part", "message_index", "content_offset", "cause")
 
 
-def _detail(c: Comparison) -> dict:
+def details(c: Comparison) -> dict:
+    """Where the prompts diverge, the fields that are known."""
     return {k: getattr(c, k) for k in _DETAIL if getattr(c, k) is not None}
-
-
-def openai_diagnostics(c: Comparison | None, cached_tokens: int, block_size: int) -> dict:
-    """``prompt_cache_diagnostics``, shaped as OpenAI's Responses API: ``cache_hit``,
-    ``cache_miss`` with a ``reason`` (``model_changed``, ``prompt_cache_key_changed``,
-    ``input_changed``; ours: ``cache_salt_changed``, ``evicted``) and our details, or
-    ``comparison_response_not_found``."""
-    if c is None:
-        return {"type": "comparison_response_not_found"}
-    reusable = c.reusable(block_size)
-    if c.changed is None and cached_tokens >= reusable:
-        return {"type": "cache_hit", "comparison_reusable_tokens": reusable}
-    reason = {"model": "model_changed", "cache_salt": "cache_salt_changed",
-              "prompt_cache_key": "prompt_cache_key_changed", "prompt": "input_changed",
-              None: "evicted"}[c.changed]  # fmt: skip
-    return {"type": "cache_miss", "reason": reason,
-            "cache_missed_tokens": c.current_tokens - min(c.diverged_at_token, cached_tokens)
-            if c.changed is not None else reusable - cached_tokens,
-            "comparison_reusable_tokens": reusable, **_detail(c)}  # fmt: skip
-
-
-def anthropic_diagnostics(c: Comparison | None, cached_tokens: int, block_size: int) -> dict | None:
-    """``diagnostics``, shaped as Anthropic's: ``{"cache_miss_reason": {"type", ...}}``, null
-    when the prompts do not diverge and the cache served what they share. Types:
-    ``model_changed``, ``tools_changed``, ``system_changed``, ``messages_changed``,
-    ``previous_message_not_found``, ``unavailable`` (ours: with ``cause`` "chat_template",
-    or "evicted"; a changed ``cache_salt``)."""
-    if c is None:
-        return {"cache_miss_reason": {"type": "previous_message_not_found"}}
-    reusable = c.reusable(block_size)
-    if c.changed is None and cached_tokens >= reusable:
-        return None
-    missed = max(0, min(c.previous_tokens, c.current_tokens - 1) // block_size * block_size
-                 - min(cached_tokens, reusable))  # fmt: skip
-    if c.changed == "model":
-        kind = "model_changed"
-    elif c.changed == "prompt" and c.cause == "text" and c.part in ("tools", "system"):
-        kind = f"{c.part}_changed"
-    elif c.changed == "prompt" and c.cause == "text":
-        kind = "messages_changed"
-    else:
-        kind = "unavailable"
-    extra = _detail(c)
-    if c.changed is None:
-        extra["cause"] = "evicted"
-    elif c.changed in ("cache_salt", "prompt_cache_key"):
-        extra["cause"] = f"{c.changed}_changed"
-    return {"cache_miss_reason": {"type": kind, "cache_missed_input_tokens": missed, **extra}}

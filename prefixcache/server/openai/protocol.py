@@ -1,41 +1,30 @@
-"""Request bodies of the OpenAI API (plus vLLM's extra fields and the cache endpoints).
+"""Request bodies of the OpenAI API (plus vLLM's extra fields).
 
 Pydantic checks types and shapes (a failure is a 422 naming the field; floats must be finite);
 value ranges are checked by :class:`prefixcache.api.request.SamplingParams` (a failure is a 400), so
 both the server and the offline API enforce the same rules, and the server's size limits
-(``limits.py``) by the serving layer (400). Fields OpenAI clients send that the engine does not
-use are ignored, as vLLM does; a non-default value of a feature the engine lacks is refused
-instead of being silently dropped. The body is read and parsed by ``body.py`` (size, time,
+(``edge/limits.py``) by openai/prompt.py (400). Fields OpenAI clients send that the engine does
+not use are ignored, as vLLM does; a non-default value of a feature the engine lacks is refused
+instead of being silently dropped. The body is read and parsed by base/protocol.py (size, time,
 strict JSON, valid text) before it gets here.
 """
 
 from __future__ import annotations
 
-import asyncio
-from typing import Literal, TypeVar
+from typing import Literal
 
-from fastapi import Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import Field, StrictInt
 
-from prefixcache.server.edge.body import check_containers, parse_json, read_body
-from prefixcache.server.edge.errors import APIError, validation_error
-from prefixcache.server.edge.limits import ServerLimits
+from prefixcache.server.base.protocol import _Body
+from prefixcache.server.edge.errors import APIError
 
 PromptInput = str | list[int] | list[str] | list[list[int]]
-
-
-class _Body(BaseModel):
-    # allow_inf_nan: a float field never holds NaN or an infinity (1e400 parses as inf).
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-
-_B = TypeVar("_B", bound=_Body)
 
 
 class PromptCacheOptions(_Body):
     """OpenAI's ``prompt_cache_options``. ``comparison_response_id`` (as in OpenAI's Responses
     API; on chat and completions our extension): explain this request's cache hit against an
-    earlier response of the same tenant (comparison.py). OpenAI's ``mode`` and ``ttl``
+    earlier response of the same tenant (base/comparison.py). OpenAI's ``mode`` and ``ttl``
     (implicit/explicit breakpoints) are refused: there are no explicit breakpoints here."""
 
     comparison_response_id: str | None = Field(None, min_length=1, max_length=128)
@@ -57,7 +46,7 @@ class _Generation(_Body):
     """Fields common to completions and chat completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1)  # at most --max-n (serving.py)
+    n: int = Field(1, ge=1)  # at most --max-n (prompt.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -163,66 +152,8 @@ class ChatCompletionRequest(_Generation):
     add_generation_prompt: bool = True
 
 
-class _CacheQuery(_Body):
-    """A prompt as text or token ids, or chat messages rendered with the model's template."""
-
-    model: str | None = None
-    prompt: str | list[int] | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_generation_prompt: bool = True
-    cache_salt: str | None = None
-
-    def check_one_input(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
-
-
-class CacheWarmRequest(_CacheQuery):
-    # "segments": store each document message of ``messages`` as a segment (no pin, no prefill
-    # of the rest); "prefix" (default): prefill the whole prompt into the prefix cache.
-    cache_mode: Literal["prefix", "segments"] = "prefix"
-    pin: bool = False
-    ttl_seconds: float | None = Field(None, gt=0)  # at most the engine's max_pin_ttl_seconds
-
-
-class CacheLookupRequest(_CacheQuery):
-    pass
-
-
-class CacheInvalidateRequest(_Body):
-    # Absent: the caller's own namespace (with cache_salt: that partition of it).
-    namespace: str | None = None
-    cache_salt: str | None = None
-    all: bool = False  # every namespace; admin only
-
-
-# Bodies larger than this, or holding more objects and arrays than OFF_LOOP_CONTAINERS, are
-# parsed and validated in a worker thread: a few MiB of JSON, or a few thousand containers,
-# take tens of milliseconds, and the Python parts of that work then let the event loop (every
-# other request's stream) in between. The containers are bounded first (body.py).
-OFF_LOOP_BYTES = 256 << 10
-OFF_LOOP_CONTAINERS = 256
-
-
-async def parse_body(request: Request, model: type[_B], limits: ServerLimits) -> _B:
-    """The body as ``model``: size/time/JSON/text failures are 4xx (body.py), a wrong shape 422."""
-    raw = await read_body(request, limits)
-    containers = check_containers(raw, limits)  # 400 over the limit, before any parsing
-    if len(raw) > OFF_LOOP_BYTES or containers > OFF_LOOP_CONTAINERS:
-        return await asyncio.to_thread(_parse, raw, model, limits)
-    return _parse(raw, model, limits)
-
-
 def template_text_chars(dicts: list[dict]) -> int:
     """Characters a chat's template dicts put into the prompt: each content and a document's
     heading (its title, else its name: model/tokenizer_chat.py), for the length pre-checks of
     the server and the cluster ingress."""
     return sum(len(d["content"]) + len(d.get("title") or d.get("name") or "") for d in dicts)
-
-
-def _parse(raw: bytes, model: type[_B], limits: ServerLimits) -> _B:
-    data = parse_json(raw, limits, counted=True)  # parse_body counted its containers
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error(e) from None

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import jinja2
 
-from prefixcache.server.anthropic_protocol import (
+from prefixcache.server.anthropic.protocol import (
     CacheControl,
     ThinkingBlock,
     ToolResultBlock,
@@ -147,7 +147,7 @@ class MessagesRenderer:
         return _common_prefix(head, ids)
 
     def parts(self, req: _MessagesPrompt) -> list[tuple[str, str]]:
-        """The request's parts as comparisons see them (comparison.py): its tools, its system
+        """The request's parts as comparisons see them (base/comparison.py): its tools, its system
         text, then each message (its role, then its text as rendered)."""
         tools = "\n".join(_json(t.model_dump(exclude={"cache_control"}, exclude_none=True))
                           for t in req.tools or ())  # fmt: skip

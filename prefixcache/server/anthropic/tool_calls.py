@@ -1,6 +1,6 @@
 """Tool calls read back from a model's output text, as it streams.
 
-A request with tools (messages_prompt.py) asks the model to call one by answering
+A request with tools (prompt.py) asks the model to call one by answering
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the Hermes/Qwen convention,
 which tool-calling templates of that family also use). :class:`ToolCallReader` splits the
 output into text and calls: text is handed on as it comes, except the few characters that
@@ -19,7 +19,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from prefixcache.server.messages_prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from prefixcache.server.anthropic.prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 MAX_CALL_CHARS = 1 << 16
 

@@ -9,40 +9,36 @@ Invalidating another tenant's namespace, or all of them, takes an admin key. Pro
 validated like a completion's (vocabulary, at most the context length) before they are hashed.
 ``/stats`` shows an admin everything and anyone else only their own tenant's numbers.
 Warm, lookup, invalidate and stats call the engine on the cache routes' own threads, at most a
-few at once per tenant and a rate per second charged before a body is read (cache_gate.py: 429
+few at once per tenant and a rate per second charged before a body is read (base/cache_gate.py: 429
 above), never on the default executor that tokenizes, nor on the event loop.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, is_dataclass
+import asyncio
 
 from fastapi import APIRouter, Request
 
-from prefixcache.server.auth import CacheScope, Tenant
+from prefixcache.api.request import SharedPrefix
+from prefixcache.server.base.auth import CacheScope, Tenant
+from prefixcache.server.base.protocol import parse_body
+from prefixcache.server.base.serving import Serving, accept, authenticate
+from prefixcache.server.cache.protocol import (
+    CacheInvalidateRequest,
+    CacheLookupRequest,
+    CacheWarmRequest,
+    _CacheQuery,
+)
 from prefixcache.server.edge.errors import (
     APIError,
     from_engine_error,
     internal_error,
     request_id_of,
 )
-from prefixcache.server.protocol import (
-    CacheInvalidateRequest,
-    CacheLookupRequest,
-    CacheWarmRequest,
-    parse_body,
-)
-from prefixcache.server.serving import Serving, accept, authenticate
+from prefixcache.server.observability.stats import as_dict, stats_for
+from prefixcache.server.openai.prompt import chat_prompt
 
 router = APIRouter(prefix="/v1/cache")
-
-
-def _as_dict(x) -> dict:
-    if is_dataclass(x):
-        return asdict(x)
-    if hasattr(x, "_asdict"):
-        return x._asdict()
-    return dict(x)
 
 
 @router.post("/warm")
@@ -51,7 +47,7 @@ async def warm(request: Request) -> dict:
 
     A call of the tenant's cache-call rate (charged before the body is read), admitted to the
     queue before the prompt is tokenized, and admitted once to the cache routes' threads, on
-    which its lookup and pin wait for the engine lock (cache_gate.py): a renewal of a pin the
+    which its lookup and pin wait for the engine lock (base/cache_gate.py): a renewal of a pin the
     tenant already holds costs no pin quota, so it is these that bound how often it can ask."""
     s, tenant, req, scope = await accept(request, CacheWarmRequest, charge=True)
     if req.ttl_seconds is not None and not req.pin:
@@ -60,7 +56,7 @@ async def warm(request: Request) -> dict:
     with s.cache_gate.admitted(tenant.name, rated=False) as ticket:
         if req.cache_mode == "segments":
             return await _warm_segments(request, s, tenant, req, scope.namespace, ticket.call)
-        ids, shared = await s.cache_prompt(req, tenant, scope)
+        ids, shared = await _prompt(s, req, tenant, scope)
         try:
             result = await s.engine.warm(
                 ids, namespace=scope.namespace, pin=req.pin, ttl_seconds=req.ttl_seconds,
@@ -70,7 +66,7 @@ async def warm(request: Request) -> dict:
         except Exception as e:  # noqa: BLE001 - typed errors map to 4xx, the rest is a logged 500
             rid = request_id_of(request.scope)
             raise (from_engine_error(e, rid) or internal_error(rid, e)) from None
-    return {**_as_dict(result), **_where(s, scope, shared)}
+    return {**as_dict(result), **_where(s, scope, shared)}
 
 
 def _where(s: Serving, scope: CacheScope, shared) -> dict:
@@ -80,6 +76,31 @@ def _where(s: Serving, scope: CacheScope, shared) -> dict:
     if scope.shared is not None:
         out.update(shared_namespace=scope.shared, shared_tokens=s.shared_tokens(shared))
     return out
+
+
+async def _prompt(
+    s: Serving, req: _CacheQuery, tenant: Tenant, scope: CacheScope
+) -> tuple[list[int], SharedPrefix | None]:
+    """The prompt of /v1/cache/warm and /lookup, validated like a completion's, and the
+    prefix it declares shared: with a shared salt, an admin's whole prompt (a public
+    prefix), else a chat's leading system messages, as a chat completion declares them;
+    nothing of another tenant's raw prompt."""
+    req.check_one_input()
+    shared = scope.shared is not None
+    if req.messages is not None:
+        chat = await chat_prompt(
+            s, req.messages, req.add_generation_prompt, system_prefix=shared and not tenant.admin
+        )
+        ids, declared = chat.ids, chat.system_tokens
+    else:
+        if isinstance(req.prompt, str):
+            ids = await asyncio.to_thread(s.text_ids, req.prompt, "prompt")
+        else:
+            ids = s.prompt_ids(list(req.prompt), "prompt")  # O(1) length check before the scan
+        declared = 0
+    if shared and tenant.admin:
+        declared = len(ids)
+    return ids, scope.prefix(declared)
 
 
 async def _warm_segments(
@@ -92,7 +113,7 @@ async def _warm_segments(
                        param="messages")  # fmt: skip
     if req.pin:
         raise APIError(400, "segments cannot be pinned", param="pin", code="unsupported")
-    chat = await s.chat_prompt(req.messages, req.add_generation_prompt, segments=True)
+    chat = await chat_prompt(s, req.messages, req.add_generation_prompt, segments=True)
     ids, spans = chat.ids, chat.spans
     if not spans:
         raise APIError(400, "no document message to warm as a segment", param="messages")
@@ -114,12 +135,12 @@ async def _warm_segments(
 async def lookup(request: Request) -> dict:
     """How many tokens of a prompt would hit the cache now. Changes nothing."""
     s, tenant, req, scope = await accept(request, CacheLookupRequest, charge=True)
-    ids, shared = await s.cache_prompt(req, tenant, scope)
+    ids, shared = await _prompt(s, req, tenant, scope)
     # Engine queries take its lock, which a running step holds: wait for it off the event loop,
-    # on the cache routes' own threads (cache_gate.py), within the tenant's cap.
+    # on the cache routes' own threads (base/cache_gate.py), within the tenant's cap.
     result = await s.cache_gate.run(tenant.name, s.engine.lookup, ids, scope.namespace, shared,
                                     rated=False)  # fmt: skip  (charged by accept)
-    return {**_as_dict(result), **_where(s, scope, shared)}
+    return {**as_dict(result), **_where(s, scope, shared)}
 
 
 @router.post("/invalidate")
@@ -177,28 +198,3 @@ async def stats(request: Request) -> dict:
     s: Serving = request.app.state.serving
     tenant = authenticate(request)
     return await stats_for(s, tenant)
-
-
-async def stats_for(s: Serving, tenant: Tenant) -> dict:
-    """The body of ``/v1/cache/stats`` for ``tenant`` (the dashboard's data shows the same)."""
-    if tenant.admin:
-        out = await s.cache_gate.run(tenant.name, _stats, s.engine, rated=False)  # an admin
-        out["prompt_cache_keys"] = s.cache_keys.of(tenant.name)  # its own keys only
-        return out
-    own = await s.cache_gate.run(
-        tenant.name, s.engine.tenant_stats, tenant.name,
-        lambda ns: ns is not None and s.tenants.owns(tenant, ns), rated=True,
-    )  # fmt: skip  (no body to read first: charged here)
-    out = _as_dict(own)
-    out["hit_rate"] = own.hit_rate
-    out["kv"] = dict(s.engine.kv_info)
-    out["prompt_cache_keys"] = s.cache_keys.of(tenant.name)
-    return out
-
-
-def _stats(engine) -> dict:
-    st = engine.engine_stats()
-    out = dict(engine.cache_stats())
-    out["engine"] = _as_dict(st)
-    out["kv"] = dict(engine.kv_info)
-    return out

@@ -20,7 +20,7 @@ from typing import Protocol
 
 from prefixcache.api.engine import EngineAPI
 from prefixcache.api.request import CacheExplanation, SharedPrefix, StreamDelta
-from prefixcache.server.auth import Tenant
+from prefixcache.server.base.auth import Tenant
 from prefixcache.server.observability.activity import Activity
 from prefixcache.server.observability.cache_keys import PromptCacheKeyStats
 from prefixcache.server.observability.metrics import ServerMetrics

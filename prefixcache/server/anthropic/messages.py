@@ -2,8 +2,8 @@
 the same engine, tenants, limits and fair shares as the chat completions.
 
 A request is authenticated (``x-api-key`` or ``Authorization: Bearer``, the same keys), parsed
-(anthropic_protocol.py), rendered (messages_prompt.py: tools, system, messages, and where each
-cache breakpoint falls), and started as a one-choice :class:`~prefixcache.server.run.Run` with
+(protocol.py), rendered (prompt.py: tools, system, messages, and where each
+cache breakpoint falls), and started as a one-choice :class:`~prefixcache.server.base.run.Run` with
 its breakpoints as cache leases (cache_breakpoints.py). The answer is Anthropic's message, or its
 stream of events::
 
@@ -29,15 +29,21 @@ from fastapi.responses import JSONResponse, Response
 
 from prefixcache.api.errors import InvalidRequestError
 from prefixcache.api.request import SamplingParams
-from prefixcache.server import cache_breakpoints
-from prefixcache.server.anthropic_protocol import (
+from prefixcache.server.anthropic import cache_breakpoints
+from prefixcache.server.anthropic.diagnostics import anthropic_diagnostics
+from prefixcache.server.anthropic.errors import DIALECT
+from prefixcache.server.anthropic.prompt import MessagesPrompt, MessagesRenderer, text_chars
+from prefixcache.server.anthropic.protocol import (
     ANTHROPIC_VERSION,
     FIRST_ANTHROPIC_VERSION,
     CountTokensRequest,
     MessagesRequest,
     _MessagesPrompt,
 )
-from prefixcache.server.comparison import PromptRecord, anthropic_diagnostics
+from prefixcache.server.anthropic.tool_calls import ToolCall, ToolCallReader, split_output
+from prefixcache.server.base.comparison import PromptRecord
+from prefixcache.server.base.run import Choice, Run
+from prefixcache.server.base.serving import PRIORITY_BOUND, Serving, accept, as_api_error
 from prefixcache.server.edge.errors import (
     APIError,
     from_engine_error,
@@ -45,10 +51,6 @@ from prefixcache.server.edge.errors import (
     request_id_of,
 )
 from prefixcache.server.edge.http import TimedStreamingResponse
-from prefixcache.server.messages_prompt import MessagesPrompt, text_chars
-from prefixcache.server.run import Choice, Run
-from prefixcache.server.serving import PRIORITY_BOUND, Serving, accept, as_api_error
-from prefixcache.server.tool_calls import ToolCall, ToolCallReader, split_output
 
 router = APIRouter()
 _DISCONNECT_POLL_S = 0.25
@@ -65,12 +67,12 @@ async def messages(request: Request) -> Response:
     params = _sampling(s, req, len(prompt.ids))
     record = diagnosis = None
     if req.diagnostics is not None:  # Anthropic's: compare with an earlier response
-        record = PromptRecord.of(prompt.ids, s.messages_renderer.parts(req), req.model,
-                                 scope.namespace)  # fmt: skip
+        renderer = s.renderer(MessagesRenderer)
+        record = PromptRecord.of(prompt.ids, renderer.parts(req), req.model, scope.namespace)
         previous = req.diagnostics.previous_message_id
         if previous is not None:
             diagnosis = (await s.compare_with(
-                tenant, previous, record, lambda k: s.messages_renderer.prefix_ids(req, k)),)
+                tenant, previous, record, lambda k: renderer.prefix_ids(req, k)),)
     run = s.start(
         "msg_", [prompt.ids], [params], 1, tenant, scope.namespace, req.priority,
         req.return_cache_info, shared_prefix=cache_breakpoints.shared_prefix(prompt, scope),
@@ -111,7 +113,7 @@ async def count_tokens(request: Request) -> dict:
     """The prompt's tokens as ``/v1/messages`` would render it (breakpoints checked too)."""
     # Up to five renders (the prompt and each breakpoint's cut) and no queue to wait in: a
     # call of the tenant's cache-call rate, charged before the body is read, and rendered on
-    # the cache routes' threads within the tenant's cap (cache_gate.py).
+    # the cache routes' threads within the tenant's cap (base/cache_gate.py).
     s, tenant, req, _scope = await accept(request, CountTokensRequest, charge=True)
     _check_version(request)
     req.check_unsupported()
@@ -155,11 +157,11 @@ def _render(s: Serving, req: _MessagesPrompt, system_prefix: bool = False) -> Me
     """After the length pre-check (a text that cannot fit the context is refused untokenized);
     the ids checked like any prompt's. ``system_prefix``: count the tools and system's tokens
     too (a shared salt's declared prefix, cache_breakpoints.py)."""
-    s._check_text_fits(text_chars(req), "messages")
-    prompt = s.messages_renderer.prompt(req, system_prefix)
+    s.check_text_fits(text_chars(req), "messages")
+    prompt = s.renderer(MessagesRenderer).prompt(req, system_prefix)
     if not prompt.ids:
         raise APIError(400, "messages render to an empty prompt", param="messages")
-    s._ids(prompt.ids, "messages")
+    s.prompt_ids(prompt.ids, "messages")
     return prompt
 
 
@@ -290,7 +292,7 @@ class _Answer:
             yield _sse("message_stop", {"type": "message_stop"})
         except Exception as e:  # noqa: BLE001 - the 200 is sent: the error is an event
             err = from_engine_error(e, request_id) or internal_error(request_id, e)
-            yield _sse("error", err.anthropic_body())
+            yield _sse("error", DIALECT.body_of(err))
         finally:
             self.run.close()
 

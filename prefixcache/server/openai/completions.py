@@ -1,7 +1,7 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``, plain and streamed (SSE).
 
 Both routes share one path: authenticate, parse, derive the namespace, tokenize, start a
-:class:`~prefixcache.server.serving.Run`, then either stream its deltas as server-sent events or
+:class:`~prefixcache.server.base.run.Run`, then either stream its deltas as server-sent events or
 collect them into one JSON body. Only the shape of a choice differs, and that lives in the two
 small formatter classes at the bottom.
 
@@ -23,7 +23,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixcache.api.request import StreamDelta
-from prefixcache.server.comparison import PromptRecord, openai_diagnostics
+from prefixcache.server.base.comparison import PromptRecord
+from prefixcache.server.base.run import Choice, Run
+from prefixcache.server.base.serving import Serving, accept
 from prefixcache.server.edge.errors import (
     APIError,
     from_engine_error,
@@ -31,9 +33,17 @@ from prefixcache.server.edge.errors import (
     request_id_of,
 )
 from prefixcache.server.edge.http import TimedStreamingResponse
-from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest
-from prefixcache.server.run import Choice, Run
-from prefixcache.server.serving import Serving, accept
+from prefixcache.server.openai.diagnostics import openai_diagnostics
+from prefixcache.server.openai.prompt import (
+    chat_prefix,
+    chat_prompt,
+    check_generation_limits,
+    completion_prompts,
+    num_prompts,
+    sampling_params,
+    segment_request,
+)
+from prefixcache.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("prefixcache.server")
 router = APIRouter()
@@ -55,16 +65,18 @@ async def completions(request: Request) -> Response:
     # part only (a prompt has no marked system part, and its output is never shared).
     s, tenant, req, scope = await accept(request, CompletionRequest)
     req.check_unsupported()
-    s.check_generation_limits(req, req.logprobs)
-    s.check_admission(tenant, s.num_prompts(req.prompt) * req.n)  # 429 before tokenizing
-    prompts = await s.completion_prompts(req)
+    check_generation_limits(s, req, req.logprobs)
+    s.check_admission(tenant, num_prompts(s, req.prompt) * req.n)  # 429 before tokenizing
+    prompts = await completion_prompts(s, req)
     params = [
-        s.sampling_params(req, len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs)
+        sampling_params(
+            s, req, len(ids), req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs
+        )
         for ids in prompts
     ]
     texts = None if req.logprobs is None else await s.token_texts()
     record = diagnosis = None
-    if req.prompt_cache_options is not None:  # remembered, and maybe compared (comparison.py)
+    if req.prompt_cache_options is not None:  # remembered, and maybe compared (base/comparison.py)
         record = PromptRecord.of(prompts[0], (), req.model or s.model_name, scope.namespace,
                                  req.prompt_cache_key)  # fmt: skip
         diagnosis = await _diagnosis(s, tenant, req, record, None)
@@ -85,25 +97,24 @@ async def chat_completions(request: Request) -> Response:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     k = (req.top_logprobs or 0) if req.logprobs else None
-    s.check_generation_limits(req, k)
+    check_generation_limits(s, req, k)
     s.check_admission(tenant, req.n)  # 429 before the chat is rendered
     seg = req.cache_mode == "segments"
     # With a shared salt, the leading system/developer messages are the declared shared prefix.
-    chat = await s.chat_prompt(
-        req.messages, req.add_generation_prompt, segments=seg, system_prefix=scope.shared is not None
-    )
+    chat = await chat_prompt(s, req.messages, req.add_generation_prompt, segments=seg,
+                             system_prefix=scope.shared is not None)  # fmt: skip
     ids = chat.ids
-    segments = s.segment_request(req, chat.spans) if seg else None
+    segments = segment_request(req, chat.spans) if seg else None
     max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
-    params = s.sampling_params(req, len(ids), max_tokens, None, k)
+    params = sampling_params(s, req, len(ids), max_tokens, None, k)
     texts = None if k is None else await s.token_texts()
     record = diagnosis = None
-    if req.prompt_cache_options is not None:  # remembered, and maybe compared (comparison.py)
+    if req.prompt_cache_options is not None:  # remembered, and maybe compared (base/comparison.py)
         dicts = [m.as_template_dict() for m in req.messages]
         parts = [(f"messages.{i}", f"{d['role']}\n{d['content']}") for i, d in enumerate(dicts)]
         record = PromptRecord.of(ids, parts, req.model or s.model_name, scope.namespace,
                                  req.prompt_cache_key)  # fmt: skip
-        diagnosis = await _diagnosis(s, tenant, req, record, s.chat_prefix(dicts))
+        diagnosis = await _diagnosis(s, tenant, req, record, chat_prefix(s, dicts))
     run = s.start(
         "chatcmpl", [ids], [params], req.n, tenant, scope.namespace, req.priority,
         req.return_cache_info, segments, scope.prefix(chat.system_tokens),
@@ -117,7 +128,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def _diagnosis(s: Serving, tenant, req, record: PromptRecord, render_prefix):
     """With ``prompt_cache_options.comparison_response_id``: this prompt compared with that
-    earlier response's (comparison.py); a tuple, so that "not found" (None) is an answer."""
+    earlier response's (base/comparison.py); a tuple, so that "not found" (None) is an answer."""
     opts = req.prompt_cache_options
     if opts.comparison_response_id is None:
         return None
@@ -253,7 +264,7 @@ class _Format:
         self.run = run
         self.top_k = top_k  # None: no logprobs; else the number of alternatives per token
         self._texts = texts  # with logprobs: Serving.token_texts(), each id's text alone
-        # (Comparison | None,) when the request asked for one (comparison.py), else None.
+        # (Comparison | None,) when the request asked for one (base/comparison.py), else None.
         self.diagnosis: tuple | None = None
 
     def diagnostics(self, cached_tokens: int) -> dict:

@@ -22,8 +22,8 @@ What differs from Anthropic, on purpose:
 from __future__ import annotations
 
 from prefixcache.api.request import CacheLease, SharedPrefix
-from prefixcache.server.auth import CacheScope
-from prefixcache.server.messages_prompt import Breakpoint, MessagesPrompt
+from prefixcache.server.anthropic.prompt import Breakpoint, MessagesPrompt
+from prefixcache.server.base.auth import CacheScope
 
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 
