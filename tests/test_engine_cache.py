@@ -160,7 +160,7 @@ def tiny_pool_llm(request):
 
 def test_cold_equals_warm_under_eviction(tiny_pool_llm, llm_cold):
     llm = tiny_pool_llm
-    assert llm.engine.pool.eviction_policy in ("lru", "lru-demote", "hit-density", "adaptive")
+    assert llm.engine.kv.pool.eviction_policy in ("lru", "lru-demote", "hit-density", "adaptive")
     tok = llm.get_tokenizer()
     base = tok.encode(TEXT * 3)
     # Eight prompts: a shared 48-token head (stays hot) + distinct 60-token tails. Their full

@@ -36,7 +36,7 @@ def _assert_clean(llm: LLM, stats_before: dict | None = None) -> None:
     llm.check_integrity()
     eng = llm.engine
     assert not eng.has_unfinished() and not eng.seqs
-    assert eng.pool.counts().in_use == 0
+    assert eng.kv.pool.counts().in_use == 0
     if stats_before is not None:
         assert llm.cache_stats()["query_tokens"] == stats_before["query_tokens"]
     sp = SamplingParams(max_tokens=2, temperature=0)
@@ -135,11 +135,11 @@ def test_token_id_outside_vocabulary(llm):
 
 def test_invalid_third_prompt_adds_nothing(llm):
     before = llm.cache_stats()
-    counts = llm.engine.pool.counts()
+    counts = llm.engine.kv.pool.counts()
     prompts = [PROMPT, PROMPT + " said", ""]
     with pytest.raises(ValueError, match="empty"):
         llm.generate(prompts, GREEDY, cache_salt="errors-batch")
-    assert llm.engine.pool.counts() == counts
+    assert llm.engine.kv.pool.counts() == counts
     _assert_clean(llm, before)
     # The valid prompts were not run: their blocks are not in the cache.
     tok = llm.get_tokenizer()

@@ -115,11 +115,11 @@ def test_a_failing_sequence_is_finished_alone_and_others_are_unchanged(llm, llm_
         assert s.block_table == []  # its blocks went back at once
     assert [seqs[f"g{i}"].output_token_ids for i in range(3)] == solo
     assert all(seqs[f"g{i}"].finish_reason == "length" for i in range(3))
-    assert eng.pool.counts().in_use == 0 and not eng.seqs
+    assert eng.kv.pool.counts().in_use == 0 and not eng.seqs
     # The offline API says so instead of returning a silently short answer.
     with pytest.raises(SequenceFailedError):
         llm.generate([good[0], good[1]], [GREEDY, _poisoned("temperature", math.nan)])
-    assert eng.pool.counts().in_use == 0 and not eng.has_unfinished()
+    assert eng.kv.pool.counts().in_use == 0 and not eng.has_unfinished()
     llm.check_integrity()
 
 
@@ -317,7 +317,7 @@ def test_steps_are_short_while_another_tenant_is_active(llm_cold):
     refs = llm_cold.generate(long + [short], sp)
     got = [s.output_token_ids for s in a] + [b.output_token_ids]
     assert got == [r.outputs[0].token_ids for r in refs]
-    assert eng.pool.counts().in_use == 0
+    assert eng.kv.pool.counts().in_use == 0
 
 
 def test_a_tenant_cannot_stay_newly_arrived(llm_cold):
@@ -380,7 +380,7 @@ def test_a_flooding_tenant_does_not_hold_the_batch(llm_cold):
     refs = llm_cold.generate(flood + [PROSE[100:190]], sp)
     got = [s.output_token_ids for s in a] + [victim.output_token_ids]
     assert got == [r.outputs[0].token_ids for r in refs]
-    assert eng.pool.counts().in_use == 0
+    assert eng.kv.pool.counts().in_use == 0
 
 
 # ---- no side channels through explanations --------------------------------------------------------
@@ -402,7 +402,7 @@ def test_the_namespace_registry_is_bounded(llm):
     short = llm.get_tokenizer().encode("Hi there")  # no full block: nothing is cached
     for i in range(20):
         llm.generate([short], SamplingParams(max_tokens=1), cache_salt=f"salt-{i}")
-    assert not any(str(ns).startswith("salt-") for ns in eng.pool.index.namespaces())
+    assert not any(str(ns).startswith("salt-") for ns in eng.kv.pool.index.namespaces())
     for i in range(MAX_CACHED_ROOTS + 10):  # every salt a client invents is a root
         eng.kv.root(f"r{i}")
     assert len(eng.kv._roots) <= MAX_CACHED_ROOTS

@@ -85,7 +85,7 @@ def test_bad_endpoint_is_a_config_error():
 
 
 def _index_keys(llm) -> set[bytes]:
-    return set(llm.engine.pool.index._entries)
+    return set(llm.engine.kv.pool.index._entries)
 
 
 def _settle(llm, sub) -> None:

@@ -133,6 +133,10 @@ RULES = [
     # does), and no feature: a segments request's data is api/segments.py's.
     ("prefixcache.engine", [*FEATURES, *CONNECTORS, *UPPER], ["prefixcache.connectors.build"]),
     ("prefixcache.engine.scheduler", ["prefixcache.model", "prefixcache.kv"]),
+    # The KV cache manager is the cache core's only face (issue #40): the pool, the index and
+    # the eviction policies are the manager's to use (test_nothing_reaches_past_the_manager).
+    *((who, ["prefixcache.cache.block_pool", "prefixcache.cache.prefix_index",
+             "prefixcache.cache.eviction"]) for who in [*ENGINE, *CONNECTORS, *FEATURES]),
     ("prefixcache.server", ["prefixcache.engine.llm_engine", "prefixcache.engine.scheduler",
                             "prefixcache.model.runner", "prefixcache.cache.manager",
                             "prefixcache.cache.block_pool", *CONNECTORS, "prefixcache.cluster"]),
@@ -178,6 +182,30 @@ def test_no_two_packages_import_each_other():
     edges = {(_package(m), _package(d)) for m, deps in GRAPH.items() for d in deps
              if d in MODULES and d not in LEAVES and _package(d) != _package(m)}  # fmt: skip
     assert sorted((a, b) for a, b in edges if a < b and (b, a) in edges) == []
+
+
+PAST_THE_MANAGER = ("pool", "index")
+
+
+def _reaches(path: Path) -> list[str]:
+    """``x.pool`` / ``x.index`` read anywhere in the file (a call such as ``list.index(v)`` is
+    not a reach)."""
+    tree = ast.parse(path.read_text())
+    called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    return [f"{path.name}:{n.lineno} {ast.unparse(n)}" for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr in PAST_THE_MANAGER
+            and id(n) not in called]  # fmt: skip
+
+
+def test_nothing_reaches_past_the_manager():
+    """Issue #40: the engine, the connectors and the features use the cache core through
+    KVCacheManager only (events, pins, invalidation, integrity, installing restored blocks):
+    no ``.pool`` or ``.index`` outside cache/."""
+    who = [*ENGINE, *CONNECTORS, *FEATURES]
+    bad = [r for m, p in MODULES.items() if _under(m, who) for r in _reaches(p)]
+    assert bad == []
+    # the check sees a reach where there is one
+    assert _reaches(MODULES["prefixcache.cache.manager"])
 
 
 def test_the_server_builds_an_async_engine_in_cli_only():

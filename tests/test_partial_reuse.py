@@ -78,8 +78,8 @@ class Recorder:
             live = self.engine.scheduler.running + self.engine.scheduler.waiting
             for src, dst, n in copies:
                 # a fresh block of the sequence admitted with this copy, never a cached one
-                assert self.engine.pool.index.key_of(dst) is None
-                assert self.engine.pool.index.key_of(src) is not None
+                assert self.engine.kv.pool.index.key_of(dst) is None
+                assert self.engine.kv.pool.index.key_of(src) is not None
                 seq = next(s for s in live if dst in s.block_table)
                 self.copied += self._slots(seq, seq.block_table.index(dst) * B, n)
                 self.copies += 1

@@ -56,7 +56,7 @@ def _run_to_end(engine: LLMEngine, max_steps: int = 10_000) -> None:
 
 def _assert_no_leak(engine: LLMEngine) -> None:
     engine.check_integrity()
-    c = engine.pool.counts()
+    c = engine.kv.pool.counts()
     assert c.in_use == 0, c
     assert c.free + c.cached == c.total, c
 
@@ -159,7 +159,7 @@ def test_admission_counts_cached_blocks_as_paid_for(tok, llm_cold):
     r1 = engine.add_request("r1", p1, GREEDY8)
     while r1.is_prefilling or not r1.output_token_ids:
         engine.step()
-    assert blocks_needed(len(p2) + GREEDY4.max_tokens, B) > engine.pool.num_allocatable
+    assert blocks_needed(len(p2) + GREEDY4.max_tokens, B) > engine.kv.pool.num_allocatable
     r2 = engine.add_request("r2", p2, GREEDY4)
     engine.step()
     engine.check_integrity()
@@ -308,7 +308,7 @@ def test_abort_mid_prefill_and_mid_decode_frees_every_block(tok, llm_cold):
     engine.add_request("w", prompt, GREEDY8, namespace="waiting")
     assert engine.abort("w").finish_reason == "abort"
     _assert_no_leak(engine)
-    assert engine.pool.counts().cached == 0
+    assert engine.kv.pool.counts().cached == 0
 
     # Mid-prefill: two chunks of 32 tokens computed = 4 full blocks, which stay cached.
     a = engine.add_request("a", prompt, GREEDY8, namespace="prefill")
@@ -317,7 +317,7 @@ def test_abort_mid_prefill_and_mid_decode_frees_every_block(tok, llm_cold):
     assert a.is_prefilling and a.num_computed_tokens == 64 and a.block_table
     engine.abort("a")
     _assert_no_leak(engine)
-    assert engine.pool.counts().cached == 4
+    assert engine.kv.pool.counts().cached == 4
     assert engine.lookup(prompt, "prefill").num_cached_tokens == 4 * B
     assert a.finish_reason == "abort" and not engine.has_unfinished()
 
@@ -332,7 +332,7 @@ def test_abort_mid_prefill_and_mid_decode_frees_every_block(tok, llm_cold):
     assert shared
     engine.abort("b")
     engine.check_integrity()
-    assert all(engine.pool.ref_count(x) == 1 for x in shared)  # c's reference only
+    assert all(engine.kv.pool.ref_count(x) == 1 for x in shared)  # c's reference only
     _run_to_end(engine)
     _assert_no_leak(engine)
     # Every full block of the prompt stays cached for the next request.

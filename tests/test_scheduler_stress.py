@@ -205,7 +205,7 @@ def _stress(engine: LLMEngine, llm_cold, cold_refs, n: int, seed: int, abort_fra
     assert not mismatches, "\n".join(mismatches)
 
     # Nothing leaks: every block is free or cached, the queues are empty.
-    c = engine.pool.counts()
+    c = engine.kv.pool.counts()
     assert c.in_use == 0, c
     assert c.free + c.cached == c.total, c
     assert not engine.seqs and not engine.scheduler.waiting and not engine.scheduler.running
@@ -214,7 +214,7 @@ def _stress(engine: LLMEngine, llm_cold, cold_refs, n: int, seed: int, abort_fra
     # The run exercised what it claims to: preemption, eviction, chunked prefill, cache hits,
     # aborts.
     assert engine.scheduler.counters.num_preemptions > 0
-    assert engine.pool.evicted_blocks > 0
+    assert engine.kv.pool.evicted_blocks > 0
     assert engine.kv.hit_tokens > 0
     assert max(len(p) for _, p, _ in reqs) > engine.config.max_num_batched_tokens  # chunked
     if abort_fraction:
@@ -244,7 +244,7 @@ def test_stress_small(policy, eviction, llm_cold, cold_refs):
     """Every eviction policy too: cold == warm under preemption and eviction, nothing leaks,
     ``check_integrity`` (the policy's state included) holds at the end."""
     engine = _stress_engine(policy, num_blocks=12, eviction=eviction)
-    assert engine.pool.eviction_policy == eviction
+    assert engine.kv.pool.eviction_policy == eviction
     _stress(engine, llm_cold, cold_refs, n=24, seed=8, abort_fraction=0.15)
 
 

@@ -53,7 +53,7 @@ def test_live_engine_hits_what_the_engine_model_predicts(policy):
     sim = simulate_engine(reqs, policy, blocks, BT, prompts=prompts)
     llm = LLM(kv_cache_memory=blocks * BT * BYTES_PER_TOKEN, block_size=BT, seed=0,
               eviction_policy=policy)
-    assert llm.engine.pool.num_blocks == blocks
+    assert llm.engine.kv.pool.num_blocks == blocks
     greedy = SamplingParams(max_tokens=1, temperature=0)
     for p in prompts:
         llm.generate([p], greedy)

@@ -42,13 +42,14 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from prefixcache.api.request import CacheExplanation, SharedPrefix
-from prefixcache.cache.block_pool import BlockPool
+from prefixcache.cache.block_pool import BlockPool, PoolCounts
 from prefixcache.cache.hashing import (
+    KEY_BYTES,
     BlockHash,
     block_chunks,
     chain_keys,
@@ -117,6 +118,25 @@ def kv_cache_manager(
     """The manager for the config: ``KVCacheManager``, or ``NoCaching`` with caching off."""
     cls = KVCacheManager if enable_caching else NoCaching
     return cls(pool, model_fingerprint, clock, partial_reuse, window)
+
+
+def new_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    model_fingerprint: str,
+    *,
+    max_pinned_blocks: int | None = None,
+    eviction_policy: str = "lru",
+    enable_caching: bool = True,
+    clock: Callable[[], float] = time.monotonic,
+    partial_reuse: bool = True,
+    window: WindowParts | None = None,
+):
+    """A block pool of ``num_blocks`` and its manager (``kv_cache_manager``): the engine's one
+    way into the cache core, which it then uses only through the manager."""
+    pool = BlockPool(num_blocks, block_size, max_pinned_blocks=max_pinned_blocks,
+                     eviction_policy=eviction_policy)  # fmt: skip
+    return kv_cache_manager(pool, model_fingerprint, enable_caching, clock, partial_reuse, window)
 
 
 def shared_group(namespace: str | None) -> tuple:
@@ -534,6 +554,109 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_registered_blocks = 0
         seq.num_computed_tokens = 0
+
+    def install(self, seq: Sequence, first: int, found: list[tuple[bytes, bytes, object]],
+                write: Callable[[int, object, int | None], None]) -> list[tuple[int, bool]]:
+        """Install blocks a tier restored for ``seq``: ``found[j]`` is the (key, key input,
+        payload) of its block ``first + j``. RAM may have gained or lost blocks since the
+        restore was asked for: what it holds now is matched first, and only the blocks that
+        extend it are installed, each registered exactly as if computed (its payload written by
+        ``write(block_id, payload, part)`` before it is findable; ``part``: None for the block,
+        else the window part adopted for its window layers). Returns (block index, whether
+        this payload is now cached: False where RAM had the block already) for each block of
+        the chain now registered; stops at a key collision (nothing chained on it)."""
+        b, pool = self.block_size, self.pool
+        m = self.match(seq)
+        have = len(m.block_ids)
+        if have < first:
+            return []  # part of the prefix was evicted meanwhile: the restored blocks cannot chain
+        todo = found[have - first :]
+        if not todo:
+            return []
+        out = []
+        pool.acquire(m.block_ids, touch=False)  # our allocation must not evict the prefix
+        try:
+            ids = pool.allocate(min(len(todo), pool.num_allocatable)) or []
+            tokens = seq.all_token_ids
+            prev = m.block_ids[-1] if m.block_ids else None  # the block each one extends
+            for i, (bid, (key, key_input, payload)) in enumerate(zip(ids, todo), start=have):
+                write(bid, payload, None)  # (a bad payload raises before it is findable)
+                holder = pool.register(
+                    bid, key, key_input[:KEY_BYTES], tokens[i * b : (i + 1) * b],
+                    seq.namespace_of_block(i), parent_block=prev, group=self.group_of(seq, i),
+                )  # fmt: skip
+                if holder is None:
+                    break  # a key collision: nothing chained on it is installed
+                prev = holder
+                if holder == bid:  # else RAM had this one already; ours goes back free
+                    part = self.adopt_part(bid)  # with window parts, where one can be had:
+                    if part is not None:  # the window layers too (the rest again, the same bytes)
+                        write(bid, payload, part)
+                out.append((i, holder == bid))
+            pool.release(ids, tail=False)
+        finally:
+            pool.release(m.block_ids, tail=False)
+        return out
+
+    # ---- the pool's facts and controls: nothing outside cache/ reaches the pool or the index -----
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks one request may ever hold: the pool less what pins may take."""
+        return self.pool.num_blocks - self.pool.max_pinned_blocks
+
+    @property
+    def pin_budget_blocks(self) -> int:
+        return self.pool.max_pinned_blocks
+
+    @property
+    def evicted_blocks(self) -> int:
+        return self.pool.evicted_blocks
+
+    def counts(self) -> PoolCounts:
+        return self.pool.counts()
+
+    def record_events(self) -> None:
+        """Keep the index's stored/removed events from now on (for ``take_events``)."""
+        self.pool.index.record_events()
+
+    def take_events(self) -> list:
+        return self.pool.index.take_events()
+
+    def expire(self, now: float) -> None:
+        """Drop the pins whose TTL has passed (each step, on the engine's clock)."""
+        self.pool.expire_pins(now)
+
+    def pin(self, block_ids: list[int], ttl: float, now: float, owner: str | None = None) -> None:
+        """Pin cached blocks for ``ttl`` seconds, charged to ``owner``'s quota; ValueError
+        (nothing pinned) over the quota or the budget."""
+        self.pool.pin(block_ids, ttl, now, owner=owner)
+
+    def pin_quota(self, owner: str | None) -> int | None:
+        return self.pool.pin_quota(owner)
+
+    def pinned_by(self, owner: str | None) -> int:
+        return self.pool.pinned_by(owner)
+
+    def set_pin_quotas(self, quotas: dict[str | None, int]) -> None:
+        self.pool.set_pin_quotas(quotas)
+
+    def namespaces(self) -> list[str | None]:
+        """The namespaces holding cached blocks now (a set bounded by the pool)."""
+        return self.pool.index.namespaces()
+
+    def blocks_in_namespace(self, namespace: str | None) -> int:
+        return self.pool.index.num_blocks_in_namespace(namespace)
+
+    def invalidate(self, namespace: str | None, all_namespaces: bool = False) -> int:
+        """Drop a namespace's cached blocks (or every namespace's); returns how many."""
+        return self.pool.invalidate(namespace, all_namespaces)
+
+    def check_integrity(self, seqs: Iterable[Sequence]) -> None:
+        """The pool's and the window parts' invariants, with every reference ``seqs`` (every
+        live sequence) and the planned copies hold."""
+        seqs = list(seqs)
+        self.pool.check_integrity([s.block_table for s in seqs] + self.copy_sources())
+        self.check_window(seqs)
 
     # ---- explanation -----------------------------------------------------------------------------
     def explain(

@@ -40,7 +40,7 @@ from pathlib import Path
 from prefixcache.api.engine import RETENTION_SECONDS
 from prefixcache.api.errors import TierUnavailableError
 from prefixcache.cache.connector import KVConnector
-from prefixcache.cache.hashing import KEY_BYTES, block_chunks
+from prefixcache.cache.hashing import block_chunks
 from prefixcache.cache.manager import KVCacheManager
 from prefixcache.cache.shares import owner_of
 from prefixcache.config import EngineConfig, parse_bytes
@@ -111,7 +111,7 @@ class TierConnector(KVConnector):
         (``after_shared``) once the shared part is installed."""
         m = self.kv.match(seq)  # hashes the usable full blocks into seq.block_keys
         first, n_full = len(m.block_ids), (seq.num_tokens - 1) // self.block_size
-        n_full = min(n_full, self.kv.pool.num_blocks - self.kv.pool.max_pinned_blocks)
+        n_full = min(n_full, self.kv.usable_blocks)
         if seq.max_registered_blocks is not None:  # segments: later blocks are never stored
             n_full = min(n_full, seq.max_registered_blocks)
         k = seq.num_shared_blocks
@@ -155,39 +155,16 @@ class TierConnector(KVConnector):
         return changed
 
     def _install(self, seq: Sequence, job: RestoreJob, first: int) -> None:
-        pool, b = self.kv.pool, self.block_size
-        m = self.kv.match(seq)  # what RAM holds now (blocks may have come or gone meanwhile)
-        have = len(m.block_ids)
-        if have < first:
-            return  # part of the prefix was evicted meanwhile: the restored blocks cannot chain
-        todo = job.found[have - first :]
-        if not todo:
-            return
-        pool.acquire(m.block_ids, touch=False)  # our allocation must not evict the prefix
-        try:
-            ids = pool.allocate(min(len(todo), pool.num_allocatable)) or []
-            tokens = seq.all_token_ids
-            got: Counter = Counter()
-            prev = m.block_ids[-1] if m.block_ids else None  # the block each one extends
-            for i, (bid, (ref, payload, where)) in enumerate(zip(ids, todo), start=have):
-                self.cache.write_block(bid, payload)  # (a bad payload raises before it is findable)
-                namespace = seq.namespace_of_block(i)
-                holder = pool.register(
-                    bid, ref.key, ref.key_input[:KEY_BYTES], tokens[i * b : (i + 1) * b],
-                    namespace, parent_block=prev, group=self.kv.group_of(seq, i),
-                )  # fmt: skip
-                if holder is None:
-                    break  # a key collision: nothing chained on it is installed
-                prev = holder
-                self._remember(ref.key, namespace)
-                if holder == bid:  # else RAM had this one already; ours goes back free
-                    part = self.kv.adopt_part(bid)  # with window parts, where one can be had:
-                    if part is not None:  # the window layers too (the rest again, the same bytes)
-                        self.cache.write_block(bid, payload, part)
-                    got[where] += b
-            pool.release(ids, tail=False)
-        finally:
-            pool.release(m.block_ids, tail=False)
+        """The restored blocks into the RAM cache (the cache manager installs them, as if
+        computed), then what they count: tier tokens, the tenant's, the tier's."""
+        b = self.block_size
+        found = [(ref.key, ref.key_input, payload) for ref, payload, _ in job.found]
+        got: Counter = Counter()
+        for i, fresh in self.kv.install(seq, first, found, self.cache.write_block):
+            ref, _, where = job.found[i - first]
+            self._remember(ref.key, seq.namespace_of_block(i))
+            if fresh:
+                got[where] += b
         for where, n in got.items():  # a chain crossing a shared prefix comes in two jobs
             seq.tier_tokens[where] = seq.tier_tokens.get(where, 0) + n
         self._by_tenant.setdefault(seq.tenant, Counter()).update(got)

@@ -128,7 +128,7 @@ class AsyncEngine:
             "bytes_per_token": lay.bytes_per_token,
             "capacity_tokens": lay.capacity_tokens,
             "capacity_bytes": lay.capacity_bytes,
-            "pin_budget_blocks": self.engine.pool.max_pinned_blocks,
+            "pin_budget_blocks": self.engine.kv.pin_budget_blocks,
             "pin_quota_blocks": self._tenant_pin_quota(len(self._pin_tenants)),
         }
 
@@ -459,11 +459,11 @@ class AsyncEngine:
         names = frozenset(tenants)
         with self._lock:
             quota = self._tenant_pin_quota(len(names))
-            self.engine.pool.set_pin_quotas(dict.fromkeys(names, quota))
+            self.engine.kv.set_pin_quotas(dict.fromkeys(names, quota))
             self._pin_tenants = names
 
     def _tenant_pin_quota(self, num_tenants: int) -> int:
-        budget = self.engine.pool.max_pinned_blocks
+        budget = self.engine.kv.pin_budget_blocks
         return min(int(budget * self.config.pin_quota_fraction), budget // max(1, num_tenants))
 
     def lookup(

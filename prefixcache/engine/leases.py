@@ -35,7 +35,6 @@ from prefixcache.api.request import (
     CacheLease,
     LeaseGrant,
 )
-from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.manager import KVCacheManager
 from prefixcache.sequence import Sequence
 
@@ -52,8 +51,7 @@ def grant_leases(
     """Pin each lease's whole blocks of ``seq``'s prompt (computed and registered: the step
     committed them) for its TTL, owned by ``seq.tenant``, and rank them at the top priority
     for that TTL among the tenant's own blocks."""
-    pool = kv.pool
-    b = pool.block_size
+    b = kv.block_size
     out = []
     for lease in leases:
         n = min(lease.num_tokens, seq.num_prompt_tokens) // b
@@ -70,9 +68,9 @@ def grant_leases(
         ttl = min(lease.ttl_seconds, max_ttl)
         kv.rank(seq, blocks, MAX_RETENTION_PRIORITY, ttl, now)
         try:
-            pool.pin(blocks, ttl, now, owner=seq.tenant)
+            kv.pin(blocks, ttl, now, owner=seq.tenant)
         except ValueError:  # over the quota or the budget; a failed pin pins nothing
-            out.append(_rejected(_why_refused(pool, seq.tenant, len(blocks))))
+            out.append(_rejected(_why_refused(kv, seq.tenant, len(blocks))))
             continue
         status = LEASE_CLIPPED if ttl < lease.ttl_seconds else LEASE_ACCEPTED
         out.append(LeaseGrant(len(blocks) * b, status, ttl))
@@ -83,10 +81,10 @@ def _rejected(reason: str) -> LeaseGrant:
     return LeaseGrant(0, LEASE_REJECTED, 0.0, reason)
 
 
-def _why_refused(pool: BlockPool, owner: str | None, num_blocks: int) -> str:
+def _why_refused(kv: KVCacheManager, owner: str | None, num_blocks: int) -> str:
     """The tenant's own quota, told from its own figures (its pins and quota), else the
     budget. Never the pool's message: that names how much every tenant has pinned."""
-    quota = pool.pin_quota(owner)
-    if quota is not None and pool.pinned_by(owner) + num_blocks > quota:
+    quota = kv.pin_quota(owner)
+    if quota is not None and kv.pinned_by(owner) + num_blocks > quota:
         return "pin_quota_exceeded"
     return "pin_budget_exceeded"

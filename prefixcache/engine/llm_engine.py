@@ -40,9 +40,8 @@ from prefixcache.api.request import (
     SamplingParams,
     SharedPrefix,
 )
-from prefixcache.cache.block_pool import BlockPool
 from prefixcache.cache.connector import IDLE_WAIT
-from prefixcache.cache.manager import blocks_needed, kv_cache_manager
+from prefixcache.cache.manager import blocks_needed, new_kv_cache
 from prefixcache.cache.window import WindowParts
 from prefixcache.config import EngineConfig
 from prefixcache.connectors.build import build_connectors
@@ -127,19 +126,17 @@ class LLMEngine:
             f"{weights.weights_digest}|{self.tokenizer.fingerprint()}|{dtype}|{numbers}|"
             f"kv:{kv_fmt.name}|arith:{arith}".encode()
         ).hexdigest()
-        pool = BlockPool(
-            layout.num_blocks,
-            config.block_size,
+        self.kv = new_kv_cache(
+            layout.num_blocks, config.block_size, self.fingerprint,
             max_pinned_blocks=int(layout.num_blocks * config.pin_budget_fraction),
-            eviction_policy=config.eviction_policy,
-        )
-        self.kv = kv_cache_manager(pool, self.fingerprint, config.enable_prefix_caching, clock,
-                                   config.partial_block_reuse, window)  # fmt: skip
+            eviction_policy=config.eviction_policy, enable_caching=config.enable_prefix_caching,
+            clock=clock, partial_reuse=config.partial_block_reuse, window=window,
+        )  # fmt: skip
         self.scheduler = Scheduler(config, self.kv)
         # Segments, the persistent tiers, KV events: what the config asks for (connectors/build.py).
         self.connectors = build_connectors(config, self.fingerprint, self.kv, self.runner)
         if self.connectors.wants_events:
-            self.pool.index.record_events()
+            self.kv.record_events()
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.seqs: dict[str, Sequence] = {}
         self._leases: dict[str, tuple] = {}  # request id -> its CacheLeases, until granted
@@ -166,10 +163,6 @@ class LLMEngine:
             )  # fmt: skip
 
     # ---- requests ---------------------------------------------------------------------------------
-    @property
-    def pool(self) -> BlockPool:
-        return self.kv.pool
-
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Refuse what can never run (typed errors, ``param`` = "prompt" or "max_tokens")."""
         self.validate_prompt(prompt_token_ids)
@@ -181,7 +174,7 @@ class LLMEngine:
                 f"{params.max_tokens} to generate)",
                 param="max_tokens" if n < self.max_model_len else "prompt",
             )
-        usable = self.pool.num_blocks - self.pool.max_pinned_blocks
+        usable = self.kv.usable_blocks
         need = blocks_needed(n + params.max_tokens, self.config.block_size)
         if need > usable:
             raise ContextLengthError(
@@ -298,7 +291,7 @@ class LLMEngine:
         sequences that got a new token (or finished)."""
         t0 = time.perf_counter()
         self._explained = None
-        self.pool.expire_pins(self.clock())
+        self.kv.expire(self.clock())
         try:
             for seq in self.connectors.before_step():  # finished restores are installed
                 if seq.explain:  # explained at arrival, before the restore: what it gets now
@@ -323,7 +316,7 @@ class LLMEngine:
             finally:
                 self.scheduler.observe_step(self._step_tokens, time.perf_counter() - t0, rows)
         finally:
-            self.connectors.on_events(self.pool.index.take_events())
+            self.connectors.on_events(self.kv.take_events())
 
     def _run(self, out: SchedulerOutput) -> list[Sequence]:
         """The scheduled batch: connectors' share of it, then run, sample, commit, postprocess.
@@ -453,7 +446,7 @@ class LLMEngine:
         """Why this prompt would (not) hit. ``across`` (admin): other namespaces may explain
         a miss; they are the namespaces holding cached blocks now, a set bounded by the pool."""
         check_shared_prefix(shared_prefix, len(prompt_token_ids))
-        others = self.pool.index.namespaces() if across else ()
+        others = self.kv.namespaces() if across else ()
         return self.kv.explain(prompt_token_ids, namespace, others, shared_prefix)
 
     def block_hashes(
@@ -480,13 +473,13 @@ class LLMEngine:
     ) -> int:
         """Pin the cached full blocks of a prompt (after it was prefilled) for ``ttl`` seconds
         (None: the longest, ``max_pin_ttl_seconds``), charged to ``owner``'s quota
-        (``pool.set_pin_quotas``; an owner without one: only the pool's budget). Returns the
+        (``kv.set_pin_quotas``; an owner without one: only the pool's budget). Returns the
         blocks pinned."""
         ttl = self.check_pin_ttl(ttl)
         scope = self.kv.scope(namespace, shared_prefix, len(prompt_token_ids))
         m = self.kv.match_prompt(prompt_token_ids, scope)
         try:
-            self.pool.pin(m.block_ids, ttl, self.clock(), owner=owner)
+            self.kv.pin(m.block_ids, ttl, self.clock(), owner=owner)
         except ValueError as e:
             raise PinQuotaError(str(e), param="pin") from None
         return len(m.block_ids)
@@ -513,9 +506,9 @@ class LLMEngine:
         """The RAM part now, the tiers' deletion queued: (RAM blocks dropped, tickets for
         ``connectors.wait``). The async engine waits for them outside its lock."""
         self._explained = None
-        n = self.pool.invalidate(namespace, all_namespaces)
+        n = self.kv.invalidate(namespace, all_namespaces)
         tickets = self.connectors.start_invalidate(namespace, all_namespaces)
-        self.connectors.on_events(self.pool.index.take_events())
+        self.connectors.on_events(self.kv.take_events())
         return n, tickets
 
     # ---- facts (stats.py) -----------------------------------------------------------------------
@@ -535,8 +528,7 @@ class LLMEngine:
         )
 
     def check_integrity(self) -> None:
-        self.pool.check_integrity(self.scheduler.live_block_tables())
-        self.kv.check_window(self.scheduler.running + self.scheduler.waiting)
+        self.kv.check_integrity(self.scheduler.running + self.scheduler.waiting)
         self.connectors.check_integrity()
 
 

@@ -31,8 +31,7 @@ class Generated:
 
 def engine_stats(kv: KVCacheManager, scheduler: Scheduler, layout: KVLayout, generated: Generated,
                  connectors: ConnectorSet) -> EngineStats:  # fmt: skip
-    pool = kv.pool
-    c = pool.counts()
+    c = kv.counts()
     bs = layout.block_size
     return EngineStats(
         num_running=len(scheduler.running),
@@ -42,7 +41,7 @@ def engine_stats(kv: KVCacheManager, scheduler: Scheduler, layout: KVLayout, gen
         generation_tokens_total=generated.total,
         prefix_cache_queries_total=kv.query_tokens,
         prefix_cache_hits_total=kv.hit_tokens,
-        evicted_blocks_total=pool.evicted_blocks,
+        evicted_blocks_total=kv.evicted_blocks,
         kv_cache_usage=c.in_use / c.total,
         cached_blocks=c.cached,
         free_blocks=c.free,
@@ -96,8 +95,6 @@ def tenant_stats(tenant: str | None, owns: Callable[[str | None], bool], kv: KVC
                  connectors: ConnectorSet) -> TenantStats:  # fmt: skip
     """``tenant``'s own numbers; ``owns(namespace)`` says which namespaces are its."""
     query, hit = kv.by_tenant.get(tenant, (0, 0))
-    pool = kv.pool
-    index = pool.index
     tiers = connectors.tenant_stats(tenant).get("tiers", {})
     return TenantStats(
         tenant=tenant,
@@ -106,10 +103,10 @@ def tenant_stats(tenant: str | None, owns: Callable[[str | None], bool], kv: KVC
         prompt_tokens_total=query,
         prefix_cache_hits_total=hit,
         generation_tokens_total=generated.by_tenant[tenant],
-        pinned_blocks=pool.pinned_by(tenant),
+        pinned_blocks=kv.pinned_by(tenant),
         namespace_blocks={
-            ns: index.num_blocks_in_namespace(ns)
-            for ns in index.namespaces()
+            ns: kv.blocks_in_namespace(ns)
+            for ns in kv.namespaces()
             if ns is not None and owns(ns)
         },
         tier_hit_tokens=tiers.get("hit_tokens", {}),
