@@ -53,9 +53,6 @@ class Sequence:
     window_from: int = 0
     num_computed_tokens: int = 0  # tokens whose KV is in the blocks of block_table
     num_cached_tokens: int | None = None  # tokens served from cache at first admission
-    # A connector (cache/connector.py) is loading KV for it (a restore from a persistent tier):
-    # not admitted meanwhile. Written by ConnectorSet alone.
-    loading: bool = False
     num_preemptions: int = 0
     # Only the first max_registered_blocks full blocks may enter the prefix index (None: all):
     # set at arrival by the segments connector (blocks from the first document on may hold
@@ -109,6 +106,11 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """Still computing prompt (or, after preemption, recomputing) tokens before sampling."""
         return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def loading(self) -> bool:
+        """A connector is loading KV for it (RequestStatus.LOADING): not admitted meanwhile."""
+        return self.status is RequestStatus.LOADING
 
     @property
     def finished(self) -> bool:

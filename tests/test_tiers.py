@@ -33,6 +33,7 @@ import pytest
 from _helpers import PROSE
 
 from prefixcache import LLM, SamplingParams
+from prefixcache.api.request import RequestStatus
 from prefixcache.tiers import codec
 from prefixcache.tiers.disk import OWNER_FILE, SUBDIR, SUFFIX, DiskTier
 from prefixcache.tiers.keys import StoreLayout, block_name, namespace_id
@@ -459,6 +460,18 @@ def test_restart_restores_from_disk_cold_equals_warm_int8(tmp_path, cold):
     st = _disk(second)
     assert st["hit_tokens"] == sum(n // BS * BS for n in lengths) and st["rejected_blocks"] == 0
     second.check_integrity()
+    del second
+    # A request whose prefix is on disk waits in LOADING while it is read (vLLM's
+    # WAITING_FOR_REMOTE_KVS), never admitted meanwhile; then WAITING, then it runs.
+    third = LLM(kv_cache_memory=MEM, kv_cache_dtype="int8", disk_cache_dir=tmp_path, seed=0)
+    probe = third.engine.add_request("probe", prefixes[0] + [5, 6], GREEDY)
+    assert probe.status is RequestStatus.LOADING and probe.loading
+    seen = []
+    while third.engine.has_unfinished():
+        seen.append(probe.status)
+        third.engine.step()
+    assert seen[0] is RequestStatus.LOADING and RequestStatus.RUNNING in seen
+    assert probe.num_cached_tokens == len(prefixes[0]) // BS * BS
     # Another KV dtype shares the directory but never hits on these blocks (nor reads them).
     # (Only the three distinct prefixes: the repeated one would hit its twin in RAM.)
     alien = LLM(kv_cache_memory=MEM, disk_cache_dir=tmp_path, seed=0)

@@ -188,6 +188,10 @@ class RetentionPriority:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # Waiting while a KV connector loads its cache (a restore from a persistent tier; vLLM's
+    # WAITING_FOR_REMOTE_KVS): never admitted meanwhile. Only cache/connector.py's
+    # ConnectorSet moves a sequence into and out of it (back to WAITING).
+    LOADING = "loading"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"

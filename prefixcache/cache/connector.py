@@ -7,8 +7,8 @@ only through these hooks, in this order within a request's life and a step:
 - ``check(token_ids, request)``: refuse what the connector can never run (pure, no lock);
 - ``on_arrival(seq, request)``: the request entered the engine; a connector may start work for
   it (a restore) and answer ``pending(seq)`` True until it is done: the scheduler does not admit
-  a sequence while any connector has work pending for it (``Sequence.loading``, whose only
-  writer is ``ConnectorSet``);
+  a sequence while any connector has work pending for it (status ``RequestStatus.LOADING``,
+  set and cleared by ``ConnectorSet`` alone);
 - per step, ``before_step()`` (install finished work; returns the sequences whose pending work
   changed), then the scheduler, then ``take_scheduled(scheduled)`` (a connector may spend the
   tokens granted to some sequences on its own work, inside the step's token budget; those leave
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from prefixcache.api.request import RequestStatus
 from prefixcache.cache.kv_events import KVEvent
 from prefixcache.sequence import ScheduledSeq, Sequence
 
@@ -120,10 +121,17 @@ class ConnectorSet:
     def on_finish(self, seq: Sequence) -> None:
         for c in self.connectors:
             c.on_finish(seq)
-        seq.loading = False
+        if seq.loading:  # the engine finishes it next
+            seq.status = RequestStatus.WAITING
 
     def _update(self, seq: Sequence) -> None:
-        seq.loading = any(c.pending(seq) for c in self.connectors)
+        """WAITING <-> LOADING as connectors have work pending for ``seq``; nothing else is
+        touched (a sequence only loads while it waits, from its arrival)."""
+        pending = any(c.pending(seq) for c in self.connectors)
+        if pending and seq.status is RequestStatus.WAITING:
+            seq.status = RequestStatus.LOADING
+        elif not pending and seq.loading:
+            seq.status = RequestStatus.WAITING
 
     # ---- a step ------------------------------------------------------------------------------
     def before_step(self) -> list[Sequence]:
