@@ -711,7 +711,7 @@ def test_pool_invariants_under_random_operations(policy, ops):
         elif op == "allocate":
             avail = pool.num_allocatable
             n = x % (avail + 2)
-            held = {b for t in live for b in t} | set(pool._pinned_until)
+            held = {b for t in live for b in t} | set(pool.pins)
             before = {pool.index.key_of(b) for b in pool.index.all_blocks()}
             got = pool.allocate(n)
             assert (got is None) == (n > avail)  # exactly what it said it could give

@@ -212,7 +212,7 @@ def test_pool_a_ranked_block_evicted_or_invalidated_forgets_its_deadline():
     pool.check_integrity()
     pool.invalidate("alice")
     pool.check_integrity()
-    assert not pool._rank_until
+    assert not list(pool.rank_deadlines)
     pool.expire_pins(now=60.0)
 
 

@@ -1,5 +1,6 @@
-"""Block pool: ref counts, the free list, pins, and eviction of cached blocks through an
-eviction policy (docs/design.md §4).
+"""Block pool: ref counts, the free list, and eviction of cached blocks through an eviction
+policy (docs/design.md §4). What keeps blocks beyond their references, owners' pins and
+retention deadlines, is decided in cache/holds.py; the pool tells the policy.
 
     free ──allocate──▶ in use (ref ≥ 1) ──last ref released──▶ cached (ref 0) ──evict──▶ free
                               ▲                                   │
@@ -30,7 +31,6 @@ Pure Python, no tensors: block ids index the KV tensors owned by ``kv/pool.py``.
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from prefixcache.api.keys import BlockHash
 from prefixcache.api.request import DEFAULT_RETENTION_PRIORITY
 from prefixcache.cache.eviction import EvictionPolicy, make_policy
+from prefixcache.cache.holds import PinHolds, RankDeadlines
 from prefixcache.cache.prefix_index import PrefixIndex, PrefixMatch
 
 
@@ -66,14 +67,10 @@ class BlockPool:
         self._ref = [0] * num_blocks
         self._num_in_use = 0
         self._free: deque[int] = deque(range(num_blocks))
-        self._pinned_until: dict[int, float] = {}  # block id -> deadline (time.monotonic)
-        self._pin_owners: dict[int, dict[str | None, float]] = {}  # block -> owner -> deadline
-        self._owner_pins: dict[str | None, int] = {}  # owner -> blocks it holds a pin on
-        self._pin_quotas: dict[str | None, int] = {}  # owner -> its quota (set_pin_quotas)
-        # Retention priorities with an end: key -> deadline, and a heap of (deadline, key) to
-        # find the ended ones (stale entries are skipped: a later deadline, an evicted key).
-        self._rank_until: dict[BlockHash, float] = {}
-        self._rank_ends: list[tuple[float, BlockHash]] = []
+        # Owners' pins and retention deadlines (cache/holds.py): the pool tells the policy
+        # what they decide (a pin is one more reference there).
+        self.pins = PinHolds(self.max_pinned_blocks)
+        self.rank_deadlines = RankDeadlines()
         self.evicted_blocks = 0
         # Told of each block that leaves the index (evicted; invalidated, in use or not): the
         # window parts (cache/window.py) give its idle part back. None: nobody listens.
@@ -83,7 +80,7 @@ class BlockPool:
     def counts(self) -> PoolCounts:
         free = len(self._free)
         cached = self.num_blocks - free - self._num_in_use
-        return PoolCounts(free, cached, self._num_in_use, len(self._pinned_until), self.num_blocks)
+        return PoolCounts(free, cached, self._num_in_use, len(self.pins), self.num_blocks)
 
     @property
     def num_allocatable(self) -> int:
@@ -148,7 +145,7 @@ class BlockPool:
                 key = self.policy.evict()
                 b = self.index.entry(key).block_id
                 self.index.remove_block(b, evicted=True)
-                self._rank_until.pop(key, None)
+                self.rank_deadlines.forget(key)
                 self.evicted_blocks += 1
                 if self.on_forget is not None:
                     self.on_forget(b)
@@ -218,15 +215,8 @@ class BlockPool:
             if key is None or policy.group(key) != group:
                 continue
             policy.set_priority(key, priority)
-            if until is None or priority == DEFAULT_RETENTION_PRIORITY:
-                self._rank_until.pop(key, None)
-            else:
-                self._rank_until[key] = until
-                heapq.heappush(self._rank_ends, (until, key))
+            self.rank_deadlines.set(key, None if priority == DEFAULT_RETENTION_PRIORITY else until)
             n += 1
-        if len(self._rank_ends) > 2 * len(self._rank_until) + 64:  # drop stale entries
-            self._rank_ends = [(t, k) for t, k in self._rank_ends if self._rank_until.get(k) == t]
-            heapq.heapify(self._rank_ends)
         return n
 
     def priority_of(self, block_id: int) -> int | None:
@@ -236,41 +226,19 @@ class BlockPool:
 
     def expire_ranks(self, now: float) -> int:
         """Retention priorities whose time ended go back to the default. Returns how many."""
-        ends, until = self._rank_ends, self._rank_until
-        n = 0
-        while ends and ends[0][0] <= now:
-            t, key = heapq.heappop(ends)
-            if until.get(key) == t:
-                del until[key]
-                self.policy.set_priority(key, DEFAULT_RETENTION_PRIORITY)
-                n += 1
-        return n
+        ended = self.rank_deadlines.expire(now)
+        for key in ended:
+            self.policy.set_priority(key, DEFAULT_RETENTION_PRIORITY)
+        return len(ended)
 
-    # ---- pins, invalidation -----------------------------------------------------------------
-    # A block is pinned while any owner's pin on it lasts. Each owner (a tenant; None for the
-    # offline API) holds its own pin with its own deadline, and is charged for it against its
-    # quota; the pool's budget (the ceiling, ``max_pinned_blocks``) counts each pinned block
-    # once, whoever pinned it. The quotas sum within the ceiling (``set_pin_quotas``): the
-    # blocks pinned are at most what the quota'd owners hold plus what the others (admins)
-    # pin, so owners within their quotas can never fill the ceiling for another one, however
-    # long they renew. Renewing a pin one already holds costs no quota, but an owner over its
-    # quota (after the quotas shrank) renews nothing until its pins expire down to it.
+    # ---- pins, invalidation (the bookkeeping and its rules: cache/holds.py) -----------------
     def set_pin_quotas(self, quotas: Mapping[str | None, int]) -> None:
-        """The owners bound by a pin quota and their quotas in blocks, replacing the previous
-        ones. Raises ValueError unless they sum within the ceiling. Owners not named are bound
-        by the ceiling only (admins, the offline API)."""
-        if any(isinstance(q, bool) or not isinstance(q, int) or q < 0 for q in quotas.values()):
-            raise ValueError("pin quotas must be non-negative block counts")
-        if sum(quotas.values()) > self.max_pinned_blocks:
-            raise ValueError(
-                f"pin quotas sum to {sum(quotas.values())} blocks, over the "
-                f"{self.max_pinned_blocks} blocks that may be pinned"
-            )
-        self._pin_quotas = dict(quotas)
+        """``PinHolds.set_quotas``: owners not named are bound by the ceiling only."""
+        self.pins.set_quotas(quotas)
 
     def pin_quota(self, owner: str | None) -> int | None:
         """Blocks ``owner`` may hold pinned (None: no quota of its own, only the ceiling)."""
-        return self._pin_quotas.get(owner)
+        return self.pins.quota(owner)
 
     def pin(
         self,
@@ -290,37 +258,15 @@ class BlockPool:
         for b in block_ids:  # validate all before pinning any: a failed call changes nothing
             if self.index.key_of(b) is None:
                 raise ValueError(f"block {b} holds no cached content and cannot be pinned")
-        wanted = list(dict.fromkeys(block_ids))
-        new = [b for b in wanted if b not in self._pinned_until]
-        mine = [b for b in wanted if owner not in self._pin_owners.get(b, {})]
-        held = self._owner_pins.get(owner, 0)
-        owner_quota = self._pin_quotas.get(owner)
-        if owner_quota is not None and held + len(mine) > owner_quota:
-            raise ValueError(
-                f"pin quota exceeded: {held} pinned + {len(mine)} new > {owner_quota} blocks "
-                "allowed per tenant"
-            )
-        if len(self._pinned_until) + len(new) > self.max_pinned_blocks:
-            # The owner's own figures only: how many blocks everyone pinned is another
-            # tenant's business (docs/design.md §9).
-            raise ValueError(
-                f"pin budget exceeded: the server's pinned blocks are at their limit; "
-                f"{len(mine)} new blocks of this caller's ({held} pinned now) cannot be pinned"
-            )
         deadline = float("inf") if ttl_seconds is None else now + ttl_seconds
-        for b in wanted:
-            owners = self._pin_owners.setdefault(b, {})
-            if owner not in owners:
-                self._owner_pins[owner] = self._owner_pins.get(owner, 0) + 1
-            owners[owner] = max(deadline, owners.get(owner, 0.0))
-            if b not in self._pinned_until:  # a pin holds the block: one reference more
-                self.policy.acquire(self.index.key_of(b))
-            self._pinned_until[b] = max(owners.values())
+        new = self.pins.pin(block_ids, deadline, owner)
+        for b in new:  # a pin holds the block: one reference more
+            self.policy.acquire(self.index.key_of(b))
         return len(new)
 
     def pinned_by(self, owner: str | None) -> int:
         """Blocks ``owner`` holds a pin on (what its quota is charged)."""
-        return self._owner_pins.get(owner, 0)
+        return self.pins.pinned_by(owner)
 
     def expire_pins(self, now: float | None = None) -> int:
         """End the pins whose deadline passed; a block whose last pin ended becomes evictable
@@ -328,50 +274,20 @@ class BlockPool:
         the default too (``expire_ranks``). Returns the number of blocks unpinned."""
         now = time.monotonic() if now is None else now
         self.expire_ranks(now)
-        ended = [(b, o) for b, owners in self._pin_owners.items() for o, t in owners.items() if t <= now]
-        if not ended:
-            return 0
-        for b, o in ended:
-            self._drop_owner_pin(b, o)
-        unpinned = []
-        for b in dict.fromkeys(b for b, _ in ended):
-            owners = self._pin_owners.get(b)
-            if owners:
-                self._pinned_until[b] = max(owners.values())
-            else:
-                self._unpin(b, release=False)
-                unpinned.append(self.index.key_of(b))
+        unpinned = self.pins.expire(now)
         # One use for all of them: the blocks unpinned now rank as used now, deeper ones first.
-        self.policy.release_all(unpinned)
+        self.policy.release_all([self.index.key_of(b) for b in unpinned])
         return len(unpinned)
-
-    def _drop_owner_pin(self, b: int, owner: str | None) -> None:
-        owners = self._pin_owners[b]
-        del owners[owner]
-        n = self._owner_pins[owner] - 1
-        if n:
-            self._owner_pins[owner] = n
-        else:
-            del self._owner_pins[owner]
-        if not owners:
-            del self._pin_owners[b]
-
-    def _unpin(self, b: int, release: bool = True) -> None:
-        for o in list(self._pin_owners.get(b, ())):
-            self._drop_owner_pin(b, o)
-        del self._pinned_until[b]
-        if release:  # the pin's reference in the policy (else the caller releases it)
-            self.policy.release(self.index.key_of(b))
 
     def invalidate(self, namespace: str | None, all_namespaces: bool = False) -> int:
         """Drop cached content of a namespace (or all). In-use blocks lose their key now and
         return to the free list when released. Returns the number of blocks dropped."""
         blocks = self.index.all_blocks() if all_namespaces else self.index.blocks_in_namespace(namespace)
         for b in blocks:
-            if b in self._pinned_until:
-                self._unpin(b)
+            if self.pins.unpin(b):  # the pin's reference in the policy
+                self.policy.release(self.index.key_of(b))
             key = self.index.remove_block(b, evicted=False)
-            self._rank_until.pop(key, None)
+            self.rank_deadlines.forget(key)
             self.policy.forget(key)
             if self._ref[b] == 0:
                 self._free.append(b)
@@ -400,25 +316,11 @@ class BlockPool:
         for b in indexed:
             key = self.index.key_of(b)
             assert key in policy, f"cached block {b} unknown to the eviction policy"
-            want = self._ref[b] + (b in self._pinned_until)
+            want = self._ref[b] + (b in self.pins)
             assert policy.refs(key) == want, f"block {b}: policy refs {policy.refs(key)} != {want}"
-        for b in self._pinned_until:
-            assert b in indexed, f"pinned block {b} is not cached"
-        for key in self._rank_until:
-            assert key in policy, "a ranked block's deadline outlived it"
-        ends = {(t, k) for t, k in self._rank_ends}
-        assert all((t, k) in ends for k, t in self._rank_until.items()), "deadline not queued"
+        self.pins.check_integrity(indexed)
+        self.rank_deadlines.check_integrity(policy)
         policy.check_integrity()
-        assert len(self._pinned_until) <= self.max_pinned_blocks, "pin budget exceeded"
-        assert set(self._pin_owners) == set(self._pinned_until), "pinned block without owner"
-        for b, owners in self._pin_owners.items():
-            assert owners and self._pinned_until[b] == max(owners.values()), f"block {b} deadline"
-        per_owner: dict[str | None, int] = {}
-        for owners in self._pin_owners.values():
-            for o in owners:
-                per_owner[o] = per_owner.get(o, 0) + 1
-        assert per_owner == self._owner_pins, "per-owner pin counts drifted"
-        assert sum(self._pin_quotas.values()) <= self.max_pinned_blocks, "quotas over the ceiling"
         self.index.check_integrity()
         if live_block_tables is not None:
             expected = [0] * self.num_blocks
