@@ -2,7 +2,7 @@
 store (segments/store.py): while the store is within its capacity anyone may add to it; past
 it, entries go from the owner holding the most bytes, its least recently used first. So an owner
 at or within ``capacity / owners`` never loses an entry to another's writes, and one alone may
-use everything. An owner is the part of a namespace before its first "/" (server/auth.py: a
+use everything. An owner is the part of a namespace before its first "/" (server/base/auth.py: a
 tenant and all its salts; a shared namespace is an owner of its own). No torch, no I/O.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Hashable
 
 
 def owner_of(namespace: str | None) -> str | None:
-    """The tenant (or shared name) a namespace's bytes count against (server/auth.py's rule)."""
+    """The tenant (or shared name) a namespace's bytes count against (server/base/auth.py's rule)."""
     return None if namespace is None else namespace.split("/", 1)[0]
 
 
