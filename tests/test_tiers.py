@@ -115,6 +115,34 @@ def test_a_record_forged_without_the_secret_is_rejected():
     assert e.value.reason == "mac"
 
 
+def test_every_tier_declares_the_protocol_and_implements_all_of_it(tmp_path):
+    """tiers/tier.py: DiskTier and RedisTier declare Tier and define each of its members
+    themselves (a protocol member inherited is a stub returning None); the manager refuses a
+    store that only resembles one."""
+    import inspect
+
+    from prefixcache.tiers.redis_tier import RedisTier
+    from prefixcache.tiers.tier import Tier
+
+    members = [n for n, v in vars(Tier).items() if inspect.isfunction(v) and not n.startswith("_")]
+    assert {"get_many", "put", "sweep", "drop_namespace", "owner_usage"} <= set(members)
+    for cls in (DiskTier, RedisTier):
+        assert Tier in cls.__mro__
+        for n in members:
+            assert vars(cls).get(n) is not None, f"{cls.__name__}.{n} is the protocol's stub"
+            want = list(inspect.signature(getattr(Tier, n)).parameters)
+            assert list(inspect.signature(getattr(cls, n)).parameters) == want, (cls, n)
+        assert isinstance(cls.name, str) and isinstance(cls.knows_contents, bool)
+
+    class LooksLikeOne:  # every member, but no declaration
+        pass
+
+    for n in members:
+        setattr(LooksLikeOne, n, getattr(DiskTier, n))
+    with pytest.raises(TypeError, match="not a tiers.tier.Tier"):
+        TierManager([LooksLikeOne()], _layout(), KEYS)
+
+
 def test_store_id_depends_on_every_layout_input():
     base = _layout()
     variants = [_layout(model_fingerprint="m2"), _layout(block_size=32), _layout(num_layers=3),

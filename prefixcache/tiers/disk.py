@@ -52,6 +52,7 @@ from pathlib import Path
 from prefixcache.cache.shares import OwnerLRU, share
 from prefixcache.tiers.shares import UNKNOWN_OWNER, is_owner_id
 from prefixcache.tiers.stats import TierCounters, TierStats
+from prefixcache.tiers.tier import Tier
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ FILE_MODE = 0o600
 MAX_RETRY_AFTER = 60.0  # seconds: the longest pause between write probes after write errors
 
 
-class DiskTier:
+class DiskTier(Tier):
     name = "disk"
     knows_contents = True  # the in-memory index is the directory's content
 

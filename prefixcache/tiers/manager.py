@@ -66,6 +66,7 @@ from prefixcache.tiers.records import BLOCKS, SEGMENTS, RecordKind, Ref
 from prefixcache.tiers.secret import TierKeys
 from prefixcache.tiers.shares import owner_id
 from prefixcache.tiers.stats import Rates, TierStats
+from prefixcache.tiers.tier import Tier
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +90,14 @@ def _pop_in_turn(queues: OrderedDict) -> object:
 
 
 class TierManager:
-    def __init__(self, tiers: list, layout: StoreLayout, keys: TierKeys,
+    def __init__(self, tiers: list[Tier], layout: StoreLayout, keys: TierKeys,
                  compression: str = "none", max_queued_bytes: int = 512 << 20,
                  max_queued_restores: int = MAX_QUEUED_RESTORES):  # fmt: skip
         if not tiers:
             raise ValueError("a TierManager needs at least one tier")
+        for t in tiers:  # a tier declares the protocol (tiers/tier.py), never just resembles it
+            if Tier not in type(t).__mro__:
+                raise TypeError(f"{type(t).__name__} is not a tiers.tier.Tier")
         self.tiers = tiers
         self.layout = layout
         self.keys = keys  # the deployment's (secret.py): in every name and MAC
@@ -285,7 +289,7 @@ class TierManager:
         for where in dict.fromkeys(w for _, _, w in lower):
             tier = next(t for t in self.tiers if t.name == where)
             mine = [(ref, p) for ref, p, w in lower if w == where]
-            ask = getattr(tier, "remaining_ttls", None)
+            ask = getattr(tier, "remaining_ttls", None)  # optional (tiers/tier.py)
             names = [self.record_name(ref.key, job.kind) for ref, _ in mine]
             ttls = ask(ns_id, names) if ask is not None else [None] * len(mine)
             for rec, ttl in zip(mine, ttls, strict=True):
@@ -415,9 +419,8 @@ class TierManager:
         this every ``SWEEP_INTERVAL`` seconds; tests call it with an injected ``now``)."""
         n = 0
         for t in self.tiers:
-            fn = getattr(t, "sweep", None)
             try:
-                n += fn(now) if fn is not None else 0
+                n += t.sweep(now)
             except Exception:  # a bug here must cost a sweep, not the thread
                 log.exception("%s tier: sweep of expired records failed", t.name)
         return n

@@ -66,6 +66,7 @@ import threading
 import time
 
 from prefixcache.tiers.stats import TierCounters, TierStats
+from prefixcache.tiers.tier import Tier
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ return n
 """
 
 
-class RedisTier:
+class RedisTier(Tier):
     name = "redis"
     knows_contents = False  # shared: other replicas write, Redis evicts
 
