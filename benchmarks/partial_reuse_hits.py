@@ -55,17 +55,17 @@ def serve(requests: list[tuple[list[int], list[int]]], partial: bool) -> tuple[l
     root = kv.root(None)
     hits = []
     for i, (prompt, answer) in enumerate(requests):
-        s = Sequence(f"r{i}", list(prompt), SamplingParams(max_tokens=len(answer), temperature=0),
-                     root=root)  # fmt: skip
+        s = Sequence.of(f"r{i}", list(prompt), SamplingParams(max_tokens=len(answer), temperature=0),
+                        root=root)  # fmt: skip
         m = kv.match(s)
         assert kv.admit(s, m, s.num_tokens - m.num_tokens)
         kv.copy_partial_blocks(lambda copies: None)  # no KV here: the engine's runner copies
         hits.append(s.num_cached_tokens)
-        s.output_token_ids.extend(answer[:-1])  # every answer token but the last is computed
-        assert kv.allocate_slots(s, s.num_tokens - s.num_computed_tokens)
+        s.out.output_token_ids.extend(answer[:-1])  # every answer token but the last is computed
+        assert kv.allocate_slots(s, s.num_tokens - s.kv.num_computed_tokens)
         kv.mark_computed(s, s.num_tokens)
         kv.commit(s)
-        s.output_token_ids.append(answer[-1])
+        s.out.output_token_ids.append(answer[-1])
         kv.free(s)
     pool.check_integrity([])
     return hits, kv.partial_hit_tokens

@@ -73,7 +73,7 @@ def run_once(prompts: list[list[int]], blocks: int, policy: str | None, inflight
         t1 = time.perf_counter()
         kv.lookup(p, None)  # the server's pre-check, on the pool as it is now
         t_lookup += time.perf_counter() - t1
-        s = Sequence(f"r{i}", p, sp, root=root)
+        s = Sequence.of(f"r{i}", p, sp, root=root)
         m = kv.match(s)
         while not kv.admit(s, m, s.num_tokens - m.num_tokens):
             kv.free(live.pop(0))  # out of blocks: the oldest finishes first

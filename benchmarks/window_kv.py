@@ -47,8 +47,8 @@ def main() -> None:
         out = step(batch)
         for s in batch:
             seq = s.seq
-            parts = len(seq.block_table) - seq.window_from
-            held.append(len(seq.block_table) * bs * lay.block_bytes_per_token + parts * bs * lay.window_bytes_per_token)
+            parts = len(seq.kv.block_table) - seq.kv.window_from
+            held.append(len(seq.kv.block_table) * bs * lay.block_bytes_per_token + parts * bs * lay.window_bytes_per_token)
         return out
 
     eng.runner.execute = watch

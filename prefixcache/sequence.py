@@ -1,8 +1,22 @@
-"""Sequence: the engine's mutable state of one request (tokens, block table, progress).
+"""Sequence: the engine's mutable state of one request, in parts that each have one writer.
 
 Plain data, no torch, core fields only: a feature's state lives with its connector
-(cache/connector.py), keyed by request id. The scheduler and the KV cache manager change it;
-the model runner only reads the token ids, positions and block table it is handed (as
+(cache/connector.py), keyed by request id. Who writes what (tests/test_layering.py checks the
+parts' writers on the source):
+
+- ``request``: the ``EngineRequest`` as it came in (frozen; request id, params, namespace,
+  tenant, priority, ...), held and never copied; ``prompt_token_ids``, its tokens (never
+  written after ``LLMEngine.add``).
+- ``kv``: ``SeqKV``, the KV cache manager's state of the sequence (cache/manager.py alone: a
+  connector that limits what is registered or reserved asks the manager, ``restrict``).
+- ``out``: ``SeqOutput``, the output processor's bookkeeping (engine/output.py alone: the
+  engine calls ``OutputProcessor.append`` and ``finish``).
+- the cache facts the request is told, one writer each (listed at the fields).
+- ``status`` (the scheduler's queue states, the connectors' WAITING <-> LOADING, the engine's
+  FINISHED), ``metrics`` (timestamps, each set once where it happens), and the scheduler's and
+  engine's own few fields.
+
+The model runner only reads the token ids, positions and block table it is handed (as
 ``ScheduledSeq``, which lives here and not in the scheduler so that ``model/`` does not import
 the scheduler).
 """
@@ -11,92 +25,151 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prefixcache.api.engine import EngineRequest
 from prefixcache.api.keys import BlockHash
 from prefixcache.api.request import (
     CacheExplanation,
     RequestMetrics,
     RequestStatus,
-    RetentionPriority,
     SamplingParams,
 )
 
 
 @dataclass(eq=False)
-class Sequence:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
+class SeqKV:
+    """The KV cache manager's state of one sequence: written by cache/manager.py only."""
+
     root: BlockHash  # parent of block 0: key format, block size, model fingerprint, namespace
-    namespace: str | None = None  # the request's own namespace
     # A declared shared prefix (request.SharedPrefix) of whole blocks: blocks
     # 0..num_shared_blocks-1 are keyed in shared_namespace (``root`` is then its root), every
-    # later block in ``namespace``, block num_shared_blocks with parent ``join``
+    # later block in the request's namespace, block num_shared_blocks with parent ``join``
     # (hashing.join_hash of the last shared key; set by the KV cache manager when hashed).
     shared_namespace: str | None = None
     num_shared_blocks: int = 0
     join: BlockHash | None = None
-    # Who sent it: fair admission and quotas count per tenant (None: the offline API's one user).
-    tenant: str | None = None
-    priority: int = 0  # orders a tenant's own waiting sequences; never jumps other tenants
-    prompt: str | None = None
-    explain: bool = False
-    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
-    arrival_step: int = 0  # engine step at arrival; the lpm starvation guard counts from it
-    output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
-    status: RequestStatus = RequestStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     block_keys: list[BlockHash] = field(default_factory=list)  # keys of full blocks, in order
     num_registered_blocks: int = 0  # leading blocks of block_table findable in the index
     # With window parts (cache/window.py): the sequence holds the parts of
-    # block_table[window_from:]. Written by the KV cache manager alone.
+    # block_table[window_from:].
     window_from: int = 0
     num_computed_tokens: int = 0  # tokens whose KV is in the blocks of block_table
-    num_cached_tokens: int | None = None  # tokens served from cache at first admission
-    num_preemptions: int = 0
     # Only the first max_registered_blocks full blocks may enter the prefix index (None: all):
-    # set at arrival by the segments connector (blocks from the first document on may hold
-    # reused segment KV, which a cold run would not compute) and lowered by the KV cache
-    # manager at a key collision (the rest of the chain stays private).
+    # set at arrival for the segments connector (blocks from the first document on may hold
+    # reused segment KV, which a cold run would not compute; ``KVCacheManager.restrict``) and
+    # lowered by the manager at a key collision (the rest of the chain stays private).
     max_registered_blocks: int | None = None
     # A connector fills the slots of the first ``reserve_until`` tokens in one go (segments: an
     # assembly places every document at once): while fewer are computed, the scheduler allocates
     # them all whenever it schedules the sequence, preempting as for any allocation, so the
     # connector never finds itself without room mid-assembly. Set at arrival (0: none).
     reserve_until: int = 0
-    # What the request is told it got, each written by one connector: tokens restored per
-    # tier ("disk", "redis"; the tiers), segment tokens reused and not recomputed (segments).
-    tier_tokens: dict[str, int] | None = None
-    num_segment_cached_tokens: int | None = None
+
+
+@dataclass(eq=False)
+class SeqOutput:
+    """What the sequence generated and how far it streamed: written by engine/output.py only."""
+
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    cache_info: CacheExplanation | None = None
-    # How its own blocks are ranked for eviction among its tenant's (api.request.RetentionPriority;
-    # None: as they are), applied by the KV cache manager when it hits or registers them.
-    retention_priority: RetentionPriority | None = None
-    # What its cache leases got (EngineRequest.leases), written by the engine once the prompt is
-    # computed (engine/leases.py); a tuple of api.request.LeaseGrant.
-    lease_grants: tuple | None = None
-    # Set when the sequence failed alone inside a step (finish_reason "error"); a bug of ours.
-    error: BaseException | None = None
-    # Text bookkeeping for stop strings and streaming (owned by the output processor).
+    # Text bookkeeping for stop strings and streaming.
     text: str = ""
     num_streamed_tokens: int = 0
     num_streamed_chars: int = 0
     detok: object | None = None
-    generator: object | None = None  # torch.Generator for sampling; set by the engine
 
+
+@dataclass(eq=False)
+class Sequence:
+    request: EngineRequest
+    prompt_token_ids: list[int]
+    kv: SeqKV
+    out: SeqOutput = field(default_factory=SeqOutput)
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    # Written by the scheduler (its queue states), cache/connector.py (WAITING <-> LOADING)
+    # and engine/llm_engine.py (FINISHED).
+    status: RequestStatus = RequestStatus.WAITING
+    arrival_step: int = 0  # the scheduler's: engine step at arrival (the lpm starvation guard)
+    num_preemptions: int = 0  # the scheduler's
+    # What the request is told it got, each written by one module: tokens served from cache at
+    # first admission (cache/manager.py), tokens restored per tier ("disk", "redis";
+    # connectors/tiers.py), segment tokens reused and not recomputed (segments/assembler.py),
+    # why it hit or missed (engine/llm_engine.py), what its cache leases got
+    # (EngineRequest.leases, a tuple of api.request.LeaseGrant; engine/llm_engine.py once the
+    # prompt is computed, engine/leases.py).
+    num_cached_tokens: int | None = None
+    tier_tokens: dict[str, int] | None = None
+    num_segment_cached_tokens: int | None = None
+    cache_info: CacheExplanation | None = None
+    lease_grants: tuple | None = None
+    # Set when the sequence failed alone inside a step (finish_reason "error"); a bug of ours.
+    error: BaseException | None = None  # engine/llm_engine.py
+    generator: object | None = None  # torch.Generator for sampling; engine/llm_engine.py
+
+    @classmethod
+    def of(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        root: BlockHash,
+        *,
+        shared_namespace: str | None = None,
+        num_shared_blocks: int = 0,
+        **request_fields,
+    ) -> Sequence:
+        """A sequence of an ``EngineRequest(request_id, prompt_token_ids, params,
+        **request_fields)`` keyed from ``root`` (tests and simulations; the engine builds its
+        own from the request it is given)."""
+        request = EngineRequest(request_id, prompt_token_ids, params, **request_fields)
+        kv = SeqKV(root, shared_namespace=shared_namespace, num_shared_blocks=num_shared_blocks)
+        return cls(request, prompt_token_ids, kv)
+
+    # ---- the request's own (read-only) ----------------------------------------------------------
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def namespace(self) -> str | None:
+        """The request's own namespace (its blocks past a declared shared prefix)."""
+        return self.request.namespace
+
+    @property
+    def tenant(self) -> str | None:
+        """Who sent it: fair admission and quotas count per tenant (None: the offline API's one
+        user)."""
+        return self.request.tenant
+
+    @property
+    def priority(self) -> int:
+        """Orders a tenant's own waiting sequences; never jumps other tenants."""
+        return self.request.priority
+
+    @property
+    def prompt(self) -> str | None:
+        """The prompt text, when it came as text."""
+        p = self.request.prompt
+        return p if isinstance(p, str) else None
+
+    # ---- derived --------------------------------------------------------------------------------
     def namespace_of_block(self, i: int) -> str | None:
         """The namespace block ``i`` is keyed and registered in."""
-        return self.shared_namespace if i < self.num_shared_blocks else self.namespace
+        return self.kv.shared_namespace if i < self.kv.num_shared_blocks else self.namespace
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return self.prompt_token_ids + self.out.output_token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.out.output_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -105,7 +178,7 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         """Still computing prompt (or, after preemption, recomputing) tokens before sampling."""
-        return self.num_computed_tokens < self.num_tokens - 1
+        return self.kv.num_computed_tokens < self.num_tokens - 1
 
     @property
     def loading(self) -> bool:
@@ -127,4 +200,4 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """This chunk reaches the end of the sequence's tokens, so a token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.kv.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens

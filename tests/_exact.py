@@ -27,7 +27,7 @@ class Recorder:
         runner, bs = self.engine.runner, self.engine.runner.block_size
 
         def execute(batch):
-            seen = [(s.seq, s.seq.num_computed_tokens, s.num_new_tokens, s.samples) for s in batch]
+            seen = [(s.seq, s.seq.kv.num_computed_tokens, s.num_new_tokens, s.samples) for s in batch]
             out = self._execute(batch)
             row = 0
             for seq, start, n, samples in seen:
@@ -35,8 +35,8 @@ class Recorder:
 
                 table = runner.window_table  # with window parts: its blocks' parts
                 dev = runner.kv.k.device
-                window = None if table is None else _slots(table(seq.block_table), start, n, bs).to(dev)
-                k, v = runner.kv.stored(_slots(seq.block_table, start, n, bs).to(dev), window)  # [L, KVH, n, D] as stored
+                window = None if table is None else _slots(table(seq.kv.block_table), start, n, bs).to(dev)
+                k, v = runner.kv.stored(_slots(seq.kv.block_table, start, n, bs).to(dev), window)  # [L, KVH, n, D] as stored
                 for j in range(n):
                     self.kv[key(ids[: start + j + 1])] = (k[:, :, j].clone(), v[:, :, j].clone())
                 if samples:

@@ -634,26 +634,26 @@ def test_lru_policy_evicts_exactly_what_the_ordered_dict_lru_did():
         finish_first = rng.random() < 0.3
         tables = []
         for kv, running in zip(managers, live):
-            s = Sequence(f"r{i}", list(p), SamplingParams(max_tokens=1), root=kv.root(None))
+            s = Sequence.of(f"r{i}", list(p), SamplingParams(max_tokens=1), root=kv.root(None))
             if finish_first or len(running) >= 4:
                 kv.free(running.pop(0))
             m = kv.match(s)
             while not kv.admit(s, m, min(chunk, s.num_tokens - m.num_tokens)):
                 kv.free(running.pop(0))
             while True:
-                kv.mark_computed(s, min(s.num_tokens, len(s.block_table) * B))
+                kv.mark_computed(s, min(s.num_tokens, len(s.kv.block_table) * B))
                 kv.commit(s)
-                if s.num_computed_tokens == s.num_tokens:
+                if s.kv.num_computed_tokens == s.num_tokens:
                     break
-                while not kv.allocate_slots(s, min(chunk, s.num_tokens - s.num_computed_tokens)):
+                while not kv.allocate_slots(s, min(chunk, s.num_tokens - s.kv.num_computed_tokens)):
                     kv.free(running.pop(0))
             running.append(s)
-            tables.append([list(q.block_table) for q in running])
+            tables.append([list(q.kv.block_table) for q in running])
         assert tables[0] == tables[1], f"request {i}"
     new, old = (kv.pool for kv in managers)
     assert new.evicted_blocks == old.evicted_blocks > 500
     assert managers[0].hit_tokens == managers[1].hit_tokens > 0
-    new.check_integrity([s.block_table for s in live[0]])
+    new.check_integrity([s.kv.block_table for s in live[0]])
 
 
 POOL_OPS = st.lists(

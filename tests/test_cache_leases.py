@@ -32,16 +32,16 @@ def computed_seq(pool: BlockPool, n_tokens: int, tenant: str | None = "alice") -
     """A sequence whose prompt is computed and registered (what a step's commit leaves)."""
     tokens = random.Random(n_tokens).choices(range(1000, 30000), k=n_tokens)
     root = root_hash("m", tenant, block_size=B)
-    seq = Sequence("r", tokens, SamplingParams(), root, namespace=tenant, tenant=tenant)
+    seq = Sequence.of("r", tokens, SamplingParams(), root, namespace=tenant, tenant=tenant)
     n = n_tokens // B
-    seq.block_table = pool.allocate(-(-n_tokens // B))
+    seq.kv.block_table = pool.allocate(-(-n_tokens // B))
     keys = hash_blocks(tokens, B, root)
     for i in range(n):
         parent = root if i == 0 else keys[i - 1]
-        pool.register(seq.block_table[i], keys[i], parent, tokens[i * B : (i + 1) * B], tenant,
+        pool.register(seq.kv.block_table[i], keys[i], parent, tokens[i * B : (i + 1) * B], tenant,
                       group=tenant)  # fmt: skip
-    seq.num_registered_blocks = n
-    seq.num_computed_tokens = n_tokens
+    seq.kv.num_registered_blocks = n
+    seq.kv.num_computed_tokens = n_tokens
     return seq
 
 
@@ -79,7 +79,7 @@ def test_a_lease_ends_at_its_deadline_on_the_injected_clock():
     pool = BlockPool(8, B, max_pinned_blocks=4)
     seq = computed_seq(pool, 2 * B, tenant=None)
     grant(pool, seq, (2 * B, 300.0), now=1000.0)
-    pool.release(seq.block_table)
+    pool.release(seq.kv.block_table)
     assert pool.counts().pinned == 2 and pool.num_allocatable == 8 - 2 - 0
     assert pool.expire_pins(1299.0) == 0
     assert pool.allocate(7) is None  # the leased blocks are not evictable

@@ -67,7 +67,7 @@ class Sim:
 
     def seq(self, prompt: list[int], ns: str | None = None, max_tokens: int = 16) -> Sequence:
         self.n += 1
-        return Sequence(
+        return Sequence.of(
             f"r{self.n}",
             list(prompt),
             SamplingParams(max_tokens=max_tokens, temperature=0),
@@ -78,7 +78,7 @@ class Sim:
     # -- checks ------------------------------------------------------------------------------
     def check(self) -> None:
         if self.integrity:
-            self.pool.check_integrity([s.block_table for s in self.live] + self.mgr.copy_sources())
+            self.pool.check_integrity([s.kv.block_table for s in self.live] + self.mgr.copy_sources())
         for s in self.live:
             self.check_kv(s)
         # Every block the index serves holds exactly the tokens it is indexed under.
@@ -89,10 +89,10 @@ class Sim:
     def check_kv(self, s: Sequence) -> None:
         """Every computed position of a live sequence reads the token it stands for."""
         toks = s.all_token_ids
-        assert s.num_computed_tokens <= s.num_tokens
-        assert len(s.block_table) >= blocks_needed(s.num_computed_tokens, B)
-        for pos in range(s.num_computed_tokens):
-            blk = s.block_table[pos // B]
+        assert s.kv.num_computed_tokens <= s.num_tokens
+        assert len(s.kv.block_table) >= blocks_needed(s.kv.num_computed_tokens, B)
+        for pos in range(s.kv.num_computed_tokens):
+            blk = s.kv.block_table[pos // B]
             assert self.shadow[blk][pos % B] == toks[pos], (
                 f"{s.request_id}: position {pos} in block {blk} holds "
                 f"{self.shadow[blk][pos % B]}, expected {toks[pos]}"
@@ -124,17 +124,17 @@ class Sim:
     def admit(self, s: Sequence, num_new: int | None = None) -> bool:
         m = self.mgr.match(s)
         self.check_match(s, m)
-        if not s.output_token_ids:
+        if not s.out.output_token_ids:
             assert self.mgr.lookup(s.prompt_token_ids, s.namespace) == m.num_tokens
         remaining = s.num_tokens - m.num_tokens
         n = remaining if num_new is None else min(num_new, remaining)
         before = _pool_state(self.pool)
         if not self.mgr.admit(s, m, n):
-            assert not s.block_table
+            assert not s.kv.block_table
             assert _pool_state(self.pool) == before
             return False
-        assert s.block_table[: len(m.block_ids)] == m.block_ids
-        assert s.num_computed_tokens == m.num_tokens
+        assert s.kv.block_table[: len(m.block_ids)] == m.block_ids
+        assert s.kv.num_computed_tokens == m.num_tokens
         self.mgr.copy_partial_blocks(self.copy)  # what the engine does before the forward
         self.live.append(s)
         self.run(s, n)
@@ -142,10 +142,10 @@ class Sim:
 
     def compute(self, s: Sequence, n: int) -> None:
         toks = s.all_token_ids
-        c = s.num_computed_tokens
+        c = s.kv.num_computed_tokens
         assert c + n <= s.num_tokens
         for pos in range(c, c + n):
-            blk = s.block_table[pos // B]
+            blk = s.kv.block_table[pos // B]
             # Never write into a block another sequence reads or the index serves.
             assert self.pool.ref_count(blk) == 1, f"write into shared block {blk}"
             assert self.pool.index.key_of(blk) is None, f"write into cached block {blk}"
@@ -153,20 +153,20 @@ class Sim:
             if pos % B == 0:
                 slot[:] = [None] * B  # a reused block: its old content is garbage
             slot[pos % B] = toks[pos]
-        s.num_computed_tokens += n
+        s.kv.num_computed_tokens += n
 
     def run(self, s: Sequence, n: int) -> None:
         """One step of ``s`` over ``n`` tokens whose slots are allocated: compute, sample, commit."""
         self.compute(s, n)
-        if s.num_computed_tokens == s.num_tokens:
-            s.output_token_ids.append(_next_token(s.all_token_ids))
-        before = list(s.block_table)
+        if s.kv.num_computed_tokens == s.num_tokens:
+            s.out.output_token_ids.append(_next_token(s.all_token_ids))
+        before = list(s.kv.block_table)
         self.mgr.commit(s)
-        assert len(s.block_table) == len(before)
-        self.dedups += sum(1 for x, y in zip(before, s.block_table) if x != y)
+        assert len(s.kv.block_table) == len(before)
+        self.dedups += sum(1 for x, y in zip(before, s.kv.block_table) if x != y)
 
     def step(self, s: Sequence, n: int) -> bool:
-        n = min(n, s.num_tokens - s.num_computed_tokens)
+        n = min(n, s.num_tokens - s.kv.num_computed_tokens)
         if not self.mgr.allocate_slots(s, n):
             return False
         self.run(s, n)
@@ -234,9 +234,9 @@ def test_next_turn_hits_on_previous_answer():
     sim = Sim(32)
     p1 = _tokens(20, seed=1)
     s1 = sim.serve(p1, decode=30)
-    assert len(s1.output_token_ids) == 31
+    assert len(s1.out.output_token_ids) == 31
     # The last sampled token was never computed; the KV of the first 50 tokens was.
-    p2 = p1 + s1.output_token_ids[:30] + _tokens(5, seed=9, lo=600, hi=700)
+    p2 = p1 + s1.out.output_token_ids[:30] + _tokens(5, seed=9, lo=600, hi=700)
     assert sim.mgr.lookup(p2, None) == 48
     s2 = sim.serve(p2)
     assert s2.num_cached_tokens == 48
@@ -253,8 +253,8 @@ def test_chunked_prefill_registers_blocks_as_they_complete():
     b = sim.seq(p)
     assert sim.admit(b, num_new=10)
     assert b.num_cached_tokens == 32
-    assert b.block_table[:2] == a.block_table[:2]
-    assert sim.pool.ref_count(a.block_table[0]) == 2
+    assert b.kv.block_table[:2] == a.kv.block_table[:2]
+    assert sim.pool.ref_count(a.kv.block_table[0]) == 2
     sim.check()
 
 
@@ -267,15 +267,15 @@ def test_two_sequences_computing_the_same_block_share_it_after_commit():
     assert ma.num_tokens == mb.num_tokens == 0
     assert sim.mgr.admit(a, ma, 40) and sim.mgr.admit(b, mb, 40)
     sim.live += [a, b]
-    assert not set(a.block_table) & set(b.block_table)
+    assert not set(a.kv.block_table) & set(b.kv.block_table)
     assert sim.pool.counts().in_use == 6
     sim.compute(a, 40)
     sim.compute(b, 40)
     sim.mgr.commit(a)
     sim.mgr.commit(b)
-    assert b.block_table[:2] == a.block_table[:2]
-    assert b.block_table[2] != a.block_table[2]  # the partial tail stays private
-    assert [sim.pool.ref_count(x) for x in a.block_table] == [2, 2, 1]
+    assert b.kv.block_table[:2] == a.kv.block_table[:2]
+    assert b.kv.block_table[2] != a.kv.block_table[2]  # the partial tail stays private
+    assert [sim.pool.ref_count(x) for x in a.kv.block_table] == [2, 2, 1]
     c = sim.pool.counts()
     assert (c.in_use, c.free, c.cached) == (4, 12, 0)
     sim.check()
@@ -300,7 +300,7 @@ def test_a_key_collision_on_insert_shares_nothing_and_ends_the_chain():
     assert sim.pool.register(forged, keys[1], keys[0], other, None) == forged
     sim.pool.release([forged])
     s = sim.serve(p)  # checks every position reads its own token, and the index's contents
-    assert forged not in s.block_table
+    assert forged not in s.kv.block_table
     assert sim.pool.index.entry(keys[1]).block_id == forged  # the first owner keeps its key
     assert keys[2] not in sim.pool.index  # nothing chained on the collision is findable
     assert sim.mgr.lookup(p, None) == B  # block 0 only: the collision costs a miss
@@ -322,7 +322,7 @@ def test_fully_cached_prompt_recomputes_last_block_privately_then_shares():
     assert (m.partial_block, m.num_tokens) == (cached[1], 31)  # the 15 before it are copied
     assert sim.admit(b)  # Sim.compute asserts it never wrote into the cached block 1
     # Block 1 was computed into a private block and then swapped for the cached copy.
-    assert b.block_table == cached
+    assert b.kv.block_table == cached
     c = sim.pool.counts()
     assert (c.in_use, c.cached, c.free) == (2, 0, 14)
     sim.check()
@@ -362,14 +362,14 @@ def test_preempted_sequence_readmits_with_its_own_blocks():
     assert sim.admit(s)
     for _ in range(20):
         assert sim.step(s, 1)
-    assert (s.num_tokens, s.num_computed_tokens) == (61, 60)
-    table = list(s.block_table)
+    assert (s.num_tokens, s.kv.num_computed_tokens) == (61, 60)
+    table = list(s.kv.block_table)
     sim.free(s)  # preemption: computed full blocks stay cached
     sim.check()
     assert sim.pool.counts().cached == 3
     assert sim.admit(s, num_new=1)
-    assert s.block_table[:3] == table[:3]
-    assert s.num_computed_tokens == 49  # 3 blocks from cache + 1 recomputed
+    assert s.kv.block_table[:3] == table[:3]
+    assert s.kv.num_computed_tokens == 49  # 3 blocks from cache + 1 recomputed
     assert s.num_cached_tokens == 0  # what the user sees is decided at first admission
     sim.check()
 
@@ -378,7 +378,7 @@ def test_preempted_sequence_readmits_with_its_own_blocks():
 def _shared_seq(sim: Sim, prompt: list[int], ns: str, shared_ns: str, k: int) -> Sequence:
     """A sequence whose first ``k`` blocks are declared shared in ``shared_ns``."""
     s = sim.seq(prompt, ns)
-    s.shared_namespace, s.num_shared_blocks, s.root = shared_ns, k, sim.mgr.root(shared_ns)
+    s.kv.shared_namespace, s.kv.num_shared_blocks, s.kv.root = shared_ns, k, sim.mgr.root(shared_ns)
     return s
 
 
@@ -422,7 +422,7 @@ def test_freed_before_its_copy_ran_lets_the_source_go():
     assert m.partial_block is not None and sim.mgr.admit(s, m, s.num_tokens - m.num_tokens)
     assert sim.pool.ref_count(m.partial_block) == 1  # held for the copy
     assert sim.mgr.copy_sources() == [[m.partial_block]]
-    sim.pool.check_integrity([s.block_table, *sim.mgr.copy_sources()])
+    sim.pool.check_integrity([s.kv.block_table, *sim.mgr.copy_sources()])
     sim.mgr.free(s)
     assert sim.mgr.copy_sources() == [] and sim.pool.ref_count(m.partial_block) == 0
     assert sim.mgr.copy_partial_blocks(lambda copies: pytest.fail("a freed sequence's copy ran")) == 0
@@ -597,7 +597,7 @@ def _fill(sim: Sim, prompts, ns: str | None = None) -> None:
         assert sim.mgr.admit(s, m, s.num_tokens - m.num_tokens)
         sim.mgr.copy_partial_blocks(sim.copy)
         sim.live.append(s)
-        sim.run(s, s.num_tokens - s.num_computed_tokens)
+        sim.run(s, s.num_tokens - s.kv.num_computed_tokens)
         sim.free(s)
 
 
@@ -770,7 +770,7 @@ def _randomized_run(seed: int, enable_caching: bool, policy: str | BlockPool,
             if mgr.admit(s, m, s.num_tokens - m.num_tokens):
                 stats["aborted_copies"] += m.partial_block is not None
                 if sim.integrity:
-                    pool.check_integrity([x.block_table for x in sim.live] + [s.block_table]
+                    pool.check_integrity([x.kv.block_table for x in sim.live] + [s.kv.block_table]
                                          + mgr.copy_sources())  # fmt: skip
                 mgr.free(s)
         elif op == "step":
@@ -781,7 +781,7 @@ def _randomized_run(seed: int, enable_caching: bool, policy: str | BlockPool,
                 sim.free(victim)
                 waiting.append(victim)
                 stats["preempt"] += 1
-            elif len(s.output_token_ids) >= s.params.max_tokens:
+            elif len(s.out.output_token_ids) >= s.params.max_tokens:
                 sim.free(s)
         elif op in ("finish", "preempt") and sim.live:
             s = rng.choice(sim.live)
@@ -820,7 +820,7 @@ def _randomized_run(seed: int, enable_caching: bool, policy: str | BlockPool,
             stats["invalidated"] += pool.invalidate(None, all_namespaces=True)
         sim.check()
         for s in waiting:
-            assert not s.block_table
+            assert not s.kv.block_table
         if i % 100 == 0:
             assert len(pool.index) <= pool.num_blocks
 

@@ -110,11 +110,11 @@ def test_a_failing_sequence_is_finished_alone_and_others_are_unchanged(llm, llm_
     _run(eng)
     for rid in ("bad-sample", "bad-output"):
         s = seqs[rid]
-        assert s.finished and s.finish_reason == "error", rid
+        assert s.finished and s.out.finish_reason == "error", rid
         assert isinstance(s.error, SequenceFailedError) and s.error.request_id == rid
-        assert s.block_table == []  # its blocks went back at once
-    assert [seqs[f"g{i}"].output_token_ids for i in range(3)] == solo
-    assert all(seqs[f"g{i}"].finish_reason == "length" for i in range(3))
+        assert s.kv.block_table == []  # its blocks went back at once
+    assert [seqs[f"g{i}"].out.output_token_ids for i in range(3)] == solo
+    assert all(seqs[f"g{i}"].out.finish_reason == "length" for i in range(3))
     assert eng.kv.pool.counts().in_use == 0 and not eng.seqs
     # The offline API says so instead of returning a silently short answer.
     with pytest.raises(SequenceFailedError):
@@ -125,8 +125,8 @@ def test_a_failing_sequence_is_finished_alone_and_others_are_unchanged(llm, llm_
 
 # ---- fair admission -----------------------------------------------------------------------------
 def _seq(i: int, tenant: str, priority: int = 0) -> Sequence:
-    return Sequence(f"{tenant}{i}", [1, 2, 3], GREEDY, root=b"\0" * 16, tenant=tenant,
-                    priority=priority)  # fmt: skip
+    return Sequence.of(f"{tenant}{i}", [1, 2, 3], GREEDY, root=b"\0" * 16, tenant=tenant,
+                       priority=priority)  # fmt: skip
 
 
 def test_fair_order_interleaves_tenants_and_priority_stays_inside_a_tenant():
@@ -172,11 +172,11 @@ def test_long_prefills_of_one_tenant_leave_room_in_every_step(llm_cold):
     assert eng.scheduler.counters.batched_tokens == 64
     b = eng.add_request("b0", PROSE[:60], sp, tenant="b")
     eng.step()
-    assert b in eng.scheduler.running and b.num_computed_tokens > 0  # admitted, computing
+    assert b in eng.scheduler.running and b.kv.num_computed_tokens > 0  # admitted, computing
     assert eng.scheduler.counters.batched_tokens == 128  # and the step was still full
     _run(eng)
     refs = llm_cold.generate(long + [PROSE[:60]], sp)
-    assert [s.output_token_ids for s in a] + [b.output_token_ids] == [
+    assert [s.out.output_token_ids for s in a] + [b.out.output_token_ids] == [
         r.outputs[0].token_ids for r in refs
     ]
 
@@ -249,14 +249,14 @@ def test_a_burst_of_prompts_gets_short_steps_and_first_tokens_in_turn(llm_cold):
         steps += 1
         assert eng.scheduler.counters.batched_tokens - before <= 128
         for s in seqs:
-            if s.output_token_ids and s.request_id not in firsts:
+            if s.out.output_token_ids and s.request_id not in firsts:
                 firsts[s.request_id] = steps
     assert firsts["r0"] < firsts["r2"] - 2  # r0's first token several steps before r2's
     refs = llm_cold.generate(long, sp)
-    assert [s.output_token_ids for s in seqs] == [r.outputs[0].token_ids for r in refs]
+    assert [s.out.output_token_ids for s in seqs] == [r.outputs[0].token_ids for r in refs]
     alone = eng.add_request("alone", long[0][:250], sp)
     eng.step()  # a sequence alone: the whole budget
-    assert alone.num_computed_tokens == 250
+    assert alone.kv.num_computed_tokens == 250
 
 
 class _FixedPace(StepPace):
@@ -291,13 +291,13 @@ def test_steps_are_short_while_another_tenant_is_active(llm_cold):
     short = eng.tokenizer.encode(PROSE[:60])[:18]  # <= the step's 40
     # b's own namespace: nothing of a's prompts (which start with the same prose) is a hit
     b = eng.add_request("b0", short, sp, tenant="b", namespace="b")
-    progress = {s.request_id: s.num_computed_tokens for s in a}
+    progress = {s.request_id: s.kv.num_computed_tokens for s in a}
     before = eng.scheduler.counters.batched_tokens
     eng.step()
     # b's first chunk runs alone (a's sequences wait one step): its first token at once
     assert eng.scheduler.counters.batched_tokens - before == len(short)
-    assert len(b.output_token_ids) == 1 and eng.scheduler.counters.first_steps == 1
-    assert all(s.num_computed_tokens == progress[s.request_id] for s in a)
+    assert len(b.out.output_token_ids) == 1 and eng.scheduler.counters.first_steps == 1
+    assert all(s.kv.num_computed_tokens == progress[s.request_id] for s in a)
     while not b.finished:
         before = eng.scheduler.counters.batched_tokens
         eng.step()
@@ -315,7 +315,7 @@ def test_steps_are_short_while_another_tenant_is_active(llm_cold):
     assert eng.scheduler.counters.shared_steps == shared
     _run(eng)
     refs = llm_cold.generate(long + [short], sp)
-    got = [s.output_token_ids for s in a] + [b.output_token_ids]
+    got = [s.out.output_token_ids for s in a] + [b.out.output_token_ids]
     assert got == [r.outputs[0].token_ids for r in refs]
     assert eng.kv.pool.counts().in_use == 0
 
@@ -358,7 +358,7 @@ def test_a_tenant_cannot_stay_newly_arrived(llm_cold):
     assert eng.scheduler.counters.first_steps <= steps // 6 + 3
     _run(eng)
     refs = llm_cold.generate(busy, sp)
-    assert [s.output_token_ids for s in seqs] == [r.outputs[0].token_ids for r in refs]
+    assert [s.out.output_token_ids for s in seqs] == [r.outputs[0].token_ids for r in refs]
 
 
 def test_a_flooding_tenant_does_not_hold_the_batch(llm_cold):
@@ -378,7 +378,7 @@ def test_a_flooding_tenant_does_not_hold_the_batch(llm_cold):
     assert eng.scheduler.counters.fairness_preemptions == 1
     _run(eng)
     refs = llm_cold.generate(flood + [PROSE[100:190]], sp)
-    got = [s.output_token_ids for s in a] + [victim.output_token_ids]
+    got = [s.out.output_token_ids for s in a] + [victim.out.output_token_ids]
     assert got == [r.outputs[0].token_ids for r in refs]
     assert eng.kv.pool.counts().in_use == 0
 

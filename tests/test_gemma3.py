@@ -325,8 +325,8 @@ def test_window_layers_hold_parts_not_every_block(exact):
     step = eng.runner.execute
 
     def watch(batch):
-        seen.append([len(s.seq.block_table) - s.seq.window_from for s in batch])
-        assert all(window.table(s.seq.block_table[s.seq.window_from :]).count(0) == 0 for s in batch)
+        seen.append([len(s.seq.kv.block_table) - s.seq.kv.window_from for s in batch])
+        assert all(window.table(s.seq.kv.block_table[s.seq.kv.window_from :]).count(0) == 0 for s in batch)
         return step(batch)
 
     eng.runner.execute = watch
@@ -438,7 +438,7 @@ def test_invalidation_while_a_sequence_runs_drops_its_idle_parts(gemma, tokenize
     for _ in range(4):  # 32-token steps: 96 tokens in, blocks 0-3 past the window, cached
         eng.step()
     seq = eng.seqs["r"]
-    assert seq.window_from >= 3 and seq.num_registered_blocks >= 4
+    assert seq.kv.window_from >= 3 and seq.kv.num_registered_blocks >= 4
     assert eng.invalidate("inv") >= 4
     eng.check_integrity()
     out = None
@@ -447,7 +447,7 @@ def test_invalidation_while_a_sequence_runs_drops_its_idle_parts(gemma, tokenize
             out = s
         eng.check_integrity()
     cold = llm.generate([ids], SP(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3), cache_salt=_fresh())[0]
-    assert out.output_token_ids == cold.outputs[0].token_ids
+    assert out.out.output_token_ids == cold.outputs[0].token_ids
     llm.check_integrity()
 
 

@@ -206,10 +206,10 @@ def test_a_remote_bind_needs_curve_or_the_allow_remote_flag(tmp_path, capsys):
 def _store_prompt(kv: KVCacheManager, tokens: list[int], namespace: str, events) -> None:
     """The engine's path into the index, without the model: admit, compute, commit, free; then,
     as the step does, the events the index recorded go to the connector."""
-    seq = Sequence("r", list(tokens), SamplingParams(max_tokens=1), root=kv.root(namespace),
-                   namespace=namespace)  # fmt: skip
+    seq = Sequence.of("r", list(tokens), SamplingParams(max_tokens=1), root=kv.root(namespace),
+                      namespace=namespace)  # fmt: skip
     assert kv.admit(seq, kv.match(seq), len(tokens))
-    seq.num_computed_tokens = len(tokens)
+    seq.kv.num_computed_tokens = len(tokens)
     kv.commit(seq)
     kv.free(seq)
     events.on_events(kv.pool.index.take_events())

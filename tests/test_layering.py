@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import ast
 import re
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
+
+from prefixcache.sequence import SeqKV, SeqOutput, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent / "prefixcache"
 
@@ -221,6 +224,120 @@ def test_the_rules_see_the_imports():
     assert "torch" in GRAPH["prefixcache.model.llama"]
     assert "prefixcache.engine.llm_engine" in GRAPH["prefixcache.engine.async_engine"]
     assert "prefixcache.engine.async_engine" in GRAPH["prefixcache.server.cli"]  # inside a function
+
+
+# ---- Sequence in parts, one writer each (issue #40) -------------------------------------------
+# A part of Sequence (sequence.py) and the one module that writes its fields.
+PART_OWNERS = {"kv": (SeqKV, "prefixcache.cache.manager"),
+               "out": (SeqOutput, "prefixcache.engine.output")}  # fmt: skip
+# Sequence's own fields and who may write them once it is built (none: never written).
+FIELD_WRITERS = {
+    "request": (), "prompt_token_ids": (), "kv": (), "out": (), "metrics": (),
+    "status": ("prefixcache.engine.scheduler", "prefixcache.cache.connector",
+               "prefixcache.engine.llm_engine"),
+    "arrival_step": ("prefixcache.engine.scheduler",),
+    "num_preemptions": ("prefixcache.engine.scheduler",),
+    "num_cached_tokens": ("prefixcache.cache.manager",),
+    "tier_tokens": ("prefixcache.connectors.tiers",),
+    "num_segment_cached_tokens": ("prefixcache.segments.assembler",),
+    "cache_info": ("prefixcache.engine.llm_engine",),
+    "lease_grants": ("prefixcache.engine.llm_engine",),
+    "error": ("prefixcache.engine.llm_engine",),
+    "generator": ("prefixcache.engine.llm_engine",),
+}  # fmt: skip
+# The names our code gives a Sequence (``x.seq`` too: a ScheduledSeq's).
+SEQ_NAMES = {"seq", "s", "sequence", "victim"}
+MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault",
+            "sort", "reverse", "__setitem__", "__delitem__", "popitem"}  # fmt: skip
+
+
+def _targets(tree: ast.AST):
+    """Every expression ``tree`` writes to: assignment and ``del`` targets (tuples unpacked,
+    item and slice assignments as their container), and what a mutating method is called on."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in MUTATORS):  # fmt: skip
+            targets = [node.func.value]
+        else:
+            continue
+        stack = list(targets)
+        while stack:
+            t = stack.pop()
+            if isinstance(t, (ast.Tuple, ast.List)):
+                stack.extend(t.elts)
+            elif isinstance(t, ast.Starred):
+                stack.append(t.value)
+            else:
+                while isinstance(t, ast.Subscript):
+                    t = t.value
+                yield t
+
+
+def _is_seq(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id in SEQ_NAMES) or (
+        isinstance(node, ast.Attribute) and node.attr == "seq")
+
+
+def _sequence_writes(source: str) -> list[tuple[str, int]]:
+    """(what, line) of each write to a Sequence part's field (``seq.kv.block_table = ...``,
+    ``s.seq.kv.block_table.extend(...)``, ``seq.out.text += ...``: ``kv.<field>`` with the field
+    one of SeqKV's, so the KV pool called ``kv`` elsewhere does not count) and to a Sequence's
+    own field on a name that holds one (``seq.status = ...``)."""
+    out = []
+    for t in _targets(ast.parse(source)):
+        if not isinstance(t, ast.Attribute):
+            continue
+        v = t.value
+        if isinstance(v, ast.Attribute) and v.attr in PART_OWNERS:
+            if t.attr in {f.name for f in fields(PART_OWNERS[v.attr][0])}:
+                out.append((f"{v.attr}.{t.attr}", t.lineno))
+        elif t.attr in FIELD_WRITERS and _is_seq(v):
+            out.append((t.attr, t.lineno))
+    return out
+
+
+WRITES = {m: _sequence_writes(p.read_text()) for m, p in MODULES.items()}
+
+
+def test_sequence_has_few_fields():
+    """Issue #40: at most 15, each in FIELD_WRITERS (a new field says who writes it)."""
+    names = [f.name for f in fields(Sequence)]
+    assert len(names) <= 15, names
+    assert sorted(names) == sorted(FIELD_WRITERS)
+
+
+def test_each_part_of_a_sequence_has_one_writer():
+    """``seq.kv`` is the KV cache manager's, ``seq.out`` the output processor's; a Sequence's
+    own fields are written by the modules FIELD_WRITERS names."""
+    bad = []
+    for mod, writes in sorted(WRITES.items()):
+        for what, line in writes:
+            part = what.split(".")[0] if "." in what else None
+            allowed = (PART_OWNERS[part][1],) if part else FIELD_WRITERS[what]
+            if mod not in allowed:
+                bad.append(f"{mod}:{line} writes {what}")
+    assert bad == []
+
+
+def test_the_writer_check_sees_writes():
+    """The check above would pass if it saw nothing: it must see the owners' writes."""
+    manager = {w for w, _ in WRITES["prefixcache.cache.manager"]}
+    assert {"kv.block_table", "kv.num_computed_tokens", "kv.block_keys", "kv.join",
+            "kv.window_from", "num_cached_tokens"} <= manager  # fmt: skip
+    assert {"out.text", "out.output_token_ids", "out.finish_reason"} <= {
+        w for w, _ in WRITES["prefixcache.engine.output"]}
+    assert "status" in {w for w, _ in WRITES["prefixcache.engine.scheduler"]}
+    probe = ("def f(seq, s):\n    seq.kv.block_table[0] = 1\n    s.seq.out.text += 'x'\n"
+             "    a, seq.kv.join = 1, 2\n    del seq.out.output_logprobs[:]\n"
+             "    self.kv.root(None)\n    seq.status = 1\n    job.status = 2\n")  # fmt: skip
+    found = sorted(w for w, _ in _sequence_writes(probe))
+    assert found == ["kv.block_table", "kv.join", "out.output_logprobs", "out.text", "status"]
 
 
 # ---- docs/design.md's may-import table, read as rules -----------------------------------------

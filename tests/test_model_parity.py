@@ -133,16 +133,16 @@ def test_chunked_prefill_matches_transformers(llm_int16, hf_model, ids):
     steps = 0
     while eng.has_unfinished():
         for s in eng.step():
-            assert len(s.output_token_ids) <= 16
+            assert len(s.out.output_token_ids) <= 16
         steps += 1
         if steps == 4:
-            assert sa.num_computed_tokens == 64 and not sa.output_token_ids, "prefill not chunked"
+            assert sa.kv.num_computed_tokens == 64 and not sa.out.output_token_ids, "prefill not chunked"
         chunked.check_integrity()
     assert steps >= 5 + 16  # five chunks for a, at least 16 decodes
     hf_a, _ = hf_generate(hf_model, a, 16)
     hf_b, _ = hf_generate(hf_model, b, 16)
-    assert sa.output_token_ids == hf_a
-    assert sb.output_token_ids == hf_b
+    assert sa.out.output_token_ids == hf_a
+    assert sb.out.output_token_ids == hf_b
     # Unchunked on the session engine: the same tokens.
     whole = llm_int16.generate([a, b], sp, cache_salt="parity-chunked")
     assert [o.outputs[0].token_ids for o in whole] == [hf_a, hf_b]

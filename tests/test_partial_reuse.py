@@ -51,7 +51,7 @@ class Recorder:
 
     def _slots(self, seq, start: int, n: int) -> list[tuple[bytes, tuple]]:
         cache, bs = self.engine.runner.kv, self.engine.runner.block_size
-        ids, table = seq.all_token_ids, seq.block_table
+        ids, table = seq.all_token_ids, seq.kv.block_table
         slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start, start + n)])
         parts = [*cache.stored(slots), *(t.index_select(2, slots) for t in (cache.k_scale, cache.v_scale)
                                          if t is not None)]  # fmt: skip
@@ -63,7 +63,7 @@ class Recorder:
         self._execute, self._copy = runner.execute, runner.copy_kv
 
         def execute(batch):
-            seen = [(s.seq, s.seq.num_computed_tokens, s.num_new_tokens, s.samples) for s in batch]
+            seen = [(s.seq, s.seq.kv.num_computed_tokens, s.num_new_tokens, s.samples) for s in batch]
             out = self._execute(batch)
             row = 0
             for seq, start, n, samples in seen:
@@ -80,8 +80,8 @@ class Recorder:
                 # a fresh block of the sequence admitted with this copy, never a cached one
                 assert self.engine.kv.pool.index.key_of(dst) is None
                 assert self.engine.kv.pool.index.key_of(src) is not None
-                seq = next(s for s in live if dst in s.block_table)
-                self.copied += self._slots(seq, seq.block_table.index(dst) * B, n)
+                seq = next(s for s in live if dst in s.kv.block_table)
+                self.copied += self._slots(seq, seq.kv.block_table.index(dst) * B, n)
                 self.copies += 1
 
         runner.execute, runner.copy_kv = execute, copy_kv

@@ -297,20 +297,19 @@ def _run_two_tenants(policy: str, rank_alice) -> list[tuple[str, int]]:
         c = rng.randrange(3)
         convs[tenant][c] = convs[tenant][c] + _tokens(B + rng.randrange(2 * B), step)
         prompt = convs[tenant][c]
-        seq = Sequence(f"r{step}", prompt, SamplingParams(), kv.root(tenant), namespace=tenant,
-                       tenant=tenant)  # fmt: skip
-        if tenant == "alice":
-            seq.retention_priority = rank_alice(n["alice"])
+        rank = rank_alice(n["alice"]) if tenant == "alice" else None
+        seq = Sequence.of(f"r{step}", prompt, SamplingParams(), kv.root(tenant), namespace=tenant,
+                          tenant=tenant, retention_priority=rank)  # fmt: skip
         n[tenant] += 1
         m = kv.match(seq)
         assert kv.admit(seq, m, seq.num_tokens - m.num_tokens)
         kv.mark_computed(seq, seq.num_tokens)
         kv.commit(seq)
-        for i, k in enumerate(seq.block_keys):
+        for i, k in enumerate(seq.kv.block_keys):
             kv_depth[k] = i
-        if seq.retention_priority is not None:
-            own = [pool.priority_of(b) for b in seq.block_table[: seq.num_registered_blocks]]
-            assert own == [seq.retention_priority.priority] * len(own)
+        if seq.request.retention_priority is not None:
+            own = [pool.priority_of(b) for b in seq.kv.block_table[: seq.kv.num_registered_blocks]]
+            assert own == [seq.request.retention_priority.priority] * len(own)
         kv.free(seq)
         pool.check_integrity([])
     return evicted
@@ -341,13 +340,13 @@ def test_a_shared_prefix_is_no_tenants_to_rank():
     prompt = _tokens(4 * B, 3)
     shared = SharedPrefix("public", 2 * B)
     scope = kv.scope("alice", shared, len(prompt))
-    seq = Sequence("r", prompt, SamplingParams(), kv.first_root(scope), namespace="alice",
-                   shared_namespace=scope.shared_namespace, num_shared_blocks=scope.shared_blocks,
-                   tenant="alice", retention_priority=RetentionPriority(90))  # fmt: skip
+    seq = Sequence.of("r", prompt, SamplingParams(), kv.first_root(scope), namespace="alice",
+                      shared_namespace=scope.shared_namespace, num_shared_blocks=scope.shared_blocks,
+                      tenant="alice", retention_priority=RetentionPriority(90))  # fmt: skip
     kv.admit(seq, kv.match(seq), seq.num_tokens)
     kv.mark_computed(seq, seq.num_tokens)
     kv.commit(seq)
-    table = seq.block_table
+    table = seq.kv.block_table
     assert [pool.policy.group(pool.index.key_of(b)) for b in table] == [
         shared_group("public")] * 2 + ["alice"] * 2
     assert [pool.priority_of(b) for b in table] == [DEFAULT_RETENTION_PRIORITY] * 2 + [90] * 2

@@ -75,21 +75,21 @@ def test_chunked_prefill_keeps_decodes_flowing_and_publishes_blocks_per_chunk(to
     lp = engine.add_request("long", long, GREEDY4)
     published = []
     while lp.is_prefilling:
-        n_out = len(d.output_token_ids)
+        n_out = len(d.out.output_token_ids)
         engine.step()
         engine.check_integrity()
         # The decode gets its token every step; the long prompt gets the rest of the budget.
-        assert len(d.output_token_ids) == n_out + 1 or d.finished
-        assert lp.num_computed_tokens <= 150
+        assert len(d.out.output_token_ids) == n_out + 1 or d.finished
+        assert lp.kv.num_computed_tokens <= 150
         # Full blocks of every finished chunk are hits for others at once.
-        published.append((lp.num_computed_tokens, engine.lookup(long + [0]).num_cached_tokens))
+        published.append((lp.kv.num_computed_tokens, engine.lookup(long + [0]).num_cached_tokens))
     assert len(published) >= 150 // 32  # split across steps
     for computed, cached in published[:-1]:
         assert 0 < computed < 150 and cached == (computed // B) * B, published
     _run_to_end(engine)
     _assert_no_leak(engine)
     cold = _cold(llm_cold, [short, long])
-    assert [d.output_token_ids, lp.output_token_ids] == [cold[0], cold[1][:4]]
+    assert [d.out.output_token_ids, lp.out.output_token_ids] == [cold[0], cold[1][:4]]
 
 
 # ---- in-batch sharing ----------------------------------------------------------------------------
@@ -108,7 +108,7 @@ def _run_sharing(engine: LLMEngine, prompts: list[list[int]]):
     for _ in range(2):
         engine.step()
         engine.check_integrity()
-    assert 0 < seqs[0].num_computed_tokens < PREFIX_LEN  # chunked: still mid-prefix
+    assert 0 < seqs[0].kv.num_computed_tokens < PREFIX_LEN  # chunked: still mid-prefix
     seqs += [engine.add_request(f"s{i}", p, GREEDY4) for i, p in enumerate(prompts[2:], 2)]
     _run_to_end(engine)
     _assert_no_leak(engine)
@@ -126,7 +126,7 @@ def test_in_batch_sharing_computes_the_shared_prefix_once(tok):
     full = (PREFIX_LEN // B) * B
     assert [s.num_cached_tokens for s in seqs] == [0] + [full] * (N_SHARE - 1)
     assert engine.scheduler.counters.num_preemptions == 0
-    outs = [s.output_token_ids for s in seqs]
+    outs = [s.out.output_token_ids for s in seqs]
     assert all(len(o) == 4 for o in outs)
 
 
@@ -136,7 +136,7 @@ def test_in_batch_sharing_control_caching_off(tok, llm_cold):
     measures sharing), and gives the outputs the shared run gives."""
     prompts = _sharing_prompts(tok)
     shared = make_engine(kv_cache_memory=96 * B * BYTES_PER_TOKEN, max_num_batched_tokens=256)
-    warm = [s.output_token_ids for s in _run_sharing(shared, prompts)]
+    warm = [s.out.output_token_ids for s in _run_sharing(shared, prompts)]
     engine = make_engine(
         kv_cache_memory=96 * B * BYTES_PER_TOKEN,
         max_num_batched_tokens=256,
@@ -144,7 +144,7 @@ def test_in_batch_sharing_control_caching_off(tok, llm_cold):
     )
     seqs = _run_sharing(engine, prompts)
     assert engine.scheduler.counters.computed_prompt_tokens >= N_SHARE * PREFIX_LEN
-    assert [s.output_token_ids for s in seqs] == warm
+    assert [s.out.output_token_ids for s in seqs] == warm
 
 
 # ---- admission -----------------------------------------------------------------------------------
@@ -157,7 +157,7 @@ def test_admission_counts_cached_blocks_as_paid_for(tok, llm_cold):
     # 11 blocks: the first request holds 9 (8 shared + its tail) for its whole life.
     engine = make_engine(kv_cache_memory=11 * B * BYTES_PER_TOKEN, pin_budget_fraction=0.0)
     r1 = engine.add_request("r1", p1, GREEDY8)
-    while r1.is_prefilling or not r1.output_token_ids:
+    while r1.is_prefilling or not r1.out.output_token_ids:
         engine.step()
     assert blocks_needed(len(p2) + GREEDY4.max_tokens, B) > engine.kv.pool.num_allocatable
     r2 = engine.add_request("r2", p2, GREEDY4)
@@ -168,7 +168,7 @@ def test_admission_counts_cached_blocks_as_paid_for(tok, llm_cold):
     _run_to_end(engine)
     assert engine.scheduler.counters.num_preemptions == 0
     _assert_no_leak(engine)
-    assert [r1.output_token_ids, r2.output_token_ids[:4]] == [
+    assert [r1.out.output_token_ids, r2.out.output_token_ids[:4]] == [
         _cold(llm_cold, [p1])[0],
         _cold(llm_cold, [p2])[0][:4],
     ]
@@ -199,7 +199,7 @@ def test_preemption_takes_the_newest_and_resumes_on_its_cached_blocks(tok, llm_c
     # Resuming recomputes only what its cached blocks do not hold (32 of its 33 tokens).
     assert resumed_chunks[0] == 1, resumed_chunks
     # Nothing lost or duplicated; preemption changes no output.
-    assert [old.output_token_ids, new.output_token_ids] == _cold(llm_cold, [p_old, p_new])
+    assert [old.out.output_token_ids, new.out.output_token_ids] == _cold(llm_cold, [p_old, p_new])
 
 
 # ---- ordering policies ---------------------------------------------------------------------------
@@ -306,7 +306,7 @@ def test_abort_mid_prefill_and_mid_decode_frees_every_block(tok, llm_cold):
 
     # Waiting: never admitted, holds nothing.
     engine.add_request("w", prompt, GREEDY8, namespace="waiting")
-    assert engine.abort("w").finish_reason == "abort"
+    assert engine.abort("w").out.finish_reason == "abort"
     _assert_no_leak(engine)
     assert engine.kv.pool.counts().cached == 0
 
@@ -314,21 +314,21 @@ def test_abort_mid_prefill_and_mid_decode_frees_every_block(tok, llm_cold):
     a = engine.add_request("a", prompt, GREEDY8, namespace="prefill")
     engine.step()
     engine.step()
-    assert a.is_prefilling and a.num_computed_tokens == 64 and a.block_table
+    assert a.is_prefilling and a.kv.num_computed_tokens == 64 and a.kv.block_table
     engine.abort("a")
     _assert_no_leak(engine)
     assert engine.kv.pool.counts().cached == 4
     assert engine.lookup(prompt, "prefill").num_cached_tokens == 4 * B
-    assert a.finish_reason == "abort" and not engine.has_unfinished()
+    assert a.out.finish_reason == "abort" and not engine.has_unfinished()
 
     # Mid-decode, while another request shares its prompt blocks: the other one is unaffected.
     b = engine.add_request("b", prompt, GREEDY8, namespace="decode")
     c = engine.add_request("c", prompt + tok.encode(" Spain"), GREEDY8, namespace="decode")
-    while len(b.output_token_ids) < 2:
+    while len(b.out.output_token_ids) < 2:
         engine.step()
         engine.check_integrity()
     assert not b.finished and c.status is RequestStatus.RUNNING
-    shared = set(b.block_table) & set(c.block_table)
+    shared = set(b.kv.block_table) & set(c.kv.block_table)
     assert shared
     engine.abort("b")
     engine.check_integrity()
@@ -338,5 +338,5 @@ def test_abort_mid_prefill_and_mid_decode_frees_every_block(tok, llm_cold):
     # Every full block of the prompt stays cached for the next request.
     assert engine.lookup(prompt, "decode").num_cached_tokens == 6 * B
     cold_b, cold_c = _cold(llm_cold, [prompt, prompt + tok.encode(" Spain")])
-    assert b.output_token_ids == cold_b[: len(b.output_token_ids)]
-    assert c.output_token_ids == cold_c
+    assert b.out.output_token_ids == cold_b[: len(b.out.output_token_ids)]
+    assert c.out.output_token_ids == cold_c

@@ -186,16 +186,16 @@ def _stress(engine: LLMEngine, llm_cold, cold_refs, n: int, seed: int, abort_fra
     for rid, prompt, max_tokens in reqs:
         seq = seqs[rid]
         want = refs[tuple(prompt)][:max_tokens]
-        got = seq.output_token_ids
+        got = seq.out.output_token_ids
         if rid in aborted:
-            assert seq.finish_reason == "abort"
+            assert seq.out.finish_reason == "abort"
             assert rid not in finished, f"{rid} finished and was aborted"
             assert len(got) < max_tokens
             want = want[: len(got)]  # what it produced before the abort is still right
         else:
             # No request is lost or duplicated.
             assert finished.get(rid) == 1, f"{rid} finished {finished.get(rid, 0)} times"
-            assert seq.finish_reason == "length" and len(got) == max_tokens
+            assert seq.out.finish_reason == "length" and len(got) == max_tokens
         if got != want:
             mismatches.append(
                 f"{rid} (prompt {len(prompt)} tokens, cached {seq.num_cached_tokens}, "

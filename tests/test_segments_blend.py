@@ -117,7 +117,7 @@ def test_deviation_selects_the_true_top_deviation_tokens(llm, monkeypatch):
 
     def spy_compute(s, pieces):  # after the probe, before the recompute forward
         computed.extend(pieces)
-        slots = slots_of(s.block_table, seg.spans[0][0], seg.spans[-1][1], asm.block_size)
+        slots = slots_of(s.kv.block_table, seg.spans[0][0], seg.spans[-1][1], asm.block_size)
         pool_v1.append(asm.runner.kv.layer(1).gather(slots.to(asm.runner.device), torch.float32)[1])
         compute(s, pieces)
 

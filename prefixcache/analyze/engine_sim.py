@@ -86,17 +86,17 @@ def simulate_engine(requests: list[TraceRequest], policy: str, num_blocks: int,
     params = SamplingParams(max_tokens=1, temperature=0)
     budget = max_num_batched_tokens
     for i, ids in enumerate(prompts):
-        s = Sequence(f"trace-{i}", ids, params, root=root)
+        s = Sequence.of(f"trace-{i}", ids, params, root=root)
         m = kv.match(s)
         if not kv.admit(s, m, min(s.num_tokens - m.num_tokens, budget)):
             raise ValueError(f"request {i} ({s.num_tokens} tokens) does not fit a pool of "
                              f"{num_blocks} blocks of {block_tokens}")
         kv.copy_partial_blocks(lambda copies: None)  # a partial hit's copy (no KV here)
         while True:  # one prefill step per chunk: compute, register, grow
-            kv.mark_computed(s, min(s.num_tokens, s.num_computed_tokens + budget,
-                                    len(s.block_table) * block_tokens))
+            kv.mark_computed(s, min(s.num_tokens, s.kv.num_computed_tokens + budget,
+                                    len(s.kv.block_table) * block_tokens))
             kv.commit(s)
-            left = s.num_tokens - s.num_computed_tokens
+            left = s.num_tokens - s.kv.num_computed_tokens
             if left == 0:
                 break
             if not kv.allocate_slots(s, min(left, budget)):

@@ -60,7 +60,7 @@ from prefixcache.cache.hashing import (
 )
 from prefixcache.cache.prefix_index import PrefixMatch
 from prefixcache.cache.window import WindowParts
-from prefixcache.sequence import Sequence
+from prefixcache.sequence import SeqKV, Sequence
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,8 @@ class KVCacheManager:
         """``clock``: what retention priorities' ends are measured on (the engine's);
         ``partial_reuse``: token-exact matches (a partial block's tokens copied); ``window``:
         the window parts of a model with sliding-window layers (cache/window.py), whose holds
-        this manager keeps: a sequence holds the parts of ``block_table[seq.window_from:]``."""
+        this manager keeps: a sequence holds the parts of
+        ``seq.kv.block_table[seq.kv.window_from:]``."""
         self.pool = pool
         self.window = window
         if window is not None:
@@ -202,11 +203,24 @@ class KVCacheManager:
         return KeyScope(namespace, shared.namespace, k) if k else KeyScope(namespace)
 
     def scope_of(self, seq: Sequence) -> KeyScope:
-        return KeyScope(seq.namespace, seq.shared_namespace, seq.num_shared_blocks)
+        return KeyScope(seq.namespace, seq.kv.shared_namespace, seq.kv.num_shared_blocks)
 
     def first_root(self, scope: KeyScope) -> BlockHash:
         """The parent of block 0."""
         return self.root(scope.shared_namespace if scope.shared_blocks else scope.namespace)
+
+    def new_state(self, scope: KeyScope) -> SeqKV:
+        """A new sequence's cache state (``Sequence.kv``, this manager's alone to write), keyed
+        in ``scope``."""
+        return SeqKV(self.first_root(scope), scope.shared_namespace, scope.shared_blocks)
+
+    @staticmethod
+    def restrict(seq: Sequence, max_registered_blocks: int | None, reserve_until: int) -> None:
+        """At arrival, for a connector that fills some of ``seq``'s KV itself (segments): only
+        its first ``max_registered_blocks`` full blocks may enter the index (None: all), and its
+        first ``reserve_until`` tokens' slots are allocated in one go (sequence.SeqKV)."""
+        seq.kv.max_registered_blocks = max_registered_blocks
+        seq.kv.reserve_until = reserve_until
 
     def join(self, shared_key: BlockHash, namespace: str | None) -> BlockHash:
         j = join_hash(shared_key, self.root(namespace))
@@ -238,35 +252,35 @@ class KVCacheManager:
     def parent_of(self, seq: Sequence, i: int) -> BlockHash:
         """The parent key of block ``i`` of ``seq`` (its keys up to ``i - 1`` are hashed)."""
         if i == 0:
-            return seq.root
-        if i == seq.num_shared_blocks:
-            if seq.join is None:
-                seq.join = self.join(seq.block_keys[i - 1], seq.namespace)
-            return seq.join
-        return seq.block_keys[i - 1]
+            return seq.kv.root
+        if i == seq.kv.num_shared_blocks:
+            if seq.kv.join is None:
+                seq.kv.join = self.join(seq.kv.block_keys[i - 1], seq.namespace)
+            return seq.kv.join
+        return seq.kv.block_keys[i - 1]
 
     def extend_keys(self, seq: Sequence, upto_tokens: int) -> None:
         """Hash the full blocks of ``seq`` among its first ``upto_tokens`` tokens (incremental)."""
         n_full = upto_tokens // self.block_size
-        start = len(seq.block_keys)
+        start = len(seq.kv.block_keys)
         if start >= n_full:
             return
         upto = n_full * self.block_size
         tokens = seq.prompt_token_ids if upto <= seq.num_prompt_tokens else seq.all_token_ids
         chunks = block_chunks(tokens, self.block_size, start, num_tokens=upto)
-        k = seq.num_shared_blocks
+        k = seq.kv.num_shared_blocks
         if start < k < n_full:  # the chain crosses from the shared prefix into the owner's part
-            seq.block_keys.extend(chain_keys(chunks[: k - start], self.parent_of(seq, start)))
+            seq.kv.block_keys.extend(chain_keys(chunks[: k - start], self.parent_of(seq, start)))
             chunks, start = chunks[k - start :], k
-        seq.block_keys.extend(chain_keys(chunks, self.parent_of(seq, start)))
+        seq.kv.block_keys.extend(chain_keys(chunks, self.parent_of(seq, start)))
 
     # ---- retention priorities ----------------------------------------------------------------
     @staticmethod
     def group_of(seq: Sequence, i: int):
         """The retention group of ``seq``'s block ``i``: the shared namespace's own within a
         declared shared prefix, else its tenant's."""
-        if i < seq.num_shared_blocks:
-            return shared_group(seq.shared_namespace)
+        if i < seq.kv.num_shared_blocks:
+            return shared_group(seq.kv.shared_namespace)
         return seq.tenant
 
     def rank(
@@ -287,7 +301,7 @@ class KVCacheManager:
         return self.pool.set_retention(block_ids, priority, until, seq.tenant)
 
     def _rank_own(self, seq: Sequence, block_ids: list[int]) -> None:
-        r = seq.retention_priority
+        r = seq.request.retention_priority
         if r is not None and block_ids:
             self.rank(seq, block_ids, r.priority, r.seconds)
 
@@ -352,7 +366,8 @@ class KVCacheManager:
         n_full = usable // self.block_size
         scope = self.scope_of(seq)
         tokens = seq.all_token_ids
-        return self._partial(self._match(seq.block_keys[:n_full], tokens, scope), tokens, usable, scope)
+        m = self._match(seq.kv.block_keys[:n_full], tokens, scope)
+        return self._partial(m, tokens, usable, scope)
 
     def match_prompt(self, token_ids: list[int], scope: KeyScope) -> PrefixMatch:
         """Cached leading full blocks of ``token_ids`` (all of them, not capped). No side effects."""
@@ -384,7 +399,7 @@ class KVCacheManager:
         """Take the hit blocks and allocate room for ``num_new_tokens`` more; all or nothing.
         With window parts: hold the parts of the hit's blocks in its window (``m`` is cut to
         where they all are), and of the copy's source, and give the new blocks parts."""
-        assert not seq.block_table, "admit of a sequence that holds blocks"
+        assert not seq.kv.block_table, "admit of a sequence that holds blocks"
         if self.num_new_blocks_for_admission(seq, m, num_new_tokens) > self.pool.num_allocatable:
             return False
         w = self.window
@@ -402,16 +417,16 @@ class KVCacheManager:
         if w is not None:
             ok = w.hold(held)
             assert ok, "window parts short after the admission check"
-            seq.window_from = lo
+            seq.kv.window_from = lo
         self._rank_own(seq, m.block_ids)
-        seq.block_table = list(m.block_ids)
-        seq.num_registered_blocks = len(m.block_ids)
-        seq.num_computed_tokens = m.num_tokens
+        seq.kv.block_table = list(m.block_ids)
+        seq.kv.num_registered_blocks = len(m.block_ids)
+        seq.kv.num_computed_tokens = m.num_tokens
         ok = self.allocate_slots(seq, num_new_tokens)
         assert ok, "allocation failed after the admission check"
         partial = m.partial_tokens(self.block_size)
         if m.partial_block is not None:
-            copy = BlockCopy(m.partial_block, seq.block_table[len(m.block_ids)], partial)
+            copy = BlockCopy(m.partial_block, seq.kv.block_table[len(m.block_ids)], partial)
             self._copies[id(seq)] = (seq, copy)
         if seq.num_cached_tokens is None:  # first admission: what the user sees as cached
             seq.num_cached_tokens = m.num_tokens
@@ -430,8 +445,8 @@ class KVCacheManager:
         w = self.window
         if w is not None:
             self._slide(seq)
-        need = blocks_needed(seq.num_computed_tokens + num_new_tokens, self.block_size)
-        extra = need - len(seq.block_table)
+        need = blocks_needed(seq.kv.num_computed_tokens + num_new_tokens, self.block_size)
+        extra = need - len(seq.kv.block_table)
         if extra <= 0:
             return True
         if w is not None and extra > w.num_available:
@@ -442,14 +457,14 @@ class KVCacheManager:
         if w is not None:  # (evicting a block for these forgot its part: still available)
             ok = w.hold(new)
             assert ok, "window parts short after the check"
-        seq.block_table.extend(new)
+        seq.kv.block_table.extend(new)
         return True
 
     def _slide(self, seq: Sequence) -> None:
-        lo = self.window.first_needed(seq.num_computed_tokens)
-        if lo > seq.window_from:
-            self.window.release(seq.block_table[seq.window_from : lo], self.is_cached)
-            seq.window_from = lo
+        lo = self.window.first_needed(seq.kv.num_computed_tokens)
+        if lo > seq.kv.window_from:
+            self.window.release(seq.kv.block_table[seq.kv.window_from : lo], self.is_cached)
+            seq.kv.window_from = lo
 
     def is_cached(self, block_id: int) -> bool:
         return self.pool.index.key_of(block_id) is not None
@@ -467,32 +482,32 @@ class KVCacheManager:
 
     def commit(self, seq: Sequence) -> None:
         """Register the full blocks computed so far (called after each step that ran ``seq``)."""
-        n_full = seq.num_computed_tokens // self.block_size
-        if seq.max_registered_blocks is not None:  # segment KV: never in the index
-            n_full = min(n_full, seq.max_registered_blocks)
-        if seq.num_registered_blocks >= n_full:
+        n_full = seq.kv.num_computed_tokens // self.block_size
+        if seq.kv.max_registered_blocks is not None:  # segment KV: never in the index
+            n_full = min(n_full, seq.kv.max_registered_blocks)
+        if seq.kv.num_registered_blocks >= n_full:
             return
         self.extend_keys(seq, n_full * self.block_size)
         tokens = seq.all_token_ids
         b = self.block_size
-        for i in range(seq.num_registered_blocks, n_full):
-            mine = seq.block_table[i]
+        for i in range(seq.kv.num_registered_blocks, n_full):
+            mine = seq.kv.block_table[i]
             holder = self.pool.register(
-                mine, seq.block_keys[i], self.parent_of(seq, i), tokens[i * b : (i + 1) * b],
-                seq.namespace_of_block(i), parent_block=seq.block_table[i - 1] if i else None,
+                mine, seq.kv.block_keys[i], self.parent_of(seq, i), tokens[i * b : (i + 1) * b],
+                seq.namespace_of_block(i), parent_block=seq.kv.block_table[i - 1] if i else None,
                 group=self.group_of(seq, i),
             )
             if holder is None:  # a key collision: ours stays private, and so does the rest
-                seq.max_registered_blocks = n_full = i  # (their keys chain from this one)
+                seq.kv.max_registered_blocks = n_full = i  # (their keys chain from this one)
                 break
             if holder != mine:  # same content already cached: share it, give ours back
                 self.pool.acquire([holder])
-                seq.block_table[i] = holder
-                if self.window is not None and i >= seq.window_from:
+                seq.kv.block_table[i] = holder
+                if self.window is not None and i >= seq.kv.window_from:
                     self._swap_part(mine, holder)
                 self.pool.release([mine])
-        self._rank_own(seq, seq.block_table[seq.num_registered_blocks : n_full])
-        seq.num_registered_blocks = n_full
+        self._rank_own(seq, seq.kv.block_table[seq.kv.num_registered_blocks : n_full])
+        seq.kv.num_registered_blocks = n_full
 
     def _swap_part(self, mine: int, holder: int) -> None:
         """The sequence's hold on its private block's part, now on the cached ``holder`` of the
@@ -509,8 +524,8 @@ class KVCacheManager:
         """The KV of ``seq``'s first ``num_tokens`` tokens is in its blocks now (after a step's
         forward, or a connector's work: a segments assembly). With ``admit`` and ``free``, the
         only writer of ``num_computed_tokens``."""
-        assert num_tokens <= len(seq.block_table) * self.block_size, "computed past the blocks"
-        seq.num_computed_tokens = num_tokens
+        assert num_tokens <= len(seq.kv.block_table) * self.block_size, "computed past the blocks"
+        seq.kv.num_computed_tokens = num_tokens
 
     def copy_partial_blocks(self, copy: Callable[[list[BlockCopy]], None]) -> int:
         """Have the planned copies of partial blocks done (``copy``: the model runner's
@@ -532,7 +547,7 @@ class KVCacheManager:
         planned copies have; nothing without window parts."""
         if self.window is None:
             return
-        holds = [b for s in seqs for b in s.block_table[s.window_from :]]
+        holds = [b for s in seqs for b in s.kv.block_table[s.kv.window_from :]]
         holds += [c.src for _, c in self._copies.values()]
         self.window.check_integrity(set(self.pool.index.all_blocks()), holds)
 
@@ -545,15 +560,16 @@ class KVCacheManager:
         """Release every block of ``seq`` (finish, abort, preemption); computed ones stay cached."""
         planned = self._copies.pop(id(seq), None)
         if self.window is not None:
-            held = seq.block_table[seq.window_from :] + ([] if planned is None else [planned[1].src])
+            held = seq.kv.block_table[seq.kv.window_from :]
+            held += [] if planned is None else [planned[1].src]
             self.window.release(held, self.is_cached)
-            seq.window_from = 0
+            seq.kv.window_from = 0
         if planned is not None:  # admitted and freed before its copy ran: nothing to copy
             self.pool.release([planned[1].src], tail=False)
-        self.pool.release(seq.block_table)
-        seq.block_table = []
-        seq.num_registered_blocks = 0
-        seq.num_computed_tokens = 0
+        self.pool.release(seq.kv.block_table)
+        seq.kv.block_table = []
+        seq.kv.num_registered_blocks = 0
+        seq.kv.num_computed_tokens = 0
 
     def install(self, seq: Sequence, first: int, found: list[tuple[bytes, bytes, object]],
                 write: Callable[[int, object, int | None], None]) -> list[tuple[int, bool]]:
@@ -655,7 +671,7 @@ class KVCacheManager:
         """The pool's and the window parts' invariants, with every reference ``seqs`` (every
         live sequence) and the planned copies hold."""
         seqs = list(seqs)
-        self.pool.check_integrity([s.block_table for s in seqs] + self.copy_sources())
+        self.pool.check_integrity([s.kv.block_table for s in seqs] + self.copy_sources())
         self.check_window(seqs)
 
     # ---- explanation -----------------------------------------------------------------------------

@@ -51,9 +51,9 @@ class SegmentConnector(KVConnector):
             return
         plan = self.assembler.plan(seq.prompt_token_ids, request.segments, seq.namespace)
         self._plans[seq.request_id] = plan
-        seq.max_registered_blocks = self.assembler.register_limit(plan)
-        if not plan.store_only:  # a warm computes into private caches: no pool slots
-            seq.reserve_until = plan.end
+        # a warm computes into private caches: no pool slots
+        reserve = 0 if plan.store_only else plan.end
+        self.assembler.kv.restrict(seq, self.assembler.register_limit(plan), reserve)
         if self.storage is not None:
             self._restore(seq, plan)
 

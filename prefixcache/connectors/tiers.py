@@ -109,22 +109,22 @@ class TierConnector(KVConnector):
         one namespace: a restore job reads one namespace, so a chain that crosses from a shared
         prefix into the owner's part is restored in two jobs, the owner's part
         (``after_shared``) once the shared part is installed."""
-        m = self.kv.match(seq)  # hashes the usable full blocks into seq.block_keys
+        m = self.kv.match(seq)  # hashes the usable full blocks into seq.kv.block_keys
         first, n_full = len(m.block_ids), (seq.num_tokens - 1) // self.block_size
         n_full = min(n_full, self.kv.usable_blocks)
-        if seq.max_registered_blocks is not None:  # segments: later blocks are never stored
-            n_full = min(n_full, seq.max_registered_blocks)
-        k = seq.num_shared_blocks
+        if seq.kv.max_registered_blocks is not None:  # segments: later blocks are never stored
+            n_full = min(n_full, seq.kv.max_registered_blocks)
+        k = seq.kv.num_shared_blocks
         if after_shared and first != k:
             return  # the shared part is not (or no longer) all in RAM: the chain stops there
         end = min(k, n_full) if first < k else n_full
         namespace = seq.namespace_of_block(first)
-        if first >= end or not self.manager.may_have(namespace, seq.block_keys[first]):
+        if first >= end or not self.manager.may_have(namespace, seq.kv.block_keys[first]):
             return
         b = self.block_size
         chunks = block_chunks(seq.all_token_ids, b, start_block=first, num_tokens=end * b)
         refs = [
-            BlockRef(seq.block_keys[i], self.kv.parent_of(seq, i) + chunk)
+            BlockRef(seq.kv.block_keys[i], self.kv.parent_of(seq, i) + chunk)
             for i, chunk in enumerate(chunks, start=first)
         ]
         job = self.manager.submit_restore(seq.request_id, namespace, refs, _requester(seq))
@@ -149,7 +149,7 @@ class TierConnector(KVConnector):
             if not job.found or not self.manager.is_current(job):
                 continue
             self._install(seq, job, entry[2])
-            shared_run = entry[2] + len(job.refs) == seq.num_shared_blocks
+            shared_run = entry[2] + len(job.refs) == seq.kv.num_shared_blocks
             if shared_run and len(job.found) == len(job.refs):
                 self._restore_blocks(seq, after_shared=True)
         return changed
@@ -188,21 +188,21 @@ class TierConnector(KVConnector):
         own with retention "in_memory"; to expire after 24 hours with "24h"; a shared prefix's
         with the default, whatever it asked)."""
         b = self.block_size
-        n = seq.num_registered_blocks
+        n = seq.kv.num_registered_blocks
         retention = self._retention.get(seq.request_id)
-        shared = seq.num_shared_blocks  # blocks below this: a shared prefix, default retention
+        shared = seq.kv.num_shared_blocks  # blocks below this: a shared prefix, default retention
         if n <= first_block or (retention == "in_memory" and first_block >= shared):
             return
         ttl = RETENTION_SECONDS.get(retention)
         chunks = block_chunks(seq.all_token_ids, b, start_block=first_block, num_tokens=n * b)
         out: dict[tuple, list] = {}  # (namespace, ttl) -> its blocks (a shared run, the owner's)
         for i, chunk in enumerate(chunks, start=first_block):
-            key = seq.block_keys[i]
+            key = seq.kv.block_keys[i]
             if key in self._known or (i >= shared and retention == "in_memory"):
                 continue
             namespace = seq.namespace_of_block(i)
             ref = BlockRef(key, self.kv.parent_of(seq, i) + chunk)
-            block = seq.block_table[i]
+            block = seq.kv.block_table[i]
             part = self.kv.part_of(block)
             if self.cache.windowed and part is None:
                 continue  # (its window layers' K/V are gone: a tier holds whole blocks only)

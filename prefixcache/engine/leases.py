@@ -55,7 +55,7 @@ def grant_leases(
     out = []
     for lease in leases:
         n = min(lease.num_tokens, seq.num_prompt_tokens) // b
-        blocks = seq.block_table[: min(n, seq.num_registered_blocks)]
+        blocks = seq.kv.block_table[: min(n, seq.kv.num_registered_blocks)]
         if not caching:
             out.append(_rejected("caching_disabled"))
             continue

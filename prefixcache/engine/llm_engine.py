@@ -242,18 +242,9 @@ class LLMEngine:
         self.check_request(ids, r)
         scope = self.kv.scope(r.namespace, r.shared_prefix, len(ids))
         seq = Sequence(
-            request_id=r.request_id,
+            request=r,
             prompt_token_ids=ids,
-            params=r.params,
-            root=self.kv.first_root(scope),
-            namespace=r.namespace,
-            shared_namespace=scope.shared_namespace,
-            num_shared_blocks=scope.shared_blocks,
-            tenant=r.tenant,
-            priority=r.priority,
-            retention_priority=r.retention_priority,
-            prompt=text,
-            explain=r.explain,
+            kv=self.kv.new_state(scope),
             metrics=RequestMetrics(time.time() if r.arrival_time is None else r.arrival_time),
         )
         seq.generator = make_generator(r.params, self.config.seed, self._n_added)
@@ -294,7 +285,7 @@ class LLMEngine:
         self.kv.expire(self.clock())
         try:
             for seq in self.connectors.before_step():  # finished restores are installed
-                if seq.explain:  # explained at arrival, before the restore: what it gets now
+                if seq.request.explain:  # explained at arrival, before the restore: what now
                     seq.cache_info = self.kv.explain_in(
                         seq.prompt_token_ids, self.kv.scope_of(seq), ()
                     )
@@ -354,12 +345,12 @@ class LLMEngine:
         (write-through). Returns the failures, by id of the sequence."""
         failed: dict[int, BaseException] = {}
         for s in scheduled:
-            self.kv.mark_computed(s.seq, s.seq.num_computed_tokens + s.num_new_tokens)
-            registered = s.seq.num_registered_blocks
+            self.kv.mark_computed(s.seq, s.seq.kv.num_computed_tokens + s.num_new_tokens)
+            registered = s.seq.kv.num_registered_blocks
             try:
                 self.kv.commit(s.seq)
                 self.connectors.after_commit(s.seq, registered)
-                if s.seq.num_computed_tokens >= s.seq.num_prompt_tokens:
+                if s.seq.kv.num_computed_tokens >= s.seq.num_prompt_tokens:
                     self._grant_leases(s.seq)
             except Exception as e:  # noqa: BLE001 - isolated to this sequence
                 failed[id(s.seq)] = e
@@ -411,8 +402,7 @@ class LLMEngine:
         """The one place a sequence becomes FINISHED: a stop condition, its length, an abort,
         an error, or a warm that kept its documents (no output)."""
         self._retire(seq)
-        seq.finish_reason = reason
-        seq.stop_reason = stop_reason
+        self.output.finish(seq, reason, stop_reason)
         seq.status = RequestStatus.FINISHED
         seq.metrics.finished_time = time.time() if now is None else now
 
@@ -555,6 +545,6 @@ def check_shared_prefix(shared: SharedPrefix | None, num_prompt_tokens: int) -> 
 
 def _prompt_tokens(scheduled) -> int:
     return sum(
-        max(0, min(s.num_new_tokens, s.seq.num_prompt_tokens - s.seq.num_computed_tokens))
+        max(0, min(s.num_new_tokens, s.seq.num_prompt_tokens - s.seq.kv.num_computed_tokens))
         for s in scheduled
     )

@@ -32,19 +32,19 @@ class OutputProcessor:
         self.eos_ids = frozenset(tokenizer.stop_token_ids)
 
     def append(self, seq: Sequence, s: Sampled, now: float | None = None) -> bool:
-        """Add one sampled token; returns why the sequence ends now (a ``Stop``), or None. The
-        engine finishes it (its status has one writer per transition: the scheduler's queue
-        states, the engine's ``_finish``)."""
+        """Add one sampled token (``seq.out`` is this module's alone to write); returns why the
+        sequence ends now (a ``Stop``), or None. The engine finishes it (its status has one
+        writer per transition: the scheduler's queue states, the engine's ``_finish``)."""
         now = time.time() if now is None else now
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
-        seq.output_token_ids.append(s.token_id)
+        seq.out.output_token_ids.append(s.token_id)
         if s.logprobs is not None:
-            seq.output_logprobs.append(s.logprobs)
-        if seq.detok is None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
-        before = len(seq.text)
-        seq.text += seq.detok.add([s.token_id])
+            seq.out.output_logprobs.append(s.logprobs)
+        if seq.out.detok is None:
+            seq.out.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+        before = len(seq.out.text)
+        seq.out.text += seq.out.detok.add([s.token_id])
         p = seq.params
         tok = s.token_id
         if tok in p.stop_token_ids:
@@ -53,16 +53,22 @@ class OutputProcessor:
             return Stop("stop", None)
         for stop in p.stop:
             # Only the tail can hold a new match: the added text plus len(stop) - 1 before it.
-            idx = seq.text.find(stop, max(0, before - len(stop) + 1))
+            idx = seq.out.text.find(stop, max(0, before - len(stop) + 1))
             if idx >= 0:
                 cut = idx + len(stop) if p.include_stop_str_in_output else idx
-                seq.text = seq.text[:cut]
+                seq.out.text = seq.out.text[:cut]
                 return Stop("stop", stop)
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if len(seq.out.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             # A stream cut mid-character still hands over the bytes it has.
-            seq.text += seq.detok.flush()
+            seq.out.text += seq.out.detok.flush()
             return Stop("length", None)
         return None
+
+    @staticmethod
+    def finish(seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Record why ``seq`` ended (the engine's ``_finish``, which also sets its status)."""
+        seq.out.finish_reason = reason
+        seq.out.stop_reason = stop_reason
 
     # ---- views ------------------------------------------------------------------------------
     def stream_delta(self, seq: Sequence) -> StreamDelta:
@@ -70,25 +76,26 @@ class OutputProcessor:
         hold = 0
         if not seq.finished and seq.params.stop:
             hold = max(len(s) for s in seq.params.stop) - 1
-        visible = max(seq.num_streamed_chars, len(seq.text) - hold)
-        text_delta = seq.text[seq.num_streamed_chars : visible]
-        new_ids = seq.output_token_ids[seq.num_streamed_tokens :]
-        new_lps = seq.output_logprobs[seq.num_streamed_tokens :] if seq.output_logprobs else None
-        first = seq.num_streamed_tokens == 0 and seq.num_streamed_chars == 0
-        seq.num_streamed_chars = visible
-        seq.num_streamed_tokens = len(seq.output_token_ids)
+        visible = max(seq.out.num_streamed_chars, len(seq.out.text) - hold)
+        text_delta = seq.out.text[seq.out.num_streamed_chars : visible]
+        new_ids = seq.out.output_token_ids[seq.out.num_streamed_tokens :]
+        lps = seq.out.output_logprobs
+        new_lps = lps[seq.out.num_streamed_tokens :] if lps else None
+        first = seq.out.num_streamed_tokens == 0 and seq.out.num_streamed_chars == 0
+        seq.out.num_streamed_chars = visible
+        seq.out.num_streamed_tokens = len(seq.out.output_token_ids)
         return StreamDelta(
             request_id=seq.request_id,
             new_token_ids=new_ids,
             text_delta=text_delta,
             finished=seq.finished,
-            finish_reason=seq.finish_reason,
+            finish_reason=seq.out.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens or 0,
-            num_output_tokens=len(seq.output_token_ids),
+            num_output_tokens=len(seq.out.output_token_ids),
             metrics=seq.metrics,
             new_logprobs=new_lps,
-            stop_reason=seq.stop_reason,
+            stop_reason=seq.out.stop_reason,
             prompt_token_ids=seq.prompt_token_ids if first else [],
             cache_info=seq.cache_info if first else None,
             tier_tokens=seq.tier_tokens,
@@ -105,11 +112,13 @@ class OutputProcessor:
             outputs=[
                 CompletionOutput(
                     index=0,
-                    text=seq.text,
-                    token_ids=list(seq.output_token_ids),
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                    text=seq.out.text,
+                    token_ids=list(seq.out.output_token_ids),
+                    finish_reason=seq.out.finish_reason,
+                    stop_reason=seq.out.stop_reason,
+                    logprobs=(
+                        list(seq.out.output_logprobs) if seq.params.logprobs is not None else None
+                    ),
                 )
             ],
             finished=seq.finished,

@@ -138,7 +138,7 @@ class Scheduler:
 
     def live_block_tables(self) -> list[list[int]]:
         """Every reference held: the sequences' block tables and the copies' sources."""
-        tables = [s.block_table for s in self.running] + [s.block_table for s in self.waiting]
+        tables = [s.kv.block_table for s in self.running] + [s.kv.block_table for s in self.waiting]
         return tables + self.kv.copy_sources()
 
     # ---- one step ---------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ class Scheduler:
         self.counters.num_steps += 1
         self.counters.batched_tokens += out.num_batched_tokens
         for s in out.scheduled:
-            prompt_left = s.seq.num_prompt_tokens - s.seq.num_computed_tokens
+            prompt_left = s.seq.num_prompt_tokens - s.seq.kv.num_computed_tokens
             self.counters.computed_prompt_tokens += max(0, min(s.num_new_tokens, prompt_left))
         return out
 
@@ -202,14 +202,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.kv.num_computed_tokens, budget)
             if caps is not None:
                 n = min(n, caps[seq.tenant])
                 if n <= 0:  # over its cap this step; may be topped up at the end
                     i += 1
                     continue
             preempted_self = False
-            while not self.kv.allocate_slots(seq, _slots(seq, seq.num_computed_tokens, n)):
+            while not self.kv.allocate_slots(seq, _slots(seq, seq.kv.num_computed_tokens, n)):
                 victim = memory_victim(self.running)
                 j = self.running.index(victim)
                 refund = next((x.num_new_tokens for x in out.scheduled if x.seq is victim), 0)
@@ -241,7 +241,7 @@ class Scheduler:
                 break
             k = index.get(id(seq))
             have = out.scheduled[k].num_new_tokens if k is not None else 0
-            extra = min(seq.num_tokens - seq.num_computed_tokens - have, budget)
+            extra = min(seq.num_tokens - seq.kv.num_computed_tokens - have, budget)
             if extra <= 0 or not self.kv.allocate_slots(seq, have + extra):
                 continue
             if k is None:
@@ -268,8 +268,9 @@ class Scheduler:
             if seq.is_prefilling:
                 self.kv.extend_keys(seq, seq.num_tokens - 1)
                 # A segments request never registers blocks past its limit: not pending.
-                stop = seq.max_registered_blocks
-                pending.update(seq.block_keys[seq.num_computed_tokens // self.kv.block_size : stop])
+                stop = seq.kv.max_registered_blocks
+                done = seq.kv.num_computed_tokens // self.kv.block_size
+                pending.update(seq.kv.block_keys[done:stop])
         return pending
 
     def _order_waiting(self) -> list[Sequence]:
@@ -311,7 +312,7 @@ class Scheduler:
                 continue  # a connector is loading its KV (a restore); others go first
             m = self.kv.match(seq)
             nb = len(m.block_ids)
-            if nb < len(seq.block_keys) and seq.block_keys[nb] in pending:
+            if nb < len(seq.kv.block_keys) and seq.kv.block_keys[nb] in pending:
                 self.counters.deferred_for_sharing += 1
                 continue  # another request is computing this block right now
             n = min(seq.num_tokens - m.num_tokens, budget)
@@ -323,10 +324,10 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             if self.kv.enable_caching:
-                pending.update(seq.block_keys[nb : seq.max_registered_blocks])
+                pending.update(seq.kv.block_keys[nb : seq.kv.max_registered_blocks])
 
 
 def _slots(seq: Sequence, computed: int, n: int) -> int:
     """Slots to allocate for ``n`` new tokens of ``seq`` with ``computed`` computed: also every
-    slot up to ``seq.reserve_until`` (a connector's work fills them in one go)."""
-    return max(n, seq.reserve_until - computed)
+    slot up to ``seq.kv.reserve_until`` (a connector's work fills them in one go)."""
+    return max(n, seq.kv.reserve_until - computed)

@@ -125,15 +125,16 @@ class ModelRunner:
         pos: list[int] = []
         logits_rows: list[int] = []
         for s in batch:
-            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            seq, start, n = s.seq, s.seq.kv.num_computed_tokens, s.num_new_tokens
             ids.extend(seq.all_token_ids[start : start + n])
             pos.extend(range(start, start + n))
             if s.samples:
                 logits_rows.append(len(ids) - 1)
+        tables = [s.seq.kv.block_table for s in batch]
         return self._forward(
-            [s.seq.block_table for s in batch], [s.seq.num_computed_tokens for s in batch],
+            tables, [s.seq.kv.num_computed_tokens for s in batch],
             [s.num_new_tokens for s in batch], ids, pos, self.kv, logits_rows,
-            None if self.window_table is None else [self.window_table(s.seq.block_table) for s in batch],
+            None if self.window_table is None else [self.window_table(t) for t in tables],
         )  # fmt: skip
 
     @torch.inference_mode()

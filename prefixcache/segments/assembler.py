@@ -223,14 +223,14 @@ class SegmentAssembler:
             seq = s.seq
             plan = plans.get(seq.request_id)
             if plan is None or not plan.spans or (
-                not plan.store_only and seq.num_computed_tokens >= plan.end
+                not plan.store_only and seq.kv.num_computed_tokens >= plan.end
             ):
                 out.append(s)
                 continue
             job = self._job_of(seq)
             if job is None:
                 if not plan.store_only and not self.kv.allocate_slots(
-                    seq, plan.end - seq.num_computed_tokens
+                    seq, plan.end - seq.kv.num_computed_tokens
                 ):
                     # No room: not expected, the scheduler allocated up to plan.end when it
                     # scheduled the sequence (Sequence.reserve_until, set by the connector).
@@ -280,7 +280,7 @@ class SegmentAssembler:
                 yield from self._compute_and_keep(sp.key, ids, seq.namespace, plan.sink, job)
 
     def _assemble(self, seq: Sequence, plan: SegmentPlan, job: _Job):
-        c = seq.num_computed_tokens
+        c = seq.kv.num_computed_tokens
         reused = recomputed = 0
         pieces: list[tuple[int, int]] = []  # token ranges to compute, in prompt order
         probed: list[tuple[int, SegmentSpan]] = []  # (piece index, span): selected by deviation
@@ -316,7 +316,7 @@ class SegmentAssembler:
         if probed:  # one layer over the probed tokens, run whole: 1/layers of their tokens
             while job.left <= 0:
                 yield
-            n = max(sp.end for _, sp in probed) - seq.num_computed_tokens
+            n = max(sp.end for _, sp in probed) - seq.kv.num_computed_tokens
             job.left -= -(-n // self.runner.config.num_layers)
         pieces = blend_pieces(self.runner, seq, plan.options, pieces, probed, self.max_chunk)
         # after every placement: recomputed tokens attend to them
@@ -354,7 +354,7 @@ class SegmentAssembler:
         costs a pass over the weights, whatever its size. Nothing is sampled (every piece ends
         before the last prompt token)."""
         assert all(b < seq.num_tokens for _, b in pieces), "a piece would need logits"
-        tokens, table = seq.all_token_ids, seq.block_table
+        tokens, table = seq.all_token_ids, seq.kv.block_table
         batch, size = [], 0
         for a, b in pieces:
             while a < b:
@@ -372,7 +372,7 @@ class SegmentAssembler:
         """Write ``entry``'s tokens [skip, n) at positions start+skip.. of ``seq``: K re-rotated
         by ``start``, both quantized into the pool's KV format (``runner.write_kv``)."""
         n = len(entry.token_ids)
-        self.runner.write_kv(seq.block_table, start + skip, entry.k[:, :, skip:n],
+        self.runner.write_kv(seq.kv.block_table, start + skip, entry.k[:, :, skip:n],
                              entry.v[:, :, skip:n], shift=start - entry.position)  # fmt: skip
 
     @torch.inference_mode()

@@ -61,7 +61,7 @@ def probe(runner: ModelRunner, seq: Sequence, start: int, end: int, max_chunk: i
     the CPU, ``[end - start]``), writing the exact layer-0/1 K/V of those tokens (module doc;
     ``ModelRunner.probe``). Tokens ``< start`` must be in the pool; deviations of tokens
     nothing was placed for are meaningless and must not be read."""
-    return runner.probe(seq.all_token_ids, seq.block_table, start, end, max_chunk)
+    return runner.probe(seq.all_token_ids, seq.kv.block_table, start, end, max_chunk)
 
 
 def blend_pieces(
@@ -74,10 +74,10 @@ def blend_pieces(
 ) -> list[tuple[int, int]]:
     """``pieces`` (ordered token ranges to recompute) with each probed span's piece, at index
     i of ``probed``'s (i, span), replaced by the span's selected tokens. Every token of a probed
-    span must be placed, and nothing from ``seq.num_computed_tokens`` on computed yet."""
+    span must be placed, and nothing from ``seq.kv.num_computed_tokens`` on computed yet."""
     if not probed or runner.config.num_layers < 2:
         return pieces  # nothing to probe (one layer: no context-dependent K/V): the first k
-    start = seq.num_computed_tokens
+    start = seq.kv.num_computed_tokens
     deviation = probe(runner, seq, start, max(sp.end for _, sp in probed), max_chunk)
     chosen = {}
     for i, sp in probed:
