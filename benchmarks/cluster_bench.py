@@ -133,7 +133,7 @@ def sglang_router_run(reqs, args, common) -> dict:
     url = f"http://127.0.0.1:{port}"
     # sglang-router accepts text prompts only: the same prompts, decoded (each prefix decodes to
     # the same text every time, so the requests sharing it still share its tokens).
-    from prefixcache.model.tokenizer import load_tokenizer
+    from prefixcache.tokenizer.tokenizer import load_tokenizer
 
     tok = load_tokenizer(None)
     reqs = [{**r, "prompt": tok.decode(r["prompt"])} for r in reqs]

@@ -213,7 +213,7 @@ def tokenizer_dir(gguf: Path) -> Path:
     """A Hugging Face tokenizer directory for vLLM's client, written from our reading of a GGUF
     (``tokenizer.json`` and its special tokens; ``config.json`` with the model's context, which
     bounds the workloads) under .bench/models/; the ids equal transformers' (tests)."""
-    from prefixcache.model.tokenizer import load_tokenizer
+    from prefixcache.tokenizer.tokenizer import load_tokenizer
 
     out = BENCH / "models" / f"{gguf.stem}-tokenizer"
     if (out / "config.json").exists():

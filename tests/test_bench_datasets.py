@@ -25,7 +25,7 @@ from prefixcache.bench.stats import calculate_metrics, parse_goodput
 
 @pytest.fixture(scope="module")
 def tok():
-    from prefixcache.model.tokenizer import load_tokenizer
+    from prefixcache.tokenizer.tokenizer import load_tokenizer
 
     return load_tokenizer(None)
 

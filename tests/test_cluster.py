@@ -177,8 +177,8 @@ def test_the_ingress_tokenizes_nothing_a_replica_would_refuse_unread(monkeypatch
     one that may fit gets the engine's own keys."""
     from prefixcache.cache.hashing import hash_blocks, root_hash
     from prefixcache.cluster.route_keys import RouteKeys
-    from prefixcache.model.tokenizer import load_tokenizer
     from prefixcache.server.base.auth import TenantDirectory
+    from prefixcache.tokenizer.tokenizer import load_tokenizer
 
     tok = load_tokenizer(None)
     keys = RouteKeys(tok, TenantDirectory(), "f" * 64, 16, max_tokens=64)
@@ -204,10 +204,10 @@ def test_prompt_cache_key_leads_the_route_and_messages_route_on_their_own_keys()
     request routes on the engine's keys of its rendered prompt."""
     from prefixcache.cache.hashing import hash_blocks, root_hash
     from prefixcache.cluster.route_keys import RouteKeys
-    from prefixcache.model.tokenizer import load_tokenizer
     from prefixcache.server.anthropic.prompt import MessagesRenderer
     from prefixcache.server.anthropic.protocol import MessagesRequest
     from prefixcache.server.base.auth import Tenant, TenantDirectory
+    from prefixcache.tokenizer.tokenizer import load_tokenizer
 
     tok = load_tokenizer(None)
     keys = RouteKeys(tok, TenantDirectory({"sk-a": Tenant("alice"), "sk-b": Tenant("bob")}),

@@ -14,10 +14,10 @@ import copy
 import pytest
 from _helpers import shared_default_weights
 
-from prefixcache.model.tokenizer import load_tokenizer
 from prefixcache.server.anthropic.diagnostics import anthropic_diagnostics
 from prefixcache.server.base.comparison import PromptRecord, ResponseStore, compare
 from prefixcache.server.openai.diagnostics import openai_diagnostics
+from prefixcache.tokenizer.tokenizer import load_tokenizer
 
 SYSTEM = "You are the travel desk of the Example company. Answer in one sentence."
 OTHER_TEMPLATE = (

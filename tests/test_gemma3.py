@@ -19,7 +19,7 @@ from test_model_loading import LOGIT_TOL, hf_greedy, hf_logits, save_tokenizer
 
 from prefixcache import LLM, SamplingParams, kernels
 from prefixcache.model.loader import load_weights
-from prefixcache.model.tokenizer import load_tokenizer
+from prefixcache.tokenizer.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ import gguf
 import jinja2
 import pytest
 
-from prefixcache.model.tokenizer import Tokenizer, load_tokenizer
+from prefixcache.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
 TEXTS = [
     "",

@@ -123,6 +123,10 @@ RULES = [
      ["prefixcache.model.config"]),
     ("prefixcache.model.config", ["prefixcache"]),
     ("prefixcache.model", [*FEATURES, *CONNECTORS, *ENGINE, *UPPER]),
+    # Tokenizers are text, not the model: the server, the ingress, bench and analyze load one
+    # without torch; model.paths (a leaf) finds the file.
+    ("prefixcache.tokenizer", ["torch", *CORE, *FEATURES, *CONNECTORS, *ENGINE, *UPPER,
+                               "prefixcache.kv", "prefixcache.model"], ["prefixcache.model.paths"]),
     # Features are libraries: they know no connector, no engine, no server.
     ("prefixcache.tiers", [*CONNECTORS, *ENGINE, *UPPER, "prefixcache.model", "prefixcache.kv",
                            "prefixcache.segments", "prefixcache.events"]),
@@ -174,7 +178,7 @@ def _package(mod: str) -> str:
 
 # A leaf imports nothing of ours, so it sits below every layer whichever package holds it: kv/
 # takes ModelConfig from model/config.py though model/ imports kv/.
-LEAVES = ["prefixcache.model.config"]
+LEAVES = ["prefixcache.model.config", "prefixcache.model.paths"]
 
 
 def test_no_two_packages_import_each_other():

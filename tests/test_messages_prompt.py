@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-from prefixcache.model.tokenizer import load_tokenizer
 from prefixcache.server.anthropic.cache_breakpoints import lease_report, usage
 from prefixcache.server.anthropic.errors import DIALECT
 from prefixcache.server.anthropic.prompt import Breakpoint, MessagesRenderer
@@ -17,6 +16,7 @@ from prefixcache.server.anthropic.protocol import CountTokensRequest, MessagesRe
 from prefixcache.server.anthropic.tool_calls import ToolCall, ToolCallReader, split_output
 from prefixcache.server.base.auth import credential
 from prefixcache.server.edge.errors import APIError
+from prefixcache.tokenizer.tokenizer import load_tokenizer
 
 SYSTEM = "You are the handbook assistant of the Example company. Answer in one short sentence."
 TOOLS = [

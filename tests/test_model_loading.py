@@ -15,7 +15,7 @@ import torch
 from _helpers import cold_equals_warm, prefill_logits, write_tiny_gguf
 
 from prefixcache import LLM, SamplingParams
-from prefixcache.model.tokenizer import load_tokenizer
+from prefixcache.tokenizer.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

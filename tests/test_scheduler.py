@@ -14,7 +14,7 @@ from prefixcache.cache.manager import blocks_needed
 from prefixcache.config import EngineConfig
 from prefixcache.engine.llm_engine import LLMEngine
 from prefixcache.model.paths import resolve_model_path
-from prefixcache.model.tokenizer import load_tokenizer
+from prefixcache.tokenizer.tokenizer import load_tokenizer
 
 B = 16
 GREEDY4 = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

@@ -13,7 +13,7 @@ import gguf
 import pytest
 
 from prefixcache.model.paths import ModelNotFoundError, default_model_path
-from prefixcache.model.tokenizer import (
+from prefixcache.tokenizer.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
     load_tokenizer,
@@ -194,7 +194,7 @@ def _sentencepiece_gguf(path: Path) -> Path:
 def _byte_level_gguf(path: Path, endoftext: bool = True) -> Path:
     """Llama-3 style: byte alphabet, merges, the llama-bpe split regex, control tokens, and a
     token stored as text ("€") rather than in the byte alphabet."""
-    from prefixcache.model.tokenizer_gguf import _BYTE_SPELLING
+    from prefixcache.tokenizer.gguf import _BYTE_SPELLING
 
     alphabet = [_BYTE_SPELLING[b] for b in range(256)]
     # "3 4" outranks "12 3": "1234" is 12|34 under GPT-2's split, 123|4 under Llama 3's.
@@ -403,7 +403,7 @@ def test_incremental_detokenizer_holds_partial_characters(tok):
 
 
 def test_fingerprint_stable_across_processes_and_sensitive(tok, tmp_path):
-    code = "from prefixcache.model.tokenizer import load_tokenizer; print(load_tokenizer().fingerprint())"
+    code = "from prefixcache.tokenizer.tokenizer import load_tokenizer; print(load_tokenizer().fingerprint())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.stdout.strip() == tok.fingerprint()

@@ -23,7 +23,7 @@ import torch
 from prefixcache.model import weights_cache as wc
 from prefixcache.model.loader import LoadedWeights
 from prefixcache.model.paths import default_model_path
-from prefixcache.model.tokenizer import load_tokenizer
+from prefixcache.tokenizer.tokenizer import load_tokenizer
 
 TEXTS = [
     "Hello, world!",

@@ -17,7 +17,7 @@ import httpx
 
 sys.path.insert(0, ".")
 from prefixcache.model.paths import resolve_model_path
-from prefixcache.model.tokenizer import load_tokenizer
+from prefixcache.tokenizer.tokenizer import load_tokenizer
 
 path = resolve_model_path("gemma-3-270m")
 tok = load_tokenizer(str(path))

@@ -68,7 +68,7 @@ except Exception as e:  # a GGUF vocabulary transformers cannot convert: ours, a
     print(f"transformers cannot read the GGUF's tokenizer ({e}); writing ours", file=sys.stderr)
     from transformers import PreTrainedTokenizerFast
 
-    from prefixcache.model.tokenizer import load_tokenizer
+    from prefixcache.tokenizer.tokenizer import load_tokenizer
 
     mine = load_tokenizer(gguf)
     tok = PreTrainedTokenizerFast(tokenizer_object=mine.backend, bos_token=mine.bos_token,

@@ -29,8 +29,8 @@ class ChatTokenizer(Protocol):
 
 
 def load_tokenizer(path: str | None) -> Any:
-    """``prefixcache.model.tokenizer.load_tokenizer``; ``None`` = the default model's."""
-    from prefixcache.model.tokenizer import load_tokenizer as _load
+    """``prefixcache.tokenizer.tokenizer.load_tokenizer``; ``None`` = the default model's."""
+    from prefixcache.tokenizer.tokenizer import load_tokenizer as _load
 
     return _load(path)
 

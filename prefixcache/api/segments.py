@@ -74,7 +74,7 @@ class SegmentOptions:
 @dataclass(frozen=True)
 class SegmentRequest:
     """What a caller asks for: the document spans of its prompt ids (from
-    ``model.tokenizer_segments.encode_chat_segments``) and the recompute options."""
+    ``tokenizer.segments.encode_chat_segments``) and the recompute options."""
 
     spans: tuple[tuple[int, int], ...]
     options: SegmentOptions = SegmentOptions()

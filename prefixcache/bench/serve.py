@@ -49,7 +49,7 @@ def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
 
 
 def load_bench_tokenizer(args: argparse.Namespace):
-    from prefixcache.model.tokenizer import load_tokenizer
+    from prefixcache.tokenizer.tokenizer import load_tokenizer
 
     source = args.tokenizer
     if source is None and args.model and Path(args.model).exists():

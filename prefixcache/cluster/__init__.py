@@ -15,7 +15,7 @@ Pieces, one per module:
 - ``cli.py``: the subcommand (starts or joins Ray, deploys, waits, serves until interrupted).
 
 Imports: ``prefixcache.server`` (the app, auth, limits), ``prefixcache.cache.hashing``,
-``prefixcache.model.tokenizer``, ``prefixcache.engine.async_engine``; nothing imports this package.
+``prefixcache.tokenizer.tokenizer``, ``prefixcache.engine.async_engine``; nothing imports this package.
 """
 
 POLICIES = ("prefix", "round_robin", "pow2")  # router.py; here so the CLI need not import ray

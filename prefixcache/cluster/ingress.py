@@ -98,7 +98,7 @@ def build_ingress(serve):
             async with self._keys_lock:
                 if self.keys is None:
                     from prefixcache.cluster.route_keys import RouteKeys
-                    from prefixcache.model.tokenizer import load_tokenizer
+                    from prefixcache.tokenizer.tokenizer import load_tokenizer
 
                     info = await self.replicas.info.remote()
                     tok = await asyncio.to_thread(load_tokenizer, self.spec.model)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 
 from prefixcache.cache.hashing import hash_blocks, hash_blocks_after_shared, key_hash, root_hash
-from prefixcache.model.tokenizer import Tokenizer
 from prefixcache.server.anthropic.cache_breakpoints import shared_tokens
 from prefixcache.server.anthropic.prompt import MessagesRenderer, text_chars
 from prefixcache.server.anthropic.protocol import MessagesRequest
@@ -38,6 +37,7 @@ from prefixcache.server.base.auth import TenantDirectory
 from prefixcache.server.edge.body import check_containers
 from prefixcache.server.edge.limits import ServerLimits
 from prefixcache.server.openai.protocol import ChatMessage, template_text_chars
+from prefixcache.tokenizer.tokenizer import Tokenizer
 
 # The routes whose body names a prompt; everything else is routed by load alone.
 PROMPT_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/cache/warm", "/v1/cache/lookup",

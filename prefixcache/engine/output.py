@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from prefixcache.api.request import CompletionOutput, RequestOutput, StreamDelta
 from prefixcache.engine.sampler import Sampled
-from prefixcache.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from prefixcache.sequence import Sequence
+from prefixcache.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ copy the model never reads (the int4 kernels run the groups) costs neither time 
 
 Key: the model file's content (xxh3_128 over its bytes, ~0.05 s for 98 MB; a renamed or copied
 file hits, a file changed in place misses) and the build: FORMAT_VERSION, the source of the code
-that converts (``loader.py`` and the ``config.py`` it fills, ``tokenizer_gguf.py``, this module)
+that converts (``loader.py`` and the ``config.py`` it fills, ``tokenizer/gguf.py``, this module)
 and the versions of gguf, numpy, torch, tokenizers and safetensors. A changed file, conversion
 or library lands on a new key, so a stale entry is never read; writing the new entry removes the
 other builds of the same file.
@@ -69,8 +69,8 @@ from prefixcache.model import loader as _loader
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.loader import LoadedWeights
 from prefixcache.model.paths import open_gguf, resolve_model_path
-from prefixcache.model.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf_spec
-from prefixcache.model.tokenizer_gguf import GGUFTokenizer, read_gguf_tokenizer
+from prefixcache.tokenizer.gguf import GGUFTokenizer, read_gguf_tokenizer
+from prefixcache.tokenizer.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_gguf_spec
 
 __all__ = ["FORMAT_VERSION", "build_id", "file_digest", "load_model", "resolve_cache_dir", "stats"]
 
@@ -80,7 +80,7 @@ log = logging.getLogger(__name__)
 # source anyway; the number makes the change visible in the directory names).
 FORMAT_VERSION = 1
 # Code and libraries whose change may change what a load returns.
-_BUILD_MODULES = ("prefixcache.model.loader", "prefixcache.model.config", "prefixcache.model.tokenizer_gguf",
+_BUILD_MODULES = ("prefixcache.model.loader", "prefixcache.model.config", "prefixcache.tokenizer.gguf",
                   __name__)  # fmt: skip
 _BUILD_PACKAGES = ("gguf", "numpy", "torch", "tokenizers", "safetensors")
 # LoadedWeights fields stored as themselves. Every other field must be a dict of name -> a

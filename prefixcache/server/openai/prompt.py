@@ -81,14 +81,14 @@ def _chat_prompt(
     system_prefix: bool = False,
 ) -> ChatPrompt:
     """The prompt ids; with ``segments``, the document spans too, rendered by the segment
-    boundary convention (model/tokenizer_segments.py); with ``system_prefix``, the count
+    boundary convention (tokenizer/segments.py); with ``system_prefix``, the count
     of leading ids that are the leading system/developer messages."""
     if len(messages) > s.limits.max_messages:
         raise APIError(
             400, f"at most {s.limits.max_messages} messages per request", param="messages"
         )
     dicts = [m.as_template_dict() for m in messages]
-    # A document's heading is its title, else its name (model/tokenizer_chat.py): rendered
+    # A document's heading is its title, else its name (tokenizer/chat.py): rendered
     # and tokenized like its content, so counted with it.
     chars = template_text_chars(dicts)
     s.check_text_fits(chars, "messages")

@@ -154,6 +154,6 @@ class ChatCompletionRequest(_Generation):
 
 def template_text_chars(dicts: list[dict]) -> int:
     """Characters a chat's template dicts put into the prompt: each content and a document's
-    heading (its title, else its name: model/tokenizer_chat.py), for the length pre-checks of
+    heading (its title, else its name: tokenizer/chat.py), for the length pre-checks of
     the server and the cluster ingress."""
     return sum(len(d["content"]) + len(d.get("title") or d.get("name") or "") for d in dicts)

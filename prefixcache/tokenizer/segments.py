@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prefixcache.model.tokenizer_chat import _message_text, plain_message
+from prefixcache.tokenizer.chat import _message_text, plain_message
 
 # Stands for the documents while the template renders; split on afterwards.
 _SENTINEL = "\u241ePREFIXCACHE-DOCUMENTS\u241e"
@@ -42,7 +42,7 @@ def document_text(doc: Mapping[str, Any]) -> str:
 def encode_chat_segments(
     tok, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
 ) -> SegmentedPrompt:
-    """``tok``: a ``model.tokenizer.Tokenizer``. Without documents: the prefix-mode ids, no span."""
+    """``tok``: a ``tokenizer.tokenizer.Tokenizer``. Without documents: the prefix-mode ids, no span."""
     msgs = [plain_message(m) for m in messages]
     docs = [m for m in msgs if m.get("role") == "document"]
     if not docs:

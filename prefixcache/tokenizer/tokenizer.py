@@ -6,7 +6,7 @@ document merging and streaming detokenization.
     det = IncrementalDetokenizer(tok, ids)  # det.add(new_ids) -> text delta while generating
 
 For a GGUF file the ids are those of transformers' ``AutoTokenizer.from_pretrained(dir,
-gguf_file=name)`` (``tokenizer_gguf.py`` rebuilds its pipeline), not llama.cpp's; for a
+gguf_file=name)`` (``tokenizer/gguf.py`` rebuilds its pipeline), not llama.cpp's; for a
 directory, those of its ``tokenizer.json``. Special tokens are never added by the backend: ``encode`` prepends BOS itself when asked and the
 model says ``add_bos_token``.
 """
@@ -26,8 +26,8 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 
 from prefixcache.model.paths import ModelNotFoundError, resolve_model_path
-from prefixcache.model.tokenizer_chat import compile_template, merge_documents, plain_message
-from prefixcache.model.tokenizer_gguf import GGUFTokenizer, read_gguf_tokenizer
+from prefixcache.tokenizer.chat import compile_template, merge_documents, plain_message
+from prefixcache.tokenizer.gguf import GGUFTokenizer, read_gguf_tokenizer
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "load_tokenizer", "merge_documents"]
 
@@ -331,8 +331,8 @@ class Tokenizer:
         return n
 
     def encode_chat_segments(self, messages, add_generation_prompt: bool = True, **kwargs):
-        """cache_mode="segments": the ids with each document's span (tokenizer_segments.py)."""
-        from prefixcache.model.tokenizer_segments import encode_chat_segments
+        """cache_mode="segments": the ids with each document's span (tokenizer/segments.py)."""
+        from prefixcache.tokenizer.segments import encode_chat_segments
 
         return encode_chat_segments(self, messages, add_generation_prompt, **kwargs)
 

@@ -226,7 +226,7 @@ def _gemma_backend(meta: dict[str, Any]) -> Backend:
 
 
 # Gemma 3's turn format. Its GGUF files carry no template (the model's tokenizer_config.json
-# has it), so it is built in; it lives in this module, not tokenizer_chat.py, because this
+# has it), so it is built in; it lives in this module, not tokenizer/chat.py, because this
 # module's source is part of the weights cache key (weights_cache.py), which stores the
 # template. It renders as the official template does: BOS, then each message as
 # "<start_of_turn>{role}\n{content | trim}<end_of_turn>\n" with "assistant" written "model";
