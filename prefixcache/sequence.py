@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from prefixcache.api.engine import EngineRequest
 from prefixcache.api.keys import BlockHash
 from prefixcache.api.request import (
-    CacheExplanation,
+    CacheReport,
     RequestMetrics,
     RequestStatus,
     SamplingParams,
@@ -93,17 +93,11 @@ class Sequence:
     status: RequestStatus = RequestStatus.WAITING
     arrival_step: int = 0  # the scheduler's: engine step at arrival (the lpm starvation guard)
     num_preemptions: int = 0  # the scheduler's
-    # What the request is told it got, each written by one module: tokens served from cache at
-    # first admission (cache/manager.py), tokens restored per tier ("disk", "redis";
-    # connectors/tiers.py), segment tokens reused and not recomputed (segments/assembler.py),
-    # why it hit or missed (engine/llm_engine.py), what its cache leases got
-    # (EngineRequest.leases, a tuple of api.request.LeaseGrant; engine/llm_engine.py once the
-    # prompt is computed, engine/leases.py).
-    num_cached_tokens: int | None = None
-    tier_tokens: dict[str, int] | None = None
-    num_segment_cached_tokens: int | None = None
-    cache_info: CacheExplanation | None = None
-    lease_grants: tuple | None = None
+    # What the request is told it got (api.request.CacheReport), each field written by one
+    # module: num_cached_tokens (cache/manager.py, at first admission), tier_tokens
+    # (connectors/tiers.py), num_segment_cached_tokens (segments/assembler.py), cache_info and
+    # lease_grants (engine/llm_engine.py). Snapshots of it go out unchanged (engine/output.py).
+    cache: CacheReport = field(default_factory=CacheReport)
     # Set when the sequence failed alone inside a step (finish_reason "error"); a bug of ours.
     error: BaseException | None = None  # engine/llm_engine.py
     generator: object | None = None  # torch.Generator for sampling; engine/llm_engine.py
@@ -179,6 +173,11 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """Still computing prompt (or, after preemption, recomputing) tokens before sampling."""
         return self.kv.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """``cache.num_cached_tokens``: prompt tokens served from cache at first admission."""
+        return self.cache.num_cached_tokens
 
     @property
     def loading(self) -> bool:

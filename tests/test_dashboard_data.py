@@ -153,7 +153,7 @@ def test_grafana_dashboard_is_valid_and_uses_only_served_metrics():
     metrics = ServerMetrics(_Engine(), "m")
     t = 100.0
     m = RequestMetrics(t, first_scheduled_time=t, first_token_time=t + 0.1, finished_time=t + 0.3)
-    metrics.observe_finished(StreamDelta("r", [1], "x", True, "length", 10, 0, 3, m))
+    metrics.observe_finished(StreamDelta("r", [1], "x", True, "length", 10, 3, m))
     names = grafana_metric_names()
     assert {"prefixcache:prefix_cache_hits_total",
             "prefixcache:time_to_first_token_seconds_bucket"} <= names  # fmt: skip

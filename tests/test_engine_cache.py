@@ -208,11 +208,11 @@ def test_the_choices_of_one_prompt_are_explained_once(llm, monkeypatch):
             eng.step()
 
     seqs = [add(f"once-{i}", prompt) for i in range(8)]
-    assert len(calls) == 1 and {s.cache_info for s in seqs} == {real(prompt, "explain-once", ())}
-    assert seqs[0].cache_info.reason == "no_prior_request"
+    assert len(calls) == 1 and {s.cache.cache_info for s in seqs} == {real(prompt, "explain-once", ())}
+    assert seqs[0].cache.cache_info.reason == "no_prior_request"
     seqs += [add("once-other", prompt[:-1]), add("once-admin", prompt, across=True)]
     assert len(calls) == 3  # another prompt, another scope: each its own explanation
     run(seqs)
     again = [add(f"once-again-{i}", prompt) for i in range(3)]
-    assert len(calls) == 4 and {s.cache_info.reason for s in again} == {"full_hit"}
+    assert len(calls) == 4 and {s.cache.cache_info.reason for s in again} == {"full_hit"}
     run(again)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from prefixcache.api.request import CacheReport
 from prefixcache.sequence import SeqKV, SeqOutput, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent / "prefixcache"
@@ -234,6 +235,14 @@ def test_the_rules_see_the_imports():
 # A part of Sequence (sequence.py) and the one module that writes its fields.
 PART_OWNERS = {"kv": (SeqKV, "prefixcache.cache.manager"),
                "out": (SeqOutput, "prefixcache.engine.output")}  # fmt: skip
+# The cache report (api.request.CacheReport) a Sequence carries: each field has its writer.
+REPORT_WRITERS = {
+    "num_cached_tokens": "prefixcache.cache.manager",
+    "tier_tokens": "prefixcache.connectors.tiers",
+    "num_segment_cached_tokens": "prefixcache.segments.assembler",
+    "cache_info": "prefixcache.engine.llm_engine",
+    "lease_grants": "prefixcache.engine.llm_engine",
+}  # fmt: skip
 # Sequence's own fields and who may write them once it is built (none: never written).
 FIELD_WRITERS = {
     "request": (), "prompt_token_ids": (), "kv": (), "out": (), "metrics": (),
@@ -241,11 +250,7 @@ FIELD_WRITERS = {
                "prefixcache.engine.llm_engine"),
     "arrival_step": ("prefixcache.engine.scheduler",),
     "num_preemptions": ("prefixcache.engine.scheduler",),
-    "num_cached_tokens": ("prefixcache.cache.manager",),
-    "tier_tokens": ("prefixcache.connectors.tiers",),
-    "num_segment_cached_tokens": ("prefixcache.segments.assembler",),
-    "cache_info": ("prefixcache.engine.llm_engine",),
-    "lease_grants": ("prefixcache.engine.llm_engine",),
+    "cache": (),
     "error": ("prefixcache.engine.llm_engine",),
     "generator": ("prefixcache.engine.llm_engine",),
 }  # fmt: skip
@@ -298,7 +303,9 @@ def _sequence_writes(source: str) -> list[tuple[str, int]]:
         if not isinstance(t, ast.Attribute):
             continue
         v = t.value
-        if isinstance(v, ast.Attribute) and v.attr in PART_OWNERS:
+        if isinstance(v, ast.Attribute) and v.attr == "cache" and t.attr in REPORT_WRITERS:
+            out.append((f"cache.{t.attr}", t.lineno))
+        elif isinstance(v, ast.Attribute) and v.attr in PART_OWNERS:
             if t.attr in {f.name for f in fields(PART_OWNERS[v.attr][0])}:
                 out.append((f"{v.attr}.{t.attr}", t.lineno))
         elif t.attr in FIELD_WRITERS and _is_seq(v):
@@ -314,6 +321,7 @@ def test_sequence_has_few_fields():
     names = [f.name for f in fields(Sequence)]
     assert len(names) <= 15, names
     assert sorted(names) == sorted(FIELD_WRITERS)
+    assert sorted(REPORT_WRITERS) == sorted(f.name for f in fields(CacheReport))
 
 
 def test_each_part_of_a_sequence_has_one_writer():
@@ -323,7 +331,10 @@ def test_each_part_of_a_sequence_has_one_writer():
     for mod, writes in sorted(WRITES.items()):
         for what, line in writes:
             part = what.split(".")[0] if "." in what else None
-            allowed = (PART_OWNERS[part][1],) if part else FIELD_WRITERS[what]
+            if part == "cache":
+                allowed = (REPORT_WRITERS[what.split(".")[1]],)
+            else:
+                allowed = (PART_OWNERS[part][1],) if part else FIELD_WRITERS[what]
             if mod not in allowed:
                 bad.append(f"{mod}:{line} writes {what}")
     assert bad == []
@@ -333,15 +344,19 @@ def test_the_writer_check_sees_writes():
     """The check above would pass if it saw nothing: it must see the owners' writes."""
     manager = {w for w, _ in WRITES["prefixcache.cache.manager"]}
     assert {"kv.block_table", "kv.num_computed_tokens", "kv.block_keys", "kv.join",
-            "kv.window_from", "num_cached_tokens"} <= manager  # fmt: skip
+            "kv.window_from", "cache.num_cached_tokens"} <= manager  # fmt: skip
+    assert {"cache.cache_info", "cache.lease_grants"} <= {
+        w for w, _ in WRITES["prefixcache.engine.llm_engine"]}
     assert {"out.text", "out.output_token_ids", "out.finish_reason"} <= {
         w for w, _ in WRITES["prefixcache.engine.output"]}
     assert "status" in {w for w, _ in WRITES["prefixcache.engine.scheduler"]}
     probe = ("def f(seq, s):\n    seq.kv.block_table[0] = 1\n    s.seq.out.text += 'x'\n"
              "    a, seq.kv.join = 1, 2\n    del seq.out.output_logprobs[:]\n"
-             "    self.kv.root(None)\n    seq.status = 1\n    job.status = 2\n")  # fmt: skip
+             "    self.kv.root(None)\n    seq.status = 1\n    job.status = 2\n"
+             "    seq.cache.tier_tokens['disk'] = 3\n    self.cache.write_block(1, b'')\n")  # fmt: skip
     found = sorted(w for w, _ in _sequence_writes(probe))
-    assert found == ["kv.block_table", "kv.join", "out.output_logprobs", "out.text", "status"]
+    assert found == ["cache.tier_tokens", "kv.block_table", "kv.join", "out.output_logprobs",
+                     "out.text", "status"]
 
 
 # ---- docs/design.md's may-import table, read as rules -----------------------------------------

@@ -178,7 +178,7 @@ def test_a_short_request_sent_while_a_large_warm_runs_finishes_first(engine, llm
     cold = llm.chat([SYSTEM, *docs, QUESTION], GREEDY, cache_salt="big-warm-cold",
                     cache_mode="segments", segment_recompute_tokens=4)[0]  # fmt: skip
     assert cold.num_segment_cached_tokens == 0  # computed alone there, reused here
-    assert deltas[-1].num_segment_cached_tokens == sum(b - a - 4 for a, b in chat.spans)
+    assert deltas[-1].cache.num_segment_cached_tokens == sum(b - a - 4 for a, b in chat.spans)
     assert [t for d in deltas for t in d.new_token_ids] == cold.outputs[0].token_ids
     assert [lp for d in deltas for lp in d.new_logprobs] == cold.outputs[0].logprobs
     engine.check_integrity()

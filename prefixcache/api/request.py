@@ -225,17 +225,56 @@ class CompletionOutput:
 
 
 @dataclass
+class CacheReport:
+    """What a request is told about its use of the cache: one object, written field by field
+    inside the engine (each field by one module: tests/test_layering.py), and handed on as a
+    ``snapshot`` unchanged in ``StreamDelta.cache``, ``RequestOutput.cache`` and the server's
+    answers (usage's cached tokens, ``cache_info``, tiers, leases)."""
+
+    # Prompt tokens served from the cache at first admission (exact prefix hits; None until
+    # then: the KV cache manager).
+    num_cached_tokens: int | None = None
+    # Of num_cached_tokens, the tokens restored from each persistent tier ("disk", "redis");
+    # None when the engine has no tiers (the tiers connector).
+    tier_tokens: dict[str, int] | None = None
+    # cache_mode="segments": document tokens whose KV was reused from the segment store and not
+    # recomputed (never counted in num_cached_tokens; the segments assembler).
+    num_segment_cached_tokens: int | None = None
+    # Why the prompt hit or missed, when the request asked (return_cache_info; the engine).
+    cache_info: CacheExplanation | None = None
+    # What its cache leases got (EngineRequest.leases), once its prompt is computed (the engine).
+    lease_grants: tuple[LeaseGrant, ...] | None = None
+
+    def snapshot(self) -> CacheReport:
+        """A copy for the outside (counts not yet known read 0): what the engine writes later
+        never changes an answer already handed out."""
+        return CacheReport(
+            self.num_cached_tokens or 0,
+            None if self.tier_tokens is None else dict(self.tier_tokens),
+            self.num_segment_cached_tokens or 0,
+            self.cache_info,
+            self.lease_grants,
+        )
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int
+    cache: CacheReport = field(default_factory=CacheReport)
     metrics: RequestMetrics | None = None
-    # cache_mode="segments": document tokens whose KV was reused from the segment store and not
-    # recomputed (never counted in num_cached_tokens, which are exact prefix hits only).
-    num_segment_cached_tokens: int = 0
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the cache (vLLM's field)."""
+        return self.cache.num_cached_tokens or 0
+
+    @property
+    def num_segment_cached_tokens(self) -> int:
+        return self.cache.num_segment_cached_tokens or 0
 
 
 @dataclass
@@ -248,20 +287,18 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None
     num_prompt_tokens: int
-    num_cached_tokens: int
     num_output_tokens: int
     metrics: RequestMetrics
+    cache: CacheReport = field(default_factory=CacheReport)
     new_logprobs: list[dict[int, float]] | None = None
     stop_reason: int | str | None = None
+    # The first delta of its request: it alone carries the prompt's ids.
+    first: bool = False
     prompt_token_ids: list[int] = field(default_factory=list)
-    # Set on the first delta when the request asked for an explanation of its hit or miss.
-    cache_info: CacheExplanation | None = None
-    # Of num_cached_tokens, the tokens restored from each persistent tier ("disk", "redis");
-    # None when the engine has no tiers.
-    tier_tokens: dict[str, int] | None = None
-    num_segment_cached_tokens: int = 0  # see RequestOutput
-    # What the request's cache leases got (EngineRequest.leases), once its prompt is computed.
-    lease_grants: tuple[LeaseGrant, ...] | None = None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.cache.num_cached_tokens or 0
 
 
 @dataclass(frozen=True)

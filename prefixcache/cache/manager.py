@@ -428,8 +428,8 @@ class KVCacheManager:
         if m.partial_block is not None:
             copy = BlockCopy(m.partial_block, seq.kv.block_table[len(m.block_ids)], partial)
             self._copies[id(seq)] = (seq, copy)
-        if seq.num_cached_tokens is None:  # first admission: what the user sees as cached
-            seq.num_cached_tokens = m.num_tokens
+        if seq.cache.num_cached_tokens is None:  # first admission: what the user sees as cached
+            seq.cache.num_cached_tokens = m.num_tokens
             self.query_tokens += seq.num_prompt_tokens
             self.hit_tokens += m.num_tokens
             self.partial_hit_tokens += partial

@@ -96,7 +96,7 @@ class TierConnector(KVConnector):
 
     # ---- restore ---------------------------------------------------------------------------------
     def on_arrival(self, seq: Sequence, request) -> None:
-        seq.tier_tokens = {}
+        seq.cache.tier_tokens = {}
         if request.retention is not None:
             self._retention[seq.request_id] = request.retention
         self._restore_blocks(seq)
@@ -166,7 +166,7 @@ class TierConnector(KVConnector):
             if fresh:
                 got[where] += b
         for where, n in got.items():  # a chain crossing a shared prefix comes in two jobs
-            seq.tier_tokens[where] = seq.tier_tokens.get(where, 0) + n
+            seq.cache.tier_tokens[where] = seq.cache.tier_tokens.get(where, 0) + n
         self._by_tenant.setdefault(seq.tenant, Counter()).update(got)
         self.manager.count_served({k: v // b for k, v in got.items()})
 

@@ -253,7 +253,7 @@ class LLMEngine:
             if last is None or last[:3] != key or last[3] != ids:
                 info = self.explain(ids, r.namespace, r.explain_across_namespaces, r.shared_prefix)
                 last = self._explained = (*key, ids, info)
-            seq.cache_info = last[4]
+            seq.cache.cache_info = last[4]
         self._n_added += 1
         self.seqs[r.request_id] = seq
         if r.leases:
@@ -286,7 +286,7 @@ class LLMEngine:
         try:
             for seq in self.connectors.before_step():  # finished restores are installed
                 if seq.request.explain:  # explained at arrival, before the restore: what now
-                    seq.cache_info = self.kv.explain_in(
+                    seq.cache.cache_info = self.kv.explain_in(
                         seq.prompt_token_ids, self.kv.scope_of(seq), ()
                     )
             out = self.scheduler.schedule()
@@ -360,7 +360,7 @@ class LLMEngine:
         """Its prompt is computed and registered: pin what its leases ask (engine/leases.py)."""
         leases = self._leases.pop(seq.request_id, None)
         if leases:
-            seq.lease_grants = grant_leases(
+            seq.cache.lease_grants = grant_leases(
                 self.kv, seq, leases, now=self.clock(),
                 max_ttl=self.config.max_pin_ttl_seconds, caching=self.kv.enable_caching,
             )  # fmt: skip

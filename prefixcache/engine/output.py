@@ -91,16 +91,13 @@ class OutputProcessor:
             finished=seq.finished,
             finish_reason=seq.out.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens or 0,
             num_output_tokens=len(seq.out.output_token_ids),
             metrics=seq.metrics,
+            cache=seq.cache.snapshot(),
             new_logprobs=new_lps,
             stop_reason=seq.out.stop_reason,
+            first=first,
             prompt_token_ids=seq.prompt_token_ids if first else [],
-            cache_info=seq.cache_info if first else None,
-            tier_tokens=seq.tier_tokens,
-            num_segment_cached_tokens=seq.num_segment_cached_tokens or 0,
-            lease_grants=seq.lease_grants,
         )
 
     @staticmethod
@@ -122,7 +119,6 @@ class OutputProcessor:
                 )
             ],
             finished=seq.finished,
-            num_cached_tokens=seq.num_cached_tokens or 0,
+            cache=seq.cache.snapshot(),
             metrics=seq.metrics,
-            num_segment_cached_tokens=seq.num_segment_cached_tokens or 0,
         )

@@ -322,8 +322,8 @@ class SegmentAssembler:
         # after every placement: recomputed tokens attend to them
         yield from self._compute_in_steps(seq, pieces, job)
         self.kv.mark_computed(seq, c)
-        if seq.num_segment_cached_tokens is None:  # first assembly: what the user sees
-            seq.num_segment_cached_tokens = reused
+        if seq.cache.num_segment_cached_tokens is None:  # first assembly: what the user sees
+            seq.cache.num_segment_cached_tokens = reused
             self.counters.requests += 1
             self.counters.reused_tokens += reused
             self.counters.recomputed_tokens += recomputed

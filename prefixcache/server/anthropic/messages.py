@@ -201,7 +201,7 @@ class _Answer:
     def usage(self) -> dict:
         c = self.choice
         return cache_breakpoints.usage(
-            c.num_prompt_tokens or len(c.prompt_token_ids), c.num_cached_tokens,
+            c.num_prompt_tokens or len(c.prompt_token_ids), c.cache.num_cached_tokens,
             c.num_output_tokens, self.prompt.breakpoints, self.s.engine.config.block_size,
             self.s.engine.config.enable_prefix_caching,
         )  # fmt: skip
@@ -223,14 +223,14 @@ class _Answer:
         c = self.choice
         if self.prompt.breakpoints:
             body["cache_leases"] = cache_breakpoints.lease_report(
-                self.prompt.breakpoints, c.lease_grants
+                self.prompt.breakpoints, c.cache.lease_grants
             )
         info = self.run.cache_info(c)
         if info is not None:
             body["cache_info"] = info
         if self.req.diagnostics is not None:  # null: no divergence found (or none asked)
             body["diagnostics"] = None if self.diagnosis is None else anthropic_diagnostics(
-                self.diagnosis[0], c.num_cached_tokens, self.s.engine.config.block_size)
+                self.diagnosis[0], c.cache.num_cached_tokens, self.s.engine.config.block_size)
         return body
 
     def _stop(self, used_tools: bool) -> tuple[str, str | None]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from prefixcache.api.engine import EngineAPI
-from prefixcache.api.request import CacheExplanation, SharedPrefix, StreamDelta
+from prefixcache.api.request import CacheReport, SharedPrefix, StreamDelta
 from prefixcache.server.base.auth import Tenant
 from prefixcache.server.observability.activity import Activity
 from prefixcache.server.observability.cache_keys import PromptCacheKeyStats
@@ -58,12 +58,9 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
     num_output_tokens: int = 0
-    cache_info: CacheExplanation | None = None
-    tier_tokens: dict[str, int] | None = None
-    num_segment_cached_tokens: int = 0
-    lease_grants: tuple | None = None  # what its cache leases got (api.request.LeaseGrant)
+    # The engine's report of its cache use, as the latest delta carried it (api.request).
+    cache: CacheReport = field(default_factory=lambda: CacheReport().snapshot())
     started: bool = False  # has seen its first delta
 
     def apply(self, d: StreamDelta) -> None:
@@ -72,14 +69,8 @@ class Choice:
         if d.new_logprobs:
             self.logprobs.extend(d.new_logprobs)
         self.num_prompt_tokens = d.num_prompt_tokens
-        self.num_cached_tokens = d.num_cached_tokens
         self.num_output_tokens = d.num_output_tokens
-        if d.cache_info is not None:
-            self.cache_info = d.cache_info
-        self.tier_tokens = d.tier_tokens
-        self.num_segment_cached_tokens = d.num_segment_cached_tokens
-        if d.lease_grants is not None:
-            self.lease_grants = d.lease_grants
+        self.cache = d.cache
         if d.finished:
             self.finished = True
             self.finish_reason = d.finish_reason
@@ -152,14 +143,14 @@ class Run:
             s.request_log.submit(
                 LogRecord(
                     d.metrics.arrival_time, self.tenant.name, self.namespace,
-                    c.prompt_token_ids, c.num_cached_tokens, self.shared_prefix,
+                    c.prompt_token_ids, c.cache.num_cached_tokens, self.shared_prefix,
                 )
             )  # fmt: skip
         if d.finished:
             s.metrics.observe_finished(d)
             s.activity.record(
-                self.tenant.name, self.namespace, c.prompt_token_ids, c.num_cached_tokens,
-                d.metrics.ttft, c.cache_info and c.cache_info.reason, time.time(),
+                self.tenant.name, self.namespace, c.prompt_token_ids, c.cache.num_cached_tokens,
+                d.metrics.ttft, c.cache.cache_info and c.cache.cache_info.reason, time.time(),
             )  # fmt: skip
 
     def close(self) -> None:
@@ -182,12 +173,12 @@ class Run:
             cs[0].num_prompt_tokens or len(cs[0].prompt_token_ids) for cs in by_prompt.values()
         )
         # Tokens of a prompt no choice had to compute: the least any of its choices reused.
-        cached = sum(min(c.num_cached_tokens for c in cs) for cs in by_prompt.values())
+        cached = sum(min(c.cache.num_cached_tokens for c in cs) for cs in by_prompt.values())
         completion_tokens = sum(c.num_output_tokens for c in self.choices)
         details = {"cached_tokens": cached}
         if self.segments:  # only for requests that asked for cache_mode "segments"
             details["segment_cached_tokens"] = sum(
-                min(c.num_segment_cached_tokens for c in cs) for cs in by_prompt.values()
+                min(c.cache.num_segment_cached_tokens for c in cs) for cs in by_prompt.values()
             )
         return {
             "prompt_tokens": prompt_tokens,
@@ -197,7 +188,7 @@ class Run:
         }
 
     def cache_info(self, c: Choice) -> dict | None:
-        info = c.cache_info
+        info = c.cache.cache_info
         if info is None:
             return None
         # "other_namespace" is only ever computed for admins (explain_across_namespaces), so
@@ -223,8 +214,8 @@ class Run:
     def _tiers(c: Choice) -> dict:
         """Where the cached tokens came from: the RAM pool, or restored from disk / Redis
         (only on a server with tiers)."""
-        if c.tier_tokens is None:
+        if c.cache.tier_tokens is None:
             return {}
-        restored = {k: min(v, c.num_cached_tokens) for k, v in c.tier_tokens.items()}
-        ram = max(0, c.num_cached_tokens - sum(restored.values()))
+        restored = {k: min(v, c.cache.num_cached_tokens) for k, v in c.cache.tier_tokens.items()}
+        ram = max(0, c.cache.num_cached_tokens - sum(restored.values()))
         return {"cached_tokens_by_tier": {"ram": ram, **restored}}

@@ -228,12 +228,12 @@ async def _sse(run: Run, fmt, include_usage: bool, request_id: str | None):
                 yield _event(fmt.with_usage_field(first, include_usage))
         diagnose = fmt.diagnosis is not None  # with the first delta: what was cached is known
         async for c, d in run.deltas():
-            if not (d.text_delta or d.new_token_ids or d.finished or d.cache_info):
+            if not (d.text_delta or d.new_token_ids or d.finished or _explains(d)):
                 continue
             chunk = fmt.chunk(c, d)
             if diagnose:
                 diagnose = False
-                chunk["prompt_cache_diagnostics"] = fmt.diagnostics(c.num_cached_tokens)
+                chunk["prompt_cache_diagnostics"] = fmt.diagnostics(c.cache.num_cached_tokens)
             yield _event(fmt.with_usage_field(chunk, include_usage))
         if include_usage:
             yield _event(fmt.envelope([], usage=run.usage()))
@@ -295,7 +295,7 @@ class _Format:
         choices = [self.choice(c) for c in self.run.choices]
         body = self.envelope(choices, usage=self.run.usage(), chunk=False)
         if self.diagnosis is not None:
-            cached = min(c.num_cached_tokens for c in self.run.choices)
+            cached = min(c.cache.num_cached_tokens for c in self.run.choices)
             body["prompt_cache_diagnostics"] = self.diagnostics(cached)
         return body
 
@@ -364,7 +364,7 @@ class _CompletionFormat(_Format):
             "logprobs": self.logprobs(d.new_token_ids, d.new_logprobs or [], offset),
             "finish_reason": d.finish_reason if d.finished else None,
         }
-        if d.cache_info is not None:
+        if _explains(d):
             out["cache_info"] = self.run.cache_info(c)
         return self.envelope([out])
 
@@ -410,6 +410,11 @@ class _ChatFormat(_Format):
             "logprobs": self.logprobs(d.new_token_ids, d.new_logprobs or []),
             "finish_reason": d.finish_reason if d.finished else None,
         }
-        if d.cache_info is not None:
+        if _explains(d):
             out["cache_info"] = self.run.cache_info(c)
         return self.envelope([out])
+
+
+def _explains(d) -> bool:
+    """The first delta carries the explanation a request asked for (return_cache_info)."""
+    return d.first and d.cache.cache_info is not None
