@@ -417,4 +417,4 @@ class _ChatFormat(_Format):
 
 def _explains(d) -> bool:
     """The first delta carries the explanation a request asked for (return_cache_info)."""
-    return d.first and d.cache.cache_info is not None
+    return d.cache.cache_info is not None and d.first
