@@ -524,9 +524,8 @@ def add_cli_arguments(group, component: type, only: Collection[str] | None = Non
         group.add_argument(flag, **kw, **spec)
 
 
-def config_from_cli(args, cls: type | None = None):
-    """The config (EngineConfig unless ``cls``) from parsed flags: every field whose flag the
-    parser had; the others keep their defaults."""
-    cls = cls or EngineConfig
-    return cls(**{f.name: getattr(args, f.name) for f in fields(cls)
+def config_from_cli(args) -> EngineConfig:
+    """The EngineConfig of parsed flags: every field whose flag the parser had; the others
+    keep their defaults."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)
                   if f.metadata["cli"] is not None and hasattr(args, f.name)})  # fmt: skip

@@ -172,7 +172,7 @@ def _sub(endpoint: str, server_public: bytes | None = None) -> zmq.Socket:
 
 def test_a_remote_bind_needs_curve_or_the_allow_remote_flag(tmp_path, capsys):
     from prefixcache.cli import build_parser, main
-    from prefixcache.server.cli import _engine_config
+    from prefixcache.config import config_from_cli
 
     for remote in ("tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://[::]:5557", "tcp://10.1.2.3:5557",
                    "tcp://eth0:5557", "tcp://127.0.0.1.evil.example:5557"):  # fmt: skip
@@ -198,7 +198,7 @@ def test_a_remote_bind_needs_curve_or_the_allow_remote_flag(tmp_path, capsys):
     assert "not on loopback" in capsys.readouterr().err
     args = build_parser().parse_args(["serve", "--kv-events-endpoint", "tcp://*:5557",
         "--kv-events-allow-remote", "--kv-events-token-ids", "--kv-events-curve-secret-file", str(key)])  # fmt: skip
-    cfg = _engine_config(args)
+    cfg = config_from_cli(args)
     assert (cfg.kv_events_allow_remote, cfg.kv_events_token_ids) == (True, True)
     assert cfg.kv_events_curve_secret_file == str(key)
 

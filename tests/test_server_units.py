@@ -11,8 +11,9 @@ from pydantic import ValidationError
 
 from prefixcache.api.request import SharedPrefix
 from prefixcache.cli import build_parser
+from prefixcache.config import config_from_cli
 from prefixcache.server.base.auth import CacheScope, Tenant, TenantDirectory, load_keys_file
-from prefixcache.server.cli import _engine_config, _limits, origin_policy
+from prefixcache.server.cli import _limits, origin_policy
 from prefixcache.server.edge.body import json_containers, parse_json
 from prefixcache.server.edge.errors import APIError, validation_error
 from prefixcache.server.edge.limits import ServerLimits
@@ -189,7 +190,7 @@ def test_serve_command_line():
     ])  # fmt: skip
     assert args.port == 9000 and args.shared_namespace == ["a", "b"]
     assert args.served_model_name == ["m1", "m2"] and callable(args.func)
-    cfg = _engine_config(args)
+    cfg = config_from_cli(args)
     assert (cfg.enable_prefix_caching, cfg.kv_cache_memory, cfg.block_size) == (False, "1GiB", 32)
     assert (cfg.max_num_seqs, cfg.scheduling_policy) == (4, "lpm")
     with pytest.raises(SystemExit):  # one key or a keys file, not both
@@ -200,7 +201,7 @@ def test_serve_command_line():
     ])  # fmt: skip
     limits = _limits(args)
     assert (limits.max_body_bytes, limits.max_n, limits.send_timeout) == (1 << 20, 4, 2.5)
-    cfg = _engine_config(args)
+    cfg = config_from_cli(args)
     assert (cfg.tenant_waiting_limit, cfg.max_pin_ttl_seconds) == (7, 60.0)
     assert args.metrics_key == "m"
     with pytest.raises(ValueError):
@@ -216,7 +217,7 @@ def test_the_engine_flags_are_the_config_fields():
 
     from prefixcache.config import COMPONENTS, EngineConfig
 
-    assert _engine_config(build_parser().parse_args(["serve"])) == EngineConfig()
+    assert config_from_cli(build_parser().parse_args(["serve"])) == EngineConfig()
     off_cli = {f.name for c in COMPONENTS for f in fields(c) if f.metadata["cli"] is None}
     assert off_cli == {"lpm_max_wait_steps", "lpm_max_queue", "kv_events_rank"}
     names = [f.name for c in COMPONENTS for f in fields(c)]
@@ -224,7 +225,7 @@ def test_the_engine_flags_are_the_config_fields():
     parser = build_parser()._subparsers._group_actions[0].choices["serve"]
     dests = [a.dest for a in parser._actions]
     assert all(dests.count(n) == 1 for n in names if n not in off_cli)
-    cfg = _engine_config(build_parser().parse_args([
+    cfg = config_from_cli(build_parser().parse_args([
         "serve", "--weights-cache-dir", "none", "--shared-window", "5", "--health-stall-timeout",
         "9", "--kv-events-endpoint", "tcp://127.0.0.1:5999", "--kv-events-token-ids",
         "--no-partial-block-reuse", "--tier-compression", "lz4", "--max-model-len", "300",

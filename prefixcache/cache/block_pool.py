@@ -275,6 +275,8 @@ class BlockPool:
         now = time.monotonic() if now is None else now
         self.expire_ranks(now)
         unpinned = self.pins.expire(now)
+        if not unpinned:
+            return 0
         # One use for all of them: the blocks unpinned now rank as used now, deeper ones first.
         self.policy.release_all([self.index.key_of(b) for b in unpinned])
         return len(unpinned)

@@ -53,8 +53,9 @@ def _specs(args: argparse.Namespace, secrets_path: str | None):
     from prefixcache.cluster.ingress import IngressSpec
     from prefixcache.cluster.replica import ReplicaSpec
     from prefixcache.cluster.secrets import tenant_options as with_secrets
+    from prefixcache.config import config_from_cli
     from prefixcache.server.base.auth import TenantDirectory
-    from prefixcache.server.cli import _engine_config, _limits, check_open_bind, origin_policy
+    from prefixcache.server.cli import _limits, check_open_bind, origin_policy
 
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
@@ -65,7 +66,7 @@ def _specs(args: argparse.Namespace, secrets_path: str | None):
     # a typo fails here, before Ray starts
     check_open_bind(TenantDirectory.from_options(**with_secrets(tenant_options, secrets_path)), args)
     threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // args.replicas)
-    config = _engine_config(args)
+    config = config_from_cli(args)
     limits = _limits(args)
     origin = origin_policy(args)
     replica = ReplicaSpec(

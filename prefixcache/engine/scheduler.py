@@ -136,11 +136,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def live_block_tables(self) -> list[list[int]]:
-        """Every reference held: the sequences' block tables and the copies' sources."""
-        tables = [s.kv.block_table for s in self.running] + [s.kv.block_table for s in self.waiting]
-        return tables + self.kv.copy_sources()
-
     # ---- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.step_index += 1

@@ -178,7 +178,7 @@ def run_serve(args: argparse.Namespace) -> int:
             shared_namespaces=args.shared_namespace,
         )
         check_open_bind(tenants, args)
-        config = _engine_config(args)
+        config = config_from_cli(args)
         limits = _limits(args)
         origin = origin_policy(args)
         request_log = _request_log(args.log_requests, args.block_size)
@@ -227,10 +227,6 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     server.run()
     return 0 if server.started else 1
-
-
-def _engine_config(args: argparse.Namespace):
-    return config_from_cli(args)
 
 
 def _limits(args: argparse.Namespace) -> ServerLimits:

@@ -53,7 +53,6 @@ from prefixcache.server.edge.errors import (
 from prefixcache.server.edge.http import TimedStreamingResponse
 
 router = APIRouter()
-_DISCONNECT_POLL_S = 0.25
 
 
 @router.post("/v1/messages")
@@ -90,19 +89,8 @@ async def messages(request: Request) -> Response:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     try:
-        task = asyncio.ensure_future(run.collect())
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                break
-            if await request.is_disconnected():
-                task.cancel()
-                return Response(status_code=499)  # nobody reads it; the finally aborts the run
-        try:
-            task.result()
-        except Exception as e:  # noqa: BLE001 - mapped by type; the rest is a logged 500
-            rid = request_id_of(request.scope)
-            raise (from_engine_error(e, rid) or internal_error(rid, e)) from None
+        if not await run.collect_while_connected(request):
+            return Response(status_code=499)  # nobody reads it; the finally aborts the run
         return JSONResponse(answer.message())
     finally:
         run.close()

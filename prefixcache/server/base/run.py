@@ -21,6 +21,7 @@ from typing import Protocol
 from prefixcache.api.engine import EngineAPI
 from prefixcache.api.request import CacheReport, SharedPrefix, StreamDelta
 from prefixcache.server.base.auth import Tenant
+from prefixcache.server.edge.errors import from_engine_error, internal_error, request_id_of
 from prefixcache.server.observability.activity import Activity
 from prefixcache.server.observability.cache_keys import PromptCacheKeyStats
 from prefixcache.server.observability.metrics import ServerMetrics
@@ -40,6 +41,7 @@ class RunHost(Protocol):
     def shared_tokens(self, shared: SharedPrefix | None) -> int: ...
 
 _MERGE_QUEUE = 64
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client still waits
 
 
 @dataclass
@@ -129,6 +131,26 @@ class Run:
     async def collect(self) -> None:
         async for _ in self.deltas():
             pass
+
+    async def collect_while_connected(self, request) -> bool:
+        """``collect`` for a non-streamed answer, checking every ``DISCONNECT_POLL_S`` that the
+        client still waits: False (the collection cancelled; the caller's ``close`` aborts the
+        run) when it left first. A request the engine refused or failed raises its typed
+        error's status (``from_engine_error``), anything else a logged 500."""
+        task = asyncio.ensure_future(self.collect())
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                break
+            if await request.is_disconnected():
+                task.cancel()
+                return False
+        try:
+            task.result()
+        except Exception as e:  # noqa: BLE001 - mapped by type; the rest is a logged 500
+            rid = request_id_of(request.scope)
+            raise (from_engine_error(e, rid) or internal_error(rid, e)) from None
+        return True
 
     def _on_delta(self, c: Choice, d: StreamDelta) -> None:
         first = not c.started

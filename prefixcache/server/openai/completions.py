@@ -49,7 +49,6 @@ log = logging.getLogger("prefixcache.server")
 router = APIRouter()
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions API
-_DISCONNECT_POLL_S = 0.25
 # A non-streamed body of more entries than this (a token, or one of its top logprobs) is built
 # and serialized in a worker thread (about a millisecond of work on the loop at most; a thread
 # hop for every small response would cost more than it saves).
@@ -152,19 +151,8 @@ async def _respond(request: Request, run: Run, fmt, stream: bool, include_usage:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     try:
-        task = asyncio.ensure_future(run.collect())
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                break
-            if await request.is_disconnected():
-                task.cancel()
-                return Response(status_code=499)  # nobody reads it; the finally aborts the run
-        try:
-            task.result()
-        except Exception as e:  # noqa: BLE001 - mapped by type; the rest is a logged 500
-            # A request the engine refused or failed: its typed error says which status.
-            raise (from_engine_error(e, rid) or internal_error(rid, e)) from None
+        if not await run.collect_while_connected(request):
+            return Response(status_code=499)  # nobody reads it; the finally aborts the run
         if fmt.num_entries() <= OFF_LOOP_ENTRIES:
             return JSONResponse(fmt.response())
         body = await asyncio.to_thread(_render, fmt)
