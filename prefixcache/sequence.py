@@ -23,6 +23,7 @@ the scheduler).
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from prefixcache.api.engine import EngineRequest
@@ -64,6 +65,15 @@ class SeqKV:
     # them all whenever it schedules the sequence, preempting as for any allocation, so the
     # connector never finds itself without room mid-assembly. Set at arrival (0: none).
     reserve_until: int = 0
+    # Temporary pool blocks a connector computes into while it fills the reserved slots
+    # (segments: documents computed alone, each at its own positions, before they are placed):
+    # the manager holds ``scratch_tokens`` tokens' worth in ``scratch`` from the sequence's
+    # first allocation until ``release_scratch`` (``scratch_done``), allocating them with the
+    # sequence's own slots, all or nothing, so they are paid for like any slot. A preemption
+    # frees them and re-arms the need (the connector's work starts over). Set at arrival.
+    scratch_tokens: int = 0
+    scratch: list[int] = field(default_factory=list)
+    scratch_done: bool = False
 
 
 @dataclass(eq=False)
@@ -190,6 +200,25 @@ class Sequence:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """A run of the step's one forward: tokens ``token_ids[start:start + n]`` at positions
+    start.., computed into the blocks of ``block_table`` with attention over every slot before
+    ``start``. ``samples``: its last token's logits are wanted. ``probe``: it runs through layer
+    0 and stores layer 1's K/V only, measuring how far they are from what that layer held
+    (segments' recompute selection, segments/blend.py; ``ModelRunner.execute``). Pieces may
+    share a block table: every layer stores all the forward's new K/V before any of them
+    attends (model/attention.py), so a piece sees an earlier piece of the same forward as if
+    it had been computed in a forward before it."""
+
+    token_ids: Seq[int]
+    block_table: list[int]
+    start: int
+    n: int
+    samples: bool = False
+    probe: bool = False
+
+
+@dataclass(frozen=True)
 class ScheduledSeq:
     """One sequence's share of a step: its next ``num_new_tokens`` tokens are computed."""
 
@@ -200,3 +229,9 @@ class ScheduledSeq:
     def samples(self) -> bool:
         """This chunk reaches the end of the sequence's tokens, so a token is sampled."""
         return self.seq.kv.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+    def piece(self) -> Piece:
+        """The forward's run for this chunk."""
+        seq = self.seq
+        return Piece(seq.all_token_ids, seq.kv.block_table, seq.kv.num_computed_tokens,
+                     self.num_new_tokens, self.samples)  # fmt: skip

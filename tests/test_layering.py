@@ -216,6 +216,31 @@ def test_nothing_reaches_past_the_manager():
     assert _reaches(MODULES["prefixcache.cache.manager"])
 
 
+def _model_calls(path: Path) -> list[str]:
+    """Calls that run the model: ``runner.execute(...)`` / ``runner.model(...)`` and the like
+    (``ModelRunner``'s forward, the model itself; a Redis pipeline's execute is not one)."""
+    tree = ast.parse(path.read_text())
+    return [f"{path.name}:{n.lineno} {ast.unparse(n.func)}" for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and n.func.attr in ("execute", "model")
+            and ast.unparse(n.func.value).split(".")[-1] in ("runner", "model", "self")]  # fmt: skip
+
+
+def test_only_the_engine_runs_forwards():
+    """Issue #40 step 4: a step has one forward, the engine's. The connectors and the features
+    hand it pieces (``KVConnector.prefill``); none runs the model itself (segments used to run
+    1 + N forwards of their own per step through a runner API only they used)."""
+    who = [*CONNECTORS, *FEATURES]
+    assert [r for m, p in MODULES.items() if _under(m, who) for r in _model_calls(p)] == []
+    assert _model_calls(MODULES["prefixcache.engine.llm_engine"])  # the check sees a call
+    from prefixcache.cache.connector import KVConnector
+    from prefixcache.model.runner import ModelRunner
+
+    assert not hasattr(KVConnector, "take_scheduled")
+    public = {n for n in vars(ModelRunner) if not n.startswith("_")}
+    assert public == {"allocate_kv", "execute", "read_kv", "write_kv", "copy_kv", "all_logits"}
+
+
 def test_the_server_builds_an_async_engine_in_cli_only():
     users = sorted(m for m, deps in GRAPH.items() if _under(m, ["prefixcache.server"])
                    and "prefixcache.engine.async_engine" in deps)  # fmt: skip

@@ -208,16 +208,12 @@ def test_a_warms_steps_are_bounded_by_the_shared_budget_and_paced_by_the_work_do
     eng.scheduler.pace = _FixedPace(0.1 / 40)  # shared steps: 40 tokens
     eng.scheduler.clock = lambda: 0.0  # the other tenant stays active for the whole test
     computed, observed, granted = [0], [], []
-    run, execute, observe = eng.runner.run, eng.runner.execute, eng.scheduler.observe_step
+    execute, observe = eng.runner.execute, eng.scheduler.observe_step
     schedule = eng.scheduler.schedule
 
-    def counted_run(pieces, private=None):
+    def counted_execute(pieces):  # (a warm has no probes: every piece counts whole)
         computed[0] += sum(p.n for p in pieces)
-        return run(pieces, private)
-
-    def counted_execute(batch):
-        computed[0] += sum(s.num_new_tokens for s in batch)
-        return execute(batch)
+        return execute(pieces)
 
     def seen(tokens, seconds, rows):
         observed.append((tokens, computed[0]))
@@ -230,7 +226,7 @@ def test_a_warms_steps_are_bounded_by_the_shared_budget_and_paced_by_the_work_do
             granted.append(out.num_batched_tokens)
         return out
 
-    eng.runner.run, eng.runner.execute = counted_run, counted_execute
+    eng.runner.execute = counted_execute
     eng.scheduler.observe_step, eng.scheduler.schedule = seen, scheduled
     victim = eng.add_request("v", eng.tokenizer.encode(PROSE)[:24],
                              SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),

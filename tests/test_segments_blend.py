@@ -17,7 +17,7 @@ from prefixcache.api.segments import SegmentOptions
 from prefixcache.kv.pool import KVCache, KVLayout
 from prefixcache.model.attention import build_metadata
 from prefixcache.model.decode_attention import slots_of
-from prefixcache.segments import blend
+from prefixcache.segments import assembler, blend
 from prefixcache.server.edge.errors import APIError
 from prefixcache.server.openai.prompt import segment_request
 from prefixcache.server.openai.protocol import ChatCompletionRequest
@@ -111,17 +111,21 @@ def test_deviation_selects_the_true_top_deviation_tokens(llm, monkeypatch):
 
     monkeypatch.setattr(blend, "select", spy_select)
     asm = llm.engine.connectors.get("segments").assembler
-    compute = asm._compute
+    execute = asm.runner.execute
+    lo, hi = seg.spans[0][0], seg.spans[-1][1]
+    pool_v1, probed = [], []
 
-    pool_v1 = []
+    def spy_execute(pieces):  # the recompute forwards come after the probe's
+        probed.extend(p for p in pieces if p.probe)
+        mine = [p for p in pieces if not p.probe and p.start < hi]
+        if probed and mine:
+            if not pool_v1:  # before the first recompute forward: what the probe left
+                slots = slots_of(mine[0].block_table, lo, hi, asm.block_size)
+                pool_v1.append(asm.runner.kv.layer(1).gather(slots.to(asm.runner.device), torch.float32)[1])
+            computed.extend((p.start, p.start + p.n) for p in mine)
+        return execute(pieces)
 
-    def spy_compute(s, pieces):  # after the probe, before the recompute forward
-        computed.extend(pieces)
-        slots = slots_of(s.kv.block_table, seg.spans[0][0], seg.spans[-1][1], asm.block_size)
-        pool_v1.append(asm.runner.kv.layer(1).gather(slots.to(asm.runner.device), torch.float32)[1])
-        compute(s, pieces)
-
-    monkeypatch.setattr(asm, "_compute", spy_compute)
+    monkeypatch.setattr(asm.runner, "execute", spy_execute)
     out = llm.chat(msgs, GREEDY, cache_salt="blend-true-top", cache_mode="segments",
                    segment_recompute_tokens=k, segment_selection="deviation")[0]  # fmt: skip
     assert len(seen) == len(seg.spans)
@@ -131,7 +135,9 @@ def test_deviation_selects_the_true_top_deviation_tokens(llm, monkeypatch):
     not_first_k = 0
     for (a, b), (dev, first, count, chosen) in zip(seg.spans, seen):
         assert (first, count) == (0, k) and len(chosen) == k  # the budget exactly
-        placed_v1 = asm.compute_alone(seg.token_ids[a:b], None, sink).v[1]  # [KVH, n, D]
+        ids = seg.token_ids[a:b]  # what was computed alone, kept, and placed
+        ns = "blend-true-top"  # (the request's namespace: its cache_salt)
+        placed_v1 = asm.store.get(asm.key(ids, ns, sink), ids, ns, sink).v[1]  # [KVH, n, D]
         ref = (cold_v1[:, a:b] - placed_v1).square().sum((0, 2))
         torch.testing.assert_close(dev, ref, rtol=1e-3, atol=1e-4 * ref.max().item())
         # the chosen are the top k of the independent deviation (no near-tie at the cut here)
@@ -141,7 +147,6 @@ def test_deviation_selects_the_true_top_deviation_tokens(llm, monkeypatch):
         not_first_k += chosen != list(range(k))
     assert not_first_k > 0
     # the probe left every document token's layer-1 K/V as a cold prefill computes them
-    lo, hi = seg.spans[0][0], seg.spans[-1][1]
     torch.testing.assert_close(pool_v1[0].cpu(), cold_v1[:, lo:hi], rtol=1e-4, atol=1e-4)
     assert out.num_segment_cached_tokens == 0  # first sight: computed alone (a miss)
     llm.check_integrity()
@@ -209,13 +214,13 @@ def test_quantized_kv(kv_dtype, monkeypatch):
                     segment_selection="deviation")  # fmt: skip
     assert _tokens(full) == cold
     devs = []
-    probe = blend.probe
+    blend_pieces = assembler.blend_pieces
 
-    def spy(*args):
-        devs.append(probe(*args))  # deviations of the tokens up to the end of the last span
-        return devs[-1]
+    def spy(options, pieces, probed, deviation, start):
+        devs.append(deviation)  # deviations of the tokens up to the end of the last span
+        return blend_pieces(options, pieces, probed, deviation, start)
 
-    monkeypatch.setattr(blend, "probe", spy)
+    monkeypatch.setattr(assembler, "blend_pieces", spy)
     opts = {"cache_mode": "segments", "segment_recompute_tokens": 4, "segment_selection": "deviation"}
     miss = eng.chat(msgs, g, cache_salt="q", **opts)[0]
     hit = eng.chat(msgs, g, cache_salt="q", **opts)[0]

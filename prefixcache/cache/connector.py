@@ -10,10 +10,12 @@ only through these hooks, in this order within a request's life and a step:
   a sequence while any connector has work pending for it (status ``RequestStatus.LOADING``,
   set and cleared by ``ConnectorSet`` alone);
 - per step, ``before_step()`` (install finished work; returns the sequences whose pending work
-  changed), then the scheduler, then ``take_scheduled(scheduled)`` (a connector may spend the
-  tokens granted to some sequences on its own work, inside the step's token budget; those leave
-  the forward, and it says how many tokens of work it did: the step's pace counts those, not
-  what was granted), then the forward and ``after_forward(prefill_tokens, seconds)``, then per
+  changed), then the scheduler, then ``prefill(s)`` for each scheduled sequence (a connector
+  may spend the tokens granted to it on pieces of its own prefill plan, ``Prefill``: they run
+  in the step's one forward in place of the sequence's chunk, and it says how many tokens of
+  work they are: the step's pace counts those, not what was granted), then the forward and
+  ``after_forward(output, prefill_tokens, seconds)`` (a connector reads what its pieces
+  computed; it returns the sequences it finished), then per
   sequence ``after_commit(seq, first_block)`` (the blocks registered from ``first_block`` on),
   then ``on_events(events)`` with what the prefix index recorded during the step
   (kv_events.py; only connectors with ``wants_events``);
@@ -34,12 +36,24 @@ connector's own module may use torch; the protocol and the set do not.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from prefixcache.api.request import RequestStatus
 from prefixcache.cache.kv_events import KVEvent
-from prefixcache.sequence import ScheduledSeq, Sequence
+from prefixcache.sequence import Piece, ScheduledSeq, Sequence
 
 IDLE_WAIT = 0.005  # seconds a step with nothing scheduled waits for a connector's pending work
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """A connector's use of one scheduled sequence's grant (``KVConnector.prefill``): its
+    ``pieces`` run in the step's forward in place of the sequence's chunk (the engine samples
+    and commits nothing of it), and count ``tokens`` of work: at most the grant, less when the
+    connector's work ended or must wait for this forward before it can go on."""
+
+    pieces: list[Piece]
+    tokens: int
 
 
 class KVConnector:
@@ -54,15 +68,16 @@ class KVConnector:
     def before_step(self) -> Iterable[Sequence]:
         return ()
 
-    def take_scheduled(
-        self, scheduled: list[ScheduledSeq]
-    ) -> tuple[list[ScheduledSeq], list[Sequence], int]:
-        """(the batch left for the forward, the sequences this connector finished, the tokens
-        of work it did for those it took: at most what they were granted, less when one's work
-        ended before its grant did)."""
-        return scheduled, [], 0
+    def prefill(self, s: ScheduledSeq) -> Prefill | None:
+        """None: ``s``'s chunk runs as scheduled; else what the connector makes of its grant."""
+        return None
 
-    def after_forward(self, prefill_tokens: int, seconds: float) -> None: ...
+    def after_forward(self, output: object | None, prefill_tokens: int, seconds: float) -> Iterable[Sequence]:
+        """The step's forward ran (``output``: model.runner.StepOutput; None when the step had
+        no pieces to run); ``prefill_tokens`` prompt tokens in ``seconds``. Returns the
+        sequences this connector finished (nothing sampled: a warm that kept its documents)."""
+        return ()
+
     def after_commit(self, seq: Sequence, first_block: int) -> None: ...
     def on_events(self, events: list[KVEvent]) -> None: ...
     def has_pending(self) -> bool:
@@ -146,22 +161,23 @@ class ConnectorSet:
                     loaded.append(seq)
         return loaded
 
-    def take_scheduled(
-        self, scheduled: list[ScheduledSeq]
-    ) -> tuple[list[ScheduledSeq], list[Sequence], int]:
-        done: list[Sequence] = []
+    def prefill(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[Piece], int]:
+        """(the chunks that run as scheduled, the connectors' pieces for the others, the tokens
+        of work those pieces are). A sequence's first connector to answer takes it."""
+        ordinary: list[ScheduledSeq] = []
+        pieces: list[Piece] = []
         worked = 0
-        for c in self.connectors:
-            if not scheduled:
-                break
-            scheduled, finished, tokens = c.take_scheduled(scheduled)
-            done.extend(finished)
-            worked += tokens
-        return scheduled, done, worked
+        for s in scheduled:
+            plan = next((p for c in self.connectors if (p := c.prefill(s)) is not None), None)
+            if plan is None:
+                ordinary.append(s)
+            else:
+                pieces.extend(plan.pieces)
+                worked += plan.tokens
+        return ordinary, pieces, worked
 
-    def after_forward(self, prefill_tokens: int, seconds: float) -> None:
-        for c in self.connectors:
-            c.after_forward(prefill_tokens, seconds)
+    def after_forward(self, output: object | None, prefill_tokens: int, seconds: float) -> list[Sequence]:
+        return [seq for c in self.connectors for seq in c.after_forward(output, prefill_tokens, seconds)]
 
     def after_commit(self, seq: Sequence, first_block: int) -> None:
         for c in self.connectors:

@@ -215,12 +215,29 @@ class KVCacheManager:
         return SeqKV(self.first_root(scope), scope.shared_namespace, scope.shared_blocks)
 
     @staticmethod
-    def restrict(seq: Sequence, max_registered_blocks: int | None, reserve_until: int) -> None:
+    def restrict(seq: Sequence, max_registered_blocks: int | None, reserve_until: int,
+                 scratch_tokens: int = 0) -> None:  # fmt: skip
         """At arrival, for a connector that fills some of ``seq``'s KV itself (segments): only
-        its first ``max_registered_blocks`` full blocks may enter the index (None: all), and its
-        first ``reserve_until`` tokens' slots are allocated in one go (sequence.SeqKV)."""
+        its first ``max_registered_blocks`` full blocks may enter the index (None: all), its
+        first ``reserve_until`` tokens' slots are allocated in one go, and ``scratch_tokens``
+        tokens of temporary blocks are held with them until ``release_scratch``
+        (sequence.SeqKV)."""
         seq.kv.max_registered_blocks = max_registered_blocks
         seq.kv.reserve_until = reserve_until
+        seq.kv.scratch_tokens = scratch_tokens
+
+    def _scratch_missing(self, seq: Sequence) -> int:
+        """Scratch blocks ``seq`` still needs allocated (sequence.SeqKV.scratch_tokens)."""
+        if seq.kv.scratch_done or not seq.kv.scratch_tokens:
+            return 0
+        return blocks_needed(seq.kv.scratch_tokens, self.block_size) - len(seq.kv.scratch)
+
+    def release_scratch(self, seq: Sequence) -> None:
+        """The connector is done with ``seq``'s scratch blocks: back to the free list (never
+        registered: nothing of them is cached). Until a preemption re-arms the need."""
+        self.pool.release(seq.kv.scratch, tail=False)
+        seq.kv.scratch = []
+        seq.kv.scratch_done = True
 
     def join(self, shared_key: BlockHash, namespace: str | None) -> BlockHash:
         j = join_hash(shared_key, self.root(namespace))
@@ -393,7 +410,7 @@ class KVCacheManager:
         fresh = blocks_needed(m.num_tokens + num_new_tokens, self.block_size) - len(m.block_ids)
         held = m.block_ids if m.partial_block is None else [*m.block_ids, m.partial_block]
         idle_hits = self.pool.num_evictable(held)
-        return fresh + idle_hits
+        return fresh + idle_hits + self._scratch_missing(seq)
 
     def admit(self, seq: Sequence, m: PrefixMatch, num_new_tokens: int) -> bool:
         """Take the hit blocks and allocate room for ``num_new_tokens`` more; all or nothing.
@@ -446,14 +463,18 @@ class KVCacheManager:
         if w is not None:
             self._slide(seq)
         need = blocks_needed(seq.kv.num_computed_tokens + num_new_tokens, self.block_size)
-        extra = need - len(seq.kv.block_table)
-        if extra <= 0:
+        extra = max(0, need - len(seq.kv.block_table))
+        scratch = self._scratch_missing(seq)  # (never with window parts: segments refuse those)
+        if extra + scratch <= 0:
             return True
         if w is not None and extra > w.num_available:
             return False
-        new = self.pool.allocate(extra)
+        new = self.pool.allocate(extra + scratch)
         if new is None:
             return False
+        if scratch:
+            seq.kv.scratch.extend(new[extra:])
+            new = new[:extra]
         if w is not None:  # (evicting a block for these forgot its part: still available)
             ok = w.hold(new)
             assert ok, "window parts short after the check"
@@ -568,6 +589,10 @@ class KVCacheManager:
             self.pool.release([planned[1].src], tail=False)
         self.pool.release(seq.kv.block_table)
         seq.kv.block_table = []
+        if seq.kv.scratch:
+            self.pool.release(seq.kv.scratch, tail=False)
+        seq.kv.scratch = []
+        seq.kv.scratch_done = False  # (a preempted connector's work starts over)
         seq.kv.num_registered_blocks = 0
         seq.kv.num_computed_tokens = 0
 
@@ -671,7 +696,13 @@ class KVCacheManager:
         """The pool's and the window parts' invariants, with every reference ``seqs`` (every
         live sequence) and the planned copies hold."""
         seqs = list(seqs)
-        self.pool.check_integrity([s.kv.block_table for s in seqs] + self.copy_sources())
+        self.pool.check_integrity(
+            [s.kv.block_table for s in seqs] + [s.kv.scratch for s in seqs] + self.copy_sources()
+        )
+        for s in seqs:
+            assert not (s.kv.scratch and s.kv.scratch_done), "scratch held after its release"
+            keys = self.pool.index.keys_of(s.kv.scratch)
+            assert all(k is None for k in keys), "a scratch block is registered"
         self.check_window(seqs)
 
     # ---- explanation -----------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Segment caching as a KV connector (cache/connector.py): plans a segments request at arrival,
-spends its granted tokens on the assembly (assembler.py) inside the step's budget, and, when
+spends its granted tokens on the assembly's pieces (assembler.py) in the step's one forward, and, when
 persistent tiers are configured, looks up the documents the segment store lacks there at arrival
 and writes each segment computed alone through (tier records of kind "segments",
 segments/record.py).
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from prefixcache.cache.connector import KVConnector
+from prefixcache.cache.connector import KVConnector, Prefill
 from prefixcache.cache.shares import owner_of
 from prefixcache.segments import record
 from prefixcache.segments.assembler import SegmentAssembler
@@ -51,9 +51,10 @@ class SegmentConnector(KVConnector):
             return
         plan = self.assembler.plan(seq.prompt_token_ids, request.segments, seq.namespace)
         self._plans[seq.request_id] = plan
-        # a warm computes into private caches: no pool slots
+        # a warm computes into scratch blocks only: none of its own slots are reserved
         reserve = 0 if plan.store_only else plan.end
-        self.assembler.kv.restrict(seq, self.assembler.register_limit(plan), reserve)
+        self.assembler.kv.restrict(seq, self.assembler.register_limit(plan), reserve,
+                                   self.assembler.scratch_tokens(plan))  # fmt: skip
         if self.storage is not None:
             self._restore(seq, plan)
 
@@ -68,12 +69,15 @@ class SegmentConnector(KVConnector):
             self.storage.cancel(entry[1])
 
     # ---- the step --------------------------------------------------------------------------------
-    def take_scheduled(
-        self, scheduled: list[ScheduledSeq]
-    ) -> tuple[list[ScheduledSeq], list[Sequence], int]:
+    def prefill(self, s: ScheduledSeq) -> Prefill | None:
         if not self._plans:
-            return scheduled, [], 0
-        return self.assembler.prepare(scheduled, self._plans)
+            return None
+        return self.assembler.prefill(s, self._plans.get(s.seq.request_id))
+
+    def after_forward(self, output, prefill_tokens: int, seconds: float) -> list[Sequence]:
+        if not self.assembler.jobs:
+            return []
+        return self.assembler.after_forward(output)
 
     def before_step(self) -> list[Sequence]:
         if self.storage is None or not self._restores:

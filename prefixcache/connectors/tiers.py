@@ -170,11 +170,12 @@ class TierConnector(KVConnector):
         self._by_tenant.setdefault(seq.tenant, Counter()).update(got)
         self.manager.count_served({k: v // b for k, v in got.items()})
 
-    def after_forward(self, prefill_tokens: int, seconds: float) -> None:
+    def after_forward(self, output, prefill_tokens: int, seconds: float) -> tuple[()]:
         """A step's prompt tokens and forward time: steps mostly of prefill teach the tiers
         what recomputing costs (a tier slower than that is skipped)."""
         if prefill_tokens >= MIN_PREFILL_SAMPLE:
             self.manager.observe_prefill(prefill_tokens, seconds)
+        return ()
 
     def has_pending(self) -> bool:
         return bool(self._jobs)

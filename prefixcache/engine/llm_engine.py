@@ -315,23 +315,27 @@ class LLMEngine:
         A failure after the forward belongs to one sequence: it is finished alone
         (finish_reason "error", seq.error set) and every other sequence of the step goes on
         unchanged. The forward itself is shared; if it raises, the caller fails the batch."""
-        # A connector may spend the tokens granted to some sequences on its own work (segments
-        # assembling their documents, in pieces over as many steps as it takes); those leave
-        # this forward, and those it finished (warms that kept their documents) end.
-        out.scheduled[:], finished, worked = self.connectors.take_scheduled(out.scheduled)
-        self._step_tokens = out.num_batched_tokens + worked
+        # A connector may spend the tokens granted to some sequences on pieces of its own
+        # prefill plan (segments assembling their documents, over as many steps as it takes):
+        # they run in this one forward in place of those sequences' chunks, and those it
+        # finished (warms that kept their documents) end.
+        ordinary, pieces, worked = self.connectors.prefill(out.scheduled)
+        self._step_tokens = sum(s.num_new_tokens for s in ordinary) + worked
+        self._mark_scheduled(ordinary)
+        pieces = [s.piece() for s in ordinary] + pieces
+        t0 = time.perf_counter()
+        output = self.runner.execute(pieces) if pieces else None
+        finished = self.connectors.after_forward(
+            output, _prompt_tokens(ordinary) + worked, time.perf_counter() - t0
+        )
         for seq in finished:
             self._finish(seq, "stop")
-        if not out.scheduled:
+        if not ordinary:
             return finished
-        self._mark_scheduled(out.scheduled)
-        t0 = time.perf_counter()
-        logits = self.runner.execute(out.scheduled)
-        self.connectors.after_forward(_prompt_tokens(out.scheduled), time.perf_counter() - t0)
-        sampling = [s for s in out.scheduled if s.samples]
-        sampled = sample(logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
-        failed = self._commit(out.scheduled)
-        return finished + self._postprocess(out.scheduled, sampling, sampled, failed)
+        sampling = [s for s in ordinary if s.samples]
+        sampled = sample(output.logits, [s.seq.params for s in sampling], [s.seq.generator for s in sampling])
+        failed = self._commit(ordinary)
+        return finished + self._postprocess(ordinary, sampling, sampled, failed)
 
     @staticmethod
     def _mark_scheduled(scheduled: list[ScheduledSeq]) -> None:

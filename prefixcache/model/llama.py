@@ -7,6 +7,7 @@ at tensor boundaries; T is the number of new tokens in the flat batch of a step.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -149,9 +150,10 @@ class DecoderLayer:
         v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
         return qk[:, :h], qk[:, h:], v
 
-    def __call__(self, x, cos, sin, kv: LayerKV, meta: AttentionMetadata):
+    def __call__(self, x, cos, sin, kv: LayerKV, meta: AttentionMetadata, qkv=None):
+        """``qkv``: ``self.qkv(x, cos, sin)`` when the caller already has it (a probe)."""
         t, h, d, native = x.shape[0], self.h, self.d, self.native
-        q, k, v = self.qkv(x, cos, sin)
+        q, k, v = self.qkv(x, cos, sin) if qkv is None else qkv
         o = paged_attention(q, k, v, kv, meta, self.scale, self.isa, self.window)  # [T, H, D]
         o = self.o_proj(o.reshape(t, h * d))
         if self.out_norms is not None:
@@ -175,6 +177,21 @@ _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+
+
+@dataclass
+class ProbeRows:
+    """The forward's last rows are probes (``sequence.Piece.probe``, segments/blend.py): they
+    run through layer 0 like any row (storing layer-0 K/V, attending), then only layer 1's K/V
+    are computed from its output and stored over what that layer's slots held; the squared
+    distance between the V stored and the V held, summed over KV heads, is each row's
+    ``deviation``. The other rows go on through every layer, as if the probes were not there
+    (on the exact path a row's bits never depend on its companions: docs/design.md)."""
+
+    keep: int  # the rows before the probes
+    slots: torch.Tensor  # the probes' slots
+    rest: AttentionMetadata | None  # the metadata of the first ``keep`` rows alone
+    deviation: torch.Tensor | None = None  # [probe rows] float32 on the CPU, set by the forward
 
 
 class LlamaModel:
@@ -435,11 +452,14 @@ class LlamaModel:
         kv: KVCache,  # the paged pool: K, V [L, KVH, slots, D] in its KV format
         meta: AttentionMetadata,
         logits_index: torch.Tensor,  # [N] rows of the batch that need logits
+        probe: ProbeRows | None = None,
     ) -> torch.Tensor:  # [N, vocab] float32
         x = self._embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary.tables(positions, x.dtype, self.native)
         d = meta.decode
-        if (self.fused_layers is not None and not meta.seqs and d is not None
+        if probe is not None:
+            x = self._probed_layers(x, cos, sin, kv, meta, probe)
+        elif (self.fused_layers is not None and not meta.seqs and d is not None
                 and d.native is not None and x.shape[0] <= LARGE_M):  # fmt: skip
             # a decode-only step: every layer in one native call, the same numbers
             cfg = self.config
@@ -472,24 +492,27 @@ class LlamaModel:
         return self.lm_head(h).float()
 
 
-    @torch.inference_mode()
-    def layer1_kv(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv: KVCache,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # k (rotated), v: [T, KVH, D] in the compute dtype
-        """Layer 0 over the tokens (storing their layer-0 K/V and attending like any forward),
-        then layer 1's K and V of its output, neither stored nor attended: the probe of
-        CacheBlend-style recompute selection (segments/blend.py). One layer's cost."""
+    def _probed_layers(self, x, cos, sin, kv: KVCache, meta, probe: ProbeRows):
+        """The layer loop of a forward whose last rows are probes (``ProbeRows``); returns the
+        other rows' output."""
         if len(self.layers) < 2:
             raise ValueError("a one-layer model has no layer 1 to probe")
-        x = self._embed(input_ids)
-        tables = [self.rotary_of(i).tables(positions, x.dtype, self.native) for i in (0, 1)]
-        x = self.layers[0](x, *tables[0], kv.layer(0, self.native), meta)
-        _, k, v = self.layers[1].qkv(x, *tables[1])
-        return k, v
+        if kv.windowed or self.windowed:
+            raise ValueError("probes run on models without sliding-window layers")
+        keep = probe.keep
+        x = self.layers[0](x, cos, sin, kv.layer(0, self.native), meta)
+        layer, kv1 = self.layers[1], kv.layer(1, self.native)
+        q, k, v = layer.qkv(x, cos, sin)
+        _, held = kv1.gather(probe.slots, torch.float32)  # [KVH, n, D], before the store
+        _, stored = kv1.store(probe.slots, k[keep:], v[keep:])  # [n, KVH, D] as attention reads it
+        probe.deviation = (stored.float() - held.transpose(0, 1)).square().sum((1, 2)).cpu()
+        if keep == 0:
+            return x[:0]
+        cos, sin = cos[:keep], sin[:keep]
+        x = layer(x[:keep], cos, sin, kv1, probe.rest, (q[:keep], k[:keep], v[:keep]))
+        for i in range(2, len(self.layers)):
+            x = self.layers[i](x, cos, sin, kv.layer(i, self.native), probe.rest)
+        return x
 
     def rotary_of(self, layer: int) -> Rotary:
         """The rotary tables a layer's K is rotated with."""

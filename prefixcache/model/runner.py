@@ -1,6 +1,7 @@
-"""Model runner: the sole caller of the model. Turns a scheduled batch into tensors, runs the
-model, returns logits; and, for the KV connectors (segment caching), computes K/V without
-sampling, into the pool or a private cache, reads and writes K/V, and probes layer 1.
+"""Model runner: the sole caller of the model. Turns a step's pieces (``sequence.Piece``: the
+scheduled chunks, and a connector's own prefill pieces) into tensors, runs the model once,
+returns the logits (and the probes' deviations); reads and writes K/V by block table for the
+connectors that move it (segments place documents, partial blocks are copied).
 
 It sees sequences only through what it is handed (token ids, positions, block tables); it never
 sees queues or decides what runs.
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -19,9 +19,9 @@ from prefixcache import kernels
 from prefixcache.kv.pool import KVCache, KVLayout
 from prefixcache.model.attention import build_metadata
 from prefixcache.model.decode_attention import slots_of
-from prefixcache.model.llama import LlamaModel, rerotate
+from prefixcache.model.llama import LlamaModel, ProbeRows, rerotate
 from prefixcache.model.loader import LoadedWeights
-from prefixcache.sequence import ScheduledSeq
+from prefixcache.sequence import Piece
 
 log = logging.getLogger(__name__)
 
@@ -59,24 +59,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 @dataclass(frozen=True)
-class Piece:
-    """Tokens ``token_ids[start:start + n]`` at positions start.., computed into the blocks of
-    ``block_table`` with attention over every slot before ``start``; nothing sampled."""
+class StepOutput:
+    """What one forward gives back: float32 logits ``[N, vocab]`` for the pieces that sample,
+    in batch order, and each probe piece's deviation (``ProbeRows``), by piece."""
 
-    token_ids: Seq[int]
-    block_table: list[int]
-    start: int
-    n: int
+    logits: torch.Tensor
+    probes: list[tuple[Piece, torch.Tensor]]
 
-
-@dataclass(frozen=True)
-class PrivateKV:
-    """A KV cache of the pool's format for one sequence of up to ``capacity`` tokens, outside
-    the pool (``ModelRunner.private_kv``): K/V computed there touch no other request's."""
-
-    cache: KVCache
-    block_table: list[int]
-    capacity: int
+    def deviation(self, piece: Piece) -> torch.Tensor:
+        return next(d for p, d in self.probes if p is piece)
 
 
 class ModelRunner:
@@ -103,70 +94,53 @@ class ModelRunner:
         self.kv = KVCache(self.config, layout, self.device)
         self.window_table = window_table
 
-    def _forward(self, tables, starts, counts, ids, pos, cache: KVCache, rows: list[int],
-                 window_tables: list[list[int]] | None = None) -> torch.Tensor:  # fmt: skip
-        meta = build_metadata(tables, starts, counts, self.block_size, self.device,
-                              native=self.model.native, exact=self.model.exact,
-                              windowed=self.model.windowed, window_tables=window_tables)  # fmt: skip
-        dev = self.device
-        return self.model(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(pos, dtype=torch.long, device=dev),
-            cache,
-            meta,
-            torch.tensor(rows, dtype=torch.long, device=dev),
-        )
-
-    @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Run one step; returns float32 logits [N, vocab] for the sequences that sample, in
-        batch order."""
-        ids: list[int] = []
-        pos: list[int] = []
-        logits_rows: list[int] = []
-        for s in batch:
-            seq, start, n = s.seq, s.seq.kv.num_computed_tokens, s.num_new_tokens
-            ids.extend(seq.all_token_ids[start : start + n])
-            pos.extend(range(start, start + n))
-            if s.samples:
-                logits_rows.append(len(ids) - 1)
-        tables = [s.seq.kv.block_table for s in batch]
-        return self._forward(
-            tables, [s.seq.kv.num_computed_tokens for s in batch],
-            [s.num_new_tokens for s in batch], ids, pos, self.kv, logits_rows,
-            None if self.window_table is None else [self.window_table(t) for t in tables],
+    def _meta(self, pieces: list[Piece]):
+        tables = [p.block_table for p in pieces]
+        return build_metadata(
+            tables, [p.start for p in pieces], [p.n for p in pieces], self.block_size,
+            self.device, native=self.model.native, exact=self.model.exact,
+            windowed=self.model.windowed,
+            window_tables=None if self.window_table is None else [self.window_table(t) for t in tables],
         )  # fmt: skip
 
     @torch.inference_mode()
-    def run(self, pieces: list[Piece], private: PrivateKV | None = None) -> None:
-        """Compute the K/V of ``pieces`` in one forward, into the pool (or ``private``); nothing
-        is sampled. Pieces may share a block table: every layer stores all the forward's new
-        K/V before any of them attends (attention.py), so a piece attends over an earlier piece
-        of the same forward exactly as if that piece had been computed in a forward before it."""
+    def execute(self, pieces: list[Piece]) -> StepOutput:
+        """The step's one forward over ``pieces`` (probes last, whatever their order here)."""
+        probes = [p for p in pieces if p.probe]
+        if probes:
+            pieces = [p for p in pieces if not p.probe]
         ids: list[int] = []
         pos: list[int] = []
-        for p in pieces:
+        rows: list[int] = []
+        for p in pieces + probes:
             ids.extend(p.token_ids[p.start : p.start + p.n])
             pos.extend(range(p.start, p.start + p.n))
-        cache = self.kv if private is None else private.cache
-        self._forward([p.block_table for p in pieces], [p.start for p in pieces],
-                      [p.n for p in pieces], ids, pos, cache, [])  # fmt: skip
-
-    def private_kv(self, num_tokens: int) -> PrivateKV:
-        """A private cache for one sequence of ``num_tokens`` tokens, in the pool's format."""
-        bs, lay = self.block_size, self.kv.layout
-        nblocks = -(-num_tokens // bs)
-        cache = KVCache(self.config, KVLayout(nblocks, bs, lay.bytes_per_token, lay.kv_format), self.device)
-        return PrivateKV(cache, list(range(nblocks)), num_tokens)
+            if p.samples:
+                rows.append(len(ids) - 1)
+        meta = self._meta(pieces + probes)
+        probe = None
+        if probes:
+            keep = len(ids) - sum(p.n for p in probes)
+            probe = ProbeRows(keep, meta.slot_mapping[keep:], self._meta(pieces) if pieces else None)
+        dev = self.device
+        logits = self.model(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            self.kv, meta, torch.tensor(rows, dtype=torch.long, device=dev), probe,
+        )  # fmt: skip
+        if probe is None:
+            return StepOutput(logits, [])
+        return StepOutput(logits, list(zip(probes, probe.deviation.split([p.n for p in probes]))))
 
     @torch.inference_mode()
-    def read_kv(self, private: PrivateKV, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of positions ``[start, end)`` of a private cache, as the float32 values attention
-        reads (dequantized): ``[layers, kv_heads, end - start, head_dim]`` each."""
-        slots = torch.arange(start, end, device=self.device)  # its block table is 0, 1, ...
+    def read_kv(self, block_table: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of positions ``[start, end)`` of ``block_table`` in the pool, as the float32
+        values attention reads (dequantized): ``[layers, kv_heads, end - start, head_dim]``
+        each."""
+        slots = slots_of(block_table, start, end, self.block_size).to(self.device)
         ks, vs = [], []
         for i in range(self.config.num_layers):
-            k, v = private.cache.layer(i).gather(slots, torch.float32)
+            k, v = self.kv.layer(i).gather(slots, torch.float32)
             ks.append(k.clone())
             vs.append(v.clone())
         return torch.stack(ks), torch.stack(vs)
@@ -197,35 +171,16 @@ class ModelRunner:
         self.kv.copy_tokens(copies, parts)
 
     @torch.inference_mode()
-    def probe(self, token_ids: Seq[int], block_table: list[int], start: int, end: int,
-              max_chunk: int) -> torch.Tensor:  # fmt: skip
-        """The layer-1 V deviation of each token in ``[start, end)`` (float32 on the CPU,
-        ``[end - start]``): layer 0 runs over the tokens (storing their exact layer-0 K/V), then
-        layer 1's K/V of its output replace what was placed in the pool, and the squared
-        distance between the two is the token's deviation (segments/blend.py). Tokens before
-        ``start`` must be in the pool; the deviation of a token nothing was placed for is
-        meaningless (its layer-1 slot held nothing)."""
-        model, dev, bs = self.model, self.device, self.block_size
-        layer1 = self.kv.layer(1, model.native)
-        out = []
-        for a in range(start, end, max_chunk):
-            n = min(max_chunk, end - a)
-            meta = build_metadata([block_table], [a], [n], bs, dev, native=model.native,
-                                  exact=model.exact, windowed=model.windowed)  # fmt: skip
-            ids = torch.tensor(token_ids[a : a + n], dtype=torch.long, device=dev)
-            k, v = model.layer1_kv(ids, torch.arange(a, a + n, device=dev), self.kv, meta)
-            _, placed = layer1.gather(meta.slot_mapping, torch.float32)  # [KVH, n, D]
-            _, exact = layer1.store(meta.slot_mapping, k, v)  # [n, KVH, D] as attention reads it
-            out.append((exact.float() - placed.transpose(0, 1)).square().sum((1, 2)).cpu())
-        return torch.cat(out) if out else torch.empty(0)
-
-    @torch.inference_mode()
     def all_logits(self, ids: list[int], last: int | None = None) -> torch.Tensor:
         """Next-token logits at every position of one prompt, [len(ids), vocab] float32 (the
         ``last`` positions only when given: [last, vocab]), from a single prefill on a private
         KV cache (the engine's pool is not touched): for quality measurements (perplexity, KL
         between weight formats) and parity tests."""
-        n = len(ids)
-        private = self.private_kv(n)
+        n, bs, lay, dev, model = len(ids), self.block_size, self.kv.layout, self.device, self.model
+        nblocks = -(-n // bs)
+        cache = KVCache(self.config, KVLayout(nblocks, bs, lay.bytes_per_token, lay.kv_format), dev)
+        meta = build_metadata([list(range(nblocks))], [0], [n], bs, dev, native=model.native,
+                              exact=model.exact, windowed=model.windowed)  # fmt: skip
         rows = list(range(0 if last is None else max(0, n - last), n))
-        return self._forward([private.block_table], [0], [n], ids, range(n), private.cache, rows)
+        return model(torch.tensor(ids, dtype=torch.long, device=dev), torch.arange(n, device=dev),
+                     cache, meta, torch.tensor(rows, dtype=torch.long, device=dev))  # fmt: skip

@@ -2,7 +2,7 @@
 segment store, recompute the first tokens of each in its new context, go on normally after.
 
 For a sequence with a ``SegmentPlan``, from when it is first scheduled (and again after a
-preemption: the assembly is deterministic), ``prepare`` does, in prompt order::
+preemption: the assembly is deterministic), its assembly (``_Job``) does, in prompt order::
 
     [ exact prefix ][ doc A          ][ doc B          ][ question ... ]
       computed        k tokens | rest   k tokens | rest   left to the scheduler
@@ -23,19 +23,32 @@ compute. The output of a segments request does not depend on whether its segment
 store: a miss computes the same KV alone that a hit reads (cold == warm within the mode).
 With k >= the span length nothing is placed and the assembly is a chunked cold prefill.
 
-Segments work is prefill work of the requesting tenant, inside the step's token budget. The
-scheduler grants a segments sequence tokens as it grants any prefill chunk (within
-``max_num_batched_tokens`` and the tenant's share, fairness.py); ``prepare`` spends them on the
-sequence's assembly job (``_Job``) and the sequence drops out of the step's forward. The job
-resumes where it stopped at the next step that grants it tokens, so a request with many documents
-takes many steps and every other request runs between them (the engine lock is released between
-steps). Tokens counted: each token of a forward computed alone (the sink included), each token
-recomputed or computed exactly, and the probe as 1/layers of its tokens; placing and store hits
-are copies and count nothing. Pieces of a job never change its result: a document computed alone
-in several forwards, or pieces spread over several forwards, give the same bits on the exact
-path (chunked == whole, docs/design.md section 2) and agree elsewhere, as any chunked prefill.
-A preemption voids the job (its blocks are freed; the job remembers the preemption count it
-began at); readmitted, the sequence starts a new one, finding the documents already kept in the store.
+Segments work is a prefill plan run in the step's one forward. The scheduler grants a segments
+sequence tokens as it grants any prefill chunk (within ``max_num_batched_tokens`` and the
+tenant's share, fairness.py); ``prefill`` spends them on pieces (``sequence.Piece``) of its
+job's current phase, which run in the step's forward beside every other sequence's chunk in
+place of the sequence's own:
+
+1. alone: each document the store lacks, after the sink, at positions 0.. of temporary pool
+   blocks (``SeqKV.scratch``, held with the sequence's reserved slots from its admission, so
+   they are paid for like any slot and a preemption frees them); after the forward that
+   computed its last token it is read back, kept in the store and written through, and the
+   scratch goes back once every one is kept;
+2. then every document is placed (a copy, between forwards); with deviation selection a probe
+   piece over the documents (layer 0, then layer 1's K/V: model/llama.py ``ProbeRows``) gives
+   the deviations, and the selection is made after its forward (blend.py);
+3. compute: the exact pieces and the recomputed tokens, in prompt order.
+
+A phase that waits for a forward ends the sequence's share of that step early (the rest of its
+grant is not spent), so an assembly takes at least one step per phase it has, and every other
+request runs between its steps (the engine lock is released between steps). Tokens counted:
+each token of a piece (the sink included when computed alone), and a probe as 1/layers of its
+tokens; placing and store hits are copies and count nothing. Pieces of a job never change its
+result: a document computed alone in several forwards, or pieces spread over several forwards
+or beside other sequences, give the same bits on the exact path (chunked == whole, alone ==
+batched, docs/design.md section 2) and agree elsewhere, as any chunked prefill. A preemption
+voids the job (its blocks are freed; the job remembers the preemption count it began at);
+readmitted, the sequence starts a new one, finding the documents already kept in the store.
 
 ``store_only`` plans (/v1/cache/warm in segments mode) compute and keep each document the store
 lacks and end the request: nothing placed, nothing sampled.
@@ -43,16 +56,15 @@ lacks and end the request: nothing placed, nothing sampled.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
 
 from prefixcache.api.errors import InvalidRequestError, SegmentLimitError
 from prefixcache.api.segments import SegmentRequest
+from prefixcache.cache.connector import Prefill
 from prefixcache.cache.manager import KVCacheManager
-from prefixcache.model.runner import ModelRunner, Piece
+from prefixcache.model.runner import ModelRunner
 from prefixcache.segments import record
 from prefixcache.segments.blend import blend_pieces
 from prefixcache.segments.plan import (
@@ -63,7 +75,7 @@ from prefixcache.segments.plan import (
     segment_key,
 )
 from prefixcache.segments.store import SegmentEntry, SegmentStore
-from prefixcache.sequence import ScheduledSeq, Sequence
+from prefixcache.sequence import Piece, ScheduledSeq, Sequence
 
 
 @dataclass
@@ -74,43 +86,41 @@ class SegmentCounters:
     computed_alone_tokens: int = 0  # store misses: computed alone, then stored
 
 
+ALONE, PROBE, COMPUTE, DONE = "alone", "probe", "compute", "done"
+
+
+@dataclass(eq=False)
+class _Alone:
+    """A document computed alone: ``token_ids`` (the sink, then the document's) at positions
+    0.. in ``table``, its share of the sequence's scratch blocks; ``done`` of them so far."""
+
+    key: bytes
+    token_ids: list[int]
+    sink: int  # len(sink): the document's own tokens start there
+    table: list[int]
+    done: int = 0
+
+
 class _Job:
-    """A segments sequence's work in progress (``SegmentAssembler.jobs``). ``steps`` (a
-    generator) does at most ``left`` tokens of work, then yields until the next step grants
-    more; it returns when done. A preemption (which frees the blocks it writes) voids it; the
-    sequence's end drops it."""
+    """A segments sequence's assembly in progress (``SegmentAssembler.jobs``): what is left of
+    each phase, and the pieces it put in the step's forward (``inflight``), which advance it
+    once the forward ran (``SegmentAssembler.after_forward``)."""
 
-    __slots__ = ("left", "steps")
-
-    def __init__(self):
-        self.left = 0
-        self.steps: Generator | None = None
-
-    def start(self, work: Callable[..., Generator], *args) -> _Job:
-        """``work(*args, self)`` is the job's generator."""
-        self.steps = work(*args, self)
-        return self
-
-    def run(self, tokens: int) -> tuple[bool, int]:
-        """Work for up to ``tokens`` (the step's grant): (whether the job is done, the tokens of
-        work it did). A job that ends leaves the rest of its grant unspent; the probe's
-        rounding may overrun it by a token or so (counted: it is work done)."""
-        self.left = tokens
-        try:
-            next(self.steps)
-        except StopIteration:
-            return True, tokens - self.left
-        return False, tokens - self.left
-
-
-def _finish(job: _Job):
-    """Run a job without a budget (``compute_alone``); its return value."""
-    job.left = math.inf
-    try:
-        while True:
-            next(job.steps)
-    except StopIteration as stop:
-        return stop.value
+    def __init__(self, seq: Sequence, plan: SegmentPlan):
+        self.seq, self.plan = seq, plan
+        self.preemptions = seq.num_preemptions  # a preemption voids the job
+        self.phase = ALONE
+        self.todo: list[tuple[bytes, list[int]]] = []  # (key, document ids) to compute alone
+        self.active: list[_Alone] = []  # being computed alone, each in its scratch blocks
+        self.entries: dict[bytes, SegmentEntry] = {}
+        self.places: list[tuple[int, int, bytes]] = []  # (start, tokens skipped, key) to place
+        self.pieces: list[tuple[int, int]] = []  # prompt ranges to compute, in prompt order
+        self.probed: list[tuple[int, SegmentSpan]] = []  # (piece index, span) by deviation
+        self.probe_from = self.probe_at = self.probe_end = 0
+        self.deviation: list[torch.Tensor] = []
+        self.end = 0  # the prompt position the assembly computes up to
+        self.reused = self.recomputed = 0
+        self.inflight: list[tuple[Piece, object]] = []  # (piece, what it advances)
 
 
 class SegmentAssembler:
@@ -135,8 +145,8 @@ class SegmentAssembler:
         self.max_segments = max_segments
         self.max_record_bytes = max_record_bytes
         self.counters = SegmentCounters()
-        # request id -> (its assembly in progress, the preemption count it began at)
-        self.jobs: dict[str, tuple[_Job, int]] = {}
+        self.jobs: dict[str, _Job] = {}  # request id -> its assembly in progress
+        self._finished: list[Sequence] = []  # warms done, until after_forward reports them
         # Called with (key, entry) for every segment computed alone: the persistent tiers'
         # write-through (connector.py); None without tiers.
         self.on_computed = on_computed
@@ -209,164 +219,229 @@ class SegmentAssembler:
         return sum(self.store.contains(self.key(token_ids[a:b], namespace, sink)) for a, b in spans)
 
     # ---- the step -----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def prepare(
-        self, scheduled: list[ScheduledSeq], plans: dict[str, SegmentPlan]
-    ) -> tuple[list[ScheduledSeq], list[Sequence], int]:
-        """Spend the tokens granted to segments sequences that are at their spans on their jobs;
-        those drop out of this step's batch (the step after a job ends computes what follows
-        the last span). ``plans``: request id -> plan. Returns (the batch left, the store-only
-        sequences now done, the tokens of work the jobs did: what the step's pace counts, so a
-        job ending early in its grant does not make the step look faster than it was)."""
-        out, stored, worked = [], [], 0
-        for s in scheduled:
-            seq = s.seq
-            plan = plans.get(seq.request_id)
-            if plan is None or not plan.spans or (
-                not plan.store_only and seq.kv.num_computed_tokens >= plan.end
-            ):
-                out.append(s)
-                continue
-            job = self._job_of(seq)
-            if job is None:
-                if not plan.store_only and not self.kv.allocate_slots(
-                    seq, plan.end - seq.kv.num_computed_tokens
-                ):
-                    # No room: not expected, the scheduler allocated up to plan.end when it
-                    # scheduled the sequence (Sequence.reserve_until, set by the connector).
-                    # This chunk then runs exactly, which a cold run would not do.
-                    out.append(s)
-                    continue
-                work = self._store_only if plan.store_only else self._assemble
-                job = _Job().start(work, seq, plan)
-                self.jobs[seq.request_id] = (job, seq.num_preemptions)
-            done, spent = job.run(s.num_new_tokens)
-            worked += spent
-            if done:
-                del self.jobs[seq.request_id]
-                if plan.store_only:
-                    stored.append(seq)
-        return out, stored, worked
+    def prefill(self, s: ScheduledSeq, plan: SegmentPlan | None) -> Prefill | None:
+        """What a segments sequence at its spans makes of its grant this step: the pieces of
+        its assembly's current phase (``Prefill``); None for any other sequence."""
+        seq = s.seq
+        if plan is None or not plan.spans or (
+            not plan.store_only and seq.kv.num_computed_tokens >= plan.end
+        ):
+            return None
+        job = self._job_of(seq)
+        if job is None:
+            # The scheduler allocated up to plan.end (and the scratch) when it scheduled the
+            # sequence (SeqKV.reserve_until, scratch_tokens, set by the connector at arrival).
+            room = plan.store_only or self.kv.allocate_slots(seq, plan.end - seq.kv.num_computed_tokens)
+            if not room:
+                raise AssertionError("a segments sequence scheduled without its reserved slots")
+            job = self._start(seq, plan)
+            self.jobs[seq.request_id] = job
+        return self._plan_step(job, min(s.num_new_tokens, self.max_chunk))
 
     def _job_of(self, seq: Sequence) -> _Job | None:
         """The sequence's assembly in progress; one begun before a preemption is void (it
         lived in the blocks the preemption freed)."""
-        entry = self.jobs.get(seq.request_id)
-        if entry is None:
-            return None
-        if entry[1] != seq.num_preemptions:
+        job = self.jobs.get(seq.request_id)
+        if job is not None and job.preemptions != seq.num_preemptions:
             del self.jobs[seq.request_id]
             return None
-        return entry[0]
+        return job
 
     def drop(self, seq: Sequence) -> None:
         """The sequence left (finished, aborted): its assembly in progress goes with it."""
         self.jobs.pop(seq.request_id, None)
 
-    def _take(self, job: _Job, want: int):
-        """Up to ``want`` tokens for one forward (at most ``max_chunk``), from this step's grant;
-        waits for the next step while it is spent."""
-        while job.left <= 0:
-            yield
-        n = min(want, job.left, self.max_chunk)
-        job.left -= n
-        return n
+    def _start(self, seq: Sequence, plan: SegmentPlan) -> _Job:
+        """The job's phases, from the store as it is now: the documents it lacks (computed
+        alone, then kept), where each document is placed, and what is computed in context."""
+        job = _Job(seq, plan)
+        missing: set[bytes] = set()
 
-    def _store_only(self, seq: Sequence, plan: SegmentPlan, job: _Job):
-        """Compute and keep every span the store lacks (a warm)."""
-        for sp in plan.spans:
+        def need(sp: SegmentSpan) -> None:  # the entry of ``sp``: from the store, or computed
             ids = seq.prompt_token_ids[sp.start : sp.end]
-            if self.store.get(sp.key, ids, seq.namespace, plan.sink) is None:
-                yield from self._compute_and_keep(sp.key, ids, seq.namespace, plan.sink, job)
+            if sp.key in job.entries or sp.key in missing:
+                return
+            entry = self.store.get(sp.key, ids, seq.namespace, plan.sink)
+            if entry is None:
+                missing.add(sp.key)
+                job.todo.append((sp.key, ids))
+            else:
+                job.entries[sp.key] = entry
 
-    def _assemble(self, seq: Sequence, plan: SegmentPlan, job: _Job):
+        if plan.store_only:  # compute and keep every span the store lacks
+            for sp in plan.spans:
+                need(sp)
+            return job
         c = seq.kv.num_computed_tokens
-        reused = recomputed = 0
-        pieces: list[tuple[int, int]] = []  # token ranges to compute, in prompt order
-        probed: list[tuple[int, SegmentSpan]] = []  # (piece index, span): selected by deviation
         for sp in plan.spans:
             if sp.end <= c:  # already computed (exact prefix hits reached past it)
                 continue
             if sp.start < c:  # partly computed: finish it exactly
-                pieces.append((c, sp.end))
+                job.pieces.append((c, sp.end))
                 c = sp.end
                 continue
             if c < sp.start:
-                pieces.append((c, sp.start))  # exact: the prefix, or text between spans
+                job.pieces.append((c, sp.start))  # exact: the prefix, or text between spans
             k = plan.options.recompute_for(sp.length)
             if k < sp.length:
-                ids = seq.prompt_token_ids[sp.start : sp.end]
-                entry = self.store.get(sp.key, ids, seq.namespace, plan.sink)
-                if entry is None:
-                    entry = yield from self._compute_and_keep(
-                        sp.key, ids, seq.namespace, plan.sink, job
-                    )
-                else:
-                    reused += sp.length - k
-                probe = bool(k) and plan.options.probes
+                again = sp.key in job.entries or sp.key in missing  # (the same document twice)
+                need(sp)
+                if again or sp.key in job.entries:  # a store hit, or this job's own
+                    job.reused += sp.length - k
+                probe = bool(k) and plan.options.probes and self.runner.config.num_layers >= 2
                 # probed: every token placed (the probe picks which k to recompute); else the
                 # first k are recomputed and need no placing
-                self._place(seq, sp.start, 0 if probe else k, entry)
+                job.places.append((sp.start, 0 if probe else k, sp.key))
                 if probe:
-                    probed.append((len(pieces), sp))
+                    job.probed.append((len(job.pieces), sp))
             if k:
-                pieces.append((sp.start, sp.start + k))
-                recomputed += k
+                job.pieces.append((sp.start, sp.start + k))
+                job.recomputed += k
             c = sp.end
-        if probed:  # one layer over the probed tokens, run whole: 1/layers of their tokens
-            while job.left <= 0:
-                yield
-            n = max(sp.end for _, sp in probed) - seq.kv.num_computed_tokens
-            job.left -= -(-n // self.runner.config.num_layers)
-        pieces = blend_pieces(self.runner, seq, plan.options, pieces, probed, self.max_chunk)
-        # after every placement: recomputed tokens attend to them
-        yield from self._compute_in_steps(seq, pieces, job)
-        self.kv.mark_computed(seq, c)
-        if seq.cache.num_segment_cached_tokens is None:  # first assembly: what the user sees
-            seq.cache.num_segment_cached_tokens = reused
-            self.counters.requests += 1
-            self.counters.reused_tokens += reused
-            self.counters.recomputed_tokens += recomputed
+        job.end = c
+        return job
 
-    def _compute_in_steps(self, seq: Sequence, pieces: list[tuple[int, int]], job: _Job):
-        """``_compute`` of ``pieces`` in forwards as large as the grant allows, over as many
-        steps as it takes. A piece split between forwards, or one computed a step after an
-        earlier one, sees what it would see in one forward (``_compute``'s reason)."""
-        todo = list(reversed(pieces))
-        while todo:
-            size = yield from self._take(job, sum(b - a for a, b in todo))
-            batch = []
-            while size:
-                a, b = todo.pop()
-                n = min(b - a, size)
-                batch.append((a, a + n))
-                size -= n
+    def _plan_step(self, job: _Job, grant: int) -> Prefill:
+        """The pieces of the job's current phase for this step's forward, within ``grant``;
+        phases that need no forward (placing, finishing) happen here."""
+        seq = job.seq
+        job.inflight = []
+        if job.phase == ALONE:
+            if not job.active and job.todo:
+                self._assign_scratch(job)
+            if job.active:
+                return self._alone_pieces(job, grant)
+            self._after_alone(job)
+            if job.phase == DONE:  # a warm with nothing to compute
+                self._finished.append(seq)
+                return Prefill([], 0)
+        if job.phase == PROBE:
+            n = min(job.probe_end - job.probe_at, grant * self.runner.config.num_layers, self.max_chunk)
+            piece = Piece(seq.all_token_ids, seq.kv.block_table, job.probe_at, n, probe=True)
+            job.inflight = [(piece, PROBE)]
+            # the probe runs layer 0 (and layer 1's projections) only: 1/layers of its tokens
+            return Prefill([piece], -(-n // self.runner.config.num_layers))
+        if job.phase == COMPUTE:
+            if not job.pieces:
+                self._finish(job)
+                return Prefill([], 0)
+            tokens, table = seq.all_token_ids, seq.kv.block_table
+            out, left = [], grant
+            while job.pieces and left:
+                a, b = job.pieces[0]
+                n = min(b - a, left)
+                out.append(Piece(tokens, table, a, n))
+                job.inflight.append((out[-1], COMPUTE))
+                left -= n
                 if a + n < b:
-                    todo.append((a + n, b))
-            self._compute(seq, batch)
+                    job.pieces[0] = (a + n, b)
+                else:
+                    job.pieces.pop(0)
+            return Prefill(out, grant - left)
+        raise AssertionError(f"a segments job planned in phase {job.phase}")
 
-    def _compute(self, seq: Sequence, pieces: list[tuple[int, int]]) -> None:
-        """Compute the prompt tokens of ``pieces`` (ordered, disjoint ranges) into ``seq``'s
-        blocks, each token attending over every slot before it, in as few forwards as
-        ``max_chunk`` allows: one ``runner.run`` per batch of pieces over the same block table
-        (a piece attends over an earlier piece of the same forward as if it had been computed
-        before: runner.py). One forward instead of one per document: at small k a forward
-        costs a pass over the weights, whatever its size. Nothing is sampled (every piece ends
-        before the last prompt token)."""
-        assert all(b < seq.num_tokens for _, b in pieces), "a piece would need logits"
-        tokens, table = seq.all_token_ids, seq.kv.block_table
-        batch, size = [], 0
-        for a, b in pieces:
-            while a < b:
-                n = min(b - a, self.max_chunk - size)
-                batch.append(Piece(tokens, table, a, n))
-                size += n
-                a += n
-                if size == self.max_chunk:
-                    self.runner.run(batch)
-                    batch, size = [], 0
-        if batch:
-            self.runner.run(batch)
+    def _assign_scratch(self, job: _Job) -> None:
+        """The next documents to compute alone, as many as the sequence's scratch blocks hold
+        side by side (each at least fits alone: ``scratch_tokens`` is the largest's)."""
+        scratch, bs, sink = job.seq.kv.scratch, self.block_size, list(job.plan.sink)
+        used = 0
+        while job.todo:
+            key, ids = job.todo[0]
+            need = -(-(len(sink) + len(ids)) // bs)
+            if used + need > len(scratch):
+                break
+            job.todo.pop(0)
+            job.active.append(_Alone(key, sink + list(ids), len(sink), scratch[used : used + need]))
+            used += need
+        assert job.active, "a document larger than its sequence's scratch blocks"
+
+    def _alone_pieces(self, job: _Job, grant: int) -> Prefill:
+        out, left = [], grant
+        for a in job.active:
+            n = min(len(a.token_ids) - a.done, left)
+            if n <= 0:
+                continue
+            out.append(Piece(a.token_ids, a.table, a.done, n))
+            job.inflight.append((out[-1], a))
+            left -= n
+            if not left:
+                break
+        return Prefill(out, grant - left)
+
+    def _after_alone(self, job: _Job) -> None:
+        """Every document the store lacked is computed and kept: the scratch blocks go back;
+        a warm is done; an assembly places every document and goes on to the probe or the
+        recompute (after every placement: recomputed tokens attend to them)."""
+        seq = job.seq
+        self.kv.release_scratch(seq)
+        if job.plan.store_only:
+            job.phase = DONE
+            return
+        for start, skip, key in job.places:
+            self._place(seq, start, skip, job.entries[key])
+        if job.probed:
+            job.phase = PROBE
+            job.probe_from = job.probe_at = seq.kv.num_computed_tokens
+            job.probe_end = max(sp.end for _, sp in job.probed)
+        else:
+            job.phase = COMPUTE
+
+    def after_forward(self, output) -> list[Sequence]:
+        """Advance every job by what its pieces of the forward computed; returns the warms
+        now done."""
+        for job in list(self.jobs.values()):
+            if not job.inflight:
+                continue
+            for piece, what in job.inflight:
+                if what == PROBE:
+                    job.deviation.append(output.deviation(piece))
+                    job.probe_at += piece.n
+                elif isinstance(what, _Alone):
+                    what.done += piece.n
+            job.inflight = []
+            if job.phase == ALONE:
+                for a in [a for a in job.active if a.done == len(a.token_ids)]:
+                    self._keep(job, a)
+                    job.active.remove(a)
+                if not job.active and not job.todo:
+                    self._after_alone(job)
+                    if job.phase == DONE:
+                        self._finished.append(job.seq)
+            elif job.phase == PROBE and job.probe_at == job.probe_end:
+                deviation = torch.cat(job.deviation)
+                job.pieces = blend_pieces(job.plan.options, job.pieces, job.probed, deviation, job.probe_from)
+                job.phase = COMPUTE
+            elif job.phase == COMPUTE and not job.pieces:
+                self._finish(job)
+        done, self._finished = self._finished, []
+        for seq in done:
+            self.jobs.pop(seq.request_id, None)
+        return done
+
+    def _keep(self, job: _Job, a: _Alone) -> None:
+        """A document computed alone: its K/V (its own tokens, after the sink) read back as
+        the float32 values attention would see, kept in the store, written through."""
+        k, v = self.runner.read_kv(a.table, a.sink, len(a.token_ids))
+        ns, sink = job.seq.namespace, tuple(a.token_ids[: a.sink])
+        entry = SegmentEntry(ns, tuple(a.token_ids[a.sink :]), k, v, sink, a.sink)
+        job.entries[a.key] = entry
+        self.store.put(a.key, entry)
+        self.counters.computed_alone_tokens += len(a.token_ids) - a.sink
+        if self.on_computed is not None:
+            self.on_computed(a.key, entry)
+
+    def _finish(self, job: _Job) -> None:
+        """The assembly computed up to the end of its last span: the scheduler prefills the
+        rest of the prompt (the question) as for any request."""
+        seq = job.seq
+        self.kv.mark_computed(seq, job.end)
+        job.phase = DONE
+        del self.jobs[seq.request_id]
+        if seq.cache.num_segment_cached_tokens is None:  # first assembly: what the user sees
+            seq.cache.num_segment_cached_tokens = job.reused
+            self.counters.requests += 1
+            self.counters.reused_tokens += job.reused
+            self.counters.recomputed_tokens += job.recomputed
 
     def _place(self, seq: Sequence, start: int, skip: int, entry: SegmentEntry) -> None:
         """Write ``entry``'s tokens [skip, n) at positions start+skip.. of ``seq``: K re-rotated
@@ -375,27 +450,14 @@ class SegmentAssembler:
         self.runner.write_kv(seq.kv.block_table, start + skip, entry.k[:, :, skip:n],
                              entry.v[:, :, skip:n], shift=start - entry.position)  # fmt: skip
 
-    @torch.inference_mode()
-    def compute_alone(
-        self, token_ids: list[int], namespace: str | None, sink: tuple[int, ...] = ()
-    ) -> SegmentEntry:
-        """KV of ``token_ids`` computed after ``sink`` alone, at positions m..m+n-1 (m =
-        len(sink)), in a private cache of the pool's KV format (the engine's pool is not
-        touched); read back as the float32 values attention would see."""
-        return _finish(_Job().start(self._alone, token_ids, namespace, sink))
-
-    def _alone(self, token_ids, namespace: str | None, sink, job: _Job):
-        """``compute_alone`` as a job: forwards as large as the grant allows."""
-        seg, token_ids = list(token_ids), list(sink) + list(token_ids)
-        m, n = len(sink), len(token_ids)
-        private = self.runner.private_kv(n)
-        a = 0
-        while a < n:
-            c = yield from self._take(job, n - a)
-            self.runner.run([Piece(token_ids, private.block_table, a, c)], private)
-            a += c
-        k, v = self.runner.read_kv(private, m, n)  # the segment's own tokens
-        return SegmentEntry(namespace, tuple(seg), k, v, tuple(sink), m)
+    def scratch_tokens(self, plan: SegmentPlan) -> int:
+        """The scratch a sequence of this plan holds while it assembles: room for its largest
+        document that may be computed alone (after the sink)."""
+        sizes = [
+            len(plan.sink) + sp.length for sp in plan.spans
+            if plan.store_only or plan.options.recompute_for(sp.length) < sp.length
+        ]  # fmt: skip
+        return max(sizes, default=0)
 
     def stats(self) -> dict:
         """``cache_stats()["segments"]``."""
@@ -407,12 +469,3 @@ class SegmentAssembler:
             "recomputed_tokens": c.recomputed_tokens,
             "computed_alone_tokens": c.computed_alone_tokens,
         }  # fmt: skip
-
-    def _compute_and_keep(self, key: bytes, token_ids, namespace, sink, job: _Job):
-        """A store miss: compute the segment alone, keep it, write it through to the tiers."""
-        entry = yield from self._alone(token_ids, namespace, sink, job)
-        self.store.put(key, entry)
-        self.counters.computed_alone_tokens += len(token_ids)
-        if self.on_computed is not None:
-            self.on_computed(key, entry)
-        return entry

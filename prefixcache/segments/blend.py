@@ -7,7 +7,8 @@ computes (re-rotation makes the position exact): no deviation can show there, an
 token at layer 0 changes nothing. The first K/V that depend on the context are layer 1's, computed
 from layer 0's output, i.e. from layer 0's attention over everything before the token.
 
-The probe (``probe``): layer 0 over every token from the first one not computed yet to the end of
+The probe (a probe piece of the step's forward, ``sequence.Piece.probe``; model/llama.py
+``ProbeRows``): layer 0 over every token from the first one not computed yet to the end of
 the last probed segment, in order and in context (``LlamaModel.layer1_kv``), then layer 1's K/V
 of its output (a projection, no attention). Since every layer-0 K/V that layer 0 attends over is
 exact, its output is exactly a cold prefill's, and so are the layer-1 K/V it gives: the deviation
@@ -30,9 +31,7 @@ from __future__ import annotations
 import torch
 
 from prefixcache.api.segments import SegmentOptions
-from prefixcache.model.runner import ModelRunner
 from prefixcache.segments.plan import SegmentSpan
-from prefixcache.sequence import Sequence
 
 
 def select(deviation: torch.Tensor, first: int, count: int) -> list[int]:
@@ -45,7 +44,7 @@ def select(deviation: torch.Tensor, first: int, count: int) -> list[int]:
 
 def runs(offsets: list[int], start: int) -> list[tuple[int, int]]:
     """Ascending offsets as ranges ``[a, b)`` of prompt positions ``start + offset``, consecutive
-    ones merged: the pieces ``SegmentAssembler._compute`` takes."""
+    ones merged: the pieces the assembly recomputes."""
     out: list[tuple[int, int]] = []
     for o in offsets:
         p = start + o
@@ -56,29 +55,16 @@ def runs(offsets: list[int], start: int) -> list[tuple[int, int]]:
     return out
 
 
-def probe(runner: ModelRunner, seq: Sequence, start: int, end: int, max_chunk: int) -> torch.Tensor:
-    """The layer-1 V deviation of each prompt token in ``[start, end)`` of ``seq`` (float32 on
-    the CPU, ``[end - start]``), writing the exact layer-0/1 K/V of those tokens (module doc;
-    ``ModelRunner.probe``). Tokens ``< start`` must be in the pool; deviations of tokens
-    nothing was placed for are meaningless and must not be read."""
-    return runner.probe(seq.all_token_ids, seq.kv.block_table, start, end, max_chunk)
-
-
 def blend_pieces(
-    runner: ModelRunner,
-    seq: Sequence,
     options: SegmentOptions,
     pieces: list[tuple[int, int]],
     probed: list[tuple[int, SegmentSpan]],
-    max_chunk: int,
+    deviation: torch.Tensor,
+    start: int,
 ) -> list[tuple[int, int]]:
     """``pieces`` (ordered token ranges to recompute) with each probed span's piece, at index
-    i of ``probed``'s (i, span), replaced by the span's selected tokens. Every token of a probed
-    span must be placed, and nothing from ``seq.kv.num_computed_tokens`` on computed yet."""
-    if not probed or runner.config.num_layers < 2:
-        return pieces  # nothing to probe (one layer: no context-dependent K/V): the first k
-    start = seq.kv.num_computed_tokens
-    deviation = probe(runner, seq, start, max(sp.end for _, sp in probed), max_chunk)
+    i of ``probed``'s (i, span), replaced by the span's selected tokens; ``deviation``: the
+    probe's, of the prompt tokens from ``start`` to the end of the last probed span."""
     chosen = {}
     for i, sp in probed:
         first, count = options.split(sp.length)
