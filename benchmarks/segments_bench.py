@@ -121,11 +121,11 @@ class FirstLogits:
         self.first: torch.Tensor | None = None
         self.runner.execute = self._wrapped
 
-    def _wrapped(self, batch):
-        logits = self._execute(batch)
-        if self.first is None and logits.shape[0] == 1:
-            self.first = logits[0].clone()
-        return logits
+    def _wrapped(self, pieces):
+        out = self._execute(pieces)
+        if self.first is None and out.logits.shape[0] == 1:
+            self.first = out.logits[0].clone()
+        return out
 
     def reset(self):
         self.first = None

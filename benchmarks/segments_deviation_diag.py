@@ -31,6 +31,21 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.corrcoef(torch.stack([ra, rb]))[0, 1].item()
 
 
+def _alone_v(runner, ids: list[int], m: int, bs: int) -> list[torch.Tensor]:
+    """Every layer's V of ``ids[m:]`` computed alone after ``ids[:m]`` (positions 0..), in a
+    private cache of the pool's format: what the segment store keeps ([kv_heads, n, D] each)."""
+    n = len(ids)
+    nb = -(-n // bs)
+    lay = runner.kv.layout
+    cache = KVCache(runner.config, KVLayout(nb, bs, lay.bytes_per_token, lay.kv_format), runner.device)
+    meta = build_metadata([list(range(nb))], [0], [n], bs, runner.device, native=runner.model.native,
+                          exact=runner.model.exact)  # fmt: skip
+    pos = torch.arange(n, device=runner.device)
+    runner.model(torch.tensor(ids, device=runner.device), pos, cache, meta, pos[-1:])
+    slots = torch.arange(m, n, device=runner.device)
+    return [cache.layer(i).gather(slots, torch.float32)[1].cpu() for i in range(runner.config.num_layers)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=3)
@@ -56,10 +71,10 @@ def main() -> None:
         pos = torch.arange(n, device=runner.device)
         runner.model(torch.tensor(ids, device=runner.device), pos, cold, meta, pos[-1:])
         for a, b in seg.spans:
-            alone = eng.segments.compute_alone(ids[a:b], None, tuple(ids[:1]))
+            alone_v = _alone_v(runner, ids[:1] + ids[a:b], 1, bs)  # after the sink, as stored
             slots = torch.arange(a, b, device=runner.device)
             dev = torch.stack([
-                (cold.layer(i).gather(slots, torch.float32)[1].cpu() - alone.v[i].cpu()).square().sum((0, 2))
+                (cold.layer(i).gather(slots, torch.float32)[1].cpu() - alone_v[i]).square().sum((0, 2))
                 for i in range(layers)
             ])  # [layers, n]  # fmt: skip
             deep = (dev[2:] / dev[2:].mean(1, keepdim=True)).mean(0)

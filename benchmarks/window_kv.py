@@ -43,10 +43,10 @@ def main() -> None:
     held: list[int] = []
     step = eng.runner.execute
 
-    def watch(batch):
-        out = step(batch)
-        for s in batch:
-            seq = s.seq
+    def watch(pieces):
+        out = step(pieces)
+        for p in pieces:
+            seq = next(q for q in eng.seqs.values() if q.kv.block_table is p.block_table)
             parts = len(seq.kv.block_table) - seq.kv.window_from
             held.append(len(seq.kv.block_table) * bs * lay.block_bytes_per_token + parts * bs * lay.window_bytes_per_token)
         return out

@@ -26,21 +26,21 @@ class Recorder:
     def __enter__(self):
         runner, bs = self.engine.runner, self.engine.runner.block_size
 
-        def execute(batch):
-            seen = [(s.seq, s.seq.kv.num_computed_tokens, s.num_new_tokens, s.samples) for s in batch]
-            out = self._execute(batch)
+        def execute(pieces):  # the step's one forward (sequence.Piece)
+            out = self._execute(pieces)
             row = 0
-            for seq, start, n, samples in seen:
-                ids = seq.all_token_ids
-
+            for p in pieces:
+                ids, start, n = p.token_ids, p.start, p.n
+                if p.probe:  # (segments' probes store two layers only; none in these tests)
+                    continue
                 table = runner.window_table  # with window parts: its blocks' parts
                 dev = runner.kv.k.device
-                window = None if table is None else _slots(table(seq.kv.block_table), start, n, bs).to(dev)
-                k, v = runner.kv.stored(_slots(seq.kv.block_table, start, n, bs).to(dev), window)  # [L, KVH, n, D] as stored
+                window = None if table is None else _slots(table(p.block_table), start, n, bs).to(dev)
+                k, v = runner.kv.stored(_slots(p.block_table, start, n, bs).to(dev), window)  # [L, KVH, n, D] as stored
                 for j in range(n):
                     self.kv[key(ids[: start + j + 1])] = (k[:, :, j].clone(), v[:, :, j].clone())
-                if samples:
-                    self.logits[key(ids[: start + n])] = out[row].clone()
+                if p.samples:
+                    self.logits[key(ids[: start + n])] = out.logits[row].clone()
                     row += 1
             return out
 

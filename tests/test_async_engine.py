@@ -318,11 +318,12 @@ def test_a_failed_step_fails_its_batch_and_nobody_else(tok, llm_cold):
     real = runner.execute
     armed = []
 
-    def execute(scheduled):
-        if armed and any(s.seq.request_id == "a" for s in scheduled):
+    def execute(pieces):
+        a = eng.engine.seqs.get("a")
+        if armed and a is not None and any(p.block_table is a.kv.block_table for p in pieces):
             armed.clear()
             raise RuntimeError("injected: the forward failed")
-        return real(scheduled)
+        return real(pieces)
 
     async def main():
         await eng.start()

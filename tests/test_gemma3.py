@@ -324,10 +324,11 @@ def test_window_layers_hold_parts_not_every_block(exact):
     seen = []
     step = eng.runner.execute
 
-    def watch(batch):
-        seen.append([len(s.seq.kv.block_table) - s.seq.kv.window_from for s in batch])
-        assert all(window.table(s.seq.kv.block_table[s.seq.kv.window_from :]).count(0) == 0 for s in batch)
-        return step(batch)
+    def watch(pieces):
+        seqs = [next(q for q in eng.seqs.values() if q.kv.block_table is p.block_table) for p in pieces]
+        seen.append([len(q.kv.block_table) - q.kv.window_from for q in seqs])
+        assert all(window.table(q.kv.block_table[q.kv.window_from :]).count(0) == 0 for q in seqs)
+        return step(pieces)
 
     eng.runner.execute = watch
     try:

@@ -49,9 +49,8 @@ class Recorder:
         self.logits: dict[bytes, torch.Tensor] = {}
         self.copies = 0
 
-    def _slots(self, seq, start: int, n: int) -> list[tuple[bytes, tuple]]:
+    def _slots(self, ids, table, start: int, n: int) -> list[tuple[bytes, tuple]]:
         cache, bs = self.engine.runner.kv, self.engine.runner.block_size
-        ids, table = seq.all_token_ids, seq.kv.block_table
         slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start, start + n)])
         parts = [*cache.stored(slots), *(t.index_select(2, slots) for t in (cache.k_scale, cache.v_scale)
                                          if t is not None)]  # fmt: skip
@@ -62,14 +61,13 @@ class Recorder:
         runner = self.engine.runner
         self._execute, self._copy = runner.execute, runner.copy_kv
 
-        def execute(batch):
-            seen = [(s.seq, s.seq.kv.num_computed_tokens, s.num_new_tokens, s.samples) for s in batch]
-            out = self._execute(batch)
+        def execute(pieces):  # the step's one forward (sequence.Piece)
+            out = self._execute(pieces)
             row = 0
-            for seq, start, n, samples in seen:
-                self.kv.update(self._slots(seq, start, n))
-                if samples:
-                    self.logits[_key(seq.all_token_ids[: start + n])] = out[row].clone()
+            for p in pieces:
+                self.kv.update(self._slots(p.token_ids, p.block_table, p.start, p.n))
+                if p.samples:
+                    self.logits[_key(p.token_ids[: p.start + p.n])] = out.logits[row].clone()
                     row += 1
             return out
 
@@ -81,7 +79,8 @@ class Recorder:
                 assert self.engine.kv.pool.index.key_of(dst) is None
                 assert self.engine.kv.pool.index.key_of(src) is not None
                 seq = next(s for s in live if dst in s.kv.block_table)
-                self.copied += self._slots(seq, seq.kv.block_table.index(dst) * B, n)
+                self.copied += self._slots(seq.all_token_ids, seq.kv.block_table,
+                                           seq.kv.block_table.index(dst) * B, n)  # fmt: skip
                 self.copies += 1
 
         runner.execute, runner.copy_kv = execute, copy_kv

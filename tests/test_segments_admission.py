@@ -251,3 +251,31 @@ def test_a_warms_steps_are_bounded_by_the_shared_budget_and_paced_by_the_work_do
     assert [t for t, _ in observed] == [c for _, c in observed]
     # ... and the warm did end early in a grant (the case this guards).
     assert any(c < g for (_, c), g in zip(observed, granted))
+
+
+def test_a_segments_request_the_pool_can_never_hold_while_it_assembles_is_a_400():
+    """An assembling request holds its slots and scratch blocks for its largest document
+    computed alone: a pool that holds the prompt and its output but not that as well would
+    leave the request waiting at the head of the queue for ever (no later arrival may
+    overtake it). It is refused up front (context_length_exceeded); the same request with
+    every document recomputed (nothing computed alone: no scratch) runs."""
+    from _helpers import BYTES_PER_TOKEN
+
+    from prefixcache.api.errors import ContextLengthError
+
+    with shared_default_weights():
+        eng = LLMEngine(EngineConfig(kv_cache_memory=10 * 16 * BYTES_PER_TOKEN, seed=0,
+                                     pin_budget_fraction=0.0))  # fmt: skip
+    assert eng.kv.usable_blocks == 10
+    seg = eng.tokenizer.encode_chat_segments([SYSTEM, *_docs(3, "tight", PROSE[:150])])
+    n, biggest = len(seg.token_ids), max(b - a for a, b in seg.spans)
+    assert -(-(n + 8) // 16) <= 10 < -(-n // 16) + -(-(biggest + 1) // 16)  # the case
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with pytest.raises(ContextLengthError, match="while it assembles"):
+        eng.add_request("tight", seg.token_ids, params, segments=SegmentRequest(seg.spans))
+    whole = SegmentRequest(seg.spans, SegmentOptions(recompute_tokens=biggest))
+    seq = eng.add_request("whole", seg.token_ids, params, segments=whole)
+    while eng.has_unfinished():
+        eng.step()
+        eng.check_integrity()
+    assert len(seq.out.output_token_ids) == 8

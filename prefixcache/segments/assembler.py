@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixcache.api.errors import InvalidRequestError, SegmentLimitError
+from prefixcache.api.errors import ContextLengthError, InvalidRequestError, SegmentLimitError
 from prefixcache.api.segments import SegmentRequest
 from prefixcache.cache.connector import Prefill
 from prefixcache.cache.manager import KVCacheManager
@@ -155,7 +155,9 @@ class SegmentAssembler:
     def check(self, token_ids: list[int], request: SegmentRequest) -> None:
         """Refuse what a segments request may never run: bad spans (InvalidRequestError), more
         documents than ``max_segments`` or a document whose KV computed alone would make a
-        record over ``max_record_bytes`` (SegmentLimitError). Pure: no lock needed."""
+        record over ``max_record_bytes`` (SegmentLimitError), more KV blocks while it assembles
+        than the pool can ever give it (ContextLengthError: it would wait at the head of the
+        queue for ever). Pure: no lock needed."""
         if self.runner.kv.windowed:
             # A document's KV computed alone is reused at another position; a sliding-window
             # layer's K/V is only kept a window back (cache/window.py), so there is none to reuse.
@@ -181,6 +183,20 @@ class SegmentAssembler:
                     f"a document of {n} tokens would make a segment record of {size} bytes; at "
                     f"most {self.max_record_bytes} (max_segment_record)", param="messages",
                 )  # fmt: skip
+        # What it may hold at once while it assembles: its slots, at most the prompt's (a warm:
+        # one step's chunk), and the scratch for its largest document computed alone.
+        plan = SegmentPlan(tuple(SegmentSpan(a, b, b"") for a, b in spans), request.options,
+                           self.sink_of(token_ids, spans), request.store_only)  # fmt: skip
+        own = min(len(token_ids), self.max_chunk) if request.store_only else len(token_ids)
+        bs = self.block_size
+        need = -(-own // bs) + -(-self.scratch_tokens(plan) // bs)
+        if need > self.kv.usable_blocks:
+            raise ContextLengthError(
+                f"this segments request needs {need} KV blocks while it assembles (its documents, "
+                f"and room to compute its largest one alone) but the cache holds "
+                f"{self.kv.usable_blocks} unpinnable blocks; raise kv_cache_memory",
+                param="messages",
+            )  # fmt: skip
 
     def plan(
         self, token_ids: list[int], request: SegmentRequest, namespace: str | None
@@ -223,9 +239,11 @@ class SegmentAssembler:
         """What a segments sequence at its spans makes of its grant this step: the pieces of
         its assembly's current phase (``Prefill``); None for any other sequence."""
         seq = s.seq
-        if plan is None or not plan.spans or (
-            not plan.store_only and seq.kv.num_computed_tokens >= plan.end
-        ):
+        if plan is None or not plan.spans:
+            return None
+        if not plan.store_only and seq.kv.num_computed_tokens >= plan.end:
+            if seq.kv.scratch:  # (hits reached past its documents: nothing to compute alone)
+                self.kv.release_scratch(seq)
             return None
         job = self._job_of(seq)
         if job is None:

@@ -9,13 +9,14 @@ from layer 0's output, i.e. from layer 0's attention over everything before the 
 
 The probe (a probe piece of the step's forward, ``sequence.Piece.probe``; model/llama.py
 ``ProbeRows``): layer 0 over every token from the first one not computed yet to the end of
-the last probed segment, in order and in context (``LlamaModel.layer1_kv``), then layer 1's K/V
+the last probed segment, in order and in context, then layer 1's K/V
 of its output (a projection, no attention). Since every layer-0 K/V that layer 0 attends over is
 exact, its output is exactly a cold prefill's, and so are the layer-1 K/V it gives: the deviation
 is the true one at layer 1, not an estimate. Those exact layer-0 and layer-1 K/V are written into
 the pool for every probed token (layer 0 by the forward itself, layer 1 here: computed anyway),
 so after assembly layers 0-1 are exact everywhere, deeper layers for the selected tokens only.
-Cost: one layer of the probed tokens (1/L of their cold prefill), before the recompute forward.
+Cost: about one layer of the probed tokens (1/L of their cold prefill), a step before the
+recompute's.
 
 The measure: squared L2 norm of the layer-1 V difference, summed over KV heads. V rather than K
 because V carries no position: its deviation is the missing context alone, while K's also holds
