@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 install-redis:
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 
-# The dashboard's browser tests (tests/test_dashboard.py) drive Debian's chromium through
+# The dashboard's browser tests (tests/server/test_dashboard.py) drive Debian's chromium through
 # playwright's executable_path; playwright's own browser downloads are never used. Installed
 # here when missing (CI runs as root).
 chromium:

@@ -2,7 +2,7 @@
 and logits compared bit for bit (and by their largest difference) alone vs in a batch, chunked vs
 whole, cold vs warm around block boundaries, decoded vs prefilled; greedy tokens compared over
 many prompts; and cold-prefill / decode speed. The CPU's exact path is proved by
-tests/test_exact.py; this script is for a machine with a GPU (docs/engine.md "On CUDA").
+tests/model/test_exact.py; this script is for a machine with a GPU (docs/engine.md "On CUDA").
 
 Usage: python benchmarks/cuda_contract.py [--dtypes bfloat16,float32] [--json results/cuda_contract.json]
 """
@@ -39,7 +39,7 @@ def _tokens(llm, prompts, n=16, salt=None) -> list[list[int]]:
 
 
 def bits(llm, ids) -> dict:
-    """The four comparisons of tests/test_exact.py, reported instead of asserted."""
+    """The four comparisons of tests/model/test_exact.py, reported instead of asserted."""
     rng = random.Random(0)
     target = ids[:70]
     out = {}

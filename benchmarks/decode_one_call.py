@@ -6,7 +6,8 @@ steps, minus the hit alone, per step; the ratio is taken within each repetition.
 
     .venv/bin/python benchmarks/decode_one_call.py [--model gemma-3-270m] [--batches 1,8] [--pairs 12]
 
-The two give the same bits (tests/test_exact.py, tests/test_gemma3.py); this measures only time.
+The two give the same bits (tests/model/test_exact.py, tests/model/test_gemma3.py); this measures
+only time.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ core (``cache/manager.py`` and ``cache/block_pool.py``, torch-free): admission, 
 block's planned copy, prefill, the decode of the answer, commit, free, exactly as the scheduler
 drives them; the pool is large enough that nothing is evicted. Hits are decided by token ids
 alone, so this is the count a live server reports in ``cached_tokens`` for these sequences
-(tests/test_partial_reuse.py holds the engine to it on the real model).
+(tests/engine/test_partial_reuse.py holds the engine to it on the real model).
 
 vLLM's column is computed, not measured: vLLM 0.32's prefix caching hashes full 16-token blocks
 only (of prompt and generated tokens), and a request hits its longest run of cached full blocks

@@ -1,8 +1,8 @@
 """Sequence: the engine's mutable state of one request, in parts that each have one writer.
 
 Plain data, no torch, core fields only: a feature's state lives with its connector
-(cache/connector.py), keyed by request id. Who writes what (tests/test_layering.py checks the
-parts' writers on the source):
+(cache/connector.py), keyed by request id. Who writes what (tests/structure/test_layering.py checks
+the parts' writers on the source):
 
 - ``request``: the ``EngineRequest`` as it came in (frozen; request id, params, namespace,
   tenant, priority, ...), held and never copied; ``prompt_token_ids``, its tokens (never

@@ -1,5 +1,5 @@
 """Records what an engine computed, keyed by the token ids each number is a function of, and
-compares two runs bit for bit (tests/test_exact.py, tests/test_cuda.py,
+compares two runs bit for bit (tests/model/test_exact.py, tests/engine/test_cuda.py,
 benchmarks/cuda_contract.py).
 
 A token's K/V and the logits after it are functions of exactly the ids up to its position, so

@@ -227,8 +227,8 @@ class CompletionOutput:
 @dataclass
 class CacheReport:
     """What a request is told about its use of the cache: one object, written field by field
-    inside the engine (each field by one module: tests/test_layering.py), and handed on as a
-    ``snapshot`` unchanged in ``StreamDelta.cache``, ``RequestOutput.cache`` and the server's
+    inside the engine (each field by one module: tests/structure/test_layering.py), and handed on
+    as a ``snapshot`` unchanged in ``StreamDelta.cache``, ``RequestOutput.cache`` and the server's
     answers (usage's cached tokens, ``cache_info``, tiers, leases)."""
 
     # Prompt tokens served from the cache at first admission (exact prefix hits; None until

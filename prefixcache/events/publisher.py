@@ -19,7 +19,7 @@ empty array, so vLLM's decoders still read the same shape.
 Invariants: sequence numbers are consecutive from 0 for the life of the publisher; the first
 batch holds ``AllBlocksCleared`` (a restarted engine starts empty, so a subscriber that knew the
 previous incarnation forgets it); applying every batch in order to an empty set gives the index's
-key set at the time of the last batch (tests/test_kv_events.py checks it against the index).
+key set at the time of the last batch (tests/events/test_kv_events.py checks it against the index).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@
 // region wakes sleeping threads). decode_forward.cpp does the same for the float32 path.
 //
 // The same bits as the op-by-op path (model/llama.py with IntLinear and paged attention), which
-// tests/test_exact.py checks with torch.equal (decoded K/V and logits vs prefilled): every phase
-// calls the functions the per-layer ops call (rowwise.h, int_gemm.h, exact_attention.h,
+// tests/model/test_exact.py checks with torch.equal (decoded K/V and logits vs prefilled): every
+// phase calls the functions the per-layer ops call (rowwise.h, int_gemm.h, exact_attention.h,
 // kv_codec.h) on the same rows, each output is computed whole by one thread, and the residual and
 // bias adds are the same single float adds.
 //

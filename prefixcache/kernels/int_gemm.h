@@ -343,8 +343,8 @@ inline bool cpu_has_vnni512() {
 // 16 bits: a high pass and a low pass into separate tiles, combined as (hi << 8) + lo (the VNNI
 // tiles' integers: shift then add). The sums are stored and run through group_epilogue eight
 // rows at a time: the same float operations in the same order as every other path, so the same
-// bits (tests/test_exact.py passed on an AMX host, Intel Xeon family 6 model 207). Full 16-row
-// blocks only; an item's remaining rows take the AVX512-VNNI tiles.
+// bits (tests/model/test_exact.py passed on an AMX host, Intel Xeon family 6 model 207). Full
+// 16-row blocks only; an item's remaining rows take the AVX512-VNNI tiles.
 // Measured (docs/benchmarks-journal.md "A GPU machine"; benchmarks/probes/amx_groups.cpp): one
 // group per tile product stores and converts every group's sums, which caps AMX at ~1/3 of its
 // whole-K rate; per layer shape it ran int16 activations 1.1-1.4x and int8 1.1-1.3x the VNNI
@@ -477,7 +477,7 @@ inline void check_isa(int64_t isa) {
 // tiles: they skip a narrow group's low pass row by row, which a 16-row tile product cannot,
 // and measured no faster through AMX (equal end to end, -17% to +6% per layer shape; docs/
 // benchmarks-journal.md "A GPU machine"; the AMX variant, with the pass skipped where all 16 rows
-// were narrow, passed tests/test_exact.py there before it was set aside).
+// were narrow, passed tests/model/test_exact.py there before it was set aside).
 template <bool TWO, bool MIXED, bool OFF, bool QUADS>
 inline void rows_vnni(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const uint8_t* wq,
                       const float* wd, const float* wm, int64_t b0, int64_t b1, float* y, int64_t n,

@@ -4,7 +4,7 @@ It builds the shared state (:class:`~.serving.Serving`), the edge (request ids, 
 guard, the peer guard, the error handlers), the service routes (observability/routes.py: health,
 version, metrics, integrity) and the dashboard, and then each API as its package hands it over:
 a :class:`Surface` (its routes, the renderer it keeps per server, its error dialect). It imports
-no API: server/app.py passes them (tests/test_server_layout.py).
+no API: server/app.py passes them (tests/structure/test_server_layout.py).
 
 ``engine`` implements :class:`~prefixcache.api.engine.EngineAPI` (an ``AsyncEngine``), built but
 not started; the app's lifespan starts its step loop and, at shutdown, drains it (uvicorn first

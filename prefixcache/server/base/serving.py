@@ -5,7 +5,7 @@ the log, the cache-call gate, the remembered prompts) and the checks every API m
 way; ``start`` adds a request's choices to the engine as one :class:`~.run.Run`. It knows no
 API's bodies or rendering: the OpenAI routes render prompts with openai/prompt.py, the
 Anthropic ones with the renderer their package registers here (``renderer``), so this base
-imports neither (tests/test_server_layout.py).
+imports neither (tests/structure/test_server_layout.py).
 
 The order of checks is the order of costs: everything bounded by ``ServerLimits`` and the
 context length is checked before anything proportional to the input is done. Text is tokenized

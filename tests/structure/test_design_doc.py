@@ -9,7 +9,7 @@ import ast
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ROOT = REPO / "prefixcache"
 DESIGN = REPO / "docs" / "design.md"
 

@@ -1,5 +1,5 @@
 """Window parts (cache/window.py): the sliding-window layers' K/V of blocks, held a window back.
-Pure bookkeeping here; the engine's bitwise tests over them are in tests/test_gemma3.py."""
+Pure bookkeeping here; the engine's bitwise tests over them are in tests/model/test_gemma3.py."""
 
 from __future__ import annotations
 

@@ -405,7 +405,7 @@ def test_incremental_detokenizer_holds_partial_characters(tok):
 def test_fingerprint_stable_across_processes_and_sensitive(tok, tmp_path):
     code = "from prefixcache.tokenizer.tokenizer import load_tokenizer; print(load_tokenizer().fingerprint())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parent.parent)
+                         cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == tok.fingerprint()
     assert len(tok.fingerprint()) == 64
     same = load_tokenizer(_save_hf_dir(tok, tmp_path / "same"))

@@ -1,6 +1,6 @@
 """The engine on a GPU: it serves, hits its cache, and keeps what docs/engine.md "On CUDA" says
 holds there: greedy tokens identical cold vs warm, alone vs batched, chunked vs whole (float32,
-auto's choice on CUDA). The bitwise contract is the CPU exact path's (tests/test_exact.py);
+auto's choice on CUDA). The bitwise contract is the CPU exact path's (tests/model/test_exact.py);
 benchmarks/cuda_contract.py measures the bits on a GPU. The GPU tests skip where torch sees no
 GPU, as in CI; the first two run everywhere."""
 

@@ -16,7 +16,7 @@ import pytest
 from prefixcache.api.request import CacheReport
 from prefixcache.sequence import SeqKV, SeqOutput, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent / "prefixcache"
+ROOT = Path(__file__).resolve().parents[2] / "prefixcache"
 
 
 def _name(path: Path) -> str:

@@ -70,7 +70,7 @@ def test_keys_are_stable_across_processes():
             text=True,
             check=True,
             timeout=60,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         )
         outs.append(proc.stdout.split())
     assert outs[0] == here

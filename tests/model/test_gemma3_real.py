@@ -59,7 +59,7 @@ def test_real_gemma3_matches_transformers(path, ref):
     assert window is not None and window.window == 512
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     long = [2] + exact.get_tokenizer().encode(text)[:1000]
     prompt = long[:720] + long[900:940]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3)

@@ -405,7 +405,7 @@ def test_kill_9_during_writes_leaves_only_whole_blocks(tmp_path):
     """A writer killed at a random moment, many times: after restart every block file decodes."""
     script = textwrap.dedent(f"""
         import os, sys
-        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
         from prefixcache.tiers import codec
         from prefixcache.tiers.disk import DiskTier
         from prefixcache.tiers.keys import namespace_id
