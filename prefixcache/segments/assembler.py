@@ -184,7 +184,7 @@ class SegmentAssembler:
                     f"most {self.max_record_bytes} (max_segment_record)", param="messages",
                 )  # fmt: skip
         # What it may hold at once while it assembles: its slots, at most the prompt's (a warm:
-        # one step's chunk), and the scratch for its largest document computed alone.
+        # one step's chunk), and the scratch its documents are computed alone in.
         plan = SegmentPlan(tuple(SegmentSpan(a, b, b"") for a, b in spans), request.options,
                            self.sink_of(token_ids, spans), request.store_only)  # fmt: skip
         own = min(len(token_ids), self.max_chunk) if request.store_only else len(token_ids)
@@ -193,7 +193,7 @@ class SegmentAssembler:
         if need > self.kv.usable_blocks:
             raise ContextLengthError(
                 f"this segments request needs {need} KV blocks while it assembles (its documents, "
-                f"and room to compute its largest one alone) but the cache holds "
+                f"and room to compute them alone) but the cache holds "
                 f"{self.kv.usable_blocks} unpinnable blocks; raise kv_cache_memory",
                 param="messages",
             )  # fmt: skip
@@ -360,7 +360,7 @@ class SegmentAssembler:
 
     def _assign_scratch(self, job: _Job) -> None:
         """The next documents to compute alone, as many as the sequence's scratch blocks hold
-        side by side (each at least fits alone: ``scratch_tokens`` is the largest's)."""
+        side by side (each at least fits alone: ``scratch_tokens``)."""
         scratch, bs, sink = job.seq.kv.scratch, self.block_size, list(job.plan.sink)
         used = 0
         while job.todo:
@@ -469,13 +469,19 @@ class SegmentAssembler:
                              entry.v[:, :, skip:n], shift=start - entry.position)  # fmt: skip
 
     def scratch_tokens(self, plan: SegmentPlan) -> int:
-        """The scratch a sequence of this plan holds while it assembles: room for its largest
-        document that may be computed alone (after the sink)."""
+        """The scratch a sequence of this plan holds while it assembles: room for its documents
+        that may be computed alone (each after the sink, from a block boundary) side by side,
+        as many as one forward computes (``max_chunk``), and at least for the largest. Packed,
+        every miss of a request is computed in one forward when the step's grant allows:
+        measured in docs/benchmarks-journal.md ("Segments as a prefill plan")."""
+        bs = self.block_size
         sizes = [
-            len(plan.sink) + sp.length for sp in plan.spans
+            -(-(len(plan.sink) + sp.length) // bs) * bs for sp in plan.spans
             if plan.store_only or plan.options.recompute_for(sp.length) < sp.length
         ]  # fmt: skip
-        return max(sizes, default=0)
+        if not sizes:
+            return 0
+        return max(max(sizes), min(sum(sizes), -(-self.max_chunk // bs) * bs))
 
     def stats(self) -> dict:
         """``cache_stats()["segments"]``."""

@@ -211,22 +211,23 @@ def test_pieces_in_one_forward_equal_pieces_one_by_one(llm, monkeypatch):
 
 @pytest.mark.parametrize("step_tokens", [2048, 100], ids=["full-steps", "between-chunks"])
 def test_preempted_segments_requests_are_rebuilt_and_equal_running_alone(llm, step_tokens):
-    """Four segments requests in a pool of 22 blocks: some are preempted (their blocks freed,
+    """Four segments requests in a pool of 26 blocks: some are preempted (their blocks freed,
     the segment KV gone with them) and re-assembled on readmission; each output equals the same
     request run alone in a roomy pool. With 100-token steps they are preempted between the
     chunks of their assembly: readmitted with room for one chunk only, an assembly used to find
     no room for its documents and compute that chunk exactly (the third conversation's output
     differed); the scheduler now allocates up to the last document whenever it schedules a
-    segments request (Sequence.reserve_until), preempting as for any allocation. (22 blocks,
-    not 20: an assembling request also holds scratch blocks for its largest document, so at 20
-    the requests no longer overlap enough to preempt.)"""
-    g = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    segments request (Sequence.reserve_until), preempting as for any allocation. (26 blocks and
+    96 tokens out, where it was 20 and 48: an assembling request also holds scratch blocks for
+    its documents computed alone, so the requests overlap less and must grow more to preempt.
+    Each phase of an assembly preempted on purpose: the test after this one.)"""
+    g = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
     convs = [_messages(o) for o in (["Alice", "Bruno", "Chen"], ["Dara", "Alice"],
                                     ["Chen", "Dara", "Bruno"], ["Bruno", "Chen", "Alice", "Dara"])]  # fmt: skip
     opts = {"cache_mode": "segments", "segment_recompute_tokens": 3}
     alone = [llm.chat(c, g, cache_salt="preempt-alone", **opts)[0].outputs[0].token_ids for c in convs]
     with shared_default_weights():
-        small = LLM(kv_cache_memory=22 * 16 * BYTES_PER_TOKEN, seed=0, pin_budget_fraction=0.0,
+        small = LLM(kv_cache_memory=26 * 16 * BYTES_PER_TOKEN, seed=0, pin_budget_fraction=0.0,
                     busy_step_ms=0, max_num_batched_tokens=step_tokens)  # fmt: skip
     outs = small.chat(convs, g, **opts)
     assert small.engine.scheduler.counters.num_preemptions > 0

@@ -254,7 +254,7 @@ def test_a_warms_steps_are_bounded_by_the_shared_budget_and_paced_by_the_work_do
 
 
 def test_a_segments_request_the_pool_can_never_hold_while_it_assembles_is_a_400():
-    """An assembling request holds its slots and scratch blocks for its largest document
+    """An assembling request holds its slots and scratch blocks for its documents
     computed alone: a pool that holds the prompt and its output but not that as well would
     leave the request waiting at the head of the queue for ever (no later arrival may
     overtake it). It is refused up front (context_length_exceeded); the same request with
