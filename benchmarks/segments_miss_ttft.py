@@ -11,8 +11,10 @@ once per build, alternated, to compare builds on this VM (whose speed drifts by 
     .venv/bin/python benchmarks/segments_miss_ttft.py [--prompts 8] [--selection first]
     PYTHONPATH=/tmp/other_checkout .venv/bin/python benchmarks/segments_miss_ttft.py
 
-Prints one JSON line: median TTFT of misses and hits (ms), and a digest of every output's token
-ids (equal digests: the same tokens).
+Then --batch hits of the first prompts in one batch (16 tokens each, every document in the store
+already), five times. Prints one JSON line: median TTFT of misses and hits (ms), a digest of
+every output's token ids (equal digests: the same tokens), the batch's median wall time and
+the scheduler steps it took.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=16, help="segment_recompute_tokens")
     ap.add_argument("--selection", default="first")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--batch", type=int, default=4, help="hits in one batch (0: none)")
     a = ap.parse_args()
     llm = LLM(seed=0)
     tok = llm.get_tokenizer()
@@ -54,11 +57,27 @@ def main() -> None:
             times.append((time.perf_counter() - t) * 1e3)
         out = llm.chat(p["messages"], answer, cache_salt=salt, **opts)[0].outputs[0].token_ids
         digest.update(json.dumps(out).encode())
+    batch_s, steps, reused = None, None, None
+    if a.batch:
+        batch = [p["messages"] for p in prompts[: a.batch]]
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        salt = f"batch-{a.tag}-{time.time_ns()}"
+        for m in batch:  # every document into the store
+            llm.chat(m, params, cache_salt=salt, **opts)
+        counters, walls = llm.engine.scheduler.counters, []
+        for _ in range(5):
+            s0, t = counters.num_steps, time.perf_counter()
+            outs = llm.chat(batch, params, cache_salt=salt, **opts)
+            walls.append(time.perf_counter() - t)
+            steps = counters.num_steps - s0
+        batch_s = round(statistics.median(walls), 3)
+        reused = sum(o.cache.num_segment_cached_tokens or 0 for o in outs)
     print(json.dumps({
         "tag": a.tag, "prompts": a.prompts, "docs_per_prompt": a.docs_per_prompt,
         "doc_tokens": a.doc_tokens, "k": a.k, "selection": a.selection,
         "miss_ttft_ms": round(statistics.median(miss), 1), "hit_ttft_ms": round(statistics.median(hit), 1),
-        "outputs_sha256": digest.hexdigest()[:16],
+        "outputs_sha256": digest.hexdigest()[:16], "batch_wall_s": batch_s, "batch_steps": steps,
+        "batch_segment_tokens": reused,
     }))  # fmt: skip
 
 

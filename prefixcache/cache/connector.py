@@ -10,7 +10,9 @@ only through these hooks, in this order within a request's life and a step:
   a sequence while any connector has work pending for it (status ``RequestStatus.LOADING``,
   set and cleared by ``ConnectorSet`` alone);
 - per step, ``before_step()`` (install finished work; returns the sequences whose pending work
-  changed), then the scheduler, then ``prefill(s)`` for each scheduled sequence (a connector
+  changed), then the scheduler (which asks ``wants(seq)``: the most tokens a running sequence's
+  connector work can spend this step, None where the connector has no plan for it, so a grant
+  it cannot spend goes to other sequences), then ``prefill(s)`` for each scheduled sequence (a connector
   may spend the tokens granted to it on pieces of its own prefill plan, ``Prefill``: they run
   in the step's one forward in place of the sequence's chunk, and it says how many tokens of
   work they are: the step's pace counts those, not what was granted), then the forward and
@@ -67,6 +69,11 @@ class KVConnector:
 
     def before_step(self) -> Iterable[Sequence]:
         return ()
+
+    def wants(self, seq: Sequence) -> int | None:
+        """The most tokens ``prefill`` can spend for running ``seq`` in the next step (at
+        least 1), or None: no cap (it runs as an ordinary chunk, or the connector cannot say)."""
+        return None
 
     def prefill(self, s: ScheduledSeq) -> Prefill | None:
         """None: ``s``'s chunk runs as scheduled; else what the connector makes of its grant."""
@@ -160,6 +167,10 @@ class ConnectorSet:
                 if was and not seq.loading:
                     loaded.append(seq)
         return loaded
+
+    def wants(self, seq: Sequence) -> int | None:
+        """The first connector's cap on ``seq``'s next grant (``KVConnector.wants``)."""
+        return next((w for c in self.connectors if (w := c.wants(seq)) is not None), None)
 
     def prefill(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[Piece], int]:
         """(the chunks that run as scheduled, the connectors' pieces for the others, the tokens

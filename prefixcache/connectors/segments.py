@@ -69,6 +69,9 @@ class SegmentConnector(KVConnector):
             self.storage.cancel(entry[1])
 
     # ---- the step --------------------------------------------------------------------------------
+    def wants(self, seq: Sequence) -> int | None:
+        return self.assembler.wants(seq)
+
     def prefill(self, s: ScheduledSeq) -> Prefill | None:
         if not self._plans:
             return None

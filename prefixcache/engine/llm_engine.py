@@ -132,9 +132,9 @@ class LLMEngine:
             eviction_policy=config.eviction_policy, enable_caching=config.enable_prefix_caching,
             clock=clock, partial_reuse=config.partial_block_reuse, window=window,
         )  # fmt: skip
-        self.scheduler = Scheduler(config, self.kv)
         # Segments, the persistent tiers, KV events: what the config asks for (connectors/build.py).
         self.connectors = build_connectors(config, self.fingerprint, self.kv, self.runner)
+        self.scheduler = Scheduler(config, self.kv, wants=self.connectors.wants)
         if self.connectors.wants_events:
             self.kv.record_events()
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)

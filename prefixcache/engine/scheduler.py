@@ -70,9 +70,14 @@ class Scheduler:
         config: EngineConfig,
         kv: KVCacheManager,
         clock: Callable[[], float] = time.monotonic,
+        wants: Callable[[Sequence], int | None] | None = None,
     ):
         self.config = config
         self.kv = kv
+        # The connectors' cap on a running sequence's grant (ConnectorSet.wants): a segments
+        # assembly in a phase that spends less than its prompt's remainder (documents computed
+        # alone, a probe, a few recomputed tokens) leaves the rest of the step to others.
+        self.wants = wants or (lambda seq: None)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
@@ -197,7 +202,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.kv.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.kv.num_computed_tokens, budget, self._cap(seq))
             if caps is not None:
                 n = min(n, caps[seq.tenant])
                 if n <= 0:  # over its cap this step; may be topped up at the end
@@ -236,7 +241,8 @@ class Scheduler:
                 break
             k = index.get(id(seq))
             have = out.scheduled[k].num_new_tokens if k is not None else 0
-            extra = min(seq.num_tokens - seq.kv.num_computed_tokens - have, budget)
+            extra = min(seq.num_tokens - seq.kv.num_computed_tokens, self._cap(seq)) - have
+            extra = min(extra, budget)
             if extra <= 0 or not self.kv.allocate_slots(seq, have + extra):
                 continue
             if k is None:
@@ -245,6 +251,10 @@ class Scheduler:
             else:
                 out.scheduled[k] = ScheduledSeq(seq, have + extra)
             budget -= extra
+
+    def _cap(self, seq: Sequence) -> int:
+        w = self.wants(seq)
+        return seq.num_tokens if w is None else max(1, w)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

@@ -256,6 +256,24 @@ class SegmentAssembler:
             self.jobs[seq.request_id] = job
         return self._plan_step(job, min(s.num_new_tokens, self.max_chunk))
 
+    def wants(self, seq: Sequence) -> int | None:
+        """The tokens the sequence's assembly can spend next step (``KVConnector.wants``): what
+        its documents computed alone have left, its probe, or its pieces in context. None
+        before its job starts and where the next step plans anew (the scratch filled again)."""
+        job = self._job_of(seq)
+        if job is None:
+            return None
+        if job.phase == ALONE:
+            if not job.active:
+                return None
+            return sum(len(a.token_ids) - a.done for a in job.active)
+        if job.phase == PROBE:
+            n = min(job.probe_end - job.probe_at, self.max_chunk)
+            return -(-n // self.runner.config.num_layers)
+        if job.phase == COMPUTE:
+            return max(1, sum(b - a for a, b in job.pieces))
+        return None
+
     def _job_of(self, seq: Sequence) -> _Job | None:
         """The sequence's assembly in progress; one begun before a preemption is void (it
         lived in the blocks the preemption freed)."""

@@ -207,6 +207,10 @@ def test_a_warms_steps_are_bounded_by_the_shared_budget_and_paced_by_the_work_do
         ))  # fmt: skip
     eng.scheduler.pace = _FixedPace(0.1 / 40)  # shared steps: 40 tokens
     eng.scheduler.clock = lambda: 0.0  # the other tenant stays active for the whole test
+    # A connector that cannot say what it will spend (KVConnector.wants None): the warm is
+    # granted its prompt's remainder and may end early in a grant, the case this test guards
+    # (the segments connector caps its grants, the next test).
+    eng.scheduler.wants = lambda seq: None
     computed, observed, granted = [0], [], []
     execute, observe = eng.runner.execute, eng.scheduler.observe_step
     schedule = eng.scheduler.schedule
@@ -251,6 +255,37 @@ def test_a_warms_steps_are_bounded_by_the_shared_budget_and_paced_by_the_work_do
     assert [t for t, _ in observed] == [c for _, c in observed]
     # ... and the warm did end early in a grant (the case this guards).
     assert any(c < g for (_, c), g in zip(observed, granted))
+
+
+def test_a_grant_an_assembly_cannot_spend_goes_to_the_other_sequences():
+    """Three segments requests whose documents all miss, in one engine with 256-token steps:
+    once its assembly has begun, a request is granted no more than its phase can spend
+    (KVConnector.wants: what its documents computed alone have left, then its recomputed
+    tokens), so the rest of each step goes to the other requests. With the cap off (a
+    connector that cannot say), the same requests take more steps for the same tokens."""
+    runs = {}
+    for capped in (True, False):
+        with shared_default_weights():
+            eng = LLMEngine(EngineConfig(kv_cache_memory="32MiB", max_model_len=1024,
+                                         max_num_batched_tokens=256, busy_step_ms=0, seed=0))  # fmt: skip
+        if not capped:
+            eng.scheduler.wants = lambda seq: None
+        seqs = []
+        for i in range(3):
+            seg = eng.tokenizer.encode_chat_segments([SYSTEM, *_docs(2, f"cap {i}"), QUESTION])
+            seqs.append(eng.add_request(
+                f"r{i}", seg.token_ids, GREEDY,
+                segments=SegmentRequest(seg.spans, SegmentOptions(recompute_tokens=3)),
+            ))  # fmt: skip
+        steps = 0
+        while eng.has_unfinished():
+            eng.step()
+            eng.check_integrity()
+            steps += 1
+        runs[capped] = (steps, [s.out.output_token_ids for s in seqs])
+    (steps, tokens), (steps_off, tokens_off) = runs[True], runs[False]
+    assert tokens == tokens_off
+    assert steps < steps_off, (steps, steps_off)
 
 
 def test_a_segments_request_the_pool_can_never_hold_while_it_assembles_is_a_400():
