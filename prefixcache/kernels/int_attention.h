@@ -128,24 +128,54 @@ __attribute__((noinline)) void scores_avx2(const Units& u, int64_t pairs, const 
   if constexpr (NQ == 2) y.store(dot[1]);
 }
 
+// The same for the VNNI products: up to four int32 accumulators of 16 lanes in named members.
+// Held in arrays (__m512i a[NQ][NV]), GCC 12 copied every zmm accumulator after each vpdpwssd
+// (two vmovdqa a product: 33 instructions for 8 vpdpwssd in the scores loop; measured in the
+// kernels' disassembly), as it did the AVX2 loops'. Members are zeroed by zero(): a default
+// member initializer would put an AVX-512 instruction in a constructor built for AVX2.
+template <int NV>
+struct Acc16 {
+  __m512i a0, a1, a2, a3;
+  __attribute__((target("avx512f"))) inline void zero() {
+    a0 = _mm512_setzero_si512();
+    a1 = a0, a2 = a0, a3 = a0;
+  }
+  // a_c += x_c . b (vpdpwssd: pairs of int16 products summed into int32), c < NV
+  __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void madd(__m512i x0, __m512i x1, __m512i x2,
+                                                                           __m512i x3, __m512i b) {
+    a0 = _mm512_dpwssd_epi32(a0, x0, b);
+    if constexpr (NV > 1) a1 = _mm512_dpwssd_epi32(a1, x1, b);
+    if constexpr (NV > 2) a2 = _mm512_dpwssd_epi32(a2, x2, b);
+    if constexpr (NV > 3) a3 = _mm512_dpwssd_epi32(a3, x3, b);
+  }
+  __attribute__((target("avx512f"))) inline void store(int32_t* dst) const {
+    _mm512_storeu_si512(dst, a0);
+    if constexpr (NV > 1) _mm512_storeu_si512(dst + 16, a1);
+    if constexpr (NV > 2) _mm512_storeu_si512(dst + 32, a2);
+    if constexpr (NV > 3) _mm512_storeu_si512(dst + 48, a3);
+  }
+};
+
+// dot[i][j] for NQ (1 to 4) queries and the block's 32 keys (VNNI: vpdpwssd).
 template <int NQ>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void scores_vnni(const Units& u, int64_t pairs,
-                                                                                const int32_t* const* q,
-                                                                                int32_t* const* dot) {
-  __m512i a[NQ][2];
-  for (int i = 0; i < NQ; ++i) a[i][0] = a[i][1] = _mm512_setzero_si512();
+__attribute__((target("avx512f,avx512bw,avx512vnni"), noinline)) void scores_vnni(const Units& u, int64_t pairs,
+                                                                                   const int32_t* const* q,
+                                                                                   int32_t* const* dot) {
+  static_assert(NQ >= 1 && NQ <= 4);
+  Acc16<2> x, y, z, w;
+  x.zero(), y.zero(), z.zero(), w.zero();
+  const __m512i none = _mm512_setzero_si512();
   for (int64_t p = 0; p < pairs; ++p) {
     const __m512i k0 = _mm512_loadu_si512(u.k[0] + p * kUnit), k1 = _mm512_loadu_si512(u.k[1] + p * kUnit);
-    for (int i = 0; i < NQ; ++i) {
-      const __m512i b = _mm512_set1_epi32(q[i][p]);
-      a[i][0] = _mm512_dpwssd_epi32(a[i][0], k0, b);
-      a[i][1] = _mm512_dpwssd_epi32(a[i][1], k1, b);
-    }
+    x.madd(k0, k1, none, none, _mm512_set1_epi32(q[0][p]));
+    if constexpr (NQ > 1) y.madd(k0, k1, none, none, _mm512_set1_epi32(q[1][p]));
+    if constexpr (NQ > 2) z.madd(k0, k1, none, none, _mm512_set1_epi32(q[2][p]));
+    if constexpr (NQ > 3) w.madd(k0, k1, none, none, _mm512_set1_epi32(q[3][p]));
   }
-  for (int i = 0; i < NQ; ++i) {
-    _mm512_store_si512(dot[i], a[i][0]);
-    _mm512_store_si512(dot[i] + 16, a[i][1]);
-  }
+  x.store(dot[0]);
+  if constexpr (NQ > 1) y.store(dot[1]);
+  if constexpr (NQ > 2) z.store(dot[2]);
+  if constexpr (NQ > 3) w.store(dot[3]);
 }
 
 // acc[i][c0 .. c0 + 8 NV) = sum over key pairs jp < npairs of u[i][jp] . vp[jp][..] (AVX2), NQ
@@ -173,25 +203,31 @@ __attribute__((noinline)) void values_avx2(const Units& un, int64_t d, int64_t c
   if constexpr (NQ == 2) y.store(acc[1] + c0);
 }
 
+// acc[i][c0 .. c0 + 16 NV) for NQ (1 to 4) queries (VNNI), as values_avx2.
 template <int NQ, int NV>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void values_vnni(const Units& un, int64_t d,
-                                                                                int64_t c0, int64_t npairs,
-                                                                                const int32_t* const* u,
-                                                                                int32_t* const* acc) {
-  __m512i a[NQ][NV];
-  for (int i = 0; i < NQ; ++i)
-    for (int c = 0; c < NV; ++c) a[i][c] = _mm512_setzero_si512();
+__attribute__((target("avx512f,avx512bw,avx512vnni"), noinline)) void values_vnni(const Units& un, int64_t d,
+                                                                                   int64_t c0, int64_t npairs,
+                                                                                   const int32_t* const* u,
+                                                                                   int32_t* const* acc) {
+  static_assert(NQ >= 1 && NQ <= 4);
+  Acc16<NV> x, y, z, w;
+  x.zero(), y.zero(), z.zero(), w.zero();
+  const __m512i none = _mm512_setzero_si512();
   for (int64_t jp = 0; jp < npairs; ++jp) {
     const int32_t* row = un.v[jp >> 3] + (jp & 7) * d + c0;
-    __m512i v[NV];
-    for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_si512(row + 16 * c);
-    for (int i = 0; i < NQ; ++i) {
-      const __m512i b = _mm512_set1_epi32(u[i][jp]);
-      for (int c = 0; c < NV; ++c) a[i][c] = _mm512_dpwssd_epi32(a[i][c], v[c], b);
-    }
+    const __m512i v0 = _mm512_loadu_si512(row);
+    const __m512i v1 = NV > 1 ? _mm512_loadu_si512(row + 16) : none;
+    const __m512i v2 = NV > 2 ? _mm512_loadu_si512(row + 32) : none;
+    const __m512i v3 = NV > 3 ? _mm512_loadu_si512(row + 48) : none;
+    x.madd(v0, v1, v2, v3, _mm512_set1_epi32(u[0][jp]));
+    if constexpr (NQ > 1) y.madd(v0, v1, v2, v3, _mm512_set1_epi32(u[1][jp]));
+    if constexpr (NQ > 2) z.madd(v0, v1, v2, v3, _mm512_set1_epi32(u[2][jp]));
+    if constexpr (NQ > 3) w.madd(v0, v1, v2, v3, _mm512_set1_epi32(u[3][jp]));
   }
-  for (int i = 0; i < NQ; ++i)
-    for (int c = 0; c < NV; ++c) _mm512_storeu_si512(acc[i] + c0 + 16 * c, a[i][c]);
+  x.store(acc[0] + c0);
+  if constexpr (NQ > 1) y.store(acc[1] + c0);
+  if constexpr (NQ > 2) z.store(acc[2] + c0);
+  if constexpr (NQ > 3) w.store(acc[3] + c0);
 }
 
 // The products of up to kGroupQ queries (n of them) on the ISA's path. The queries' pointers
