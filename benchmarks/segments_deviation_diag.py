@@ -31,9 +31,8 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.corrcoef(torch.stack([ra, rb]))[0, 1].item()
 
 
-def _alone_v(runner, ids: list[int], m: int, bs: int) -> list[torch.Tensor]:
-    """Every layer's V of ``ids[m:]`` computed alone after ``ids[:m]`` (positions 0..), in a
-    private cache of the pool's format: what the segment store keeps ([kv_heads, n, D] each)."""
+def _computed(runner, ids: list[int], bs: int) -> KVCache:
+    """A private cache of the pool's format holding ``ids`` computed from position 0."""
     n = len(ids)
     nb = -(-n // bs)
     lay = runner.kv.layout
@@ -42,7 +41,14 @@ def _alone_v(runner, ids: list[int], m: int, bs: int) -> list[torch.Tensor]:
                           exact=runner.model.exact)  # fmt: skip
     pos = torch.arange(n, device=runner.device)
     runner.model(torch.tensor(ids, device=runner.device), pos, cache, meta, pos[-1:])
-    slots = torch.arange(m, n, device=runner.device)
+    return cache
+
+
+def _alone_v(runner, ids: list[int], m: int, bs: int) -> list[torch.Tensor]:
+    """Every layer's V of ``ids[m:]`` computed alone after ``ids[:m]`` (positions 0..): what
+    the segment store keeps ([kv_heads, n, D] each)."""
+    cache = _computed(runner, ids, bs)
+    slots = torch.arange(m, len(ids), device=runner.device)
     return [cache.layer(i).gather(slots, torch.float32)[1].cpu() for i in range(runner.config.num_layers)]
 
 
@@ -62,14 +68,8 @@ def main() -> None:
     per_layer: dict[int, list[float]] = {}
     for p in prompts[: args.prompts]:
         seg = tok.encode_chat_segments(p["messages"])
-        ids, n = seg.token_ids, len(seg.token_ids)
-        nb = -(-n // bs)
-        lay = runner.kv.layout
-        cold = KVCache(runner.config, KVLayout(nb, bs, lay.bytes_per_token, lay.kv_format), runner.device)
-        meta = build_metadata([list(range(nb))], [0], [n], bs, runner.device, native=runner.model.native,
-                              exact=runner.model.exact)  # fmt: skip
-        pos = torch.arange(n, device=runner.device)
-        runner.model(torch.tensor(ids, device=runner.device), pos, cold, meta, pos[-1:])
+        ids = seg.token_ids
+        cold = _computed(runner, ids, bs)
         for a, b in seg.spans:
             alone_v = _alone_v(runner, ids[:1] + ids[a:b], 1, bs)  # after the sink, as stored
             slots = torch.arange(a, b, device=runner.device)
