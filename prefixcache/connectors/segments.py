@@ -70,6 +70,9 @@ class SegmentConnector(KVConnector):
 
     # ---- the step --------------------------------------------------------------------------------
     def wants(self, seq: Sequence) -> int | None:
+        # asked for every running sequence every step: nothing to look up without assemblies
+        if not self.assembler.jobs:
+            return None
         return self.assembler.wants(seq)
 
     def prefill(self, s: ScheduledSeq) -> Prefill | None:

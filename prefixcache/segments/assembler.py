@@ -268,8 +268,7 @@ class SegmentAssembler:
                 return None
             return sum(len(a.token_ids) - a.done for a in job.active)
         if job.phase == PROBE:
-            n = min(job.probe_end - job.probe_at, self.max_chunk)
-            return -(-n // self.runner.config.num_layers)
+            return self._probe_step(job, self.max_chunk)[1]
         if job.phase == COMPUTE:
             return max(1, sum(b - a for a, b in job.pieces))
         return None
@@ -352,11 +351,10 @@ class SegmentAssembler:
                 self._finished.append(seq)
                 return Prefill([], 0)
         if job.phase == PROBE:
-            n = min(job.probe_end - job.probe_at, grant * self.runner.config.num_layers, self.max_chunk)
+            n, tokens = self._probe_step(job, grant)
             piece = Piece(seq.all_token_ids, seq.kv.block_table, job.probe_at, n, probe=True)
             job.inflight = [(piece, PROBE)]
-            # the probe runs layer 0 (and layer 1's projections) only: 1/layers of its tokens
-            return Prefill([piece], -(-n // self.runner.config.num_layers))
+            return Prefill([piece], tokens)
         if job.phase == COMPUTE:
             if not job.pieces:
                 self._finish(job)
@@ -376,14 +374,26 @@ class SegmentAssembler:
             return Prefill(out, grant - left)
         raise AssertionError(f"a segments job planned in phase {job.phase}")
 
+    def _probe_step(self, job: _Job, grant: int) -> tuple[int, int]:
+        """(positions, tokens counted) of the job's next probe piece within ``grant``: the probe
+        runs layer 0 (and layer 1's projections) only, so it counts 1/layers of its positions."""
+        layers = self.runner.config.num_layers
+        n = min(job.probe_end - job.probe_at, grant * layers, self.max_chunk)
+        return n, -(-n // layers)
+
+    def _alone_blocks(self, sink: int, n: int) -> int:
+        """Scratch blocks a document of ``n`` tokens computed alone after a sink of ``sink``
+        takes (from a block boundary)."""
+        return -(-(sink + n) // self.block_size)
+
     def _assign_scratch(self, job: _Job) -> None:
         """The next documents to compute alone, as many as the sequence's scratch blocks hold
         side by side (each at least fits alone: ``scratch_tokens``)."""
-        scratch, bs, sink = job.seq.kv.scratch, self.block_size, list(job.plan.sink)
+        scratch, sink = job.seq.kv.scratch, list(job.plan.sink)
         used = 0
         while job.todo:
             key, ids = job.todo[0]
-            need = -(-(len(sink) + len(ids)) // bs)
+            need = self._alone_blocks(len(sink), len(ids))
             if used + need > len(scratch):
                 break
             job.todo.pop(0)
@@ -494,7 +504,7 @@ class SegmentAssembler:
         measured in docs/benchmarks-journal.md ("Segments as a prefill plan")."""
         bs = self.block_size
         sizes = [
-            -(-(len(plan.sink) + sp.length) // bs) * bs for sp in plan.spans
+            self._alone_blocks(len(plan.sink), sp.length) * bs for sp in plan.spans
             if plan.store_only or plan.options.recompute_for(sp.length) < sp.length
         ]  # fmt: skip
         if not sizes:
