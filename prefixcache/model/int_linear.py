@@ -94,19 +94,22 @@ class IntLinear:
 
     @property
     def rows_readable(self) -> bool:
-        """Whether ``rows`` can read W back: 8-bit groups in pack8's pairs layout."""
-        return self.wide and self.wq.dtype == torch.int8 and self.wm is None and not self.sixteens
+        """Whether ``rows`` can read W back: 8-bit groups of 32 (pack8's pairs or quads)."""
+        return self.wide and self.wm is None and not self.sixteens
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of W as stored, dequantized ([n, in] float32, ``q * d`` per group: the
         same numbers as ``Int8Groups.dequantize``), read from the packed weights in place: a
         tied embedding needs no copy of its own."""
         if not self.rows_readable:
-            raise ValueError("rows() reads 8-bit groups in the pairs layout only")
+            raise ValueError("rows() reads 8-bit groups of 32 only")
         g = self.in_features // GROUP
         blocks = self.wq.numel() // (COLS * self.in_features)
         b, c = ids // COLS, ids % COLS
-        q = self.wq.view(blocks, g, GROUP // 2, COLS, 2)[b, :, :, c, :]  # [n, g, 16, 2]
+        if self.wq.dtype == torch.uint8:  # quads: q + 128, [j][column][4]
+            q = self.wq.view(blocks, g, GROUP // 4, COLS, 4)[b, :, :, c, :].to(torch.int16) - 128
+        else:  # pairs: [p][column][2]
+            q = self.wq.view(blocks, g, GROUP // 2, COLS, 2)[b, :, :, c, :]
         d = self.wd.view(blocks, g, COLS)[b, :, c]  # [n, g]
         return (q.reshape(-1, g, GROUP).float() * d.unsqueeze(-1)).view(-1, self.in_features)
 

@@ -333,18 +333,24 @@ class LlamaModel:
         self.norm = tensor("model.norm.weight").to(device=device, dtype=dtype)
         if self.exact:
             # The head on the exact path: its groups (the file's, else 8-bit groups made here)
-            # times 16-bit activations through the integer kernel: exact sums and one fixed
+            # times integer activations through the integer kernel: exact sums and one fixed
             # epilogue per logit, so a row's logits do not depend on the other rows (a dense
             # GEMM's would), at 3.5x the float32 group kernel's speed for one row and 1.8x for
-            # eight (Zen 4, the default model's 49k x 576 head).
+            # eight (Zen 4, the default model's 49k x 576 head). Its activations are mixed
+            # where the file's own groups are the head (auto, as the layers' rule; mixed and
+            # int8 too): one vpdpbusd pass, where a decode step of 8 rows read Gemma 3's
+            # 262k x 640 head in ~13 ms with 16 bits and ~10 with mixed, for KL +1.2e-4 on
+            # Gemma 3 and +1.9e-4 on SmolLM2 against the float reference (docs/design.md
+            # section 2, "The head's activations"). Groups made here keep 16 bits.
             groups = stored_groups([head_name])
+            mixed = activations in ("mixed", "int8") or (activations == "auto" and groups is not None)
             if groups is None:
                 w = tensor(head_name)
                 if tuple(w.shape) != (cfg.vocab_size, hid):
                     raise ValueError(f"{head_name}: shape {tuple(w.shape)} != {(cfg.vocab_size, hid)}")
                 groups = quantize_int8(w)
                 self.requantized = True
-            self.lm_head = IntLinear(groups, None, 16, isa)
+            self.lm_head = IntLinear(groups, None, 16, isa, mixed)
         else:
             head_fmt = {"dense": "dense", "file": "file"}.get(weight_format, "int8")
             self.lm_head = linear([head_name], (cfg.vocab_size, hid), head_fmt)

@@ -287,8 +287,15 @@ def test_embedding_kept_as_the_files_groups(llm):
     assert torch.equal(table.lookup(ids), full[ids])
     assert torch.equal(table.lookup(torch.arange(full.shape[0])), full)
     weights = load_weights(None)
-    own = GroupEmbedding(weights.int8["model.embed_tokens.weight"], torch.device("cpu"), torch.float32)
+    groups = weights.int8["model.embed_tokens.weight"]
+    own = GroupEmbedding(groups, torch.device("cpu"), torch.float32)
     assert torch.equal(own.lookup(ids), full[ids])  # untied: a copy of the groups of its own
+    from prefixcache.model.int_linear import IntLinear
+
+    for mixed in (False, True):  # both packed layouts serve rows, whichever this host's head has
+        head = IntLinear(groups, None, 16, "avx512-vnni", mixed)
+        assert head.wq.dtype == (torch.uint8 if mixed else torch.int8)  # quads: q + 128; pairs
+        assert torch.equal(GroupEmbedding(None, torch.device("cpu"), torch.float32, head=head).lookup(ids), full[ids])
     g = torch.Generator().manual_seed(0)
     q4 = Int4Groups(torch.randint(0, 16, (50, 64), generator=g, dtype=torch.uint8),
                     torch.rand(50, 2, generator=g) * 0.1, torch.randn(50, 2, generator=g) * 0.5, 32)  # fmt: skip

@@ -47,9 +47,10 @@ def _prompts(tok, n: int) -> list[list[int]]:
 
 def test_default_runs_the_files_groups(llm, engines):
     fmt = llm.engine.weights_format
-    assert fmt.startswith("w4a8x16 layers") and "w8a16 head" in fmt, fmt
+    assert fmt.startswith("w4a8x16 layers") and "w8a8x16 head" in fmt, fmt
     assert not llm.engine.runner.model.requantized
-    assert engines["int16"].engine.weights_format.startswith("w4a16 layers")
+    fmt = engines["int16"].engine.weights_format
+    assert fmt.startswith("w4a16 layers") and "w8a16 head" in fmt, fmt  # int16: the head too
     fmt = engines["f32"].engine.weights_format
     assert fmt.startswith("q4 layers") and "q8 head" in fmt, fmt
 
