@@ -54,9 +54,9 @@ def prose_ids(llm):
 def test_default_model_runs_the_exact_path(llm):
     assert llm.engine.runner.model.exact
     assert "exact integer sums" in llm.engine.weights_format
-    # the output projection too: the file's Q8_0 groups x 16-bit activations, integer sums
+    # the output projection too: the file's Q8_0 groups x mixed activations, integer sums
     head = llm.engine.runner.model.lm_head
-    assert isinstance(head, IntLinear) and head.kind == "w8a16"
+    assert isinstance(head, IntLinear) and head.kind == "w8a8x16"
 
 
 # ---- the kernel against the same integer arithmetic in plain PyTorch
