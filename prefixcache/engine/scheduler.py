@@ -1,14 +1,18 @@
 """Continuous batching with chunked prefill, cache-aware admission and preemption.
 
 Each step builds one flat batch under ``max_num_batched_tokens`` (fewer tokens, sized to
-``shared_step_ms``, while several tenants are active: fairness.py 4.):
-1. running sequences first, in arrival order: a decode token each, or the next chunk of an
-   unfinished prefill. When a block cannot be had, the newest running sequence is preempted
-   (its blocks are released, its computed blocks stay cached, so resuming is mostly hits);
-2. then waiting sequences, in policy order interleaved fairly over tenants (fairness.py), while
+``shared_step_ms``, while several tenants are active: fairness.py 4.). Short work goes first:
+1. running sequences whose remainder is short (a decode token each, a prefill's last piece),
+   in arrival order, then waiting requests whose *uncached* remainder is short (a prefix hit's
+   new tokens), within half the step while a long prefill runs;
+2. then the other running sequences, in arrival order: the next chunk of an unfinished prefill.
+   When a block cannot be had, the newest running sequence is preempted (its blocks are
+   released, its computed blocks stay cached, so resuming is mostly hits);
+3. then waiting sequences, in policy order interleaved fairly over tenants (fairness.py), while
    ``max_num_seqs`` and the budget allow. A request is admitted when its *uncached* blocks fit:
    cached blocks are memory already paid for. When the batch is full and a tenant under its fair
    share of slots waits, the newest sequence of a tenant over its share is preempted first.
+"Short" is an eighth of ``max_num_batched_tokens`` or less (256 tokens by default).
 
 In-batch sharing: when a waiting request's next uncached block is being computed right now by
 another request (its key is "pending"), the request waits instead of computing it again; it is
@@ -157,12 +161,32 @@ class Scheduler:
         if total < self.config.max_num_batched_tokens and self._first_step(out, total):
             self.counters.first_steps += 1
             return self._finish(out)
-        self._schedule_running(out, budget)
-        budget -= out.num_batched_tokens
+        # Short work first (decodes, a prefill's short remainder, a waiting hit's new tokens),
+        # then long prefills: a request whose prompt is cached waits one step, not behind a
+        # long cold prompt's whole prefill (its TTFT was that prefill's, e.g. 70 s at 16k).
+        # Admitted short work takes at most half the step while a long prefill runs, so a long
+        # prompt always progresses. Within each pass the order is the one described above.
+        caps = token_caps(budget, self.running, self.waiting)
+        short = self._short_tokens()
+        self._schedule_running(out, budget, caps, lambda seq: self._left(seq) <= short)
+        long_running = any(self._left(seq) > short for seq in self.running)
+        if len(out.preempted) == fair_preempted:
+            left = total - out.num_batched_tokens
+            self._schedule_waiting(out, left // 2 if long_running else left, short=short)
+        self._schedule_running(out, total - out.num_batched_tokens, caps)
         if len(out.preempted) == fair_preempted:  # out of memory this step: admit nobody new
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, total - out.num_batched_tokens)
             self._top_up(out, total - out.num_batched_tokens)
         return self._finish(out)
+
+    def _short_tokens(self) -> int:
+        """A remainder this short (an eighth of a full step, at least a block) counts as short
+        work: a hit's new tokens, a prefill's last piece."""
+        return max(self.config.block_size, self.config.max_num_batched_tokens // 8)
+
+    @staticmethod
+    def _left(seq: Sequence) -> int:
+        return seq.num_tokens - seq.kv.num_computed_tokens
 
     def _finish(self, out: SchedulerOutput) -> SchedulerOutput:
         self.counters.num_steps += 1
@@ -195,13 +219,18 @@ class Scheduler:
         self._first_steps.record({s.seq.tenant for s in out.scheduled}, self.step_index)
         return True
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> None:
-        """Running sequences in order, each tenant's within its token cap (fairness.py); when
-        blocks run out, ``memory_victim`` is preempted until the sequence fits."""
-        caps = token_caps(budget, self.running, self.waiting)
+    def _schedule_running(self, out: SchedulerOutput, budget: int, caps: dict | None,
+                          select: Callable[[Sequence], bool] | None = None) -> None:
+        """Running sequences in order (those ``select`` picks; none already in the step), each
+        tenant's within its token cap (``caps``, fairness.py: spent across the step's passes);
+        when blocks run out, ``memory_victim`` is preempted until the sequence fits."""
+        done = {id(x.seq) for x in out.scheduled}
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if id(seq) in done or (select is not None and not select(seq)):
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.kv.num_computed_tokens, budget, self._cap(seq))
             if caps is not None:
                 n = min(n, caps[seq.tenant])
@@ -301,10 +330,11 @@ class Scheduler:
         return starved + rest
 
     def _schedule_waiting(
-        self, out: SchedulerOutput, budget: int, tenants: set | None = None
+        self, out: SchedulerOutput, budget: int, tenants: set | None = None, short: int | None = None
     ) -> None:
         """Admit waiting sequences in fair order while the budget and slots last; ``tenants``:
-        only theirs."""
+        only theirs; ``short``: only those whose uncached remainder is at most that many tokens
+        (the others keep their place for the next pass)."""
         if budget <= 0 or not self.waiting:
             return
         pending = self._pending_keys() if self.kv.enable_caching else set()
@@ -316,9 +346,12 @@ class Scheduler:
             if seq.loading:
                 continue  # a connector is loading its KV (a restore); others go first
             m = self.kv.match(seq)
+            if short is not None and seq.num_tokens - m.num_tokens > short:
+                continue
             nb = len(m.block_ids)
             if nb < len(seq.kv.block_keys) and seq.kv.block_keys[nb] in pending:
-                self.counters.deferred_for_sharing += 1
+                if short is None:  # (counted once a step: in the pass that admits any request)
+                    self.counters.deferred_for_sharing += 1
                 continue  # another request is computing this block right now
             n = min(seq.num_tokens - m.num_tokens, budget)
             if not self.kv.admit(seq, m, _slots(seq, m.num_tokens, n)):

@@ -115,6 +115,30 @@ def _run_sharing(engine: LLMEngine, prompts: list[list[int]]):
     return seqs
 
 
+def test_a_hit_runs_beside_a_long_cold_prefill_not_after_it(tok, llm_cold):
+    """Short work first: a request whose prompt is cached (a few new tokens) is scheduled in the
+    next step while a long cold prompt prefills, not after that whole prefill (its TTFT was the
+    cold prompt's: 70 s at 16k tokens); the long prompt still gets at least half of every step;
+    both outputs equal cold."""
+    engine = make_engine(kv_cache_memory=64 * B * BYTES_PER_TOKEN, max_num_batched_tokens=64)
+    prefix = _text_ids(tok, TEXT, 96)
+    engine.add_request("warm", prefix, GREEDY4)
+    _run_to_end(engine)
+    cold_ids = _text_ids(tok, OTHER, 400)
+    long = engine.add_request("long", cold_ids, GREEDY4)
+    engine.step()
+    hit_ids = prefix + _text_ids(tok, OTHER, 5)
+    hit = engine.add_request("hit", hit_ids, GREEDY4)
+    before = long.kv.num_computed_tokens
+    engine.step()
+    engine.check_integrity()
+    assert hit.num_cached_tokens == 96 and len(hit.out.output_token_ids) == 1  # its first token
+    assert long.kv.num_computed_tokens - before >= 32 and long.is_prefilling
+    _run_to_end(engine)
+    assert [long.out.output_token_ids, hit.out.output_token_ids] == _cold(llm_cold, [cold_ids, hit_ids], GREEDY4)
+    _assert_no_leak(engine)
+
+
 def test_in_batch_sharing_computes_the_shared_prefix_once(tok):
     prompts = _sharing_prompts(tok)
     suffix = max(len(p) for p in prompts) - PREFIX_LEN
