@@ -1,0 +1,72 @@
+"""Per-request TTFT of a closed-loop client over the engine, offline: like vLLM's bench client
+with ``--max-concurrency C`` on its prefix_repetition dataset (P random prefixes of L tokens,
+each prompt a prefix + S random tokens, N prompts shuffled, 32 tokens out), but driving
+``LLMEngine`` step by step in this process, so a scheduling change is measured without a
+server. A new request enters when one finishes. Prints each request's prefix, start, TTFT and
+latency (seconds) and the median TTFT. With PYTHONPATH pointing at another checkout it measures
+that build (alternate runs to compare).
+
+    .venv/bin/python benchmarks/closed_loop_ttft.py [--prefixes 4 --prefix-len 4096 --suffix-len 128
+        --prompts 16 --concurrency 4] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from prefixcache import LLM, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prefixes", type=int, default=4)
+    ap.add_argument("--prefix-len", type=int, default=4096)
+    ap.add_argument("--suffix-len", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--model", default=None)
+    a = ap.parse_args()
+    engine = LLM(model=a.model, kv_cache_memory="4GiB").engine
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(100, 40000) for _ in range(a.prefix_len)] for _ in range(a.prefixes)]
+    reqs = [(i, prefixes[i] + [rng.randrange(100, 40000) for _ in range(a.suffix_len)])
+            for i in range(a.prefixes) for _ in range(a.prompts // a.prefixes)]  # fmt: skip
+    rng.shuffle(reqs)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    live: dict[str, list] = {}
+    done = []
+
+    def submit(k: int) -> None:
+        pid, ids = reqs[k]
+        seq = engine.add_request(f"r{k}", ids, params)
+        live[f"r{k}"] = [k, pid, time.perf_counter() - t0, seq, None]
+
+    sent = min(a.concurrency, len(reqs))
+    for k in range(sent):
+        submit(k)
+    while live:
+        engine.step()
+        now = time.perf_counter() - t0
+        for rid, entry in list(live.items()):
+            k, pid, start, seq, first = entry
+            if first is None and seq.out.output_token_ids:
+                entry[4] = first = now
+            if seq.finished:
+                done.append((k, pid, start, first - start, now - start))
+                del live[rid]
+                if sent < len(reqs):
+                    submit(sent)
+                    sent += 1
+    for k, pid, start, ttft, lat in sorted(done):
+        print(f"request {k:3d} prefix {pid} start {start:7.1f} TTFT {ttft:6.2f} latency {lat:6.2f}")
+    ttfts = [d[3] for d in done]
+    print(f"median TTFT {statistics.median(ttfts):.2f} s, mean {statistics.mean(ttfts):.2f} s, "
+          f"run {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
