@@ -4,7 +4,8 @@ Each step builds one flat batch under ``max_num_batched_tokens`` (fewer tokens, 
 ``shared_step_ms``, while several tenants are active: fairness.py 4.). Short work goes first:
 1. running sequences whose remainder is short (a decode token each, a prefill's last piece),
    in arrival order, then waiting requests whose *uncached* remainder is short (a prefix hit's
-   new tokens), within half the step while a long prefill runs;
+   new tokens), within half the step while a long prefill runs, never taking the slot of a
+   longer request waiting before them (nor more than half the rest behind one);
 2. then the other running sequences, in arrival order: the next chunk of an unfinished prefill.
    When a block cannot be had, the newest running sequence is preempted (its blocks are
    released, its computed blocks stay cached, so resuming is mostly hits);
@@ -163,9 +164,11 @@ class Scheduler:
             return self._finish(out)
         # Short work first (decodes, a prefill's short remainder, a waiting hit's new tokens),
         # then long prefills: a request whose prompt is cached waits one step, not behind a
-        # long cold prompt's whole prefill (its TTFT was that prefill's, e.g. 70 s at 16k).
-        # Admitted short work takes at most half the step while a long prefill runs, so a long
-        # prompt always progresses. Within each pass the order is the one described above.
+        # long cold prompt's whole prefill.
+        # Admitted short work takes at most half the step while a long prefill runs, and never a
+        # slot or more than half the rest before a longer waiting request (_schedule_waiting), so
+        # long prompts always progress and keep their place. Within each pass the order is the one
+        # described above.
         caps = token_caps(budget, self.running, self.waiting)
         short = self._short_tokens()
         self._schedule_running(out, budget, caps, lambda seq: self._left(seq) <= short)
@@ -333,13 +336,16 @@ class Scheduler:
         self, out: SchedulerOutput, budget: int, tenants: set | None = None, short: int | None = None
     ) -> None:
         """Admit waiting sequences in fair order while the budget and slots last; ``tenants``:
-        only theirs; ``short``: only those whose uncached remainder is at most that many tokens
-        (the others keep their place for the next pass)."""
+        only theirs; ``short``: only those whose uncached remainder is at most that many tokens.
+        A longer one keeps its place: a slot stays free for each one ahead (a short request
+        never takes the slot of a request before it, whatever its tenant), and short requests
+        behind one take at most half of the budget left."""
         if budget <= 0 or not self.waiting:
             return
         pending = self._pending_keys() if self.kv.enable_caching else set()
+        ahead = 0  # (short pass) longer requests ahead in fair order, each keeping a slot
         for seq in self._order_waiting():
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or len(self.running) + ahead >= self.config.max_num_seqs:
                 break
             if tenants is not None and seq.tenant not in tenants:
                 continue
@@ -347,6 +353,9 @@ class Scheduler:
                 continue  # a connector is loading its KV (a restore); others go first
             m = self.kv.match(seq)
             if short is not None and seq.num_tokens - m.num_tokens > short:
+                if ahead == 0:
+                    budget //= 2
+                ahead += 1
                 continue
             nb = len(m.block_ids)
             if nb < len(seq.kv.block_keys) and seq.kv.block_keys[nb] in pending:

@@ -139,6 +139,28 @@ def test_a_hit_runs_beside_a_long_cold_prefill_not_after_it(tok, llm_cold):
     _assert_no_leak(engine)
 
 
+def test_a_hit_never_takes_the_slot_of_a_longer_request_before_it(tok, llm_cold):
+    """Short work goes first within the budget, not in the queue for slots: with one slot free,
+    a long cold request that arrived first is admitted and a prefix hit behind it waits (it
+    would otherwise take the slot, and a stream of hits, maybe another tenant's, could keep a
+    long prompt out for good)."""
+    engine = make_engine(kv_cache_memory=64 * B * BYTES_PER_TOKEN, max_num_batched_tokens=64, max_num_seqs=2)
+    prefix = _text_ids(tok, TEXT, 96)
+    engine.add_request("warm", prefix, GREEDY4)
+    _run_to_end(engine)
+    engine.add_request("decode", _text_ids(tok, OTHER, 10), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    engine.step()
+    long = engine.add_request("long", _text_ids(tok, OTHER, 300), GREEDY4)
+    hit = engine.add_request("hit", prefix + _text_ids(tok, TEXT, 5), GREEDY4)
+    engine.step()
+    engine.check_integrity()
+    assert long.kv.num_computed_tokens > 0 and hit in engine.scheduler.waiting
+    _run_to_end(engine)
+    assert [long.out.output_token_ids, hit.out.output_token_ids] == _cold(
+        llm_cold, [long.prompt_token_ids, hit.prompt_token_ids], GREEDY4)
+    _assert_no_leak(engine)
+
+
 def test_in_batch_sharing_computes_the_shared_prefix_once(tok):
     prompts = _sharing_prompts(tok)
     suffix = max(len(p) for p in prompts) - PREFIX_LEN
