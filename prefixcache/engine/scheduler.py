@@ -189,6 +189,7 @@ class Scheduler:
 
     @staticmethod
     def _left(seq: Sequence) -> int:
+        """Tokens of ``seq`` not computed yet: its prefill's remainder, or 1 for a decode."""
         return seq.num_tokens - seq.kv.num_computed_tokens
 
     def _finish(self, out: SchedulerOutput) -> SchedulerOutput:
@@ -234,7 +235,7 @@ class Scheduler:
             if id(seq) in done or (select is not None and not select(seq)):
                 i += 1
                 continue
-            n = min(seq.num_tokens - seq.kv.num_computed_tokens, budget, self._cap(seq))
+            n = min(self._left(seq), budget, self._cap(seq))
             if caps is not None:
                 n = min(n, caps[seq.tenant])
                 if n <= 0:  # over its cap this step; may be topped up at the end
@@ -273,7 +274,7 @@ class Scheduler:
                 break
             k = index.get(id(seq))
             have = out.scheduled[k].num_new_tokens if k is not None else 0
-            extra = min(seq.num_tokens - seq.kv.num_computed_tokens, self._cap(seq)) - have
+            extra = min(self._left(seq), self._cap(seq)) - have
             extra = min(extra, budget)
             if extra <= 0 or not self.kv.allocate_slots(seq, have + extra):
                 continue
@@ -352,7 +353,8 @@ class Scheduler:
             if seq.loading:
                 continue  # a connector is loading its KV (a restore); others go first
             m = self.kv.match(seq)
-            if short is not None and seq.num_tokens - m.num_tokens > short:
+            uncached = seq.num_tokens - m.num_tokens
+            if short is not None and uncached > short:
                 if ahead == 0:
                     budget //= 2
                 ahead += 1
@@ -362,7 +364,7 @@ class Scheduler:
                 if short is None:  # (counted once a step: in the pass that admits any request)
                     self.counters.deferred_for_sharing += 1
                 continue  # another request is computing this block right now
-            n = min(seq.num_tokens - m.num_tokens, budget)
+            n = min(uncached, budget)
             if not self.kv.admit(seq, m, _slots(seq, m.num_tokens, n)):
                 break  # no room: later arrivals must not overtake
             self.waiting.remove(seq)
