@@ -251,8 +251,9 @@ def q8_linear(x, records):
 ISAS = ("amx", "avx512-vnni", "avx2")
 _ISA_CODE = {"amx": 3, "avx512-vnni": 2, "avx2": 1}
 _VNNI512 = {"avx512f", "avx512bw", "avx512_vnni"}
-# amx: wide calls through AMX-INT8 tiles, the rest (decode, remainder rows, 8-bit weight pairs)
-# through the AVX512-VNNI tiles; the same bits (int_gemm.h rows_amx).
+# amx: wide calls through AMX-INT8 tiles, the rest (decode, remainder rows, mixed activations,
+# weights with a scale per 16) through the AVX512-VNNI tiles; the same bits (int_gemm.h rows_amx,
+# rows_amx_w8).
 _ISA_FLAGS = {"amx": {"amx_tile", "amx_int8"} | _VNNI512, "avx512-vnni": _VNNI512, "avx2": {"avx2", "fma"}}
 
 

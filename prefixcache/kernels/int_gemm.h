@@ -50,6 +50,11 @@ inline void group_maxima(const float* xr, int64_t groups, float* amax) {
   }
 }
 
+// Eight int32 lanes that fit int16, as eight int16 in order (packs interleaves the 128-bit lanes).
+inline __m128i narrow16(__m256i v) {
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packs_epi32(v, v), 0xD8));
+}
+
 // Quantize rows [r0, r1) of x, 8 lanes at a time (one AVX2 build for every ISA path). The
 // float operations are IEEE divisions and round-to-nearest-even (the same as torch.round(x / s)),
 // so the reference in prefixcache/model/int_linear.py computes the same integers.
@@ -90,23 +95,19 @@ inline void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int
           if (narrow) a = _mm256_slli_epi32(a, 8);  // 256 a8
           vsum = _mm256_add_epi32(vsum, a);
           if (halves && i < kGroup / 2) vhalf = _mm256_add_epi32(vhalf, a);
-          alignas(32) int32_t lo32[8];
+          // narrowed by packs (each value fits its type, so the saturation never acts) and stored
+          // 8 at a time
           if (whole) {
-            _mm256_store_si256(reinterpret_cast<__m256i*>(lo32), a);
-            for (int j = 0; j < 8; ++j) a16[i + j] = static_cast<int16_t>(lo32[j]);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(a16 + i), narrow16(a));
             continue;
           }
           if (bits == 16) {
             const __m256i h = _mm256_srai_epi32(_mm256_add_epi32(a, c128), 8);  // floor((a + 128) / 256)
             const __m256i l = _mm256_sub_epi32(a, _mm256_slli_epi32(h, 8));    // in [-128, 127]
-            alignas(32) int32_t hi32[8];
-            _mm256_store_si256(reinterpret_cast<__m256i*>(hi32), h);
-            _mm256_store_si256(reinterpret_cast<__m256i*>(lo32), l);
-            for (int j = 0; j < 8; ++j) hi[i + j] = static_cast<int8_t>(hi32[j]);
-          } else {
-            _mm256_store_si256(reinterpret_cast<__m256i*>(lo32), a);
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(hi + i), _mm_packs_epi16(narrow16(h), narrow16(h)));
+            a = l;
           }
-          for (int j = 0; j < 8; ++j) lo[i + j] = static_cast<int8_t>(lo32[j]);
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(lo + i), _mm_packs_epi16(narrow16(a), narrow16(a)));
         }
       } else {
         if (lo != nullptr) std::memset(lo, 0, kGroup);
@@ -731,6 +732,128 @@ inline void tile256_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t*
   store_half<R>(out, y + r0 * ldy, ldy, b * kCols + half * 8, n);
 }
 
+// ---- 8-bit weight pairs on AMX-INT8: wide calls (16 rows or more) with the integers whole,
+// which is how 16-bit activations meet 8-bit weights (Gemma 3's Q5_0, Q8_0 and Q6_K layers by
+// default, but for Q6_K's scales per 16: below). AMX multiplies bytes only, so each activation is split as a = 256 hi + lo with lo in
+// [-128, 127] (hi = floor((a + 128) / 256), the quads' split in quantize_rows) and two tile
+// products against the block's signed weight bytes (tdpbssd) give
+// sum(a q) = 256 sum(hi q) + sum(lo q): vpdpwssd's int32 exactly (|256 sum(hi q)| <= 2^27). The
+// pairs are reordered per item into the B tiles' layout (quad row j: weights 4j .. 4j + 3 of each
+// column), one word interleave of two pair rows. One tile product per group, its sums stored and
+// run through group_epilogue in tile512_w8's order: the same bits. Returns the first row it did
+// not run (an item's rows past its last 16 take the VNNI tiles).
+// Measured on an Intel Xeon (family 6 model 167, 2 threads; docs/benchmarks-journal.md "8-bit
+// weight pairs on AMX"): 1.14-1.30x the VNNI pairs on Gemma 3's shapes at 512 rows. Storing and
+// converting every group's sums bounds it, as it bounds rows_amx (design.md section 6). Groups
+// with a scale per 16 (Q6_K) ran 0.93-0.97x through it (a tile product and an epilogue per 16
+// weights): they stay on the VNNI tiles.
+template <bool OFF>
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni"))) inline int64_t rows_amx_w8(
+    const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const int8_t* wq, const float* wd,
+    const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
+  const int64_t groups = k / kGroup, full = r0 + (r1 - r0) / 16 * 16, rows = full - r0, nb = b1 - b0;
+  if (rows == 0) return r0;
+  thread_local std::vector<int8_t> hi, lo, wt;
+  hi.resize(static_cast<size_t>(rows * k));
+  lo.resize(static_cast<size_t>(rows * k));
+  wt.resize(static_cast<size_t>(nb * groups * kBlockBytes8));
+  const __m512i c128 = _mm512_set1_epi16(128);
+  for (int64_t r = 0; r < rows; ++r) {  // k is a multiple of 32
+    const int16_t* a = qa.a16.data() + (r0 + r) * k;
+    for (int64_t i = 0; i < k; i += 32) {
+      const __m512i v = _mm512_loadu_si512(a + i);
+      const __m512i h = _mm512_srai_epi16(_mm512_add_epi16(v, c128), 8);  // |a| <= 32639: no wrap
+      const __m512i l = _mm512_sub_epi16(v, _mm512_slli_epi16(h, 8));
+      // group-major, [16-row block][group][row][32]: a tile's 16 rows in 8 cache lines
+      const int64_t at = ((r / 16 * groups + i / kGroup) * 16 + r % 16) * kGroup;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi.data() + at), _mm512_cvtepi16_epi8(h));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo.data() + at), _mm512_cvtepi16_epi8(l));
+    }
+  }
+  // word 2c of quad row j = pair row 2j's column c, word 2c + 1 = pair row 2j + 1's
+  alignas(64) int16_t order[32];
+  for (int c = 0; c < 16; ++c) order[2 * c] = static_cast<int16_t>(c), order[2 * c + 1] = static_cast<int16_t>(16 + c);
+  const __m512i perm = _mm512_load_si512(order);
+  for (int64_t i = 0; i < nb * groups; ++i) {
+    const int8_t* src = wq + (b0 * groups + i) * kBlockBytes8;
+    for (int j = 0; j < 8; ++j)
+      _mm512_storeu_si512(wt.data() + i * kBlockBytes8 + j * 64,
+                          _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(src + j * 64)));
+  }
+  // tiles: 0, 1 the hi and lo sums of a block b, 2, 3 those of block b + 1; 4, 5 the hi and lo
+  // activation bytes; 6, 7 the two blocks' weights: four independent tile products a step.
+  // Loaded per item: other code on this thread (oneDNN) configures the tiles for itself.
+  AmxTileConfig cfg;
+  for (int t = 0; t < 4; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t = 4; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = kGroup;
+  for (int t = 6; t < 8; ++t) cfg.rows[t] = kGroup / 4, cfg.colsb[t] = 64;
+  asm volatile("" : : "r"(&cfg) : "memory");  // as rows_amx: keep the shapes' stores
+  _tile_loadconfig(&cfg);
+  // Pipelined: group g + 1's products are issued before group g's epilogue, so the tile unit and
+  // the vector units overlap (the sums alternate between two buffers); each output's epilogues
+  // still run in group order, tile512_w8's.
+  alignas(64) int32_t sums[2][2][2][16][16];  // [group parity][block][hi, lo][row][column]
+  alignas(64) float acc[2][16][16];           // [block][row][column]
+  for (int64_t rr = r0; rr < full; rr += 16)
+    for (int64_t b = b0; b < b1; b += 2) {
+      const int nb = b + 1 < b1 ? 2 : 1;
+      const int8_t* ah = hi.data() + (rr - r0) * k;
+      const int8_t* al = lo.data() + (rr - r0) * k;
+      const int8_t* wb = wt.data() + (b - b0) * groups * kBlockBytes8;
+      auto products = [&](int64_t g) {  // group g's sums into sums[g & 1]
+        auto& sm = sums[g & 1];
+        _tile_loadd(4, ah + g * 16 * kGroup, kGroup);
+        _tile_loadd(5, al + g * 16 * kGroup, kGroup);
+        _tile_loadd(6, wb + g * kBlockBytes8, 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 5, 6);
+        if (nb == 2) {
+          _tile_loadd(7, wb + (groups + g) * kBlockBytes8, 64);
+          _tile_zero(2);
+          _tile_zero(3);
+          _tile_dpbssd(2, 4, 7);
+          _tile_dpbssd(3, 5, 7);
+        }
+        _tile_stored(0, &sm[0][0][0][0], 64);
+        _tile_stored(1, &sm[0][1][0][0], 64);
+        if (nb == 2) {
+          _tile_stored(2, &sm[1][0][0][0], 64);
+          _tile_stored(3, &sm[1][1][0][0], 64);
+        }
+      };
+      std::memset(acc, 0, sizeof acc);
+      products(0);
+      for (int64_t g = 0; g < groups; ++g) {
+        if (g + 1 < groups) products(g + 1);
+        for (int c = 0; c < nb; ++c) {
+          const float* d = wd + ((b + c) * groups + g) * kCols;
+          const float* m = OFF ? wm + ((b + c) * groups + g) * kCols : nullptr;
+          const auto& sm = sums[g & 1][c];
+          for (int e = 0; e < 16; e += 8) {
+            __m512i dot[8];
+            __m512 a[8];
+            for (int r = 0; r < 8; ++r) {
+              dot[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(&sm[0][e + r][0]), 8),
+                                        _mm512_load_si512(&sm[1][e + r][0]));
+              a[r] = _mm512_load_ps(&acc[c][e + r][0]);
+            }
+            group_epilogue<8, false, OFF>(qa, rr + e, groups, g, d, m, dot, a);
+            for (int r = 0; r < 8; ++r) _mm512_store_ps(&acc[c][e + r][0], a[r]);
+          }
+        }
+      }
+      for (int c = 0; c < nb; ++c) {
+        __m512 out[16];
+        for (int r = 0; r < 16; ++r) out[r] = _mm512_load_ps(&acc[c][r][0]);
+        store_block<16>(out, y, n, rr, (b + c) * kCols, n);
+      }
+    }
+  _tile_release();
+  return full;
+}
+
 template <bool OFF, bool S16>
 inline void rows_w8(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const int8_t* wq, const float* wd,
              const float* wm, int64_t b0, int64_t b1, float* y, int64_t n, int64_t isa) {
@@ -742,8 +865,11 @@ inline void rows_w8(const Quantized& qa, int64_t r0, int64_t r1, int64_t k, cons
       default: return;
     }
   }
+  // AMX: wide calls' full 16-row blocks (rows_amx_w8; scales per 32 only), the rest below
+  if constexpr (!S16)
+    if (isa == 3 && r1 - r0 >= 16) r0 = rows_amx_w8<OFF>(qa, r0, r1, k, wq, wd, wm, b0, b1, y, n);
   for (int64_t b = b0; b < b1; ++b) {
-    if (isa >= 2) {  // pairs: AMX has no 16-bit products, the VNNI tiles run them
+    if (isa >= 2) {  // pairs on the VNNI tiles
       int64_t r = r0;
       for (; r + 4 <= r1; r += 4) tile512_w8<4, OFF, S16>(qa, r, k, wq, wd, wm, b, y, n, n);
       switch (r1 - r) {
