@@ -733,17 +733,17 @@ inline void tile256_w8(const Quantized& qa, int64_t r0, int64_t k, const int8_t*
 }
 
 // ---- 8-bit weight pairs on AMX-INT8: wide calls (16 rows or more) with the integers whole,
-// which is how 16-bit activations meet 8-bit weights (Gemma 3's Q5_0, Q8_0 and Q6_K layers by
-// default, but for Q6_K's scales per 16: below). AMX multiplies bytes only, so each activation is split as a = 256 hi + lo with lo in
-// [-128, 127] (hi = floor((a + 128) / 256), the quads' split in quantize_rows) and two tile
-// products against the block's signed weight bytes (tdpbssd) give
+// which is how 16-bit activations meet 8-bit weights with a scale per 32 (Gemma 3's Q5_0 and
+// Q8_0 layers by default). AMX multiplies bytes only, so each activation is split as
+// a = 256 hi + lo with lo in [-128, 127] (hi = floor((a + 128) / 256), the quads' split in
+// quantize_rows) and two tile products against the block's signed weight bytes (tdpbssd) give
 // sum(a q) = 256 sum(hi q) + sum(lo q): vpdpwssd's int32 exactly (|256 sum(hi q)| <= 2^27). The
 // pairs are reordered per item into the B tiles' layout (quad row j: weights 4j .. 4j + 3 of each
 // column), one word interleave of two pair rows. One tile product per group, its sums stored and
 // run through group_epilogue in tile512_w8's order: the same bits. Returns the first row it did
 // not run (an item's rows past its last 16 take the VNNI tiles).
 // Measured on an Intel Xeon (family 6 model 167, 2 threads; docs/benchmarks-journal.md "8-bit
-// weight pairs on AMX"): 1.14-1.30x the VNNI pairs on Gemma 3's shapes at 512 rows. Storing and
+// weight pairs on AMX"): 1.10-1.37x the VNNI pairs on Gemma 3's shapes at 512 rows. Storing and
 // converting every group's sums bounds it, as it bounds rows_amx (design.md section 6). Groups
 // with a scale per 16 (Q6_K) ran 0.93-0.97x through it (a tile product and an epilogue per 16
 // weights): they stay on the VNNI tiles.
@@ -751,12 +751,12 @@ template <bool OFF>
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni"))) inline int64_t rows_amx_w8(
     const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const int8_t* wq, const float* wd,
     const float* wm, int64_t b0, int64_t b1, float* y, int64_t n) {
-  const int64_t groups = k / kGroup, full = r0 + (r1 - r0) / 16 * 16, rows = full - r0, nb = b1 - b0;
+  const int64_t groups = k / kGroup, full = r0 + (r1 - r0) / 16 * 16, rows = full - r0, nblk = b1 - b0;
   if (rows == 0) return r0;
   thread_local std::vector<int8_t> hi, lo, wt;
   hi.resize(static_cast<size_t>(rows * k));
   lo.resize(static_cast<size_t>(rows * k));
-  wt.resize(static_cast<size_t>(nb * groups * kBlockBytes8));
+  wt.resize(static_cast<size_t>(nblk * groups * kBlockBytes8));
   const __m512i c128 = _mm512_set1_epi16(128);
   for (int64_t r = 0; r < rows; ++r) {  // k is a multiple of 32
     const int16_t* a = qa.a16.data() + (r0 + r) * k;
@@ -774,7 +774,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni"))) inline 
   alignas(64) int16_t order[32];
   for (int c = 0; c < 16; ++c) order[2 * c] = static_cast<int16_t>(c), order[2 * c + 1] = static_cast<int16_t>(16 + c);
   const __m512i perm = _mm512_load_si512(order);
-  for (int64_t i = 0; i < nb * groups; ++i) {
+  for (int64_t i = 0; i < nblk * groups; ++i) {
     const int8_t* src = wq + (b0 * groups + i) * kBlockBytes8;
     for (int j = 0; j < 8; ++j)
       _mm512_storeu_si512(wt.data() + i * kBlockBytes8 + j * 64,
