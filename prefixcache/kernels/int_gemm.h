@@ -369,6 +369,38 @@ struct alignas(64) AmxTileConfig {
   uint8_t rows[16] = {};
 };
 
+// Configure this thread's tiles (per work item: other code on the thread, oneDNN, configures
+// them for itself).
+__attribute__((target("amx-tile"))) inline void load_tiles(const AmxTileConfig& cfg) {
+  // GCC's _tile_loadconfig names only the first 8 bytes of the configuration as read; the
+  // barrier keeps the stores of the tile shapes (a probe without it faulted in ldtilecfg:
+  // benchmarks/probes/amx_attention.cpp)
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// The epilogue of one group over 16 rows of one block of 16 columns, from its stored tile sums
+// (row r's at lo + r ld and, TWO, hi + r ld: dot = (hi << 8) + lo), into acc (row r at
+// acc + r lda) in place: group_epilogue eight rows at a time, so its bits. rows_amx's and
+// rows_amx_w8's.
+template <bool TWO, bool QUADS, bool OFF>
+__attribute__((target("avx512f"))) inline void tile_epilogue16(const Quantized& qa, int64_t r0, int64_t groups,
+                                                             int64_t g, const float* d, const float* m,
+                                                             const int32_t* hi, const int32_t* lo, int64_t ld,
+                                                             float* acc, int64_t lda) {
+  for (int h = 0; h < 16; h += 8) {
+    __m512i dot[8];
+    __m512 a[8];
+    for (int r = 0; r < 8; ++r) {
+      dot[r] = _mm512_load_si512(lo + (h + r) * ld);
+      if (TWO) dot[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi + (h + r) * ld), 8), dot[r]);
+      a[r] = _mm512_load_ps(acc + (h + r) * lda);
+    }
+    group_epilogue<8, QUADS, OFF>(qa, r0 + h, groups, g, d, m, dot, a);
+    for (int r = 0; r < 8; ++r) _mm512_store_ps(acc + (h + r) * lda, a[r]);
+  }
+}
+
 template <bool TWO, bool OFF, bool QUADS>
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni"))) inline void rows_amx(
     const Quantized& qa, int64_t r0, int64_t r1, int64_t k, const uint8_t* wq, const float* wd,
@@ -376,17 +408,12 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni"))) inline 
   const int64_t full = r0 + (r1 - r0) / 16 * 16;
   if (full > r0) {
     // Tiles: 0, 1 high sums of blocks b, b + 1; 2, 3 low sums; 4 high and 5 low activation
-    // bytes; 6, 7 the two blocks' weights. Loaded per item: other code on this thread (oneDNN)
-    // configures the tiles for itself.
+    // bytes; 6, 7 the two blocks' weights.
     AmxTileConfig cfg;
     for (int t = 0; t < 4; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     for (int t = 4; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = kGroup;
     for (int t = 6; t < 8; ++t) cfg.rows[t] = kGroup / 4, cfg.colsb[t] = 64;
-    // GCC's _tile_loadconfig names only the first 8 bytes of the configuration as read; the
-    // barrier keeps the stores of the tile shapes (a probe without it faulted in ldtilecfg:
-    // benchmarks/probes/amx_attention.cpp)
-    asm volatile("" : : "r"(&cfg) : "memory");
-    _tile_loadconfig(&cfg);
+    load_tiles(cfg);
     constexpr int64_t bytes = QUADS ? kBlockBytes8 : kBlockBytes;
     const int64_t groups = k / kGroup;
     alignas(64) float acc[kRowChunk / 16][16][32];
@@ -438,20 +465,10 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni"))) inline 
             _tile_dpbsud(3, 5, 7);
             _tile_stored(3, &sums[1][0][16], 128);
           }
-          // the epilogue eight rows at a time (group_epilogue's operations, so its bits)
           for (int c = 0; c < nb; ++c)
-            for (int h = 0; h < 16; h += 8) {
-              __m512i dot[8];
-              __m512 a[8];
-              for (int r = 0; r < 8; ++r) {
-                dot[r] = _mm512_load_si512(&sums[1][h + r][16 * c]);
-                if (TWO) dot[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(&sums[0][h + r][16 * c]), 8), dot[r]);
-                a[r] = _mm512_load_ps(&acc[rb][h + r][16 * c]);
-              }
-              group_epilogue<8, QUADS, OFF>(qa, rr + h, groups, g, wd + ((b + c) * groups + g) * kCols,
-                                            OFF ? wm + ((b + c) * groups + g) * kCols : nullptr, dot, a);
-              for (int r = 0; r < 8; ++r) _mm512_store_ps(&acc[rb][h + r][16 * c], a[r]);
-            }
+            tile_epilogue16<TWO, QUADS, OFF>(qa, rr, groups, g, wd + ((b + c) * groups + g) * kCols,
+                                             OFF ? wm + ((b + c) * groups + g) * kCols : nullptr,
+                                             &sums[0][0][16 * c], &sums[1][0][16 * c], 32, &acc[rb][0][16 * c], 32);
         }
       }
       for (int64_t rb = 0; rb < row_blocks; ++rb)
@@ -782,13 +799,11 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni"))) inline 
   }
   // tiles: 0, 1 the hi and lo sums of a block b, 2, 3 those of block b + 1; 4, 5 the hi and lo
   // activation bytes; 6, 7 the two blocks' weights: four independent tile products a step.
-  // Loaded per item: other code on this thread (oneDNN) configures the tiles for itself.
   AmxTileConfig cfg;
   for (int t = 0; t < 4; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   for (int t = 4; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = kGroup;
   for (int t = 6; t < 8; ++t) cfg.rows[t] = kGroup / 4, cfg.colsb[t] = 64;
-  asm volatile("" : : "r"(&cfg) : "memory");  // as rows_amx: keep the shapes' stores
-  _tile_loadconfig(&cfg);
+  load_tiles(cfg);
   // Pipelined: group g + 1's products are issued before group g's epilogue, so the tile unit and
   // the vector units overlap (the sums alternate between two buffers); each output's epilogues
   // still run in group order, tile512_w8's.
@@ -831,17 +846,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vnni"))) inline 
           const float* d = wd + ((b + c) * groups + g) * kCols;
           const float* m = OFF ? wm + ((b + c) * groups + g) * kCols : nullptr;
           const auto& sm = sums[g & 1][c];
-          for (int e = 0; e < 16; e += 8) {
-            __m512i dot[8];
-            __m512 a[8];
-            for (int r = 0; r < 8; ++r) {
-              dot[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(&sm[0][e + r][0]), 8),
-                                        _mm512_load_si512(&sm[1][e + r][0]));
-              a[r] = _mm512_load_ps(&acc[c][e + r][0]);
-            }
-            group_epilogue<8, false, OFF>(qa, rr + e, groups, g, d, m, dot, a);
-            for (int r = 0; r < 8; ++r) _mm512_store_ps(&acc[c][e + r][0], a[r]);
-          }
+          tile_epilogue16<true, false, OFF>(qa, rr, groups, g, d, m, &sm[0][0][0], &sm[1][0][0], 16, &acc[c][0][0], 16);
         }
       }
       for (int c = 0; c < nb; ++c) {

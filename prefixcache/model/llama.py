@@ -341,8 +341,8 @@ class LlamaModel:
             # int8 too): one vpdpbusd pass for most groups, where Gemma 3's 262k x 640 head on
             # the 8 rows of a decode step took 14.3-14.8 ms with 16 bits and 12.1-12.4 mixed
             # (Zen 4), for KL +1.2e-4 on Gemma 3 and +1.9e-4 on SmolLM2 against the float
-            # reference (docs/design.md
-            # section 2, "The head's activations"). Groups made here keep 16 bits.
+            # reference (docs/design.md section 2, "The head's activations"). Groups made here
+            # keep 16 bits.
             groups = stored_groups([head_name])
             mixed = activations in ("mixed", "int8") or (activations == "auto" and groups is not None)
             if groups is None:
