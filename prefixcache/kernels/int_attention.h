@@ -486,6 +486,141 @@ __attribute__((target("avx512f,avx512bw,avx512dq"))) inline float softmax_weight
   return w_old;
 }
 
+// softmax_weights512 for up to 16 queries at once, the same bits per query. Called one query at
+// a time, the step was a ~130-cycle chain of dependent operations (two 16-lane maximum trees, the
+// rescale's branch, a division, the sum tree), of which the out-of-order core overlapped little:
+// 4.8 cycles per query-key pair against 2.1 for the scores' products on a Zen 4
+// (docs/benchmarks-journal.md "The softmax across queries"). Here the per-query work is only the
+// lane-wise parts; the three reductions (the block's maximum score, the sum of p, the largest
+// weight) run transposed: level 1 folds a query's two vectors of 16 keys into one (its 32 values
+// as 16 partials), then levels 2-5 (reduce16) fold 16 queries' partials into one vector, a lane a
+// query. Each query's sum keeps softmax_weights' tree: level 1 is halves_add on each unit,
+// level 2 adds the two units' halves, levels 3-5 are hsum's three steps; float addition is
+// commutative, so only that grouping matters, and it is the same. Maxima need no order. The
+// scalars become lanes: the rescale 2^(m - m') (1 where the maximum stayed, as rescale()), l * w
+// + sum, the division kUMax / max w, each the same IEEE operation per lane.
+//
+struct MaxOp512 {
+  __attribute__((target("avx512f"))) __m512 operator()(__m512 a, __m512 b) const { return _mm512_max_ps(a, b); }
+};
+struct AddOp512 {
+  __attribute__((target("avx512f"))) __m512 operator()(__m512 a, __m512 b) const { return _mm512_add_ps(a, b); }
+};
+
+// Level 1 of a query's two vectors a, b: lanes 0-7 fold a's halves, lanes 8-15 b's.
+template <typename Op>
+__attribute__((target("avx512f"))) inline __m512 fold_units(__m512 a, __m512 b, Op op) {
+  return op(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+
+// Levels 2-5: h[q] holds query q's 16 partials after fold_units; returns lane q = query q's
+// result. Level 2 pairs queries (2i, 2i + 1) and adds lanes i to lanes 8 + i of each (the two
+// units); level 3 leaves query k's four partials in 128-bit chunk k of four queries' vector;
+// levels 4 and 5 fold within chunks (lanes 0 + 2 and 1 + 3, then 0 + 1: hsum's order), which
+// leaves query k + 4j in lane 4k + j, put back in order by one permutation.
+template <typename Op>
+__attribute__((target("avx512f"))) inline __m512 reduce16(const __m512* h, Op op) {
+  __m512 c[8], s[4], x[2];
+  for (int i = 0; i < 8; ++i)
+    c[i] = op(_mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0x44), _mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    s[i] = op(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88), _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    x[i] = op(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44), _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+  const __m512 r = op(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+// Per-phase buffers of softmax_weights16 (64-byte aligned inside IntScratch's storage).
+struct Softmax16Buf {
+  alignas(64) float z[16][kKeys];
+  alignas(64) float w[16][kKeys];
+  alignas(64) float m_new[16];
+  alignas(64) float r[16];
+  alignas(64) float mx[16];
+};
+
+// Queries 0 .. n - 1 (n <= 16): dot[i] their 32 integer scores, qa2[i], from[i] and visible[i]
+// as softmax_weights takes them; m, l, w_old, us arrays of n (in and out as its arguments are);
+// u[i] the query's 16 value-weight pairs.
+__attribute__((target("avx512f,avx512bw,avx512dq"))) inline void softmax_weights16(
+    const int32_t* const* dot, const Units& un, const float* qa2, const int64_t* from, const int64_t* visible,
+    int n, float* m, float* l, float* w_old, float* us, int32_t* const* u, Softmax16Buf& b) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 sk0 = _mm512_loadu_ps(un.sk[0]), sk1 = _mm512_loadu_ps(un.sk[1]);
+  const __m512 sv0 = _mm512_loadu_ps(un.sv[0]), sv1 = _mm512_loadu_ps(un.sv[1]);
+  const MaxOp512 max_op;
+  const AddOp512 add_op;
+  __mmask16 keep[16][2];
+  __m512 h[16];
+  for (int i = 0; i < n; ++i) {
+    const __m512 va = _mm512_set1_ps(qa2[i]);
+    __m512 z0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dot[i])), sk0), va);
+    __m512 z1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dot[i] + 16)), sk1), va);
+    if (from[i] == 0 && visible[i] == kKeys) {
+      keep[i][0] = keep[i][1] = 0xFFFF;
+    } else {
+      const __m512i vis = _mm512_set1_epi32(static_cast<int32_t>(visible[i]));
+      const __m512i fr = _mm512_set1_epi32(static_cast<int32_t>(from[i]) - 1);
+      const __m512i j1 = _mm512_add_epi32(lane, _mm512_set1_epi32(16));
+      keep[i][0] = _mm512_cmpgt_epi32_mask(vis, lane) & _mm512_cmpgt_epi32_mask(lane, fr);
+      keep[i][1] = _mm512_cmpgt_epi32_mask(vis, j1) & _mm512_cmpgt_epi32_mask(j1, fr);
+      z0 = _mm512_mask_blend_ps(keep[i][0], ninf, z0);
+      z1 = _mm512_mask_blend_ps(keep[i][1], ninf, z1);
+    }
+    _mm512_store_ps(b.z[i], z0);
+    _mm512_store_ps(b.z[i] + 16, z1);
+    h[i] = fold_units(z0, z1, max_op);
+  }
+  for (int i = n; i < 16; ++i) h[i] = ninf;
+  const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+  const __m512 m_old = _mm512_mask_loadu_ps(ninf, live, m);
+  const __m512 m_new = _mm512_max_ps(m_old, reduce16(h, max_op));
+  // rescale(): 1 where the maximum stayed (-inf to -inf included), else 2^(m - m')
+  const __m512 wo = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_old, m_new, _CMP_EQ_OQ),
+                                         exp2_neg512(_mm512_sub_ps(m_old, m_new)), _mm512_set1_ps(1.f));
+  _mm512_store_ps(b.m_new, m_new);
+  __m512 hw[16];
+  for (int i = 0; i < n; ++i) {
+    const __m512 vm = _mm512_set1_ps(b.m_new[i]);
+    __m512 p0 = exp2_neg512(_mm512_sub_ps(_mm512_load_ps(b.z[i]), vm));
+    __m512 p1 = exp2_neg512(_mm512_sub_ps(_mm512_load_ps(b.z[i] + 16), vm));
+    __m512 w0 = _mm512_mul_ps(p0, sv0), w1 = _mm512_mul_ps(p1, sv1);
+    // masked again: a slot past the context may hold any bytes, its scale a NaN (0 * NaN)
+    if (keep[i][0] != 0xFFFF || keep[i][1] != 0xFFFF) {  // (all ones: the identity)
+      p0 = _mm512_maskz_mov_ps(keep[i][0], p0), p1 = _mm512_maskz_mov_ps(keep[i][1], p1);
+      w0 = _mm512_maskz_mov_ps(keep[i][0], w0), w1 = _mm512_maskz_mov_ps(keep[i][1], w1);
+    }
+    _mm512_store_ps(b.w[i], w0);
+    _mm512_store_ps(b.w[i] + 16, w1);
+    h[i] = fold_units(p0, p1, add_op);
+    hw[i] = fold_units(w0, w1, max_op);
+  }
+  for (int i = n; i < 16; ++i) h[i] = hw[i] = _mm512_setzero_ps();
+  const __m512 sum = reduce16(h, add_op), mx = reduce16(hw, max_op);
+  const __m512 l_new = _mm512_add_ps(_mm512_mul_ps(_mm512_mask_loadu_ps(_mm512_setzero_ps(), live, l), wo), sum);
+  const __mmask16 pos = _mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_GT_OQ);
+  _mm512_mask_storeu_ps(m, live, m_new);
+  _mm512_mask_storeu_ps(l, live, l_new);
+  _mm512_mask_storeu_ps(w_old, live, wo);
+  _mm512_mask_storeu_ps(us, live, _mm512_maskz_mul_ps(pos, mx, _mm512_set1_ps(1.f / kUMax)));
+  _mm512_store_ps(b.r, _mm512_div_ps(_mm512_set1_ps(kUMax), mx));
+  _mm512_store_ps(b.mx, mx);
+  for (int i = 0; i < n; ++i) {
+    if (!(b.mx[i] > 0.f)) {  // every weight 0
+      std::memset(u[i], 0, kKeys / 2 * sizeof(int32_t));
+      continue;
+    }
+    const __m512 r = _mm512_set1_ps(b.r[i]);
+    for (int c = 0; c < 2; ++c) {
+      const __m512i q = _mm512_cvttps_epi32(
+          _mm512_roundscale_ps(_mm512_mul_ps(_mm512_load_ps(b.w[i] + 16 * c), r), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u[i] + 8 * c), _mm512_cvtsepi32_epi16(q));
+    }
+  }
+}
+
 // fold_values on zmm (AVX512 hosts; d a multiple of 16): the same operations lane by lane, so the
 // same bits.
 __attribute__((target("avx512f"))) inline void fold_values512(float* o, const int32_t* acc, int64_t d, float w_old,
@@ -542,6 +677,7 @@ struct PagedInt16Keys {
 struct IntScratch {
   std::vector<int32_t> qpairs, dots, upairs, acc;
   std::vector<float> qa, m, l, w, us, o;
+  Softmax16Buf sm;
 };
 
 // attend_rows (exact_attention.h) on the integer units: query rows [i0, i1) of KV head kh (all G
@@ -598,7 +734,25 @@ inline void attend_rows_int(const float* q, const PagedInt16Keys& keys, float* o
         }
         block_scores_int(isa, un, pairs, n, qp, dp);
       }
-      for (int64_t qi = ps; qi < pe; ++qi) {
+      // AVX512 hosts: 16 queries at a time where there are 4 or more (softmax_weights16: the
+      // same bits as one at a time, which is cheaper for the few queries of a decode)
+      int64_t qi = ps;
+      if (isa >= kIsaVnni) {
+        for (; pe - qi >= 4; qi += 16) {
+          const int n = static_cast<int>(std::min<int64_t>(16, pe - qi));
+          const int32_t* dq[16];
+          int32_t* uq[16];
+          int64_t fq[16], vq[16];
+          for (int i = 0; i < n; ++i) {
+            dq[i] = dots + (qi + i - ps) * kKeys;
+            uq[i] = z.upairs.data() + (qi + i) * (kKeys / 2);
+            fq[i] = from(qi + i), vq[i] = visible(qi + i);
+          }
+          softmax_weights16(dq, un, z.qa.data() + qi, fq, vq, n, z.m.data() + qi, z.l.data() + qi,
+                            z.w.data() + qi, z.us.data() + qi, uq, z.sm);
+        }
+      }
+      for (; qi < pe; ++qi) {
         const int32_t* dq = dots + (qi - ps) * kKeys;
         int32_t* uq = z.upairs.data() + qi * (kKeys / 2);
         const int64_t fq = from(qi), vq = visible(qi);
