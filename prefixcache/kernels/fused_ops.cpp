@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "parallel.h"
 #include "rowwise.h"
 
 namespace {
@@ -30,7 +31,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+  prefixcache::parallel_chunks(m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) prefixcache::rms_norm_row(xp + r * n, wp, static_cast<float>(eps), n, yp + r * n);
   });
   return y;
@@ -43,7 +44,7 @@ at::Tensor glu(const at::Tensor& gate_up, bool gelu) {
   at::Tensor y = at::empty({m, n}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+  prefixcache::parallel_chunks(m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       if (gelu) prefixcache::gelu_tanh_mul_row(gp + r * 2 * n, n, yp + r * n);
       else prefixcache::silu_mul_row(gp + r * 2 * n, n, yp + r * n);
@@ -67,7 +68,7 @@ void rope_(const at::Tensor& qkv, int64_t heads, const at::Tensor& cos, const at
   float* xp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, t, 8, [&](int64_t r0, int64_t r1) {
+  prefixcache::parallel_chunks(t, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) prefixcache::rope_row(xp + r * w, heads, cp + r * d, sp + r * d, d);
   });
 }

@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "kv_codec.h"
+#include "parallel.h"
 
 namespace {
 
@@ -48,7 +49,7 @@ std::tuple<at::Tensor, at::Tensor> kv_store(const at::Tensor& k_cache, const at:
   const float* vx = vc.data_ptr<float>();
   float* ko = k_seen.data_ptr<float>();
   float* vo = v_seen.data_ptr<float>();
-  at::parallel_for(0, t * kvh, 64, [&](int64_t b0, int64_t b1) {
+  prefixcache::parallel_chunks(t * kvh, 64, [&](int64_t b0, int64_t b1) {
     float unused;
     for (int64_t i = b0; i < b1; ++i) {
       const int64_t tok = i / kvh, h = i % kvh, at_ = h * n + sp[tok];

@@ -1,0 +1,113 @@
+"""The kernels' own thread pool (prefixcache/kernels/parallel.h): every item once, the same
+numbers on any thread count or caller, usable from several Python threads at once, and alive
+again in a forked child (whose parent's helper threads did not come with it)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from prefixcache import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the CPU kernels")
+
+
+def _rows(n: int = 1000, width: int = 576) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(n, width, generator=g), torch.rand(width, generator=g) + 0.5
+
+
+def _helpers() -> int:
+    """This process's pool helpers (parallel.h names them)."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            n += f.read().strip() == "pc-kernel-pool"
+    return n
+
+
+@pytest.fixture
+def two_threads():
+    """The suite runs one intra-op thread (conftest.py); these tests need the pool's helper."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(saved)
+
+
+def test_every_row_once_and_the_same_bits_on_any_thread_count():
+    x, w = _rows()
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = kernels.rms_norm(x, w, 1e-5)
+        torch.set_num_threads(2)
+        pooled = [kernels.rms_norm(x, w, 1e-5) for _ in range(20)]
+    finally:
+        torch.set_num_threads(saved)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    torch.testing.assert_close(alone, ref, rtol=1e-5, atol=1e-5)  # every row computed (no gaps)
+    for y in pooled:
+        assert torch.equal(y, alone)
+
+
+def test_callers_on_several_python_threads(two_threads):
+    """One job holds the pool at a time; another caller runs its items alone, with the same
+    numbers."""
+    x, w = _rows()
+    want = kernels.rms_norm(x, w, 1e-5)
+    bad: list[int] = []
+
+    def work(k: int) -> None:
+        for _ in range(30):
+            if not torch.equal(kernels.rms_norm(x, w, 1e-5), want):
+                bad.append(k)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and not bad
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_gets_a_pool_of_its_own(two_threads):
+    """The parent's pool has started its helper; a child has only the forking thread. It must
+    finish its kernels with the same numbers and run them on helpers of its own again (the
+    atfork handler), not alone on one thread for the rest of its life."""
+    x, w = _rows()
+    want = kernels.rms_norm(x, w, 1e-5)  # the pool's helpers start here, in the parent
+    assert _helpers() >= 1
+    r, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running the parent's atexit hooks
+        code = 1
+        try:
+            before = _helpers()
+            same = all(torch.equal(kernels.rms_norm(x, w, 1e-5), want) for _ in range(5))
+            after = _helpers()
+            os.write(wfd, f"{int(same)} {before} {after}".encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(wfd)
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's kernel call did not return")
+        time.sleep(0.05)
+    same, before, after = map(int, os.read(r, 64).decode().split())
+    os.close(r)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert same == 1
+    assert before == 0 and after >= 1  # the parent's helper did not come; one of its own did
