@@ -621,6 +621,119 @@ __attribute__((target("avx512f,avx512bw,avx512dq"))) inline void softmax_weights
   }
 }
 
+// softmax_weights for up to 8 queries at once on AVX2 (ymm), the same bits per query: as
+// softmax_weights16 on zmm, the lane-wise parts per query and the three reductions transposed
+// across the queries (a query a lane), the sum in hsum's tree. Per query its four vectors fold
+// first as softmax_weights folds them ((p0 + p1) + (p2 + p3); maxima in any order), then
+// reduce8: level 1 adds each query's 128-bit halves (hsum's first step), level 2 its lanes 0 + 2
+// and 1 + 3, level 3 those two; that leaves queries 0, 2, 4, 6 in the low half and 1, 3, 5, 7 in
+// the high half, put back in order by one permutation.
+template <typename Op>
+inline __m256 reduce8(const __m256* h, Op op) {
+  __m256 s[4], x[2];
+  for (int i = 0; i < 4; ++i)
+    s[i] = op(_mm256_permute2f128_ps(h[2 * i], h[2 * i + 1], 0x20), _mm256_permute2f128_ps(h[2 * i], h[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)
+    x[i] = op(_mm256_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44), _mm256_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+  // low half: queries 0, 2, 4, 6; high half: 1, 3, 5, 7
+  const __m256 r = op(_mm256_shuffle_ps(x[0], x[1], 0x88), _mm256_shuffle_ps(x[0], x[1], 0xDD));
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+struct MaxOp256 {
+  __m256 operator()(__m256 a, __m256 b) const { return _mm256_max_ps(a, b); }
+};
+struct AddOp256 {
+  __m256 operator()(__m256 a, __m256 b) const { return _mm256_add_ps(a, b); }
+};
+
+// Queries 0 .. n - 1 (n <= 8), arguments as softmax_weights16's (b: its buffers, the first 8 rows).
+inline void softmax_weights8(const int32_t* const* dot, const Units& un, const float* qa2, const int64_t* from,
+                             const int64_t* visible, int n, float* m, float* l, float* w_old, float* us,
+                             int32_t* const* u, Softmax16Buf& b) {
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 sk[4], sv[4];
+  for (int c = 0; c < 4; ++c) {
+    sk[c] = _mm256_loadu_ps(un.sk[c >> 1] + 8 * (c & 1));
+    sv[c] = _mm256_loadu_ps(un.sv[c >> 1] + 8 * (c & 1));
+  }
+  const MaxOp256 max_op;
+  const AddOp256 add_op;
+  alignas(32) int32_t keep[8][kKeys];  // per key: all ones where the query sees it
+  bool full[8];
+  __m256 h[8], hw[8];
+  for (int i = 0; i < n; ++i) {
+    full[i] = from[i] == 0 && visible[i] == kKeys;
+    const __m256 va = _mm256_set1_ps(qa2[i]);
+    __m256 bm = ninf;
+    for (int c = 0; c < 4; ++c) {
+      const __m256 t = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dot[i] + 8 * c)));
+      __m256 z = _mm256_mul_ps(_mm256_mul_ps(t, sk[c]), va);
+      if (!full[i]) {
+        const __m256i vis = _mm256_set1_epi32(static_cast<int32_t>(visible[i]));
+        const __m256i fr = _mm256_set1_epi32(static_cast<int32_t>(from[i]) - 1);
+        const __m256i j = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * c));
+        const __m256i k = _mm256_and_si256(_mm256_cmpgt_epi32(vis, j), _mm256_cmpgt_epi32(j, fr));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(keep[i] + 8 * c), k);
+        z = _mm256_blendv_ps(ninf, z, _mm256_castsi256_ps(k));
+      }
+      _mm256_store_ps(b.z[i] + 8 * c, z);
+      bm = _mm256_max_ps(bm, z);
+    }
+    h[i] = bm;
+  }
+  for (int i = n; i < 8; ++i) h[i] = ninf;
+  const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
+  const __m256 m_old = _mm256_blendv_ps(ninf, _mm256_maskload_ps(m, live), _mm256_castsi256_ps(live));
+  const __m256 m_new = _mm256_max_ps(m_old, reduce8(h, max_op));
+  // rescale(): 1 where the maximum stayed (-inf to -inf included), else 2^(m - m')
+  const __m256 wo = _mm256_blendv_ps(exp2_neg(_mm256_sub_ps(m_old, m_new)), _mm256_set1_ps(1.f),
+                                     _mm256_cmp_ps(m_old, m_new, _CMP_EQ_OQ));
+  _mm256_store_ps(b.m_new, m_new);
+  for (int i = 0; i < n; ++i) {
+    const __m256 vm = _mm256_set1_ps(b.m_new[i]);
+    __m256 p[4], wm = _mm256_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      p[c] = exp2_neg(_mm256_sub_ps(_mm256_load_ps(b.z[i] + 8 * c), vm));
+      __m256 w = _mm256_mul_ps(p[c], sv[c]);
+      if (!full[i]) {  // masked again: a slot past the context may hold any bytes, its scale a NaN
+        const __m256 k = _mm256_load_ps(reinterpret_cast<const float*>(keep[i] + 8 * c));
+        p[c] = _mm256_and_ps(p[c], k);
+        w = _mm256_and_ps(w, k);
+      }
+      _mm256_store_ps(b.w[i] + 8 * c, w);
+      wm = _mm256_max_ps(wm, w);
+    }
+    h[i] = _mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3]));
+    hw[i] = wm;
+  }
+  for (int i = n; i < 8; ++i) h[i] = hw[i] = _mm256_setzero_ps();
+  const __m256 sum = reduce8(h, add_op), mx = reduce8(hw, max_op);
+  const __m256 l_new = _mm256_add_ps(_mm256_mul_ps(_mm256_maskload_ps(l, live), wo), sum);
+  const __m256 pos = _mm256_cmp_ps(mx, _mm256_setzero_ps(), _CMP_GT_OQ);
+  _mm256_maskstore_ps(m, live, m_new);
+  _mm256_maskstore_ps(l, live, l_new);
+  _mm256_maskstore_ps(w_old, live, wo);
+  _mm256_maskstore_ps(us, live, _mm256_and_ps(pos, _mm256_mul_ps(mx, _mm256_set1_ps(1.f / kUMax))));
+  _mm256_store_ps(b.r, _mm256_div_ps(_mm256_set1_ps(kUMax), mx));
+  _mm256_store_ps(b.mx, mx);
+  for (int i = 0; i < n; ++i) {
+    if (!(b.mx[i] > 0.f)) {  // every weight 0
+      std::memset(u[i], 0, kKeys / 2 * sizeof(int32_t));
+      continue;
+    }
+    const __m256 r = _mm256_set1_ps(b.r[i]);
+    __m256i q[4];
+    for (int c = 0; c < 4; ++c)
+      q[c] = _mm256_cvttps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_load_ps(b.w[i] + 8 * c), r),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    // int32 -> int16 in key order: packs interleaves the 128-bit lanes, permute4x64 restores them
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u[i]), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u[i] + 8), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+  }
+}
+
 // fold_values on zmm (AVX512 hosts; d a multiple of 16): the same operations lane by lane, so the
 // same bits.
 __attribute__((target("avx512f"))) inline void fold_values512(float* o, const int32_t* acc, int64_t d, float w_old,
@@ -734,12 +847,14 @@ inline void attend_rows_int(const float* q, const PagedInt16Keys& keys, float* o
         }
         block_scores_int(isa, un, pairs, n, qp, dp);
       }
-      // AVX512 hosts: 16 queries at a time where there are 4 or more (softmax_weights16: the
-      // same bits as one at a time, which is cheaper for the few queries of a decode)
+      // 16 queries at a time on AVX512 hosts, 8 on AVX2, where there are 4 or more
+      // (softmax_weights16 and softmax_weights8: the same bits as one at a time, which is
+      // cheaper for the few queries of a decode)
       int64_t qi = ps;
-      if (isa >= kIsaVnni) {
-        for (; pe - qi >= 4; qi += 16) {
-          const int n = static_cast<int>(std::min<int64_t>(16, pe - qi));
+      {
+        const int64_t width = isa >= kIsaVnni ? 16 : 8;
+        for (; pe - qi >= 4; qi += width) {
+          const int n = static_cast<int>(std::min<int64_t>(width, pe - qi));
           const int32_t* dq[16];
           int32_t* uq[16];
           int64_t fq[16], vq[16];
@@ -748,8 +863,12 @@ inline void attend_rows_int(const float* q, const PagedInt16Keys& keys, float* o
             uq[i] = z.upairs.data() + (qi + i) * (kKeys / 2);
             fq[i] = from(qi + i), vq[i] = visible(qi + i);
           }
-          softmax_weights16(dq, un, z.qa.data() + qi, fq, vq, n, z.m.data() + qi, z.l.data() + qi,
-                            z.w.data() + qi, z.us.data() + qi, uq, z.sm);
+          if (width == 16)
+            softmax_weights16(dq, un, z.qa.data() + qi, fq, vq, n, z.m.data() + qi, z.l.data() + qi,
+                              z.w.data() + qi, z.us.data() + qi, uq, z.sm);
+          else
+            softmax_weights8(dq, un, z.qa.data() + qi, fq, vq, n, z.m.data() + qi, z.l.data() + qi,
+                             z.w.data() + qi, z.us.data() + qi, uq, z.sm);
         }
       }
       for (; qi < pe; ++qi) {
