@@ -14,6 +14,9 @@ import pytest
 # wait on a descheduled sibling (measured here: 8 tokens in 19 s with 2 threads vs 0.9 s with 1).
 # Tests check behaviour, never speed; benchmarks/ use all cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# As prefixcache sets it when imported before torch (its __init__): here before any test module
+# imports torch, so the kernels' own thread pool is the one under test (kernels/parallel.h).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Engines keep the converted model in a weights cache ("auto": $PREFIXCACHE_CACHE_DIR, else
 # ~/.cache/prefixcache; model/weights_cache.py). The suite gets its own directory, new for the

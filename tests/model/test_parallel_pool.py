@@ -5,6 +5,8 @@ again in a forked child (whose parent's helper threads did not come with it)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -111,3 +113,31 @@ def test_a_forked_child_gets_a_pool_of_its_own(two_threads):
     assert os.waitstatus_to_exitcode(status) == 0
     assert same == 1
     assert before == 0 and after >= 1  # the parent's helper did not come; one of its own did
+
+
+_CHILD = """
+import os, torch                        # torch first: OpenMP keeps the runtime's own policy
+from prefixcache import kernels
+assert kernels.available()
+torch.set_num_threads(2)
+g = torch.Generator().manual_seed(3)
+x, w = torch.randn(1000, 576, generator=g), torch.rand(576, generator=g) + 0.5
+y = [kernels.rms_norm(x, w, 1e-5) for _ in range(5)]
+pool = sum(open(f"/proc/self/task/{t}/comm").read().strip() == "pc-kernel-pool"
+           for t in os.listdir("/proc/self/task"))
+print(os.environ.get("OMP_WAIT_POLICY"), pool, all(torch.equal(a, y[0]) for a in y), flush=True)
+torch.save(y[0], os.environ["OUT"])
+"""
+
+
+def test_with_spinning_openmp_the_items_stay_in_openmp(tmp_path):
+    """torch loaded before prefixcache with no wait policy: OpenMP's threads spin between regions,
+    so prefixcache leaves the variable alone and the kernels keep to OpenMP (no pool helper to
+    fight them for the cores), with the same numbers."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["OUT"] = str(tmp_path / "y.pt")
+    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()  # fmt: skip
+    assert out == ["None", "0", "True"]
+    x, w = _rows()
+    assert torch.equal(torch.load(env["OUT"]), kernels.rms_norm(x, w, 1e-5))
