@@ -489,8 +489,9 @@ __attribute__((target("avx512f,avx512bw,avx512dq"))) inline float softmax_weight
 // softmax_weights512 for up to 16 queries at once, the same bits per query. Called one query at
 // a time, the step was a ~130-cycle chain of dependent operations (two 16-lane maximum trees, the
 // rescale's branch, a division, the sum tree), of which the out-of-order core overlapped little:
-// 4.8 cycles per query-key pair against 2.1 for the scores' products on a Zen 4
-// (docs/benchmarks-journal.md "The softmax across queries"). Here the per-query work is only the
+// 2.4 cycles per query-key pair alone against 2.1 for the scores' products on a Zen 4
+// (docs/benchmarks-journal.md "The softmax across queries, and a pool whose join waits only for
+// its participants"; benchmarks/probes/attention_phases.cpp). Here the per-query work is only the
 // lane-wise parts; the three reductions (the block's maximum score, the sum of p, the largest
 // weight) run transposed: level 1 folds a query's two vectors of 16 keys into one (its 32 values
 // as 16 partials), then levels 2-5 (reduce16) fold 16 queries' partials into one vector, a lane a

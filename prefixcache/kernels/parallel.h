@@ -15,8 +15,8 @@
 // items at once, a helper joins when it arrives, and the caller's join waits only for helpers that
 // joined and are finishing an item: a late helper finds the job closed and does nothing. Helpers
 // spin a short while for the next job (prefill steps run their regions microseconds apart), then
-// sleep on a futex (no CPU between steps). Measured in docs/benchmarks-journal.md ("A pool whose
-// join waits only for its participants").
+// sleep on a futex (no CPU between steps). Measured in docs/benchmarks-journal.md ("The softmax
+// across queries, and a pool whose join waits only for its participants").
 //
 // The pool runs only while OpenMP's own threads sleep between regions (pool_enabled): spinning
 // OpenMP threads, the runtime's default, took the helpers' cores after every torch op (Gemma 3's
