@@ -57,6 +57,8 @@ def _workload_label(wl: str) -> str:
         return "SmolLM2-135M\nlong4k, c4"
     if wl.startswith("long8k"):
         return "SmolLM2-135M\nlong8k, c4"
+    if wl.startswith("long16k"):  # the default model's shapes, random weights, a 16k context
+        return "SmolLM2 shapes, 16k\nlong16k, c4"
     kind = "prefix_repetition" if wl.startswith("prefix_repetition") else "random 256"
     return f"{kind}, c8"
 
