@@ -9,9 +9,10 @@
 // weight is subnormal; with spreads of hundreds the weights underflow and every phase that
 // touches them slows down.
 //
-//   g++ -O3 -mavx2 -mfma -mf16c -fno-math-errno -ffp-contract=off -std=c++17 \
-//     -Iprefixcache/kernels -I.venv/lib/python3.11/site-packages/torch/include \
-//     -o /tmp/attention_phases benchmarks/probes/attention_phases.cpp && /tmp/attention_phases 3.64
+// From the repository root (one command, the kernels' flags):
+//   g++ -O3 -mavx2 -mfma -mf16c -fno-math-errno -ffp-contract=off -std=c++17 -Iprefixcache/kernels
+//   -I.venv/lib/python3.11/site-packages/torch/include -o /tmp/attention_phases
+//   benchmarks/probes/attention_phases.cpp && /tmp/attention_phases 3.64
 #include <algorithm>
 #include <chrono>
 #include <cmath>

@@ -329,6 +329,24 @@ inline float rescale(float m, float m_new) {
   return m_new == m ? 1.f : _mm256_cvtss_f32(exp2_neg(_mm256_set1_ps(m - m_new)));
 }
 
+// The keys of vector c (8 keys from 8c) that a query sees: from <= j < visible, all ones there.
+inline __m256i keep256(int64_t from, int64_t visible, int c) {
+  const __m256i vis = _mm256_set1_epi32(static_cast<int32_t>(visible));
+  const __m256i fr = _mm256_set1_epi32(static_cast<int32_t>(from) - 1);
+  const __m256i j = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * c));
+  return _mm256_and_si256(_mm256_cmpgt_epi32(vis, j), _mm256_cmpgt_epi32(j, fr));
+}
+
+// u_j = round(w_j * r) as int16 pairs in key order (the block's 32 weights in four vectors).
+inline void store_weights256(const __m256* w, __m256 r, int32_t* u32) {
+  __m256i q[4];
+  for (int c = 0; c < 4; ++c)
+    q[c] = _mm256_cvttps_epi32(_mm256_round_ps(_mm256_mul_ps(w[c], r), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  // int32 -> int16 in key order: packs interleaves the 128-bit lanes, permute4x64 restores them
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(u32), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(u32 + 8), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+}
+
 // One query's step over one block, from its integer scores: the online softmax in base 2 and the
 // block's value weights.
 //   z_j = (float(dot_j) * sk_j) * qa2 for keys from <= j < visible (qa2 = sq * scale * log2 e),
@@ -350,10 +368,7 @@ inline float softmax_weights(const int32_t* dot, const Units& un, float qa2, int
     const __m256 sk = _mm256_loadu_ps(un.sk[c >> 1] + 8 * (c & 1));
     z[c] = _mm256_mul_ps(_mm256_mul_ps(t, sk), va);
     if constexpr (!Full) {
-      const __m256i vis = _mm256_set1_epi32(static_cast<int32_t>(visible));
-      const __m256i fr = _mm256_set1_epi32(static_cast<int32_t>(from) - 1);
-      const __m256i j = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * c));
-      keep[c] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(vis, j), _mm256_cmpgt_epi32(j, fr)));
+      keep[c] = _mm256_castsi256_ps(keep256(from, visible, c));
       z[c] = _mm256_blendv_ps(ninf, z[c], keep[c]);
     }
     bm = _mm256_max_ps(bm, z[c]);
@@ -382,13 +397,7 @@ inline float softmax_weights(const int32_t* dot, const Units& un, float qa2, int
     us = 0.f;
     return w_old;
   }
-  const __m256 r = _mm256_set1_ps(kUMax / mx);
-  __m256i q[4];
-  for (int c = 0; c < 4; ++c)
-    q[c] = _mm256_cvttps_epi32(_mm256_round_ps(_mm256_mul_ps(w[c], r), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  // int32 -> int16 in key order: packs interleaves the 128-bit lanes, permute4x64 restores them
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(u32), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(u32 + 8), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+  store_weights256(w, _mm256_set1_ps(kUMax / mx), u32);
   us = mx * (1.f / kUMax);
   return w_old;
 }
@@ -434,6 +443,25 @@ __attribute__((target("avx512f,avx512dq"))) inline __m256 halves_add(__m512 v) {
   return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
+// The keys of unit c (16 keys from 16c) that a query sees: from <= j < visible.
+__attribute__((target("avx512f"))) inline __mmask16 keep512(int64_t from, int64_t visible, int c) {
+  const __m512i vis = _mm512_set1_epi32(static_cast<int32_t>(visible));
+  const __m512i fr = _mm512_set1_epi32(static_cast<int32_t>(from) - 1);
+  const __m512i j = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                     _mm512_set1_epi32(16 * c));
+  return _mm512_cmpgt_epi32_mask(vis, j) & _mm512_cmpgt_epi32_mask(j, fr);
+}
+
+// u_j = round(w_j * r) as int16 pairs in key order (the block's 32 weights in two units).
+__attribute__((target("avx512f,avx512bw"))) inline void store_weights512(__m512 w0, __m512 w1, __m512 r, int32_t* u32) {
+  const __m512 w[2] = {w0, w1};
+  for (int c = 0; c < 2; ++c) {
+    const __m512i q = _mm512_cvttps_epi32(
+        _mm512_roundscale_ps(_mm512_mul_ps(w[c], r), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u32 + 8 * c), _mm512_cvtsepi32_epi16(q));
+  }
+}
+
 // Full: every key of the block visible (no window start, no future), so no masks (the same
 // values: masking with all ones is the identity).
 template <bool Full>
@@ -447,11 +475,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq"))) inline float softmax_weight
     const __m512 t = _mm512_cvtepi32_ps(_mm512_load_si512(dot + 16 * c));
     z[c] = _mm512_mul_ps(_mm512_mul_ps(t, _mm512_loadu_ps(un.sk[c])), va);
     if constexpr (!Full) {
-      const __m512i vis = _mm512_set1_epi32(static_cast<int32_t>(visible));
-      const __m512i fr = _mm512_set1_epi32(static_cast<int32_t>(from) - 1);
-      const __m512i j = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         _mm512_set1_epi32(16 * c));
-      keep[c] = _mm512_cmpgt_epi32_mask(vis, j) & _mm512_cmpgt_epi32_mask(j, fr);
+      keep[c] = keep512(from, visible, c);
       z[c] = _mm512_mask_blend_ps(keep[c], ninf, z[c]);
     }
   }
@@ -476,12 +500,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq"))) inline float softmax_weight
     us = 0.f;
     return w_old;
   }
-  const __m512 r = _mm512_set1_ps(kUMax / mx);
-  for (int c = 0; c < 2; ++c) {
-    const __m512i q = _mm512_cvttps_epi32(
-        _mm512_roundscale_ps(_mm512_mul_ps(w[c], r), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u32 + 8 * c), _mm512_cvtsepi32_epi16(q));
-  }
+  store_weights512(w[0], w[1], _mm512_set1_ps(kUMax / mx), u32);
   us = mx * (1.f / kUMax);
   return w_old;
 }
@@ -532,8 +551,8 @@ __attribute__((target("avx512f"))) inline __m512 reduce16(const __m512* h, Op op
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
 }
 
-// Per-phase buffers of softmax_weights16 (64-byte aligned inside IntScratch's storage).
-struct Softmax16Buf {
+// Per-phase buffers of softmax_weights16 and softmax_weights8 (64-byte aligned inside IntScratch).
+struct SoftmaxGroupBuf {
   alignas(64) float z[16][kKeys];
   alignas(64) float w[16][kKeys];
   alignas(64) float m_new[16];
@@ -546,9 +565,8 @@ struct Softmax16Buf {
 // u[i] the query's 16 value-weight pairs.
 __attribute__((target("avx512f,avx512bw,avx512dq"))) inline void softmax_weights16(
     const int32_t* const* dot, const Units& un, const float* qa2, const int64_t* from, const int64_t* visible,
-    int n, float* m, float* l, float* w_old, float* us, int32_t* const* u, Softmax16Buf& b) {
+    int n, float* m, float* l, float* w_old, float* us, int32_t* const* u, SoftmaxGroupBuf& b) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 sk0 = _mm512_loadu_ps(un.sk[0]), sk1 = _mm512_loadu_ps(un.sk[1]);
   const __m512 sv0 = _mm512_loadu_ps(un.sv[0]), sv1 = _mm512_loadu_ps(un.sv[1]);
   const MaxOp512 max_op;
@@ -562,11 +580,8 @@ __attribute__((target("avx512f,avx512bw,avx512dq"))) inline void softmax_weights
     if (from[i] == 0 && visible[i] == kKeys) {
       keep[i][0] = keep[i][1] = 0xFFFF;
     } else {
-      const __m512i vis = _mm512_set1_epi32(static_cast<int32_t>(visible[i]));
-      const __m512i fr = _mm512_set1_epi32(static_cast<int32_t>(from[i]) - 1);
-      const __m512i j1 = _mm512_add_epi32(lane, _mm512_set1_epi32(16));
-      keep[i][0] = _mm512_cmpgt_epi32_mask(vis, lane) & _mm512_cmpgt_epi32_mask(lane, fr);
-      keep[i][1] = _mm512_cmpgt_epi32_mask(vis, j1) & _mm512_cmpgt_epi32_mask(j1, fr);
+      keep[i][0] = keep512(from[i], visible[i], 0);
+      keep[i][1] = keep512(from[i], visible[i], 1);
       z0 = _mm512_mask_blend_ps(keep[i][0], ninf, z0);
       z1 = _mm512_mask_blend_ps(keep[i][1], ninf, z1);
     }
@@ -613,12 +628,7 @@ __attribute__((target("avx512f,avx512bw,avx512dq"))) inline void softmax_weights
       std::memset(u[i], 0, kKeys / 2 * sizeof(int32_t));
       continue;
     }
-    const __m512 r = _mm512_set1_ps(b.r[i]);
-    for (int c = 0; c < 2; ++c) {
-      const __m512i q = _mm512_cvttps_epi32(
-          _mm512_roundscale_ps(_mm512_mul_ps(_mm512_load_ps(b.w[i] + 16 * c), r), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u[i] + 8 * c), _mm512_cvtsepi32_epi16(q));
-    }
+    store_weights512(_mm512_load_ps(b.w[i]), _mm512_load_ps(b.w[i] + 16), _mm512_set1_ps(b.r[i]), u[i]);
   }
 }
 
@@ -651,7 +661,7 @@ struct AddOp256 {
 // Queries 0 .. n - 1 (n <= 8), arguments as softmax_weights16's (b: its buffers, the first 8 rows).
 inline void softmax_weights8(const int32_t* const* dot, const Units& un, const float* qa2, const int64_t* from,
                              const int64_t* visible, int n, float* m, float* l, float* w_old, float* us,
-                             int32_t* const* u, Softmax16Buf& b) {
+                             int32_t* const* u, SoftmaxGroupBuf& b) {
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 sk[4], sv[4];
@@ -672,10 +682,7 @@ inline void softmax_weights8(const int32_t* const* dot, const Units& un, const f
       const __m256 t = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dot[i] + 8 * c)));
       __m256 z = _mm256_mul_ps(_mm256_mul_ps(t, sk[c]), va);
       if (!full[i]) {
-        const __m256i vis = _mm256_set1_epi32(static_cast<int32_t>(visible[i]));
-        const __m256i fr = _mm256_set1_epi32(static_cast<int32_t>(from[i]) - 1);
-        const __m256i j = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * c));
-        const __m256i k = _mm256_and_si256(_mm256_cmpgt_epi32(vis, j), _mm256_cmpgt_epi32(j, fr));
+        const __m256i k = keep256(from[i], visible[i], c);
         _mm256_store_si256(reinterpret_cast<__m256i*>(keep[i] + 8 * c), k);
         z = _mm256_blendv_ps(ninf, z, _mm256_castsi256_ps(k));
       }
@@ -724,14 +731,9 @@ inline void softmax_weights8(const int32_t* const* dot, const Units& un, const f
       std::memset(u[i], 0, kKeys / 2 * sizeof(int32_t));
       continue;
     }
-    const __m256 r = _mm256_set1_ps(b.r[i]);
-    __m256i q[4];
-    for (int c = 0; c < 4; ++c)
-      q[c] = _mm256_cvttps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_load_ps(b.w[i] + 8 * c), r),
-                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    // int32 -> int16 in key order: packs interleaves the 128-bit lanes, permute4x64 restores them
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u[i]), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(u[i] + 8), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+    const __m256 w[4] = {_mm256_load_ps(b.w[i]), _mm256_load_ps(b.w[i] + 8), _mm256_load_ps(b.w[i] + 16),
+                         _mm256_load_ps(b.w[i] + 24)};
+    store_weights256(w, _mm256_set1_ps(b.r[i]), u[i]);
   }
 }
 
@@ -791,7 +793,7 @@ struct PagedInt16Keys {
 struct IntScratch {
   std::vector<int32_t> qpairs, dots, upairs, acc;
   std::vector<float> qa, m, l, w, us, o;
-  Softmax16Buf sm;
+  SoftmaxGroupBuf sm;
 };
 
 // attend_rows (exact_attention.h) on the integer units: query rows [i0, i1) of KV head kh (all G

@@ -37,12 +37,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
-#include <cctype>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -83,6 +83,11 @@ struct Job {
     }
     tl_in_job = false;
   }
+
+  // After every thread's run_items returned: the first item's exception, if any, to the caller.
+  void rethrow() const {
+    if (failed.load(std::memory_order_acquire)) std::rethrow_exception(error);
+  }
 };
 
 // The helpers' shared state. `state` packs the current job's admission: bits 0-15 the helpers
@@ -108,7 +113,7 @@ class Pool {
       _mm_pause();
       if (++spins > (1 << 14)) std::this_thread::yield(), spins = 0;  // a helper descheduled mid-item
     }
-    if (job.failed.load(std::memory_order_acquire)) std::rethrow_exception(job.error);
+    job.rethrow();
   }
 
   std::mutex busy;  // one caller at a time (another caller runs its items alone)
@@ -209,21 +214,17 @@ void parallel_items(int64_t n, const F& fn) {
     for (int64_t i = 0; i < n; ++i) fn(i);
   };
   if (nt <= 1 || pool_detail::tl_in_job || at::in_parallel_region()) return serial();
-  if (!pool_detail::pool_enabled()) {  // an OpenMP region, the items still claimed one at a time
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {
-      for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n; i = next.fetch_add(1, std::memory_order_relaxed))
-        fn(i);
-    });
-    return;
-  }
-  pool_detail::Pool* pool = pool_detail::pool_slot();
-  std::unique_lock<std::mutex> lock(pool->busy, std::try_to_lock);
-  if (!lock.owns_lock()) return serial();  // another thread's job holds the pool
   pool_detail::Job job;
   job.call = [](const void* f, int64_t i) { (*static_cast<const F*>(f))(i); };
   job.fn = &fn;
   job.n = n;
+  if (!pool_detail::pool_enabled()) {  // an OpenMP region, the items still claimed one at a time
+    at::parallel_for(0, nt, 1, [&](int64_t, int64_t) { job.run_items(); });
+    return job.rethrow();
+  }
+  pool_detail::Pool* pool = pool_detail::pool_slot();
+  std::unique_lock<std::mutex> lock(pool->busy, std::try_to_lock);
+  if (!lock.owns_lock()) return serial();  // another thread's job holds the pool
   pool->run(job, static_cast<int>(std::min<int64_t>(nt - 1, pool_detail::Pool::kCount)));
 }
 
