@@ -248,8 +248,10 @@ def client_command(client: str, wl: Workload, n: int, url: str, model: str, out:
               "--save-result", "--result-dir", str(out), "--result-filename", name,
               "--label", wl.key, "--metadata", f"load_avg_before={load:.2f}"]
     if client == "vllm":
+        # --save-detailed: every request's TTFT and ITLs in the result (hits vs cold prompts)
         return [str(VLLM_PY), "-c", DRIVER, "--backend", "vllm", "--base-url", url, "--endpoint",
-                "/v1/completions", "--model", model, "--tokenizer", str(tokenizer), *common]
+                "/v1/completions", "--model", model, "--tokenizer", str(tokenizer), "--save-detailed",
+                *common]
     return [*PREFIXCACHE, "bench", "serve", "--base-url", url, "--model", model, *common]
 
 
