@@ -213,6 +213,15 @@ def decode_forward(x, cos, sin, layers, kv, slot_mapping, parts, num_heads: int,
     )  # fmt: skip
 
 
+def decode_groups(ctx, slots_off, slots, min_shared: int = 256, min_groups: int = 1):
+    """How exact_decode groups a step's decode rows by the cached prefix their contexts share
+    (int_attention.h shared_prefix_groups): [B, 2] int64, each row's group and the keys the
+    group shares (0: a row alone). ``min_shared``: the least a group shares (exact_decode: 256);
+    ``min_groups``: groups are halved until there are this many (exact_decode: two work items
+    a thread)."""
+    return torch.ops.prefixcache.decode_groups(ctx, slots_off, slots, min_shared, min_groups)
+
+
 def exact_decode(x, cos, sin, layers, kv, meta, isa_name: str, num_heads: int, num_kv_heads: int,
                  ffn: int, eps: float, scale: float, local=None):
     """Every decoder layer of an exact decode-only step in one call (exact_decode.cpp): the bits

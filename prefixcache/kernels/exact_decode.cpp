@@ -15,7 +15,7 @@
 //
 // Per layer, B rows (one new token per sequence), phases separated by barriers:
 //   rows   xn = rms_norm(x), quantized                 cols  qkv = xn Wqkv (+ bias)
-//   rows   q/k norms; rotate q, k; K, V -> cache slots items attention (sequence, KV head)
+//   rows   q/k norms; rotate q, k; K, V -> cache slots items attention (rows sharing a prefix, KV head)
 //   rows   attn quantized                              cols  x += attn Wo
 //   rows   xn = rms_norm(x), quantized                 cols  gu = xn Wgu
 //   rows   h = silu(gate) up, quantized                cols  x += h Wdown
@@ -36,7 +36,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "exact_attention.h"
@@ -52,6 +54,19 @@ using prefixcache::IntScheme;
 using prefixcache::IntWeights;
 using prefixcache::Quantized;
 
+
+// Decode rows sharing at least this many keys of cached prefix attend as a group: below it the
+// K/V read once saves little.
+constexpr int64_t kGroupMinShared = 256;
+
+// PREFIXCACHE_DECODE_GROUPS=0 attends row by row (the same bits; to measure the groups).
+bool decode_groups_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("PREFIXCACHE_DECODE_GROUPS");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return on;
+}
 
 // One linear layer's arguments: packed weights and how its activations are quantized.
 struct Linear {
@@ -274,6 +289,16 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
   std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[5 * layers]);
   for (int64_t i = 0; i < 5 * layers; ++i) next[i].store(0, std::memory_order_relaxed);
   const int threads = std::max(1, at::get_num_threads());
+  // Rows whose contexts share a cached prefix attend in groups on the int16 path's global layers
+  // (attend_decode_group_int: the shared K/V read once a step, the same bits as row by row);
+  // at least two items a thread where the rows allow. PREFIXCACHE_DECODE_GROUPS=0: row by row.
+  std::vector<prefixcache::exact::DecodeGroup> groups;
+  if (integer && decode_groups_enabled()) {
+    groups = prefixcache::exact::shared_prefix_groups(sides[0].so, sides[0].sl, sides[0].cx, b, kGroupMinShared,
+                                                      (2 * threads + kvh - 1) / kvh);
+  } else {
+    for (int64_t r = 0; r < b; ++r) groups.push_back({{r}, 0});
+  }
   // Column runs per item: at least four items per thread where the layer allows.
   const auto per_item = [&](int64_t blocks) {
     return std::clamp<int64_t>(blocks / (4 * threads), 1, 8);
@@ -353,7 +378,29 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
         std::memcpy(qp + r * h * d, row, h * d * sizeof(float));
       }
       barrier->wait();
-      {  // attention items (row, KV head), each a one-query chunk of paged_attention
+      if (integer && window == 0 && in_parts[l] == 0) {  // items (group of rows, KV head)
+        const int64_t items = static_cast<int64_t>(groups.size()) * kvh;
+        std::atomic<int64_t>& counter = next[5 * l + 4];
+        std::vector<const float*> gq;
+        std::vector<float*> go;
+        std::vector<prefixcache::exact::PagedInt16Keys> gk;
+        std::vector<int64_t> gc;
+        for (int64_t it = counter.fetch_add(1, std::memory_order_relaxed); it < items;
+             it = counter.fetch_add(1, std::memory_order_relaxed)) {
+          const prefixcache::exact::DecodeGroup& grp = groups[it / kvh];
+          const int64_t kh = it % kvh, n = static_cast<int64_t>(grp.rows.size());
+          gq.clear(), go.clear(), gk.clear(), gc.clear();
+          for (const int64_t r : grp.rows) {
+            gq.push_back(qp + r * h * d);
+            go.push_back(attnp + r * h * d);
+            gk.push_back({reinterpret_cast<const int16_t*>(kl), reinterpret_cast<const int16_t*>(vl), ksl, vsl,
+                          S.n_slots, d, S.sl + S.so[r]});
+            gc.push_back(S.cx[r]);
+          }
+          prefixcache::exact::attend_decode_group_int(gq.data(), gk.data(), go.data(), gc.data(), n, grp.shared, h,
+                                                      kvh, d, kh, scale, attn_isa, *z);
+        }
+      } else {  // attention items (row, KV head), each a one-query chunk of paged_attention
         const int64_t items = b * kvh;
         std::atomic<int64_t>& counter = next[5 * l + 4];
         for (int64_t it = counter.fetch_add(1, std::memory_order_relaxed); it < items;
@@ -402,9 +449,31 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
   return x;
 }
 
+// The decode groups exact_decode forms for a step's tables (for tests and tools): [B, 2], each
+// row's group (numbered in the order formed) and the keys its group shares.
+at::Tensor decode_groups(const at::Tensor& ctx, const at::Tensor& slots_off, const at::Tensor& slots, int64_t min_shared,
+                         int64_t min_groups) {
+  for (const auto* t : {&ctx, &slots_off, &slots})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1, "int64 contiguous vectors");
+  const int64_t b = ctx.numel();
+  TORCH_CHECK(slots_off.numel() == b + 1, "slots_off: [B + 1]");
+  const int64_t* cx = ctx.data_ptr<int64_t>();
+  const int64_t* so = slots_off.data_ptr<int64_t>();
+  for (int64_t r = 0; r < b; ++r)
+    TORCH_CHECK(cx[r] > 0 && so[r] >= 0 && so[r] + cx[r] <= slots.numel(), "context slots");
+  const auto groups =
+      prefixcache::exact::shared_prefix_groups(so, slots.data_ptr<int64_t>(), cx, b, min_shared, min_groups);
+  at::Tensor out = at::empty({b, 2}, at::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (const int64_t r : groups[g].rows) o[2 * r] = static_cast<int64_t>(g), o[2 * r + 1] = groups[g].shared;
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(prefixcache, lib) {
+  lib.def("decode_groups(Tensor ctx, Tensor slots_off, Tensor slots, int min_shared, int min_groups) -> Tensor");
   lib.def(
       "exact_decode(Tensor x, Tensor cos, Tensor sin, Tensor[] input_norms, Tensor[] post_norms, "
       "Tensor[] wq, Tensor[] wd, Tensor[] wm, int[] codes, Tensor[] qkv_bias, Tensor[] qk_norms, "
@@ -417,4 +486,5 @@ TORCH_LIBRARY_FRAGMENT(prefixcache, lib) {
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, lib) {
   lib.impl("exact_decode", &exact_decode);
+  lib.impl("decode_groups", &decode_groups);
 }

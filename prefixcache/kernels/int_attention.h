@@ -796,15 +796,9 @@ struct IntScratch {
   SoftmaxGroupBuf sm;
 };
 
-// attend_rows (exact_attention.h) on the integer units: query rows [i0, i1) of KV head kh (all G
-// query heads of it) over an int16 cache. Same item shapes, causal limits and output layout.
-// A sliding window (window > 0) as attend_rows: the blocks a query visits and its masks depend
-// on its own position only.
-inline void attend_rows_int(const float* q, const PagedInt16Keys& keys, float* out, int64_t t, int64_t c,
-                            int64_t h, int64_t kvh_count, int64_t d, int64_t kh, int64_t i0, int64_t i1,
-                            float scale, int64_t isa, IntScratch& z, int64_t window = 0) {
-  const int64_t g = h / kvh_count, first = c - t, pairs = d / 2;
-  const int64_t nq = (i1 - i0) * g;
+// Sizes z for nq queries and empties their running state (the maximum, the sum, the output);
+// the callers quantize the queries into z.qpairs and z.qa.
+inline void start_queries(IntScratch& z, int64_t nq, int64_t pairs, int64_t d) {
   z.qpairs.resize(static_cast<size_t>(nq * pairs));
   z.dots.resize(static_cast<size_t>(nq * kKeys) + 16);
   z.upairs.resize(static_cast<size_t>(nq * kKeys / 2));
@@ -815,13 +809,108 @@ inline void attend_rows_int(const float* q, const PagedInt16Keys& keys, float* o
   z.m.assign(nq, -std::numeric_limits<float>::infinity());
   z.l.assign(nq, 0.f);
   z.o.assign(static_cast<size_t>(nq * d), 0.f);
+}
+
+// One block of keys (un) for the queries [q0, nq) of z, which go on from the blocks before it:
+// visible(qi) keys of the block from from(qi) are query qi's (its causal limit, its window).
+// Each query's operations depend on its own scores alone, whichever queries share the block.
+template <class Visible, class From>
+inline void attend_block_int(const Units& un, int64_t q0, int64_t nq, int64_t pairs, int64_t d, int64_t isa,
+                             IntScratch& z, const Visible& visible, const From& from) {
+  // dots are 64-byte aligned per query only when kKeys * 4 is a multiple of 64 (it is: 128)
   int32_t* dots = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(z.dots.data()) + 63) & ~uintptr_t{63});
+  // In phases over up to kPhaseQ queries: every query's scores, then every softmax, then every
+  // value product, then every fold. Each query's operations are the same in any grouping (so
+  // are its bits); the phases give the out-of-order core many queries' independent softmax
+  // chains at once, where one group's (4 queries) latency-bound chain sat between its products.
+  for (int64_t ps = q0; ps < nq; ps += kPhaseQ) {
+    const int64_t pe = std::min(nq, ps + kPhaseQ);
+    for (int64_t qs = ps; qs < pe; qs += kGroupQ) {
+      const int n = static_cast<int>(std::min<int64_t>(kGroupQ, pe - qs));
+      const int32_t* qp[kGroupQ];
+      int32_t* dp[kGroupQ];
+      for (int i = 0; i < n; ++i) {
+        qp[i] = z.qpairs.data() + (qs + i) * pairs;
+        dp[i] = dots + (qs + i - ps) * kKeys;
+      }
+      block_scores_int(isa, un, pairs, n, qp, dp);
+    }
+    // 16 queries at a time on AVX512 hosts, 8 on AVX2, where there are 4 or more
+    // (softmax_weights16 and softmax_weights8: the same bits as one at a time, which is
+    // cheaper for the few queries of a decode)
+    int64_t qi = ps;
+    {
+      const int64_t width = isa >= kIsaVnni ? 16 : 8;
+      for (; pe - qi >= 4; qi += width) {
+        const int n = static_cast<int>(std::min<int64_t>(width, pe - qi));
+        const int32_t* dq[16];
+        int32_t* uq[16];
+        int64_t fq[16], vq[16];
+        for (int i = 0; i < n; ++i) {
+          dq[i] = dots + (qi + i - ps) * kKeys;
+          uq[i] = z.upairs.data() + (qi + i) * (kKeys / 2);
+          fq[i] = from(qi + i), vq[i] = visible(qi + i);
+        }
+        if (width == 16)
+          softmax_weights16(dq, un, z.qa.data() + qi, fq, vq, n, z.m.data() + qi, z.l.data() + qi,
+                            z.w.data() + qi, z.us.data() + qi, uq, z.sm);
+        else
+          softmax_weights8(dq, un, z.qa.data() + qi, fq, vq, n, z.m.data() + qi, z.l.data() + qi,
+                           z.w.data() + qi, z.us.data() + qi, uq, z.sm);
+      }
+    }
+    for (; qi < pe; ++qi) {
+      const int32_t* dq = dots + (qi - ps) * kKeys;
+      int32_t* uq = z.upairs.data() + qi * (kKeys / 2);
+      const int64_t fq = from(qi), vq = visible(qi);
+      const bool full = fq == 0 && vq == kKeys;  // every key seen: no masks
+      float& m = z.m[qi];
+      float& l = z.l[qi];
+      if (isa < kIsaVnni)
+        z.w[qi] = full ? softmax_weights<true>(dq, un, z.qa[qi], fq, vq, m, l, uq, z.us[qi])
+                       : softmax_weights<false>(dq, un, z.qa[qi], fq, vq, m, l, uq, z.us[qi]);
+      else
+        z.w[qi] = full ? softmax_weights512<true>(dq, un, z.qa[qi], fq, vq, m, l, uq, z.us[qi])
+                       : softmax_weights512<false>(dq, un, z.qa[qi], fq, vq, m, l, uq, z.us[qi]);
+    }
+    for (int64_t qs = ps; qs < pe; qs += kGroupQ) {
+      const int n = static_cast<int>(std::min<int64_t>(kGroupQ, pe - qs));
+      int64_t vmax = 0;
+      const int32_t* up[kGroupQ];
+      int32_t* ap[kGroupQ];
+      for (int i = 0; i < n; ++i) {
+        vmax = std::max(vmax, visible(qs + i));
+        up[i] = z.upairs.data() + (qs + i) * (kKeys / 2);
+        ap[i] = z.acc.data() + (qs + i - ps) * d;
+      }
+      block_values_int(isa, un, d, (vmax + 1) / 2, n, up, ap);
+    }
+    for (int64_t qi = ps; qi < pe; ++qi) {
+      float* o = z.o.data() + qi * d;
+      const int32_t* a = z.acc.data() + (qi - ps) * d;
+      if (isa >= kIsaVnni)
+        fold_values512(o, a, d, z.w[qi], z.us[qi]);
+      else
+        fold_values(o, a, d, z.w[qi], z.us[qi]);
+    }
+  }
+}
+
+// attend_rows (exact_attention.h) on the integer units: query rows [i0, i1) of KV head kh (all G
+// query heads of it) over an int16 cache. Same item shapes, causal limits and output layout.
+// A sliding window (window > 0) as attend_rows: the blocks a query visits and its masks depend
+// on its own position only.
+inline void attend_rows_int(const float* q, const PagedInt16Keys& keys, float* out, int64_t t, int64_t c,
+                            int64_t h, int64_t kvh_count, int64_t d, int64_t kh, int64_t i0, int64_t i1,
+                            float scale, int64_t isa, IntScratch& z, int64_t window = 0) {
+  const int64_t g = h / kvh_count, first = c - t, pairs = d / 2;
+  const int64_t nq = (i1 - i0) * g;
+  start_queries(z, nq, pairs, d);
   auto qptr = [&](int64_t qi) { return q + ((i0 + qi / g) * h + kh * g + qi % g) * d; };
   auto qpos = [&](int64_t qi) { return first + i0 + qi / g; };
   // the scores' float factor per query, in base 2 (softmax_weights): (sq * scale) * log2 e
   for (int64_t qi = 0; qi < nq; ++qi)
     z.qa[qi] = quantize_query(qptr(qi), d, scale, z.qpairs.data() + qi * pairs) * 1.44269504088896341f;
-  // dots are 64-byte aligned per query only when kKeys * 4 is a multiple of 64 (it is: 128)
   const int64_t last_key = first + i1 - 1;
   const auto lo = [&](int64_t qi) { return window > 0 ? std::max<int64_t>(0, qpos(qi) - window + 1) : 0; };
   for (int64_t k0 = lo(0) / kKeys * kKeys; k0 <= last_key; k0 += kKeys) {
@@ -833,82 +922,7 @@ inline void attend_rows_int(const float* q, const PagedInt16Keys& keys, float* o
     const Units un = keys.block(kh, k0, nk);
     const auto visible = [&](int64_t qi) { return std::min(nk, qpos(qi) - k0 + 1); };
     const auto from = [&](int64_t qi) { return std::max<int64_t>(0, lo(qi) - k0); };
-    const int64_t nq = nq_;  // this block's rows: [q0, nq)
-    // In phases over up to kPhaseQ queries: every query's scores, then every softmax, then every
-    // value product, then every fold. Each query's operations are the same in any grouping (so
-    // are its bits); the phases give the out-of-order core many queries' independent softmax
-    // chains at once, where one group's (4 queries) latency-bound chain sat between its products.
-    for (int64_t ps = q0; ps < nq; ps += kPhaseQ) {
-      const int64_t pe = std::min(nq, ps + kPhaseQ);
-      for (int64_t qs = ps; qs < pe; qs += kGroupQ) {
-        const int n = static_cast<int>(std::min<int64_t>(kGroupQ, pe - qs));
-        const int32_t* qp[kGroupQ];
-        int32_t* dp[kGroupQ];
-        for (int i = 0; i < n; ++i) {
-          qp[i] = z.qpairs.data() + (qs + i) * pairs;
-          dp[i] = dots + (qs + i - ps) * kKeys;
-        }
-        block_scores_int(isa, un, pairs, n, qp, dp);
-      }
-      // 16 queries at a time on AVX512 hosts, 8 on AVX2, where there are 4 or more
-      // (softmax_weights16 and softmax_weights8: the same bits as one at a time, which is
-      // cheaper for the few queries of a decode)
-      int64_t qi = ps;
-      {
-        const int64_t width = isa >= kIsaVnni ? 16 : 8;
-        for (; pe - qi >= 4; qi += width) {
-          const int n = static_cast<int>(std::min<int64_t>(width, pe - qi));
-          const int32_t* dq[16];
-          int32_t* uq[16];
-          int64_t fq[16], vq[16];
-          for (int i = 0; i < n; ++i) {
-            dq[i] = dots + (qi + i - ps) * kKeys;
-            uq[i] = z.upairs.data() + (qi + i) * (kKeys / 2);
-            fq[i] = from(qi + i), vq[i] = visible(qi + i);
-          }
-          if (width == 16)
-            softmax_weights16(dq, un, z.qa.data() + qi, fq, vq, n, z.m.data() + qi, z.l.data() + qi,
-                              z.w.data() + qi, z.us.data() + qi, uq, z.sm);
-          else
-            softmax_weights8(dq, un, z.qa.data() + qi, fq, vq, n, z.m.data() + qi, z.l.data() + qi,
-                             z.w.data() + qi, z.us.data() + qi, uq, z.sm);
-        }
-      }
-      for (; qi < pe; ++qi) {
-        const int32_t* dq = dots + (qi - ps) * kKeys;
-        int32_t* uq = z.upairs.data() + qi * (kKeys / 2);
-        const int64_t fq = from(qi), vq = visible(qi);
-        const bool full = fq == 0 && vq == kKeys;  // every key seen: no masks
-        float& m = z.m[qi];
-        float& l = z.l[qi];
-        if (isa < kIsaVnni)
-          z.w[qi] = full ? softmax_weights<true>(dq, un, z.qa[qi], fq, vq, m, l, uq, z.us[qi])
-                         : softmax_weights<false>(dq, un, z.qa[qi], fq, vq, m, l, uq, z.us[qi]);
-        else
-          z.w[qi] = full ? softmax_weights512<true>(dq, un, z.qa[qi], fq, vq, m, l, uq, z.us[qi])
-                         : softmax_weights512<false>(dq, un, z.qa[qi], fq, vq, m, l, uq, z.us[qi]);
-      }
-      for (int64_t qs = ps; qs < pe; qs += kGroupQ) {
-        const int n = static_cast<int>(std::min<int64_t>(kGroupQ, pe - qs));
-        int64_t vmax = 0;
-        const int32_t* up[kGroupQ];
-        int32_t* ap[kGroupQ];
-        for (int i = 0; i < n; ++i) {
-          vmax = std::max(vmax, visible(qs + i));
-          up[i] = z.upairs.data() + (qs + i) * (kKeys / 2);
-          ap[i] = z.acc.data() + (qs + i - ps) * d;
-        }
-        block_values_int(isa, un, d, (vmax + 1) / 2, n, up, ap);
-      }
-      for (int64_t qi = ps; qi < pe; ++qi) {
-        float* o = z.o.data() + qi * d;
-        const int32_t* a = z.acc.data() + (qi - ps) * d;
-        if (isa >= kIsaVnni)
-          fold_values512(o, a, d, z.w[qi], z.us[qi]);
-        else
-          fold_values(o, a, d, z.w[qi], z.us[qi]);
-      }
-    }
+    attend_block_int(un, q0, nq_, pairs, d, isa, z, visible, from);
   }
   for (int64_t qi = 0; qi < nq; ++qi) {
     const float inv = 1.f / z.l[qi];
@@ -916,6 +930,108 @@ inline void attend_rows_int(const float* q, const PagedInt16Keys& keys, float* o
     float* dst = out + ((i0 + qi / g) * h + kh * g + qi % g) * d;
     for (int64_t cc = 0; cc < d; ++cc) dst[cc] = o[cc] * inv;
   }
+}
+
+// Decode rows of several sequences whose contexts hold the same first `shared` slots (the blocks
+// of a cached prefix they share; a multiple of kKeys): row i's query (the G heads of KV head kh)
+// at q[i] over keys[i] (ctx[i] of them, its own token last), its output at out[i]. The shared
+// blocks are read once for every row's queries, then each row reads its own blocks. Each query
+// visits the same blocks in the same order with the same operations as attend_rows_int gives
+// it alone (a one-row chunk: every key of a block before its last is visible), so its bits are
+// the same; only which queries share a block's pass differs (design.md, "Attention in a fixed
+// order"). Where several sequences share a long prefix this reads its K/V once a step, not once
+// a sequence.
+inline void attend_decode_group_int(const float* const* q, const PagedInt16Keys* keys, float* const* out,
+                                    const int64_t* ctx, int64_t n, int64_t shared, int64_t h, int64_t kvh_count,
+                                    int64_t d, int64_t kh, float scale, int64_t isa, IntScratch& z) {
+  const int64_t g = h / kvh_count, pairs = d / 2, nq = n * g;
+  start_queries(z, nq, pairs, d);
+  for (int64_t qi = 0; qi < nq; ++qi)
+    z.qa[qi] = quantize_query(q[qi / g] + (kh * g + qi % g) * d, d, scale, z.qpairs.data() + qi * pairs) *
+               1.44269504088896341f;
+  const auto whole = [](int64_t) { return kKeys; };
+  const auto none = [](int64_t) { return int64_t{0}; };
+  for (int64_t k0 = 0; k0 < shared; k0 += kKeys)
+    attend_block_int(keys[0].block(kh, k0, kKeys), 0, nq, pairs, d, isa, z, whole, none);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k0 = shared; k0 < ctx[i]; k0 += kKeys) {
+      const int64_t nk = std::min(kKeys, ctx[i] - k0);
+      attend_block_int(keys[i].block(kh, k0, nk), i * g, (i + 1) * g, pairs, d, isa, z,
+                       [nk](int64_t) { return nk; }, none);
+    }
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const float inv = 1.f / z.l[qi];
+    const float* o = z.o.data() + qi * d;
+    float* dst = out[qi / g] + (kh * g + qi % g) * d;
+    for (int64_t cc = 0; cc < d; ++cc) dst[cc] = o[cc] * inv;
+  }
+}
+
+// Decode rows grouped by the prefix their contexts share: rows whose first `shared` slots are
+// the same (shared a multiple of kKeys, at least min_shared); a row that shares less with the
+// rows before it is a group of its own (shared 0). Groups are then halved, largest first, until
+// there are at least `min_groups` (work items for every thread) or none has two rows.
+struct DecodeGroup {
+  std::vector<int64_t> rows;
+  int64_t shared = 0;
+};
+
+inline std::vector<DecodeGroup> shared_prefix_groups(const int64_t* slots_off, const int64_t* slots, const int64_t* ctx,
+                                                     int64_t b, int64_t min_shared, int64_t min_groups) {
+  // Rows by the slot of their first key: only rows that start in the same block can share one.
+  std::vector<int64_t> order(static_cast<size_t>(b));
+  for (int64_t r = 0; r < b; ++r) order[r] = r;
+  const auto first = [&](int64_t r) { return ctx[r] > 0 ? slots[slots_off[r]] : int64_t{-1}; };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return first(a) < first(c); });
+  // Keys row r shares with row l from position 0, whole blocks, and short of either's last key
+  // (each row's own new token is never shared). Slots come in whole units of kUnit consecutive
+  // slots, so comparing each unit's first slot compares the unit.
+  const auto common = [&](int64_t l, int64_t r) {
+    const int64_t limit = std::min(ctx[l], ctx[r]) - 1;
+    int64_t j = 0;
+    while (j < limit && slots[slots_off[l] + j] == slots[slots_off[r] + j]) j += kUnit;
+    return std::min(j, limit) / kKeys * kKeys;
+  };
+  std::vector<DecodeGroup> groups;
+  for (size_t i = 0; i < order.size();) {
+    size_t e = i + 1;
+    while (e < order.size() && first(order[e]) == first(order[i]) && first(order[i]) >= 0) ++e;
+    std::vector<int64_t> left(order.begin() + static_cast<std::ptrdiff_t>(i), order.begin() + static_cast<std::ptrdiff_t>(e));
+    while (!left.empty()) {  // the first row left leads; those sharing at least half its best join
+      DecodeGroup grp;
+      grp.rows.push_back(left[0]);
+      std::vector<int64_t> c(left.size(), 0);
+      int64_t best = 0;
+      for (size_t k = 1; k < left.size(); ++k) best = std::max(best, c[k] = common(left[0], left[k]));
+      std::vector<int64_t> rest;
+      grp.shared = best;
+      for (size_t k = 1; k < left.size(); ++k)
+        if (best >= min_shared && c[k] >= std::max(min_shared, best / 2)) {
+          grp.rows.push_back(left[k]);
+          grp.shared = std::min(grp.shared, c[k]);
+        } else {
+          rest.push_back(left[k]);
+        }
+      if (grp.rows.size() == 1) grp.shared = 0;
+      groups.push_back(std::move(grp));
+      left = std::move(rest);
+    }
+    i = e;
+  }
+  while (static_cast<int64_t>(groups.size()) < min_groups) {
+    auto big = std::max_element(groups.begin(), groups.end(),
+                                [](const DecodeGroup& a, const DecodeGroup& c) { return a.rows.size() < c.rows.size(); });
+    if (big == groups.end() || big->rows.size() < 2) break;
+    DecodeGroup half;
+    half.shared = big->shared;
+    const size_t keep = big->rows.size() / 2;
+    half.rows.assign(big->rows.begin() + static_cast<std::ptrdiff_t>(keep), big->rows.end());
+    big->rows.resize(keep);
+    if (big->rows.size() == 1) big->shared = 0;
+    if (half.rows.size() == 1) half.shared = 0;
+    groups.push_back(std::move(half));
+  }
+  return groups;
 }
 
 }  // namespace prefixcache::exact

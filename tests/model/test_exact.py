@@ -13,6 +13,7 @@ directly.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -255,23 +256,29 @@ def test_the_model_gives_the_same_bits_on_every_isa_path(llm, prose_ids):
     isas = kernels.supported_isas()
     if len(isas) < 2:
         pytest.skip(f"this CPU has one integer path ({isas[0]}): nothing to compare")
-    lins = [lin for layer in llm.engine.runner.model.layers
-            for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]  # fmt: skip
-    assert all(isinstance(lin, IntLinear) for lin in lins)
-    model = llm.engine.runner.model
     prompt = prose_ids[:70]
     ref = run(llm, [prompt], salt=_salt("isa"))
-
-    def use(isa):  # the linears, attention (int16 K/V: integer products) and the decode step's
-        for obj in [*lins, *model.layers, model]:
-            obj.isa = isa
-
-    try:
-        use(isas[-1])  # the lowest: AVX2
+    with _isa(llm, isas[-1]):  # the lowest: AVX2
         low = run(llm, [prompt], salt=_salt("isa"))
-    finally:
-        use(isas[0])
     assert_same(ref, low, min_kv=70, min_logits=4)
+
+
+@contextlib.contextmanager
+def _isa(llm, isa: str):
+    """The linears, attention (int16 K/V: integer products) and the decode step on ``isa``."""
+    model = llm.engine.runner.model
+    lins = [lin for layer in model.layers
+            for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]  # fmt: skip
+    assert all(isinstance(lin, IntLinear) for lin in lins)
+    objs = [*lins, *model.layers, model]
+    before = [obj.isa for obj in objs]
+    for obj in objs:
+        obj.isa = isa
+    try:
+        yield
+    finally:
+        for obj, was in zip(objs, before):
+            obj.isa = was
 
 
 def test_the_same_bits_on_any_thread_count(llm, prose_ids):
@@ -339,6 +346,71 @@ def test_a_wide_decode_batch_equals_its_rows_alone(llm, prose_ids):
     for i in (0, 33, 69):
         alone = run(llm, [prompts[i]], max_tokens=3, salt=_salt("wide-alone"))
         assert_same(alone, together, min_kv=len(prompts[i]) + 2, min_logits=3)
+
+
+def test_rows_sharing_a_cached_prefix_decode_in_groups_with_their_alone_bits(llm, prose_ids, monkeypatch):
+    """Six sequences over one cached 300-token prefix, one sharing only 96 tokens of it and one of
+    their own decode together: exact_decode attends the six as groups (the prefix's K/V read
+    once for each group, kernels.decode_groups on the step's own tables shows it), the other two
+    alone. Every row's K/V and logits are the bits it gets alone."""
+    groups = []
+    real = kernels.exact_decode
+
+    def spy(*a, **k):
+        p = a[5].paged  # the step's AttentionMetadata
+        groups.append(kernels.decode_groups(p.ctx, p.slots_off, p.slots, 256, 1))
+        return real(*a, **k)
+
+    monkeypatch.setattr(kernels, "exact_decode", spy)
+    prefix = prose_ids[:300]
+    tails = [prose_ids[400 + 37 * i : 401 + 42 * i] for i in range(6)]
+    prompts = [prefix + t for t in tails] + [prose_ids[:96] + prose_ids[900:940], prose_ids[1000:1050]]
+    salt = _salt("groups")
+    run(llm, [prefix], max_tokens=1, salt=salt)  # cached: the batch's prompts hit it
+    together = run(llm, prompts, max_tokens=6, salt=salt)
+    g = max(groups, key=len)  # a decode step of all eight rows (in the scheduler's order)
+    sizes = {int(i): int((g[:, 0] == i).sum()) for i in g[:, 0].unique()}
+    assert len(g) == 8 and sorted(sizes.values()) == [1, 1, 6]
+    assert sorted(g[:, 1].tolist()) == [0, 0] + [288] * 6  # the prefix's 18 whole blocks
+    isas = kernels.supported_isas()
+    low = None
+    if len(isas) > 1:  # the groups' softmax on AVX2 too (8 queries a pass)
+        run(llm, [prefix], max_tokens=1, salt=salt + "-low")
+        with _isa(llm, isas[-1]):
+            low = run(llm, prompts, max_tokens=6, salt=salt + "-low")
+    for i in (0, 5, 6, 7):
+        alone = run(llm, [prompts[i]], max_tokens=6, salt=_salt("groups-alone"))
+        for batch in (together, low) if low is not None else (together,):
+            assert_same(alone, batch, min_kv=len(prompts[i]) - 300 + 5, min_logits=6)
+
+
+def test_decode_groups_by_shared_prefix():
+    """kernels.decode_groups on hand-made tables (int16 contexts in whole units of 16 slots):
+    rows sharing 320 keys group, a row sharing 64 and one of its own stay alone, and one sharing
+    144 joins only where that is half the best its leader shares; the shared length stops short
+    of any row's last key, at a multiple of 32; groups are halved until there are min_groups."""
+    def ctx_slots(blocks, tail):  # a context over these 16-slot blocks, `tail` keys of the last
+        return [16 * b_ + j for b_ in blocks for j in range(16)][: 16 * len(blocks) - 16 + tail]
+
+    def groups(rows, min_shared=256, min_groups=1):
+        lens = [len(r) for r in rows]
+        off = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        slots = torch.tensor([x for r in rows for x in r])
+        return kernels.decode_groups(torch.tensor(lens), off, slots, min_shared, min_groups)
+
+    p = list(range(20))  # a prefix of 20 blocks, 320 keys
+    rows = [ctx_slots(p + [100], 5), ctx_slots(p + [101, 102], 16), ctx_slots(p + [103], 1),
+            ctx_slots(p[:5] + [104, 105], 3), ctx_slots([200, 201], 9),
+            ctx_slots(p[:9] + [106], 7)]  # fmt: skip
+    g = groups(rows)
+    assert g[0, 0] == g[1, 0] == g[2, 0] and (g[:3, 1] == 320).all()
+    assert len(set(g[:, 0].tolist())) == 4 and (g[3:, 1] == 0).all()
+    g = groups(rows, min_groups=5)  # {0}, {1, 2}: each keeps its shared length, a row alone 0
+    assert len(set(g[:, 0].tolist())) == 5 and g[1, 0] == g[2, 0] != g[0, 0] and g[0, 1] == 0 and g[1, 1] == 320
+    assert groups(rows, min_shared=128)[5, 1] == 0  # 144 keys, 128 in blocks: < half of 320
+    g = groups([rows[0], rows[5]], min_shared=128)  # 128 is its leader's best now
+    assert g[0, 0] == g[1, 0] and (g[:, 1] == 128).all()
+    assert (groups([rows[2], ctx_slots(p, 16)])[:, 1] == 288).all()  # short of 320's last key
 
 
 def test_decoded_kv_equals_prefilled_kv(llm, prose_ids):
