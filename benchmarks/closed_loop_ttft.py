@@ -3,8 +3,9 @@ with ``--max-concurrency C`` on its prefix_repetition dataset (P random prefixes
 each prompt a prefix + S random tokens, N prompts shuffled, 32 tokens out), but driving
 ``LLMEngine`` step by step in this process, so a scheduling change is measured without a
 server. A new request enters when one finishes. Prints each request's prefix, start, TTFT and
-latency (seconds) and the median TTFT. With PYTHONPATH pointing at another checkout it measures
-that build (alternate runs to compare).
+latency (seconds), the median TTFT, the hits' median and p90 TTFT (requests under 2 s: their
+prefix was cached) and the median TPOT. With PYTHONPATH pointing at another checkout it
+measures that build (alternate runs to compare).
 
     .venv/bin/python benchmarks/closed_loop_ttft.py [--prefixes 4 --prefix-len 4096 --suffix-len 128
         --prompts 16 --concurrency 4] [--model DIR]
@@ -64,8 +65,13 @@ def main() -> None:
     for k, pid, start, ttft, lat in sorted(done):
         print(f"request {k:3d} prefix {pid} start {start:7.1f} TTFT {ttft:6.2f} latency {lat:6.2f}")
     ttfts = [d[3] for d in done]
+    # hits: requests whose prefix was cached when they came (TTFT under 2 s on these hosts)
+    hits = sorted(d[3] for d in done if d[3] < 2.0) or [float("nan")]
+    tpot = statistics.median((d[4] - d[3]) / 31 for d in done)  # 32 tokens out: 31 after the first
     print(f"median TTFT {statistics.median(ttfts):.2f} s, mean {statistics.mean(ttfts):.2f} s, "
-          f"run {time.perf_counter() - t0:.1f} s")
+          f"run {time.perf_counter() - t0:.1f} s; hits (TTFT < 2 s): {len(hits)}, median "
+          f"{1000 * statistics.median(hits):.0f} ms, p90 {1000 * hits[int(0.9 * len(hits))]:.0f} ms; "
+          f"median TPOT {1000 * tpot:.1f} ms")
 
 
 if __name__ == "__main__":

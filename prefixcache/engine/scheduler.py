@@ -5,10 +5,7 @@ Each step builds one flat batch under ``max_num_batched_tokens`` (fewer tokens, 
 1. running sequences whose remainder is short (a decode token each, a prefill's last piece),
    in arrival order, then waiting requests whose *uncached* remainder is short (a prefix hit's
    new tokens), within half the step while a long prefill runs, never taking the slot of a
-   longer request waiting before them (nor more than half the rest behind one); a waiting
-   short remainder is admitted whole while any of that budget is left, even past the busy
-   bound (not the tenants' shared one), and a step after one whose hit left no room for the
-   long prefill admits none that way;
+   longer request waiting before them (nor more than half the rest behind one);
 2. then the other running sequences, in arrival order: the next chunk of an unfinished prefill.
    When a block cannot be had, the newest running sequence is preempted (its blocks are
    released, its computed blocks stay cached, so resuming is mostly hits);
@@ -104,10 +101,6 @@ class Scheduler:
         # tenant -> the step of its last newcomer step (fairness.py 4.): a tenant gets one at
         # most every 2 x (active tenants) steps, however often it arrives anew.
         self._first_steps = NewcomerSteps()
-        self._shared_bound = config.max_num_batched_tokens  # the tenants' bound at step_budget
-        # The last step admitted a hit whole past the busy bound and so ran no long prefill
-        # chunk: this step does not (a long prompt progresses at least every other step).
-        self._long_held = False
 
     # ---- queue operations ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -148,7 +141,6 @@ class Scheduler:
             cfg.max_num_batched_tokens, len(self.running) + len(self.waiting), self.prefill_pace,
             cfg.busy_step_ms / 1000,
         )  # fmt: skip
-        self._shared_bound = shared
         return min(shared, busy)
 
     def has_work(self) -> bool:
@@ -183,17 +175,8 @@ class Scheduler:
         long_running = any(self._left(seq) > short for seq in self.running)
         if len(out.preempted) == fair_preempted:
             left = total - out.num_batched_tokens
-            # A waiting request's short remainder (a hit's new tokens) is admitted whole while
-            # any of the pass's budget is left, even past the busy bound (never past the
-            # tenants' shared bound): split over two or three busy steps, a hit over a long
-            # context paid each step's decode rows and waits again (docs/benchmarks-journal.md
-            # "Hits whole"). Not in a step after one that held a long prefill back for it.
-            whole = 0 if self._long_held else min(short, self._shared_bound)
-            self._schedule_waiting(out, left // 2 if long_running else left, short=short,
-                                   whole=whole)
-        before = len(out.scheduled)
+            self._schedule_waiting(out, left // 2 if long_running else left, short=short)
         self._schedule_running(out, total - out.num_batched_tokens, caps)
-        self._long_held = long_running and len(out.scheduled) == before
         if len(out.preempted) == fair_preempted:  # out of memory this step: admit nobody new
             self._schedule_waiting(out, total - out.num_batched_tokens)
             self._top_up(out, total - out.num_batched_tokens)
@@ -351,15 +334,13 @@ class Scheduler:
         return starved + rest
 
     def _schedule_waiting(
-        self, out: SchedulerOutput, budget: int, tenants: set | None = None, short: int | None = None,
-        whole: int = 0,
+        self, out: SchedulerOutput, budget: int, tenants: set | None = None, short: int | None = None
     ) -> None:
         """Admit waiting sequences in fair order while the budget and slots last; ``tenants``:
         only theirs; ``short``: only those whose uncached remainder is at most that many tokens.
         A longer one keeps its place: a slot stays free for each one ahead (a short request
         never takes the slot of a request before it, whatever its tenant), and short requests
-        behind one take at most half of the budget left. ``whole``: a remainder up to this
-        many tokens is admitted whole while any budget is left (the step may end past it)."""
+        behind one take at most half of the budget left."""
         if budget <= 0 or not self.waiting:
             return
         pending = self._pending_keys() if self.kv.enable_caching else set()
@@ -383,7 +364,7 @@ class Scheduler:
                 if short is None:  # (counted once a step: in the pass that admits any request)
                     self.counters.deferred_for_sharing += 1
                 continue  # another request is computing this block right now
-            n = uncached if uncached <= whole else min(uncached, budget)
+            n = min(uncached, budget)
             if not self.kv.admit(seq, m, _slots(seq, m.num_tokens, n)):
                 break  # no room: later arrivals must not overtake
             self.waiting.remove(seq)

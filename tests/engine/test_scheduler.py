@@ -7,7 +7,7 @@ Engines are small (a few blocks) and built per test; the weights are read once p
 from __future__ import annotations
 
 import pytest
-from _helpers import BYTES_PER_TOKEN, PROSE, FixedPace, shared_default_weights
+from _helpers import BYTES_PER_TOKEN, PROSE, shared_default_weights
 
 from prefixcache.api.request import RequestStatus, SamplingParams
 from prefixcache.cache.manager import blocks_needed
@@ -136,50 +136,6 @@ def test_a_hit_runs_beside_a_long_cold_prefill_not_after_it(tok, llm_cold):
     assert long.kv.num_computed_tokens - before >= 32 and long.is_prefilling
     _run_to_end(engine)
     assert [long.out.output_token_ids, hit.out.output_token_ids] == _cold(llm_cold, [cold_ids, hit_ids], GREEDY4)
-    _assert_no_leak(engine)
-
-
-def test_a_hit_is_admitted_whole_past_the_busy_bound_and_the_long_prefill_still_progresses(
-    tok, llm_cold
-):
-    """Busy steps carry 64 tokens here (the pace is fixed), and a hit's new tokens beside a long
-    cold prefill had only half of that: 50 new tokens took two steps, each paying the step's
-    other rows. Now a waiting hit's short remainder is admitted whole while any of its budget is
-    left, so its first token comes after one step; a step whose hit took the whole budget held
-    the long prefill back, so the next step admits no hit past the bound and the long prompt
-    progresses. Outputs equal cold."""
-    engine = make_engine(kv_cache_memory=160 * B * BYTES_PER_TOKEN, max_num_batched_tokens=512,
-                         busy_step_ms=100)  # fmt: skip
-    engine.scheduler.prefill_pace = FixedPace(0.1 / 64)  # 64 tokens a busy step (its floor)
-    assert engine.scheduler._short_tokens() == 64
-    prefix = _text_ids(tok, TEXT, 96)
-    engine.add_request("warm", prefix, GREEDY4)
-    _run_to_end(engine)
-    cold_ids = _text_ids(tok, OTHER, 1200)
-    long = engine.add_request("long", cold_ids, GREEDY4)
-    engine.step()  # alone: a whole step of 512
-    assert long.kv.num_computed_tokens == 512
-    hit_ids = prefix + _text_ids(tok, OTHER, 50)
-    hit = engine.add_request("hit", hit_ids, GREEDY4)
-    before = long.kv.num_computed_tokens
-    engine.step()
-    engine.check_integrity()
-    assert hit.num_cached_tokens == 96 and len(hit.out.output_token_ids) == 1  # one step
-    assert long.kv.num_computed_tokens - before == 64 - 50  # the rest of the busy step
-    # a hit of 64 new tokens takes the whole busy step: the long prefill waits one step ...
-    hit2_ids = prefix + _text_ids(tok, TEXT[7:], 64)
-    hit2 = engine.add_request("hit2", hit2_ids, GREEDY4)
-    before = long.kv.num_computed_tokens
-    engine.step()
-    assert len(hit2.out.output_token_ids) == 1 and long.kv.num_computed_tokens == before
-    # ... and the next step does not hold it back again: a third hit gets half, the long the rest
-    hit3_ids = prefix + _text_ids(tok, OTHER[11:], 60)
-    hit3 = engine.add_request("hit3", hit3_ids, GREEDY4)
-    engine.step()
-    assert not hit3.out.output_token_ids and long.kv.num_computed_tokens > before
-    _run_to_end(engine)
-    prompts = [cold_ids, hit_ids, hit2_ids, hit3_ids]
-    assert [s.out.output_token_ids for s in (long, hit, hit2, hit3)] == _cold(llm_cold, prompts, GREEDY4)
     _assert_no_leak(engine)
 
 
