@@ -21,7 +21,8 @@ for _ in $(seq "$pairs"); do
     md=.bench/results/alt_${which}_$n.md
     tput=$(grep -m1 "prefix_repetition\|random" "$md" | awk -F'|' '{print $3}')
     tpot=$(grep -A4 "^### Median TPOT" "$md" | grep -m1 "prefix_repetition\|random" | awk -F'|' '{print $3}')
-    echo "$which run $n: output tok/s$tput, median TPOT ms$tpot, load $(cut -d' ' -f1-3 /proc/loadavg)"
+    ttft=$(grep -A4 "^### Median TTFT" "$md" | grep -m1 "prefix_repetition\|random" | awk -F'|' '{print $3}')
+    echo "$which run $n: output tok/s$tput, median TTFT ms$ttft, median TPOT ms$tpot, load $(cut -d' ' -f1-3 /proc/loadavg)"
   done
 done
 unset PYTHONPATH
