@@ -13,7 +13,6 @@ from unittest import mock
 import torch
 
 from prefixcache import kernels
-from prefixcache.engine.fairness import StepPace
 from prefixcache.kv.formats import kv_format
 from prefixcache.model.loader import load_weights
 
@@ -27,17 +26,6 @@ KV_DTYPE = _DEFAULT_KV.name  # int16, or float32 where the kernels are not built
 @functools.cache
 def _default_weights():
     return load_weights(None)
-
-
-class FixedPace(StepPace):
-    """A scheduler pace that ignores the wall clock (seconds per token), so a test's step
-    budgets do not depend on the host."""
-
-    def __init__(self, seconds_per_token: float) -> None:
-        self.seconds_per_token = seconds_per_token
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        pass
 
 
 def shared_default_weights():

@@ -12,7 +12,7 @@ import math
 from unittest import mock
 
 import pytest
-from _helpers import PROSE, FixedPace, shared_default_weights
+from _helpers import PROSE, shared_default_weights
 
 from prefixcache import SamplingParams
 from prefixcache.api.errors import InvalidRequestError, SequenceFailedError
@@ -238,7 +238,7 @@ def test_a_burst_of_prompts_gets_short_steps_and_first_tokens_in_turn(llm_cold):
     with shared_default_weights():
         eng = LLMEngine(EngineConfig(kv_cache_memory="32MiB", max_num_batched_tokens=512, seed=0,
                                      busy_step_ms=100))  # fmt: skip
-    eng.scheduler.prefill_pace = FixedPace(0.1 / 128)  # 128 prefill tokens in 100 ms
+    eng.scheduler.prefill_pace = _FixedPace(0.1 / 128)  # 128 prefill tokens in 100 ms
     sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     long = [eng.tokenizer.encode((PROSE * 3)[i * 80 :])[:300] for i in range(3)]
     seqs = [eng.add_request(f"r{i}", p, sp) for i, p in enumerate(long)]
@@ -259,6 +259,16 @@ def test_a_burst_of_prompts_gets_short_steps_and_first_tokens_in_turn(llm_cold):
     assert alone.kv.num_computed_tokens == 250
 
 
+class _FixedPace(StepPace):
+    """A pace that ignores the wall clock, so the test's budgets do not depend on the host."""
+
+    def __init__(self, seconds_per_token: float) -> None:
+        self.seconds_per_token = seconds_per_token
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pass
+
+
 def test_steps_are_short_while_another_tenant_is_active(llm_cold):
     """Tenant a's long prefills take whole 256-token steps while it is alone; once tenant b has
     a request, every step carries only the tokens that fit in shared_step_ms (here 40 at the
@@ -271,7 +281,7 @@ def test_steps_are_short_while_another_tenant_is_active(llm_cold):
             kv_cache_memory="32MiB", max_num_batched_tokens=256, seed=0,
             shared_step_ms=100, shared_window_s=30, busy_step_ms=0,  # tenants' bound alone
         ))  # fmt: skip
-    eng.scheduler.pace = FixedPace(0.1 / 40)
+    eng.scheduler.pace = _FixedPace(0.1 / 40)
     eng.scheduler.clock = lambda: now[0]
     sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     long = [(PROSE * 3)[i * 80 :] for i in range(3)]  # ~1,000 tokens: several full steps
@@ -320,7 +330,7 @@ def test_a_tenant_cannot_stay_newly_arrived(llm_cold):
             kv_cache_memory="32MiB", max_num_batched_tokens=256, seed=0,
             shared_step_ms=100, shared_window_s=30, busy_step_ms=0,
         ))  # fmt: skip
-    eng.scheduler.pace = FixedPace(0.1 / 40)
+    eng.scheduler.pace = _FixedPace(0.1 / 40)
     sp = SamplingParams(max_tokens=90, temperature=0, ignore_eos=True)  # busy past the steps
     busy = [PROSE[i * 50 : i * 50 + 120] for i in range(2)]
     seqs = [eng.add_request(f"{t}", p, sp, tenant=t) for t, p in zip("ac", busy, strict=True)]
