@@ -8,15 +8,20 @@ prefix was cached) and the median TPOT. With PYTHONPATH pointing at another chec
 measures that build (alternate runs to compare).
 
     .venv/bin/python benchmarks/closed_loop_ttft.py [--prefixes 4 --prefix-len 4096 --suffix-len 128
-        --prompts 16 --concurrency 4] [--model DIR]
+        --prompts 16 --concurrency 4] [--model DIR] [--busy-step-ms MS] [--step-log FILE]
+
+``--step-log FILE`` writes every forward's start, wall time and pieces (``[start, n]``: n = 1 is
+a decode row) as JSON and prints the time in steps with and without prefill.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import time
+from pathlib import Path
 
 from prefixcache import LLM, SamplingParams
 
@@ -29,8 +34,22 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--busy-step-ms", type=float, default=None, help="the engine's busy_step_ms (default: its own)")
+    ap.add_argument("--step-log", default=None, help="write every forward's wall time and pieces here (JSON)")
     a = ap.parse_args()
-    engine = LLM(model=a.model, kv_cache_memory="4GiB").engine
+    extra = {} if a.busy_step_ms is None else {"busy_step_ms": a.busy_step_ms}
+    engine = LLM(model=a.model, kv_cache_memory="4GiB", **extra).engine
+    forwards: list = []
+    if a.step_log:
+        execute = engine.runner.execute
+
+        def logged(pieces):
+            t = time.perf_counter()
+            out = execute(pieces)
+            forwards.append([t, time.perf_counter() - t, [[p.start, p.n] for p in pieces]])
+            return out
+
+        engine.runner.execute = logged
     rng = random.Random(7)
     prefixes = [[rng.randrange(100, 40000) for _ in range(a.prefix_len)] for _ in range(a.prefixes)]
     reqs = [(i, prefixes[i] + [rng.randrange(100, 40000) for _ in range(a.suffix_len)])
@@ -72,6 +91,14 @@ def main() -> None:
           f"run {time.perf_counter() - t0:.1f} s; hits (TTFT < 2 s): {len(hits)}, median "
           f"{1000 * statistics.median(hits):.0f} ms, p90 {1000 * hits[int(0.9 * len(hits))]:.0f} ms; "
           f"median TPOT {1000 * tpot:.1f} ms")
+    if a.step_log:
+        Path(a.step_log).write_text(json.dumps(forwards))
+        for kind, pick in (("with prefill", True), ("decode only", False)):
+            sel = [f for f in forwards if any(n > 1 for _, n in f[2]) == pick]
+            rows = sum(1 for f in sel for _, n in f[2] if n == 1)
+            tokens = sum(n for f in sel for _, n in f[2] if n > 1)
+            print(f"steps {kind}: {len(sel)}, {sum(f[1] for f in sel):.1f} s, {tokens} prompt tokens, "
+                  f"{rows} decode rows")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@ top-1 agreement. Schemes (each a column of the emulation):
 - ``pN``:   + the value sums in integers: per query and block of 32 keys, w_j = p_j sv_j
             rounded to N-bit unsigned integers against the block's largest w
             (scale max w / (2^N - 1)), times V's int8 values
+- ``ks``:   K smoothed before its rounding by constants of the model (calibrated once on another
+            text, never on the data attended over, so a token's stored values stay its own):
+            per (layer, KV head, channel) a mean m subtracted (q . m is the same for every key
+            of a query, so the softmax is unchanged) and a scale c = sqrt(max|k - m| / max|q|)
+            divided out of K and multiplied into q (q . k unchanged); ``km``: the mean alone
 
 Usage: .venv/bin/python benchmarks/probes/attention_quant_quality.py [--lengths 2048,4096,8192]
        [--texts 2] [--tail 256] [--schemes kv8,kv8+q8,kv8+q8+p8,...]
@@ -70,14 +75,19 @@ def parse(scheme: set[str]) -> dict[str, float]:
     return out
 
 
-def emulate(q, k, v, scale, scheme: set[str], first: int):
-    """q [T, H, D] at positions first.. ; k, v [KVH, C, D] float32 (C = first + T)."""
+def emulate(q, k, v, scale, scheme: set[str], first: int, smooth=None):
+    """q [T, H, D] at positions first.. ; k, v [KVH, C, D] float32 (C = first + T); smooth:
+    (m, c) [KVH, D] each, the layer's K mean and channel scale (``ks``/``km``)."""
     t, h, d = q.shape
     kvh, c, _ = k.shape
     g = h // kvh
     q = q.double()
     k = k.double()
     v = v.double()
+    if smooth is not None:
+        m, cs = (x.double() for x in smooth)
+        k = (k - m[:, None, :]) / cs[:, None, :]
+        q = (q.view(t, kvh, g, d) * cs[None, :, None, :]).view(t, h, d)
     spec = parse(scheme)
     one = torch.ones(kvh, c, 1, dtype=torch.float64)
     k8, sk = quant_rows(k, spec["k"]) if "k" in spec else (k, one)
@@ -119,22 +129,64 @@ def emulate(q, k, v, scale, scheme: set[str], first: int):
     return out.float()
 
 
-def install(scheme: set[str] | None):
+def install(scheme: set[str] | None, layers: int = 1, smooth=None, capture=None):
+    """The patched attention; ``smooth``: per layer (m, c) for ``ks``/``km``; ``capture``: a
+    dict filled with each layer's K and q (float attention, for the calibration)."""
     original = kernels.paged_attention
+    calls = [0]
 
-    def patched(q, kv, paged, scale, isa="avx2"):
+    def patched(q, kv, paged, scale, isa="avx2", *rest):
+        layer = calls[0] % layers
+        calls[0] += 1
+        if capture is not None:
+            for s in range(paged.q_start.numel()):
+                qs, ql, cx = int(paged.q_start[s]), int(paged.q_len[s]), int(paged.ctx[s])
+                off = int(paged.slots_off[s])
+                k, _ = kv.gather(paged.slots[off : off + cx], torch.float32)
+                capture.setdefault(layer, []).append((q[qs : qs + ql].clone(), k[:, cx - ql :].clone()))
         if scheme is None:
-            return original(q, kv, paged, scale, isa)
+            return original(q, kv, paged, scale, isa, *rest)
+        sm = None
+        if smooth is not None and scheme & {"ks", "km"}:
+            m, c = smooth[layer]
+            sm = (m, c if "ks" in scheme else torch.ones_like(c))
         out = torch.empty_like(q)
         for s in range(paged.q_start.numel()):
             qs, ql, cx = int(paged.q_start[s]), int(paged.q_len[s]), int(paged.ctx[s])
             off = int(paged.slots_off[s])
             slots = paged.slots[off : off + cx]
             k, v = kv.gather(slots, torch.float32)
-            out[qs : qs + ql] = emulate(q[qs : qs + ql], k, v, scale, scheme, cx - ql)
+            out[qs : qs + ql] = emulate(q[qs : qs + ql], k, v, scale, scheme - {"ks", "km"}, cx - ql, sm)
         return out
 
     return original, patched
+
+
+def calibrate(runner, ids: list[int], layers: int) -> dict:
+    """Per layer (m, c) [KVH, D]: K's mean over the calibration text's tokens and the channel
+    scale sqrt(max|k - m| / max|q|) (max over tokens and the KV head's query heads), normalized
+    to geometric mean 1."""
+    import prefixcache.model.attention as attn_mod
+
+    cap: dict = {}
+    original, patched = install(None, layers, capture=cap)
+    attn_mod.kernels.paged_attention = patched
+    try:
+        runner.all_logits(ids, last=1)
+    finally:
+        attn_mod.kernels.paged_attention = original
+    out = {}
+    for layer, parts in cap.items():
+        q = torch.cat([p[0] for p in parts]).double()  # [T, H, D]
+        k = torch.cat([p[1] for p in parts], dim=1).double()  # [KVH, T, D]
+        kvh, _, d = k.shape
+        m = k.mean(1)
+        a = (k - m[:, None]).abs().amax(1).clamp(min=1e-6)
+        b = q.view(q.shape[0], kvh, -1, d).abs().amax((0, 2)).clamp(min=1e-6)
+        c = (a / b).sqrt()
+        c = c / c.log().mean(-1, keepdim=True).exp()
+        out[layer] = (m.float(), c.float())
+    return out
 
 
 def main() -> None:
@@ -144,19 +196,25 @@ def main() -> None:
     ap.add_argument("--tail", type=int, default=256)
     ap.add_argument("--schemes", default="none,kv8,kv8+q8,kv8+q16,kv8+q8+p8,kv8+q8+p16,kv8+q16+p16")
     ap.add_argument("--json", default="results/attention_quant_quality.json")
+    ap.add_argument("--calib-tokens", type=int, default=2048, help="the ks/km calibration text's length")
     args = ap.parse_args()
     llm = LLM(kv_cache_memory="256MiB", kv_cache_dtype="float32")  # the float attention reference
     tok = llm.get_tokenizer()
     runner = llm.engine.runner
     import prefixcache.model.attention as attn_mod
 
+    layers = len(runner.model.layers)
+    smooth = None
+    if any(t in {"ks", "km"} for n in args.schemes.split(",") for t in n.split("+")):
+        calib = long_texts(tok, args.calib_tokens, 1, skip=50)[0]  # a text the runs never see
+        smooth = calibrate(runner, calib, layers)
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):
         data = long_texts(tok, length, args.texts, skip=1000 + length // 16)
         ref = [torch.log_softmax(runner.all_logits(ids)[-args.tail :].float(), -1) for ids in data]
         for name in args.schemes.split(","):
             scheme = None if name == "none" else set(name.split("+")) - {"float"}
-            original, patched = install(scheme)
+            original, patched = install(scheme, layers, smooth)
             attn_mod.kernels.paged_attention = patched
             t0 = time.time()
             try:
