@@ -11,7 +11,8 @@ measures that build (alternate runs to compare).
         --prompts 16 --concurrency 4] [--model DIR] [--busy-step-ms MS] [--step-log FILE]
 
 ``--step-log FILE`` writes every forward's start, wall time and pieces (``[start, n]``: n = 1 is
-a decode row) as JSON and prints the time in steps with and without prefill.
+counted as a decode row, though a prompt's one-token remainder looks the same) as JSON and
+prints the time in steps with and without prefill.
 """
 
 from __future__ import annotations
