@@ -135,15 +135,20 @@ def install(scheme: set[str] | None, layers: int = 1, smooth=None, capture=None)
     original = kernels.paged_attention
     calls = [0]
 
+    def sequences(kv, paged):
+        """Per sequence of the step: its query rows, context length and K, V [KVH, C, D]."""
+        for s in range(paged.q_start.numel()):
+            qs, ql, cx = int(paged.q_start[s]), int(paged.q_len[s]), int(paged.ctx[s])
+            off = int(paged.slots_off[s])
+            k, v = kv.gather(paged.slots[off : off + cx], torch.float32)
+            yield slice(qs, qs + ql), ql, cx, k, v
+
     def patched(q, kv, paged, scale, isa="avx2", *rest):
         layer = calls[0] % layers
         calls[0] += 1
         if capture is not None:
-            for s in range(paged.q_start.numel()):
-                qs, ql, cx = int(paged.q_start[s]), int(paged.q_len[s]), int(paged.ctx[s])
-                off = int(paged.slots_off[s])
-                k, _ = kv.gather(paged.slots[off : off + cx], torch.float32)
-                capture.setdefault(layer, []).append((q[qs : qs + ql].clone(), k[:, cx - ql :].clone()))
+            for rows, ql, cx, k, _ in sequences(kv, paged):
+                capture.setdefault(layer, []).append((q[rows].clone(), k[:, cx - ql :].clone()))
         if scheme is None:
             return original(q, kv, paged, scale, isa, *rest)
         sm = None
@@ -151,12 +156,8 @@ def install(scheme: set[str] | None, layers: int = 1, smooth=None, capture=None)
             m, c = smooth[layer]
             sm = (m, c if "ks" in scheme else torch.ones_like(c))
         out = torch.empty_like(q)
-        for s in range(paged.q_start.numel()):
-            qs, ql, cx = int(paged.q_start[s]), int(paged.q_len[s]), int(paged.ctx[s])
-            off = int(paged.slots_off[s])
-            slots = paged.slots[off : off + cx]
-            k, v = kv.gather(slots, torch.float32)
-            out[qs : qs + ql] = emulate(q[qs : qs + ql], k, v, scale, scheme - {"ks", "km"}, cx - ql, sm)
+        for rows, ql, cx, k, v in sequences(kv, paged):
+            out[rows] = emulate(q[rows], k, v, scale, scheme - {"ks", "km"}, cx - ql, sm)
         return out
 
     return original, patched

@@ -328,6 +328,11 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
   prefixcache::run_team(threads, [&](const int t, const int nt, prefixcache::SpinBarrier* barrier) {
     std::vector<float> kt, vbuf, seen(static_cast<size_t>(d));
     std::unique_ptr<prefixcache::exact::IntScratch> z(integer ? new prefixcache::exact::IntScratch : nullptr);
+    // a decode group's rows (queries, outputs, keys, contexts), reused by every item of the step
+    std::vector<const float*> gq;
+    std::vector<float*> go;
+    std::vector<prefixcache::exact::PagedInt16Keys> gk;
+    std::vector<int64_t> gc;
     float unused_scale;
     const auto [r0, r1] = prefixcache::share(b, t, nt);
     for (int64_t l = 0; l < layers; ++l) {
@@ -381,10 +386,6 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
       if (integer && window == 0 && in_parts[l] == 0) {  // items (group of rows, KV head)
         const int64_t items = static_cast<int64_t>(groups.size()) * kvh;
         std::atomic<int64_t>& counter = next[5 * l + 4];
-        std::vector<const float*> gq;
-        std::vector<float*> go;
-        std::vector<prefixcache::exact::PagedInt16Keys> gk;
-        std::vector<int64_t> gc;
         for (int64_t it = counter.fetch_add(1, std::memory_order_relaxed); it < items;
              it = counter.fetch_add(1, std::memory_order_relaxed)) {
           const prefixcache::exact::DecodeGroup& grp = groups[it / kvh];
