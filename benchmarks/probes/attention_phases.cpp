@@ -3,7 +3,7 @@
 // head_dim 64, an int16 pool of 4,096 keys; the last 32 query rows (96 queries) see all of them.
 // Prints the whole kernel (attend_rows_int, best of 30 batches) and each phase run alone over the
 // same blocks: the scores' products, the softmax one query at a time (softmax_weights512) and 16
-// at a time (softmax_weights16), the value products, the fold. Cycles a query-key pair at the
+// at a time (softmax_weights16), the value products with the fold. Cycles a query-key pair at the
 // clock given (measure it: a chain of dependent 1-cycle adds, docs/benchmarks-journal.md "The
 // softmax across queries"). The scores' spread is a real one's (a few units of log2), so no
 // weight is subnormal; with spreads of hundreds the weights underflow and every phase that
@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 
 #include "int_attention.h"
@@ -42,7 +43,8 @@ int main(int argc, char** argv) {
   std::vector<float> q(T * H * D), out(T * H * D);
   for (auto& x : q) x = nd(rng);
   IntScratch z;
-  const int64_t isa = kIsaVnni;
+  // a second argument "avx2" times the AVX2 products (the phases' softmax stays on zmm)
+  const int64_t isa = argc > 2 && std::strcmp(argv[2], "avx2") == 0 ? kIsaAvx2 : kIsaVnni;
 
   double whole = 1e9;
   for (int b = 0; b < 30; ++b) {
@@ -53,12 +55,12 @@ int main(int argc, char** argv) {
   }
   std::printf("whole kernel: %.3f ms, %.2f cycles a pair\n", whole * 1e3, whole * ghz * 1e9 / (nq * (C - 16.0)));
 
-  std::vector<int32_t> qp(nq * D / 2), up(nq * kKeys / 2), acc(32 * D);
+  std::vector<int32_t> qp(nq * D / 2), up(nq * kKeys / 2);
   alignas(64) static int32_t dots[32 * kKeys];
   std::vector<float> m(nq, -INFINITY), l(nq, 0.f), w(nq), us(nq), o(nq * D, 0.f), qa(nq, 3e-4f);
   std::vector<int64_t> from(nq, 0), vis(nq, kKeys);
   for (int i = 0; i < nq; ++i) quantize_query(q.data() + i * D, D, 0.125f, qp.data() + i * D / 2);
-  double t_scores = 0, t_one = 0, t_16 = 0, t_values = 0, t_fold = 0;
+  double t_scores = 0, t_one = 0, t_16 = 0, t_values = 0;
   const int reps = 10;
   for (int r = 0; r < reps; ++r) {
     auto a = clk::now();
@@ -94,18 +96,15 @@ int main(int argc, char** argv) {
       const Units un = keys.block(0, k0, kKeys);
       for (int qs = 0; qs < nq; qs += kGroupQ) {
         const int32_t* uu[kGroupQ];
-        int32_t* ap[kGroupQ];
-        for (int i = 0; i < kGroupQ; ++i) uu[i] = up.data() + (qs + i) * kKeys / 2, ap[i] = acc.data() + ((qs + i) % 32) * D;
-        block_values_int(isa, un, D, kKeys / 2, kGroupQ, uu, ap);
+        float* op[kGroupQ];
+        for (int i = 0; i < kGroupQ; ++i) uu[i] = up.data() + (qs + i) * kKeys / 2, op[i] = o.data() + (qs + i) * D;
+        block_values_fold_int(isa, un, D, kKeys / 2, kGroupQ, uu, op, w.data() + qs, us.data() + qs);
       }
     }
-    t_values += since(a), a = clk::now();
-    for (int64_t k0 = 0; k0 < C; k0 += kKeys)
-      for (int qi = 0; qi < nq; ++qi) fold_values512(o.data() + qi * D, acc.data() + (qi % 32) * D, D, w[qi], us[qi]);
-    t_fold += since(a);
+    t_values += since(a);
   }
   const double per = ghz * 1e9 / (static_cast<double>(nq) * C * reps);
   std::printf("alone, cycles a pair: scores %.2f, softmax one query at a time %.2f, 16 at a time %.2f, "
-              "values %.2f, fold %.2f\n", t_scores * per, t_one * per, t_16 * per, t_values * per, t_fold * per);
+              "values and fold %.2f\n", t_scores * per, t_one * per, t_16 * per, t_values * per);
   return 0;
 }

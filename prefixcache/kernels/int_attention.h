@@ -178,11 +178,41 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), noinline)) void scores_vnn
   if constexpr (NQ > 3) w.store(dot[3]);
 }
 
-// acc[i][c0 .. c0 + 8 NV) = sum over key pairs jp < npairs of u[i][jp] . vp[jp][..] (AVX2), NQ
-// (1 or 2) queries. A unit's 8 key pairs are rows d int32 apart: one pointer steps through them.
+// The value products and the fold into the running output, per query i, from the accumulators'
+// registers: acc_d = sum over key pairs jp < npairs of u[i][jp] . vp[jp][d] (exact int32), then
+// o_d = o_d * w_old + float(acc_d) * us. o * 1 is o exactly, so an unmoved maximum (w_old == 1)
+// skips that multiply: the same bits. The same operations lane by lane on ymm and zmm, so the
+// same bits on every path. Run as a pass of its own after the products (until 2026-12-08), the
+// fold stored and reloaded every accumulator: 0.46 cycles a query-key pair on a Zen 4 against
+// ~0.1 here (benchmarks/probes/attention_phases.cpp; docs/benchmarks-journal.md).
+template <int NV>
+inline void fold_acc8(const Acc8<NV>& a, float* o, float w_old, float us) {
+  const __m256 vw = _mm256_set1_ps(w_old), vu = _mm256_set1_ps(us);
+  const bool keep = w_old == 1.f;
+  const __m256i r[4] = {a.a0, a.a1, a.a2, a.a3};
+  for (int c = 0; c < NV; ++c) {
+    const __m256 oc = _mm256_loadu_ps(o + 8 * c);
+    _mm256_storeu_ps(o + 8 * c, _mm256_add_ps(keep ? oc : _mm256_mul_ps(oc, vw), _mm256_mul_ps(_mm256_cvtepi32_ps(r[c]), vu)));
+  }
+}
+
+template <int NV>
+__attribute__((target("avx512f"))) inline void fold_acc16(const Acc16<NV>& a, float* o, float w_old, float us) {
+  const __m512 vw = _mm512_set1_ps(w_old), vu = _mm512_set1_ps(us);
+  const bool keep = w_old == 1.f;
+  const __m512i r[4] = {a.a0, a.a1, a.a2, a.a3};
+  for (int c = 0; c < NV; ++c) {
+    const __m512 oc = _mm512_loadu_ps(o + 16 * c);
+    _mm512_storeu_ps(o + 16 * c, _mm512_add_ps(keep ? oc : _mm512_mul_ps(oc, vw), _mm512_mul_ps(_mm512_cvtepi32_ps(r[c]), vu)));
+  }
+}
+
+// o[i][c0 .. c0 + 8 NV) for NQ (1 or 2) queries (AVX2: vpmaddwd pairs summed by vpaddd). A
+// unit's 8 key pairs are rows d int32 apart: one pointer steps through them.
 template <int NQ, int NV>
-__attribute__((noinline)) void values_avx2(const Units& un, int64_t d, int64_t c0, int64_t npairs, const int32_t* const* u,
-                        int32_t* const* acc) {
+__attribute__((noinline)) void values_fold_avx2(const Units& un, int64_t d, int64_t c0, int64_t npairs,
+                                                const int32_t* const* u, float* const* o, const float* w_old,
+                                                const float* us) {
   static_assert(NQ == 1 || NQ == 2);
   Acc8<NV> x, y;
   const __m256i zero = _mm256_setzero_si256();
@@ -199,16 +229,15 @@ __attribute__((noinline)) void values_avx2(const Units& un, int64_t d, int64_t c
       if constexpr (NQ == 2) y.madd(v0, v1, v2, v3, _mm256_set1_epi32(u[1][jp]));
     }
   }
-  x.store(acc[0] + c0);
-  if constexpr (NQ == 2) y.store(acc[1] + c0);
+  fold_acc8<NV>(x, o[0] + c0, w_old[0], us[0]);
+  if constexpr (NQ == 2) fold_acc8<NV>(y, o[1] + c0, w_old[1], us[1]);
 }
 
-// acc[i][c0 .. c0 + 16 NV) for NQ (1 to 4) queries (VNNI), as values_avx2.
+// The same for NQ (1 to 4) queries on the VNNI products, o[i][c0 .. c0 + 16 NV).
 template <int NQ, int NV>
-__attribute__((target("avx512f,avx512bw,avx512vnni"), noinline)) void values_vnni(const Units& un, int64_t d,
-                                                                                   int64_t c0, int64_t npairs,
-                                                                                   const int32_t* const* u,
-                                                                                   int32_t* const* acc) {
+__attribute__((target("avx512f,avx512bw,avx512vnni"), noinline)) void values_fold_vnni(
+    const Units& un, int64_t d, int64_t c0, int64_t npairs, const int32_t* const* u, float* const* o,
+    const float* w_old, const float* us) {
   static_assert(NQ >= 1 && NQ <= 4);
   Acc16<NV> x, y, z, w;
   x.zero(), y.zero(), z.zero(), w.zero();
@@ -224,10 +253,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), noinline)) void values_vnn
     if constexpr (NQ > 2) z.madd(v0, v1, v2, v3, _mm512_set1_epi32(u[2][jp]));
     if constexpr (NQ > 3) w.madd(v0, v1, v2, v3, _mm512_set1_epi32(u[3][jp]));
   }
-  x.store(acc[0] + c0);
-  if constexpr (NQ > 1) y.store(acc[1] + c0);
-  if constexpr (NQ > 2) z.store(acc[2] + c0);
-  if constexpr (NQ > 3) w.store(acc[3] + c0);
+  fold_acc16<NV>(x, o[0] + c0, w_old[0], us[0]);
+  if constexpr (NQ > 1) fold_acc16<NV>(y, o[1] + c0, w_old[1], us[1]);
+  if constexpr (NQ > 2) fold_acc16<NV>(z, o[2] + c0, w_old[2], us[2]);
+  if constexpr (NQ > 3) fold_acc16<NV>(w, o[3] + c0, w_old[3], us[3]);
 }
 
 // The products of up to kGroupQ queries (n of them) on the ISA's path. The queries' pointers
@@ -257,35 +286,37 @@ inline void block_scores_int(int64_t isa, const Units& un, int64_t pairs, int n,
 }
 
 template <int NQ>
-inline void values_n(int64_t isa, const Units& vp, int64_t d, int64_t npairs, const int32_t* const* u,
-                     int32_t* const* acc) {
+inline void values_fold_n(int64_t isa, const Units& vp, int64_t d, int64_t npairs, const int32_t* const* u,
+                          float* const* o, const float* w_old, const float* us) {
   if (isa >= kIsaVnni) {
     for (int64_t c0 = 0; c0 < d; c0 += 64) {
       switch (std::min<int64_t>(4, (d - c0) / 16)) {
-        case 4: values_vnni<NQ, 4>(vp, d, c0, npairs, u, acc); break;
-        case 3: values_vnni<NQ, 3>(vp, d, c0, npairs, u, acc); break;
-        case 2: values_vnni<NQ, 2>(vp, d, c0, npairs, u, acc); break;
-        default: values_vnni<NQ, 1>(vp, d, c0, npairs, u, acc); break;
+        case 4: values_fold_vnni<NQ, 4>(vp, d, c0, npairs, u, o, w_old, us); break;
+        case 3: values_fold_vnni<NQ, 3>(vp, d, c0, npairs, u, o, w_old, us); break;
+        case 2: values_fold_vnni<NQ, 2>(vp, d, c0, npairs, u, o, w_old, us); break;
+        default: values_fold_vnni<NQ, 1>(vp, d, c0, npairs, u, o, w_old, us); break;
       }
     }
   } else {
     for (int q0 = 0; q0 < NQ; q0 += 2) {
       const int m = std::min(2, NQ - q0);
+      const int32_t* const* uq = u + q0;
+      float* const* oq = o + q0;
       for (int64_t c0 = 0; c0 < d; c0 += 32) {
         const int64_t nv = std::min<int64_t>(4, (d - c0) / 8);
         if (m == 2) {
           switch (nv) {
-            case 4: values_avx2<2, 4>(vp, d, c0, npairs, u + q0, acc + q0); break;
-            case 3: values_avx2<2, 3>(vp, d, c0, npairs, u + q0, acc + q0); break;
-            case 2: values_avx2<2, 2>(vp, d, c0, npairs, u + q0, acc + q0); break;
-            default: values_avx2<2, 1>(vp, d, c0, npairs, u + q0, acc + q0); break;
+            case 4: values_fold_avx2<2, 4>(vp, d, c0, npairs, uq, oq, w_old + q0, us + q0); break;
+            case 3: values_fold_avx2<2, 3>(vp, d, c0, npairs, uq, oq, w_old + q0, us + q0); break;
+            case 2: values_fold_avx2<2, 2>(vp, d, c0, npairs, uq, oq, w_old + q0, us + q0); break;
+            default: values_fold_avx2<2, 1>(vp, d, c0, npairs, uq, oq, w_old + q0, us + q0); break;
           }
         } else {
           switch (nv) {
-            case 4: values_avx2<1, 4>(vp, d, c0, npairs, u + q0, acc + q0); break;
-            case 3: values_avx2<1, 3>(vp, d, c0, npairs, u + q0, acc + q0); break;
-            case 2: values_avx2<1, 2>(vp, d, c0, npairs, u + q0, acc + q0); break;
-            default: values_avx2<1, 1>(vp, d, c0, npairs, u + q0, acc + q0); break;
+            case 4: values_fold_avx2<1, 4>(vp, d, c0, npairs, uq, oq, w_old + q0, us + q0); break;
+            case 3: values_fold_avx2<1, 3>(vp, d, c0, npairs, uq, oq, w_old + q0, us + q0); break;
+            case 2: values_fold_avx2<1, 2>(vp, d, c0, npairs, uq, oq, w_old + q0, us + q0); break;
+            default: values_fold_avx2<1, 1>(vp, d, c0, npairs, uq, oq, w_old + q0, us + q0); break;
           }
         }
       }
@@ -293,13 +324,15 @@ inline void values_n(int64_t isa, const Units& vp, int64_t d, int64_t npairs, co
   }
 }
 
-inline void block_values_int(int64_t isa, const Units& vp, int64_t d, int64_t npairs, int n,
-                             const int32_t* const* u, int32_t* const* acc) {
+// n (<= kGroupQ) queries' value products over a block's first npairs key pairs, folded into
+// their running outputs o[i] with their rescales w_old[i] and units us[i].
+inline void block_values_fold_int(int64_t isa, const Units& vp, int64_t d, int64_t npairs, int n,
+                                  const int32_t* const* u, float* const* o, const float* w_old, const float* us) {
   switch (n) {
-    case 4: values_n<4>(isa, vp, d, npairs, u, acc); break;
-    case 3: values_n<3>(isa, vp, d, npairs, u, acc); break;
-    case 2: values_n<2>(isa, vp, d, npairs, u, acc); break;
-    default: values_n<1>(isa, vp, d, npairs, u, acc); break;
+    case 4: values_fold_n<4>(isa, vp, d, npairs, u, o, w_old, us); break;
+    case 3: values_fold_n<3>(isa, vp, d, npairs, u, o, w_old, us); break;
+    case 2: values_fold_n<2>(isa, vp, d, npairs, u, o, w_old, us); break;
+    default: values_fold_n<1>(isa, vp, d, npairs, u, o, w_old, us); break;
   }
 }
 
@@ -400,18 +433,6 @@ inline float softmax_weights(const int32_t* dot, const Units& un, float qa2, int
   store_weights256(w, _mm256_set1_ps(kUMax / mx), u32);
   us = mx * (1.f / kUMax);
   return w_old;
-}
-
-// o = o * w_old + float(acc) * us, d values.
-// o * 1 is o exactly, so an unmoved maximum (w_old == 1) skips that multiply: the same bits.
-inline void fold_values(float* o, const int32_t* acc, int64_t d, float w_old, float us) {
-  const __m256 vw = _mm256_set1_ps(w_old), vu = _mm256_set1_ps(us);
-  const bool keep = w_old == 1.f;
-  for (int64_t c = 0; c < d; c += 8) {
-    const __m256 a = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + c)));
-    const __m256 oc = _mm256_loadu_ps(o + c);
-    _mm256_storeu_ps(o + c, _mm256_add_ps(keep ? oc : _mm256_mul_ps(oc, vw), _mm256_mul_ps(a, vu)));
-  }
 }
 
 // exp2_neg and softmax_weights on zmm (AVX512 hosts): the same operations lane by lane, and the
@@ -737,19 +758,6 @@ inline void softmax_weights8(const int32_t* const* dot, const Units& un, const f
   }
 }
 
-// fold_values on zmm (AVX512 hosts; d a multiple of 16): the same operations lane by lane, so the
-// same bits.
-__attribute__((target("avx512f"))) inline void fold_values512(float* o, const int32_t* acc, int64_t d, float w_old,
-                                                              float us) {
-  const __m512 vw = _mm512_set1_ps(w_old), vu = _mm512_set1_ps(us);
-  const bool keep = w_old == 1.f;
-  for (int64_t c = 0; c < d; c += 16) {
-    const __m512 a = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + c));
-    const __m512 oc = _mm512_loadu_ps(o + c);
-    _mm512_storeu_ps(o + c, _mm512_add_ps(keep ? oc : _mm512_mul_ps(oc, vw), _mm512_mul_ps(a, vu)));
-  }
-}
-
 // Zeros standing for the missing second unit of a block of 16 keys or fewer.
 struct ZeroUnit {
   alignas(64) int32_t kv[kMaxD / 2 * kUnit] = {};
@@ -791,7 +799,7 @@ struct PagedInt16Keys {
 
 // Per-thread buffers of attend_rows_int, reused across items.
 struct IntScratch {
-  std::vector<int32_t> qpairs, dots, upairs, acc;
+  std::vector<int32_t> qpairs, dots, upairs;
   std::vector<float> qa, m, l, w, us, o;
   SoftmaxGroupBuf sm;
 };
@@ -802,7 +810,6 @@ inline void start_queries(IntScratch& z, int64_t nq, int64_t pairs, int64_t d) {
   z.qpairs.resize(static_cast<size_t>(nq * pairs));
   z.dots.resize(static_cast<size_t>(nq * kKeys) + 16);
   z.upairs.resize(static_cast<size_t>(nq * kKeys / 2));
-  z.acc.resize(static_cast<size_t>(nq * d));
   z.qa.resize(nq);
   z.w.resize(nq);
   z.us.resize(nq);
@@ -820,9 +827,9 @@ inline void attend_block_int(const Units& un, int64_t q0, int64_t nq, int64_t pa
   // dots are 64-byte aligned per query only when kKeys * 4 is a multiple of 64 (it is: 128)
   int32_t* dots = reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(z.dots.data()) + 63) & ~uintptr_t{63});
   // In phases over up to kPhaseQ queries: every query's scores, then every softmax, then every
-  // value product, then every fold. Each query's operations are the same in any grouping (so
-  // are its bits); the phases give the out-of-order core many queries' independent softmax
-  // chains at once, where one group's (4 queries) latency-bound chain sat between its products.
+  // value product with its fold. Each query's operations are the same in any grouping (so are
+  // its bits); the phases give the out-of-order core many queries' independent softmax chains at
+  // once, where one group's (4 queries) latency-bound chain sat between its products.
   for (int64_t ps = q0; ps < nq; ps += kPhaseQ) {
     const int64_t pe = std::min(nq, ps + kPhaseQ);
     for (int64_t qs = ps; qs < pe; qs += kGroupQ) {
@@ -877,21 +884,13 @@ inline void attend_block_int(const Units& un, int64_t q0, int64_t nq, int64_t pa
       const int n = static_cast<int>(std::min<int64_t>(kGroupQ, pe - qs));
       int64_t vmax = 0;
       const int32_t* up[kGroupQ];
-      int32_t* ap[kGroupQ];
+      float* op[kGroupQ];
       for (int i = 0; i < n; ++i) {
         vmax = std::max(vmax, visible(qs + i));
         up[i] = z.upairs.data() + (qs + i) * (kKeys / 2);
-        ap[i] = z.acc.data() + (qs + i - ps) * d;
+        op[i] = z.o.data() + (qs + i) * d;
       }
-      block_values_int(isa, un, d, (vmax + 1) / 2, n, up, ap);
-    }
-    for (int64_t qi = ps; qi < pe; ++qi) {
-      float* o = z.o.data() + qi * d;
-      const int32_t* a = z.acc.data() + (qi - ps) * d;
-      if (isa >= kIsaVnni)
-        fold_values512(o, a, d, z.w[qi], z.us[qi]);
-      else
-        fold_values(o, a, d, z.w[qi], z.us[qi]);
+      block_values_fold_int(isa, un, d, (vmax + 1) / 2, n, up, op, z.w.data() + qs, z.us.data() + qs);
     }
   }
 }
