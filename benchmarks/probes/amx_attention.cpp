@@ -19,6 +19,11 @@
 // so without a compiler barrier it dropped the stores of the tile shapes and ldtilecfg faulted
 // (int_gemm.h's configuration has the barrier since).
 //
+// It calls the kernel's value products and fold as separate passes (block_values_int,
+// fold_values), which int_attention.h has run as one (values_fold_*) since 2026-12-08: build it
+// against the kernels it was written for (`git worktree add /tmp/k509 509632f`, then
+// -I/tmp/k509/prefixcache/kernels in the command below).
+//
 // Build and run on a host with amx_int8 (prints ns per query-key pair, one thread):
 //   g++ -O3 -mavx2 -mfma -mf16c -ffp-contract=off -Iprefixcache/kernels \
 //       -I.venv/lib/python3.11/site-packages/torch/include benchmarks/probes/amx_attention.cpp -o /tmp/amx_attention
