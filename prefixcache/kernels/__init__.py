@@ -158,12 +158,14 @@ def decode_attention(q, kv, parts, scale: float):
     )  # fmt: skip
 
 
-def kv_store(kv, slots, k_new, v_new):
+def kv_store(kv, slots, k_new, v_new, seen: bool = True):
     """Quantize and write new K, V [T, KVH, D] into ``kv`` (a LayerKV) at ``slots``; returns
-    the stored values as float32 (kv_store.cpp; the same bytes as KVFormat.quantize)."""
-    return torch.ops.prefixcache.kv_store(
-        kv.k, kv.v, kv.k_scale, kv.v_scale, kv.fmt.code, slots, k_new, v_new
+    the stored values as float32 (kv_store.cpp; the same bytes as KVFormat.quantize), or None
+    with ``seen=False`` (for callers that read the pool itself)."""
+    k, v = torch.ops.prefixcache.kv_store(
+        kv.k, kv.v, kv.k_scale, kv.v_scale, kv.fmt.code, slots, k_new, v_new, seen
     )
+    return (k, v) if seen else None
 
 
 def prefill_attention(q, k, v, scale: float):

@@ -38,21 +38,49 @@ inline bool kv_code_known(int64_t code) { return (code >= kF32 && code <= kFP8) 
 inline bool kv_scaled(int64_t code) { return code == kI8 || code == kFP8 || code == kI16; }
 inline int64_t kv_elem_size(int64_t code) { return code == kF32 ? 4 : (code == kBF16 || code == kI16) ? 2 : 1; }
 
+// int16 rows, 8 lanes at a time (d a multiple of 8): the same IEEE operations as the scalar loop
+// below for finite x (|x| maxima in any order, x / s, round half to even, the clamp), so the same
+// bytes. seen may be null (the caller reads the pool instead).
+inline void store_row_i16(const float* x, int64_t d, int16_t* o, float* scale, float* seen) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 vmax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) vmax = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), vmax);
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float s = std::max(_mm_cvtss_f32(m4) / 4095.f, FLT_MIN);
+  *scale = s;
+  const __m256 vs = _mm256_set1_ps(s), hi = _mm256_set1_ps(4095.f), lo = _mm256_set1_ps(-4095.f);
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 r = _mm256_min_ps(
+        _mm256_max_ps(_mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo),
+        hi);
+    const __m256i q = _mm256_cvtps_epi32(r);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i),
+                     _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packs_epi32(q, q), 0xD8)));
+    if (seen) _mm256_storeu_ps(seen + i, _mm256_mul_ps(_mm256_cvtepi32_ps(q), vs));
+  }
+}
+
 // One row: x [d] float32 -> dst (storage), *scale (scaled codes), seen [d] (what is stored, as
-// float32). Mirrors KVFormat.quantize/dequantize op for op (float32 division, round half to
-// even, clamp), so both paths store the same bytes.
+// float32; may be null). Mirrors KVFormat.quantize/dequantize op for op (float32 division, round
+// half to even, clamp), so both paths store the same bytes.
 inline void store_row(int64_t code, const float* x, int64_t d, void* dst, float* scale, float* seen) {
   if (code == kF32) {
     std::memcpy(dst, x, d * sizeof(float));
-    if (seen != x) std::memcpy(seen, x, d * sizeof(float));
+    if (seen && seen != x) std::memcpy(seen, x, d * sizeof(float));
     return;
   }
   if (code == kBF16) {
     auto* o = static_cast<c10::BFloat16*>(dst);
     for (int64_t i = 0; i < d; ++i) {
       o[i] = c10::BFloat16(x[i]);
-      seen[i] = static_cast<float>(o[i]);
+      if (seen) seen[i] = static_cast<float>(o[i]);
     }
+    return;
+  }
+  if (code == kI16 && d % 8 == 0) {
+    store_row_i16(x, d, static_cast<int16_t*>(dst), scale, seen);
     return;
   }
   float amax = 0.f;
@@ -65,20 +93,20 @@ inline void store_row(int64_t code, const float* x, int64_t d, void* dst, float*
     for (int64_t i = 0; i < d; ++i) {
       const float r = std::min(std::max(std::nearbyint(x[i] / s), -4095.f), 4095.f);
       o[i] = static_cast<int16_t>(r);
-      seen[i] = static_cast<float>(o[i]) * s;
+      if (seen) seen[i] = static_cast<float>(o[i]) * s;
     }
   } else if (code == kI8) {
     auto* o = static_cast<int8_t*>(dst);
     for (int64_t i = 0; i < d; ++i) {
       const float r = std::min(std::max(std::nearbyint(x[i] / s), -127.f), 127.f);
       o[i] = static_cast<int8_t>(r);
-      seen[i] = static_cast<float>(o[i]) * s;
+      if (seen) seen[i] = static_cast<float>(o[i]) * s;
     }
   } else {
     auto* o = static_cast<c10::Float8_e4m3fn*>(dst);
     for (int64_t i = 0; i < d; ++i) {
       o[i] = c10::Float8_e4m3fn(x[i] / s);
-      seen[i] = static_cast<float>(o[i]) * s;
+      if (seen) seen[i] = static_cast<float>(o[i]) * s;
     }
   }
 }
@@ -95,10 +123,13 @@ inline void store_token(int64_t code, const float* x, int64_t d, uint8_t* plane,
   store_row(code, x, d, row, scale, seen);
   auto* unit = reinterpret_cast<int16_t*>(plane) + (slot - slot % kUnit) * d;
   const int64_t off = slot % kUnit;
-  if (is_v) {
+  if (is_v) {  // int16 by int16: the other slot of each pair may be another thread's token
     for (int64_t e = 0; e < d; ++e) unit[unit_v_index(off, e, d)] = row[e];
-  } else {
-    for (int64_t e = 0; e < d; ++e) unit[unit_k_index(off, e)] = row[e];
+  } else {  // dimension pairs (2p, 2p + 1) whole, as one int32 each (unit_k_index)
+    auto* unit32 = reinterpret_cast<int32_t*>(unit);
+    int32_t pairs[128];
+    std::memcpy(pairs, row, d * sizeof(int16_t));
+    for (int64_t p = 0; p < d / 2; ++p) unit32[p * kUnit + off] = pairs[p];
   }
 }
 

@@ -14,11 +14,12 @@
 namespace {
 
 // k_new, v_new [T, KVH, D] float32 -> cache [KVH, N, D] at slots [T]; scales [KVH, N].
+// want_seen false: returns two empty tensors (callers that attend from the pool in place).
 std::tuple<at::Tensor, at::Tensor> kv_store(const at::Tensor& k_cache, const at::Tensor& v_cache,
                                             const c10::optional<at::Tensor>& k_scale,
                                             const c10::optional<at::Tensor>& v_scale, int64_t code,
                                             const at::Tensor& slots, const at::Tensor& k_new,
-                                            const at::Tensor& v_new) {
+                                            const at::Tensor& v_new, bool want_seen) {
   TORCH_CHECK(prefixcache::kv_code_known(code), "unknown kv code");
   const bool scaled = prefixcache::kv_scaled(code);
   TORCH_CHECK(k_new.dim() == 3 && k_new.scalar_type() == at::kFloat && v_new.sizes() == k_new.sizes() &&
@@ -39,7 +40,8 @@ std::tuple<at::Tensor, at::Tensor> kv_store(const at::Tensor& k_cache, const at:
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < t; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < n, "slot out of range");
   const at::Tensor kc = k_new.contiguous(), vc = v_new.contiguous();
-  at::Tensor k_seen = at::empty_like(kc), v_seen = at::empty_like(vc);
+  at::Tensor k_seen = want_seen ? at::empty_like(kc) : at::empty({0}, kc.options());
+  at::Tensor v_seen = want_seen ? at::empty_like(vc) : at::empty({0}, vc.options());
   const int64_t es = prefixcache::kv_elem_size(code);
   auto* kd = static_cast<uint8_t*>(k_cache.data_ptr());
   auto* vd = static_cast<uint8_t*>(v_cache.data_ptr());
@@ -47,16 +49,16 @@ std::tuple<at::Tensor, at::Tensor> kv_store(const at::Tensor& k_cache, const at:
   float* vsc = scaled ? v_scale->data_ptr<float>() : nullptr;
   const float* kx = kc.data_ptr<float>();
   const float* vx = vc.data_ptr<float>();
-  float* ko = k_seen.data_ptr<float>();
-  float* vo = v_seen.data_ptr<float>();
+  float* ko = want_seen ? k_seen.data_ptr<float>() : nullptr;
+  float* vo = want_seen ? v_seen.data_ptr<float>() : nullptr;
   prefixcache::parallel_chunks(t * kvh, 64, [&](int64_t b0, int64_t b1) {
     float unused;
     for (int64_t i = b0; i < b1; ++i) {
       const int64_t tok = i / kvh, h = i % kvh, at_ = h * n + sp[tok];
       prefixcache::store_token(code, kx + i * d, d, kd + h * n * d * es, sp[tok], false, scaled ? ksc + at_ : &unused,
-                               ko + i * d);
+                               ko ? ko + i * d : nullptr);
       prefixcache::store_token(code, vx + i * d, d, vd + h * n * d * es, sp[tok], true, scaled ? vsc + at_ : &unused,
-                               vo + i * d);
+                               vo ? vo + i * d : nullptr);
     }
   });
   return {k_seen, v_seen};
@@ -67,7 +69,7 @@ std::tuple<at::Tensor, at::Tensor> kv_store(const at::Tensor& k_cache, const at:
 TORCH_LIBRARY_FRAGMENT(prefixcache, lib) {
   lib.def(
       "kv_store(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? k_scale, Tensor(d!)? v_scale, "
-      "int code, Tensor slots, Tensor k_new, Tensor v_new) -> (Tensor, Tensor)");
+      "int code, Tensor slots, Tensor k_new, Tensor v_new, bool want_seen=True) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, lib) {

@@ -300,12 +300,13 @@ class LayerKV:
     fmt: KVFormat
     native: bool = False
 
-    def store(self, slots: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor):
+    def store(self, slots: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, seen: bool = True):
         """Write the new tokens' K, V ``[T, kv_heads, head_dim]`` at ``slots``; returns what was
-        stored, as the float32 (or compute-dtype) values every attention read will see."""
+        stored, as the float32 (or compute-dtype) values every attention read will see (None
+        with ``seen=False``: the native store then skips computing them)."""
         if self.native:
-            return kernels.kv_store(self, slots, k_new, v_new)
-        seen = []
+            return kernels.kv_store(self, slots, k_new, v_new, seen)
+        out = []
         d = self.k.shape[-1]
         for cache, scales, x, value in ((self.k, self.k_scale, k_new, False), (self.v, self.v_scale, v_new, True)):
             q, s = self.fmt.quantize(x)
@@ -316,8 +317,8 @@ class LayerKV:
                 _raw(cache).index_copy_(1, slots, _raw(q).transpose(0, 1))
             if s is not None:
                 scales.index_copy_(1, slots, s.transpose(0, 1))
-            seen.append(x if q.dtype == x.dtype else self.fmt.dequantize(q, s).to(x.dtype))
-        return seen[0], seen[1]
+            out.append(x if q.dtype == x.dtype else self.fmt.dequantize(q, s).to(x.dtype))
+        return (out[0], out[1]) if seen else None
 
     def gather(self, slots: torch.Tensor, dtype: torch.dtype):
         """K, V of ``slots`` as ``[kv_heads, n, head_dim]`` in ``dtype`` (dequantized)."""

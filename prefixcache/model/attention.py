@@ -147,9 +147,10 @@ def paged_attention(
     window: int = 0,  # > 0: a sliding window, a query at p sees keys (p - window, p]
 ) -> torch.Tensor:  # [T, H, D]
     # Stored first, in the KV format; attention sees the stored values, new tokens included.
-    k_seen, v_seen = kv.store(meta.slot_mapping, k_new, v_new)
-    if meta.paged is not None:
+    if meta.paged is not None:  # read from the pool in place: the stored values are not needed
+        kv.store(meta.slot_mapping, k_new, v_new, seen=False)
         return kernels.paged_attention(q.contiguous(), kv, meta.paged, scale, isa, window)
+    k_seen, v_seen = kv.store(meta.slot_mapping, k_new, v_new)
     if window and meta.decode is not None:
         raise ValueError("sliding-window layers need build_metadata(windowed=True)")
     if kv.fmt.unit:  # its numbers come from the integer kernel only: never a float stand-in

@@ -158,7 +158,7 @@ class ModelRunner:
             # [kv_heads, n, D] -> [n, kv_heads, D], in the compute dtype the pool's store takes
             kt = rerotate(k[i], shift, self.model.rotary_of(i)).transpose(0, 1).to(self.dtype).contiguous()
             vt = v[i].transpose(0, 1).to(self.dtype).contiguous()
-            self.kv.layer(i, native).store(slots, kt, vt)
+            self.kv.layer(i, native).store(slots, kt, vt, seen=False)
 
     @torch.inference_mode()
     def copy_kv(self, copies) -> None:

@@ -183,6 +183,14 @@ def test_pool_layout_in_units_of_16():
     k_new, v_new = torch.randn(7, KVH, d, generator=gen), torch.randn(7, KVH, d, generator=gen)
     assert all(torch.equal(a, b) for a, b in zip(ref.store(slots, k_new, v_new), nat.store(slots, k_new, v_new)))
     assert torch.equal(ref.k, nat.k) and torch.equal(ref.v, nat.v) and torch.equal(ref.k_scale, nat.k_scale)
+    # without the stored values returned (callers that read the pool): the same bytes; and ties
+    # (x / s exactly half-way, s = 1 where the row's largest is 4095) round to even on both
+    ties = torch.tensor([4095.0, 2.5, -3.5, 0.5, -0.5, 1.5, 4094.5, -4095.0] * (d // 8))
+    k_new[1], v_new[4] = ties.expand(KVH, d), -ties.expand(KVH, d)
+    seen = ref.store(slots, k_new, v_new)
+    assert nat.store(slots, k_new, v_new, seen=False) is None and ref.store(slots, k_new, v_new, seen=False) is None
+    assert torch.equal(ref.k, nat.k) and torch.equal(ref.v, nat.v) and torch.equal(ref.v_scale, nat.v_scale)
+    assert seen[0][1, 0, :8].tolist() == [4095.0, 2.0, -4.0, 0.0, -0.0, 2.0, 4094.0, -4095.0]
     # K of slot 17, dimensions 4 and 5: int32 pair 2 of unit 1, lane 1
     q17 = torch.round(k_new[2, 0] / ref.k_scale[0, 17]).to(torch.int16)
     unit = ref.k[0, 16:32].flatten()
