@@ -173,7 +173,6 @@ at::Tensor decode_forward(const at::Tensor& x_in, const at::Tensor& cos, const a
 
   prefixcache::run_team(threads, [&](const int t, const int nt, prefixcache::SpinBarrier* barrier) {
     prefixcache::Scratch scratch;
-    std::vector<float> seen(static_cast<size_t>(d));
     float unused_scale;
     const auto [r0, r1] = prefixcache::share(b, t, nt);
     for (int64_t l = 0; l < layers; ++l) {
@@ -206,9 +205,9 @@ at::Tensor decode_forward(const at::Tensor& x_in, const at::Tensor& cos, const a
         for (int64_t kh = 0; kh < kvh; ++kh) {
           const int64_t at_ = kh * n_slots + slot[r];
           prefixcache::store_row(kv_code, row + (h + kh) * d, d, kl + at_ * d * es,
-                                 scaled ? ksl + at_ : &unused_scale, seen.data());
+                                 scaled ? ksl + at_ : &unused_scale, nullptr);
           prefixcache::store_row(kv_code, row + (h + kvh + kh) * d, d, vl + at_ * d * es,
-                                 scaled ? vsl + at_ : &unused_scale, seen.data());
+                                 scaled ? vsl + at_ : &unused_scale, nullptr);
         }
         std::memcpy(qp + r * h * d, row, h * d * sizeof(float));
       }

@@ -326,7 +326,7 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
   };
 
   prefixcache::run_team(threads, [&](const int t, const int nt, prefixcache::SpinBarrier* barrier) {
-    std::vector<float> kt, vbuf, seen(static_cast<size_t>(d));
+    std::vector<float> kt, vbuf;
     std::unique_ptr<prefixcache::exact::IntScratch> z(integer ? new prefixcache::exact::IntScratch : nullptr);
     // a decode group's rows (queries, outputs, keys, contexts), reused by every item of the step
     std::vector<const float*> gq;
@@ -376,9 +376,9 @@ at::Tensor exact_decode(const at::Tensor& x_in, const at::Tensor& cos, const at:
         for (int64_t kh = 0; kh < kvh; ++kh) {
           const int64_t at_ = kh * S.n_slots + S.slot[r];
           prefixcache::store_token(kv_code, row + (h + kh) * d, d, kl + kh * S.n_slots * d * es, S.slot[r], false,
-                                   scaled ? ksl + at_ : &unused_scale, seen.data());
+                                   scaled ? ksl + at_ : &unused_scale, nullptr);
           prefixcache::store_token(kv_code, row + (h + kvh + kh) * d, d, vl + kh * S.n_slots * d * es, S.slot[r],
-                                   true, scaled ? vsl + at_ : &unused_scale, seen.data());
+                                   true, scaled ? vsl + at_ : &unused_scale, nullptr);
         }
         std::memcpy(qp + r * h * d, row, h * d * sizeof(float));
       }

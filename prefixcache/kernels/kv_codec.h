@@ -24,6 +24,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec.h"
+
 namespace prefixcache {
 
 enum KVCode : int64_t { kF32 = 0, kBF16 = 1, kI8 = 2, kFP8 = 3, kI16 = 5 };
@@ -45,10 +47,7 @@ inline void store_row_i16(const float* x, int64_t d, int16_t* o, float* scale, f
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 vmax = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; i += 8) vmax = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), vmax);
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const float s = std::max(_mm_cvtss_f32(m4) / 4095.f, FLT_MIN);
+  const float s = std::max(hmax(vmax) / 4095.f, FLT_MIN);
   *scale = s;
   const __m256 vs = _mm256_set1_ps(s), hi = _mm256_set1_ps(4095.f), lo = _mm256_set1_ps(-4095.f);
   for (int64_t i = 0; i < d; i += 8) {

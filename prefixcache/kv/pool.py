@@ -317,7 +317,8 @@ class LayerKV:
                 _raw(cache).index_copy_(1, slots, _raw(q).transpose(0, 1))
             if s is not None:
                 scales.index_copy_(1, slots, s.transpose(0, 1))
-            out.append(x if q.dtype == x.dtype else self.fmt.dequantize(q, s).to(x.dtype))
+            if seen:
+                out.append(x if q.dtype == x.dtype else self.fmt.dequantize(q, s).to(x.dtype))
         return (out[0], out[1]) if seen else None
 
     def gather(self, slots: torch.Tensor, dtype: torch.dtype):
